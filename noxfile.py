@@ -73,10 +73,11 @@ def _smoke_bench(session: nox.Session, package: str, env: dict[str, str]) -> Non
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and format check over the whole tree."""
-    session.install("ruff")
+    """ruff check and format check over the whole tree, and the tests of tools/."""
+    session.install("ruff", "pytest")
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tools"))
 
 
 # "mhc-proj-cpu-only" builds mhc-proj with its CUDA switch off: the CPU module alone must
