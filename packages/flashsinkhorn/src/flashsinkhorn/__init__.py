@@ -9,7 +9,24 @@ Public API (see docs/flashsinkhorn.md):
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from flashsinkhorn import kernels
+from flashsinkhorn.kernels import plan_apply, softmin
+from flashsinkhorn.samples_loss import SamplesLoss, samples_loss_ref, sinkhorn_divergence
+from flashsinkhorn.solver import SinkhornResult, cost_matrix_ref, sinkhorn_ref, solve
+
+__all__ = [
+    "__version__",
+    "kernels",
+    "softmin",
+    "plan_apply",
+    "solve",
+    "SinkhornResult",
+    "sinkhorn_ref",
+    "cost_matrix_ref",
+    "SamplesLoss",
+    "sinkhorn_divergence",
+    "samples_loss_ref",
+]
 
 try:  # the second-order subpackage (issue #6) is optional until it lands
     from flashsinkhorn.second_order import *  # noqa: F403

@@ -1,0 +1,540 @@
+"""Streaming Sinkhorn primitives: the fused row-LogSumExp update and the plan application.
+
+Everything in flashsinkhorn is built from ONE streaming primitive. For a batch of point
+clouds ``X (B, N, D)``, ``Y (B, M, D)`` and a cost of the form
+
+    C_ij = cx_i + cy_j - c2 * <X_i, Y_j>  [+ w_scale * W[lx_i, ly_j]]
+
+(squared Euclidean: ``cx = s|x|^2, cy = s|y|^2, c2 = 2s``; dot-product / feature-map costs:
+``cx = cy = 0``), :func:`softmin` computes, for every row ``i``,
+
+    lse2_i = log2 sum_j exp2( log2e * [ logb_j + (g_j - cy_j + c2 <X_i, Y_j> - w W)/eps ] )
+    out_i  = damping * (cx_i - eps * ln2 * lse2_i)        (the "softmin" / c-transform)
+
+which is ``damping * (-eps) * LSE_j(logb_j + (g_j - C_ij)/eps)``: the Sinkhorn update of
+the potential ``f`` from ``g``. With ``V (B, M, DV)`` it also returns the softmax average
+``sum_j pi_ij V_j`` with ``pi_ij = softmax_j(logb_j + (g_j - C_ij)/eps)``, from which the plan
+application ``P @ V`` (``P_ij = a_i b_j exp((f_i + g_j - C_ij)/eps)``) and the barycentric map
+follow in O(N) work (:func:`plan_apply`).
+
+The Triton kernel keeps a block of rows of X on chip and streams tiles of Y (row-stationary
+traversal, like FlashAttention's forward): running max and sum per row (online LSE, base 2
+with the 1/eps and log2(e) scales folded into one multiplier of the dot product), never an
+N x M buffer. Backends:
+
+- ``"triton"``: CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before
+  Python started (the CI exercises the kernel that way);
+- ``"torch"``: a blockwise pure-torch path (row blocks against all columns), any device and
+  dtype (float64 included), same math;
+- ``"auto"``: triton on CUDA, torch otherwise.
+
+Precision of the dot product (triton backend): ``"tf32"`` (default), ``"ieee"`` (full fp32),
+``"tf32x3"``, or ``"bf16"`` (operands stored and multiplied in bfloat16, fp32 accumulation).
+Everything else is fp32 inside the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:  # triton is an optional runtime dependency off Linux
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+__all__ = [
+    "softmin",
+    "plan_apply",
+    "softmin_ref",
+    "plan_apply_ref",
+    "resolve_backend",
+    "PRECISIONS",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+PRECISIONS = ("tf32", "ieee", "tf32x3", "bf16")
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``"auto" | "triton" | "torch"`` to the backend used for tensors on ``device``."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+    if backend == "auto":
+        return "triton" if (device.type == "cuda" and HAS_TRITON) else "torch"
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("backend='triton' needs the triton package")
+        if device.type != "cuda" and not _interpret():
+            raise RuntimeError(
+                "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before Python "
+                "starts; use backend='torch' or 'auto' instead"
+            )
+    return backend
+
+
+# ----------------------------------------------------------------------------------------
+# float64 dense references (the oracle; small problems only: they build the N x M matrix)
+# ----------------------------------------------------------------------------------------
+
+
+def _cost_dense(x, y, cx, cy, c2, labels):
+    C = cx[..., :, None] + cy[..., None, :] - c2 * (x @ y.transpose(-1, -2))
+    if labels is not None:
+        lx, ly, W, w_scale = labels
+        C = C + w_scale * W[lx.long()[..., :, None], ly.long()[..., None, :]]
+    return C
+
+
+def softmin_ref(x, y, g, logb, cx, cy, *, eps, c2, damping=1.0, v=None, labels=None):
+    """Dense float64 reference of :func:`softmin` (same arguments, batched (B, ...) inputs).
+
+    Returns ``(out, lse2, vbar)`` with ``vbar = None`` when ``v`` is None.
+    """
+    d = torch.float64
+    x, y, g, logb, cx, cy = (t.to(d) for t in (x, y, g, logb, cx, cy))
+    lab = None
+    if labels is not None:
+        lx, ly, W, w_scale = labels
+        lab = (lx, ly, W.to(d), w_scale)
+    C = _cost_dense(x, y, cx, cy, c2, lab)
+    S = logb[..., None, :] + (g[..., None, :] - C) / eps  # (B, N, M)
+    lse = torch.logsumexp(S, dim=-1)
+    out = damping * (-eps * lse)
+    lse2 = (lse + cx / eps) / LN2  # kernel convention: cx excluded from the scores
+    vbar = None
+    if v is not None:
+        vbar = torch.softmax(S, dim=-1) @ v.to(d)
+    return out, lse2, vbar
+
+
+def plan_apply_ref(x, y, a, b, f, g, v, *, eps, cost_scale=1.0):
+    """Dense float64 ``P @ V`` for the squared-Euclidean cost ``cost_scale * |x - y|^2``."""
+    d = torch.float64
+    x, y, a, b, f, g, v = (t.to(d) for t in (x, y, a, b, f, g, v))
+    C = cost_scale * torch.cdist(x, y) ** 2
+    P = a[..., :, None] * b[..., None, :] * torch.exp((f[..., :, None] + g[..., None, :] - C) / eps)
+    return P @ v
+
+
+# ----------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    def _configs():
+        if _interpret() or os.environ.get("FLASHSINKHORN_NO_AUTOTUNE", "0") == "1":
+            return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
+        cfgs = []
+        for bm, bn, w, s in [
+            (128, 64, 4, 3),
+            (128, 64, 8, 3),
+            (128, 128, 8, 2),
+            (128, 128, 8, 3),
+            (64, 64, 4, 3),
+            (64, 128, 4, 3),
+            (256, 64, 8, 3),
+            (128, 32, 4, 4),
+        ]:
+            cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+        return cfgs
+
+    def _prune(configs, named_args, **kwargs):
+        # keep register pressure sane for wide softmax averages and big d-chunks
+        dv = named_args.get("DV", 0) if isinstance(named_args, dict) else 0
+        bd = kwargs.get("BLOCK_D", 64)
+        out = []
+        for c in configs:
+            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+            if bd >= 128 and bm * bn > 128 * 64:
+                continue
+            if dv and bm > 128:
+                continue
+            out.append(c)
+        return out or configs[:1]
+
+    @triton.autotune(
+        configs=_configs(),
+        key=["N_KEY", "M_KEY", "D", "DV", "HAS_LABELS", "PREC"],
+        prune_configs_by={"early_config_prune": _prune} if not _interpret() else None,
+    )
+    @triton.jit
+    def _softmin_kernel(
+        X,
+        Y,
+        G,
+        LOGB,
+        CX,
+        CY,
+        OUT,
+        LSE,
+        V,
+        VBAR,
+        LX,
+        LY,
+        W,
+        N,
+        M,
+        D,
+        DV,
+        K2,
+        N_KEY,
+        M_KEY,
+        dot_scale,  # c2 * log2(e) / eps
+        inv_eps2,  # log2(e) / eps
+        eps_ln2,  # eps * ln(2)
+        damping,
+        w_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        HAS_V: tl.constexpr,
+        HAS_LABELS: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        pid_v = tl.program_id(2)
+        pid_b64 = pid_b.to(tl.int64)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < N
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        Xb = X + pid_b64 * N * D
+        Yb = Y + pid_b64 * M * D
+        Gb = G + pid_b64 * M
+        LOGBb = LOGB + pid_b64 * M
+        CYb = CY + pid_b64 * M
+
+        if NUM_D == 1:
+            x0 = tl.load(
+                Xb + rows[:, None] * D + offs_d[None, :],
+                mask=row_mask[:, None] & (offs_d[None, :] < D),
+                other=0.0,
+            )
+        if HAS_LABELS:
+            lx = tl.load(LX + pid_b64 * N + rows, mask=row_mask, other=0)
+        if HAS_V:
+            offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+            acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+            Vb = V + pid_b64 * M * DV
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+        for start in range(0, M, BLOCK_N):
+            cols = start + offs_n
+            col_mask = cols < M
+            # scores in log2 units: bias_j + dot_scale * <x_i, y_j>
+            if NUM_D == 1:
+                y = tl.load(
+                    Yb + cols[:, None] * D + offs_d[None, :],
+                    mask=col_mask[:, None] & (offs_d[None, :] < D),
+                    other=0.0,
+                )
+                s = tl.dot(x0, tl.trans(y), input_precision=PREC)
+            else:
+                s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for kd in range(NUM_D):
+                    dd = kd * BLOCK_D + offs_d
+                    xk = tl.load(
+                        Xb + rows[:, None] * D + dd[None, :],
+                        mask=row_mask[:, None] & (dd[None, :] < D),
+                        other=0.0,
+                    )
+                    yk = tl.load(
+                        Yb + cols[:, None] * D + dd[None, :],
+                        mask=col_mask[:, None] & (dd[None, :] < D),
+                        other=0.0,
+                    )
+                    s = tl.dot(xk, tl.trans(yk), s, input_precision=PREC)
+            gj = tl.load(Gb + cols, mask=col_mask, other=0.0).to(tl.float32)
+            lbj = tl.load(LOGBb + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
+            cyj = tl.load(CYb + cols, mask=col_mask, other=0.0).to(tl.float32)
+            bias = lbj * 1.4426950408889634 + (gj - cyj) * inv_eps2
+            s = s * dot_scale + bias[None, :]
+            if HAS_LABELS:
+                ly = tl.load(LY + pid_b64 * M + cols, mask=col_mask, other=0)
+                wv = tl.load(
+                    W + lx[:, None] * K2 + ly[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )
+                s = s - (w_scale * inv_eps2) * wv
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if HAS_V:
+                vj = tl.load(
+                    Vb + cols[:, None] * DV + offs_v[None, :],
+                    mask=col_mask[:, None] & (offs_v[None, :] < DV),
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(vj.dtype), vj, acc, input_precision=PREC)
+            m_i = m_new
+
+        lse2 = m_i + tl.log2(l_i)
+        if pid_v == 0:
+            cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+            out = damping * (cx - eps_ln2 * lse2)
+            tl.store(OUT + pid_b64 * N + rows, out, mask=row_mask)
+            if HAS_LSE:
+                tl.store(LSE + pid_b64 * N + rows, lse2, mask=row_mask)
+        if HAS_V:
+            vbar = acc / l_i[:, None]
+            tl.store(
+                VBAR + pid_b64 * N * DV + rows[:, None] * DV + offs_v[None, :],
+                vbar,
+                mask=row_mask[:, None] & (offs_v[None, :] < DV),
+            )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _bucket(n: int) -> int:
+    return min(_next_pow2(n), 1 << 20)
+
+
+def _softmin_triton(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse):
+    B, N, D = x.shape
+    M = y.shape[1]
+    dev = x.device
+    f32 = torch.float32
+    if precision == "bf16":
+        x = x.to(torch.bfloat16).contiguous()
+        y = y.to(torch.bfloat16).contiguous()
+        prec = "tf32"
+    else:
+        x = x.to(f32).contiguous()
+        y = y.to(f32).contiguous()
+        prec = precision
+    g, logb, cx, cy = (t.to(f32).contiguous() for t in (g, logb, cx, cy))
+    out = torch.empty((B, N), device=dev, dtype=f32)
+    lse = torch.empty((B, N), device=dev, dtype=f32) if want_lse else out
+    BLOCK_D = max(16, min(_next_pow2(D), 128 if D <= 128 else 64))
+    NUM_D = triton.cdiv(D, BLOCK_D)
+    if v is not None:
+        DV = v.shape[-1]
+        v = v.to(x.dtype if precision == "bf16" else f32).contiguous()
+        BLOCK_DV = max(16, min(_next_pow2(DV), 64))
+        n_v = triton.cdiv(DV, BLOCK_DV)
+        vbar = torch.empty((B, N, DV), device=dev, dtype=f32)
+    else:
+        DV, BLOCK_DV, n_v = 0, 16, 1
+        v = vbar = out
+    if labels is not None:
+        lx, ly, W, w_scale = labels
+        lx = lx.to(torch.int32).contiguous()
+        ly = ly.to(torch.int32).contiguous()
+        W = W.to(f32).contiguous()
+        K2 = W.shape[1]
+    else:
+        lx = ly = W = out
+        K2, w_scale = 1, 0.0
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
+    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+        _softmin_kernel[grid](
+            x,
+            y,
+            g,
+            logb,
+            cx,
+            cy,
+            out,
+            lse,
+            v,
+            vbar,
+            lx,
+            ly,
+            W,
+            N,
+            M,
+            D,
+            DV,
+            K2,
+            _bucket(N),
+            _bucket(M),
+            float(c2 * LOG2E / eps),
+            float(LOG2E / eps),
+            float(eps * LN2),
+            float(damping),
+            float(w_scale),
+            BLOCK_D=BLOCK_D,
+            NUM_D=NUM_D,
+            BLOCK_DV=BLOCK_DV,
+            HAS_V=DV > 0,
+            HAS_LABELS=labels is not None,
+            HAS_LSE=want_lse,
+            PREC=prec,
+        )
+    return out, (lse if want_lse else None), (vbar if DV > 0 else None)
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------------------
+# blockwise torch path (any device, any float dtype)
+# ----------------------------------------------------------------------------------------
+
+
+def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse):
+    B, N, D = x.shape
+    M = y.shape[1]
+    dt = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    x, y, g, logb, cx, cy = (t.to(dt) for t in (x, y, g, logb, cx, cy))
+    bias = logb + (g - cy) / eps  # (B, M)
+    yt = y.transpose(1, 2)
+    out = torch.empty((B, N), dtype=dt, device=x.device)
+    lse2 = torch.empty((B, N), dtype=dt, device=x.device) if want_lse else None
+    vbar = None
+    if v is not None:
+        v = v.to(dt)
+        vbar = torch.empty((B, N, v.shape[-1]), dtype=dt, device=x.device)
+    rows = max(1, min(N, (1 << 22) // max(1, M)))  # at most ~4M scores per block
+    for i0 in range(0, N, rows):
+        i1 = min(N, i0 + rows)
+        S = (c2 / eps) * torch.bmm(x[:, i0:i1], yt) + bias[:, None, :]
+        if labels is not None:
+            lx, ly, W, w_scale = labels
+            Wt = W.to(dt)[lx[:, i0:i1].long()[:, :, None], ly.long()[:, None, :]]
+            S = S - (w_scale / eps) * Wt
+        lse = torch.logsumexp(S, dim=-1)
+        out[:, i0:i1] = damping * (cx[:, i0:i1] - eps * lse)
+        if want_lse:
+            lse2[:, i0:i1] = lse / LN2
+        if v is not None:
+            vbar[:, i0:i1] = torch.bmm(torch.softmax(S, dim=-1), v)
+    return out, lse2, vbar
+
+
+# ----------------------------------------------------------------------------------------
+# public launchers
+# ----------------------------------------------------------------------------------------
+
+
+def softmin(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    g: torch.Tensor,
+    logb: torch.Tensor,
+    cx: torch.Tensor,
+    cy: torch.Tensor,
+    *,
+    eps: float,
+    c2: float,
+    damping: float = 1.0,
+    v: torch.Tensor | None = None,
+    labels: tuple | None = None,
+    precision: str = "tf32",
+    backend: str = "auto",
+    want_lse: bool = False,
+):
+    """Streaming c-transform (fused row-LSE update) for batched clouds.
+
+    Args:
+        x: (B, N, D) row points (features). y: (B, M, D) column points.
+        g: (B, M) column potential. logb: (B, M) log column weights (-inf allowed).
+        cx: (B, N), cy: (B, M) additive cost terms (``s|x|^2``, ``s|y|^2`` for sqeuclidean).
+        eps: temperature (> 0). c2: multiplier of the dot product in the cost.
+        damping: unbalanced factor ``1 / (1 + eps/rho)`` (1 for balanced).
+        v: optional (B, M, DV): also return ``vbar_i = sum_j pi_ij v_j`` (row softmax).
+        labels: optional ``(lx (B, N) int, ly (B, M) int, W (K1, K2), w_scale)`` adding
+            ``w_scale * W[lx_i, ly_j]`` to the cost (OTDD's label cost), gathered in-kernel.
+        precision: dot precision for the triton backend: "tf32", "ieee", "tf32x3", "bf16".
+        backend: "auto", "triton" or "torch".
+        want_lse: also return ``lse2`` (B, N): ``log2 sum_j exp2(score_ij)`` with the scores
+            excluding ``cx`` (so ``out = damping * (cx - eps * ln2 * lse2)``).
+
+    Returns:
+        ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    be = resolve_backend(backend, x.device)
+    if be == "triton":
+        return _softmin_triton(
+            x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse
+        )
+    return _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse)
+
+
+def plan_apply(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    f: torch.Tensor,
+    g: torch.Tensor,
+    v: torch.Tensor,
+    cx: torch.Tensor,
+    cy: torch.Tensor,
+    *,
+    eps: float,
+    c2: float,
+    labels: tuple | None = None,
+    normalize: bool = False,
+    precision: str = "tf32",
+    backend: str = "auto",
+):
+    """Streaming ``P @ V`` with ``P_ij = a_i b_j exp((f_i + g_j - C_ij)/eps)``, batched.
+
+    Shapes: x (B, N, D), y (B, M, D), a, f, cx (B, N), b, g, cy (B, M), v (B, M, K).
+    With ``normalize=True`` returns the row-normalized average ``(P V)_i / (P 1)_i``
+    (the barycentric map when ``v = y``). Never materializes P. Returns ``(out (B, N, K),
+    row_sums (B, N))`` where ``row_sums = P @ 1``.
+    """
+    logb = torch.log(b)
+    _, lse2, vbar = softmin(
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps=eps,
+        c2=c2,
+        v=v,
+        labels=labels,
+        precision=precision,
+        backend=backend,
+        want_lse=True,
+    )
+    dt = vbar.dtype
+    # log row sum = log a_i + (f_i - cx_i)/eps + ln2 * lse2_i
+    log_rows = torch.log(a.to(dt)) + (f.to(dt) - cx.to(dt)) / eps + LN2 * lse2.to(dt)
+    rows = torch.exp(log_rows)
+    if normalize:
+        return vbar, rows
+    return vbar * rows[..., None], rows
+
+
+def _check_finite_scalar(name: str, val: float) -> None:
+    if not math.isfinite(val) or val <= 0:
+        raise ValueError(f"{name} must be a finite positive number; got {val}")

@@ -1,0 +1,667 @@
+"""``solve()``: streaming entropic OT between weighted point clouds, and its result object.
+
+Conventions (the same as POT and OTT-JAX):
+
+- cost ``C_ij``: ``cost="sqeuclidean"`` is ``C = |x - y|^2`` (no 1/2; SamplesLoss(p=2) uses
+  ``|x - y|^2 / 2`` as GeomLoss does, by passing ``cost_scale=0.5``); ``"cosine"`` is
+  ``1 - cos(x, y)``; ``"dot"`` is ``-<x, y>`` (any cost that is a dot product of feature
+  maps: apply the feature maps to x and y yourself). Every cost is multiplied by
+  ``cost_scale``. An optional label term ``label_cost=(lx, ly, W)`` adds ``W[lx_i, ly_j]``.
+- plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``; ``f`` (B, N), ``g`` (B, M).
+- balanced problem: ``min_P <P, C> + eps KL(P | a x b)`` with marginals ``a``, ``b``;
+  ``value = <a, f> + <b, g>`` (the dual value, equal to the primal at convergence).
+- unbalanced (``reach=rho`` or ``(rho_x, rho_y)``, the KL marginal penalty, same units as
+  the cost, POT's ``unbalanced``): the updates are damped by
+  ``kappa = 1 / (1 + eps / rho)`` and ``value`` is the dual
+  ``rho_x <a, 1 - e^{-f/rho_x}> + rho_y <b, 1 - e^{-g/rho_y}> - eps (<P, 1> - <a,1><b,1>)``.
+
+Gradients of ``value`` with respect to x, y (through the cost, envelope theorem:
+``dvalue/dx_i = sum_j P_ij d_x C(x_i, y_j)``) and the weights (``dvalue/da_i = f_i`` in
+the balanced case) are computed by streaming kernels in the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from flashsinkhorn.kernels import LN2, PRECISIONS, resolve_backend, softmin
+
+__all__ = ["solve", "SinkhornResult", "sinkhorn_ref", "prepare_inputs", "Problem"]
+
+COSTS = ("sqeuclidean", "cosine", "dot")
+
+
+# ----------------------------------------------------------------------------------------
+# input validation
+# ----------------------------------------------------------------------------------------
+
+
+def _as_weights(w, name, B, n, like):
+    if w is None:
+        return torch.full((B, n), 1.0 / max(n, 1), dtype=like.dtype, device=like.device)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(w).__name__}")
+    if w.device != like.device:
+        raise ValueError(f"{name} is on {w.device} but the points are on {like.device}")
+    if w.dtype != like.dtype:
+        raise ValueError(f"{name} has dtype {w.dtype} but the points have dtype {like.dtype}")
+    if w.dim() == 1:
+        w = w.unsqueeze(0).expand(B, -1) if B > 1 else w.unsqueeze(0)
+    if w.shape != (B, n):
+        raise ValueError(f"{name} must have shape ({n},) or ({B}, {n}); got {tuple(w.shape)}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{name} contains non-finite values")
+    if bool((w < 0).any()):
+        raise ValueError(f"{name} must be nonnegative")
+    return w
+
+
+def prepare_inputs(x, y, a=None, b=None):
+    """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``."""
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() not in (2, 3):
+            raise ValueError(f"{name} must be (N, D) or (B, N, D); got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor; got {t.dtype}")
+    if x.dim() != y.dim():
+        raise ValueError(f"x and y must both be 2D or both 3D; got {x.dim()}D and {y.dim()}D")
+    if x.device != y.device:
+        raise ValueError(f"x is on {x.device} but y is on {y.device}")
+    if x.dtype != y.dtype:
+        raise ValueError(f"x has dtype {x.dtype} but y has dtype {y.dtype}")
+    batched = x.dim() == 3
+    if not batched:
+        x, y = x.unsqueeze(0), y.unsqueeze(0)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"batch sizes differ: x {x.shape[0]}, y {y.shape[0]}")
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(
+            f"x and y must have the same dimension D; got {x.shape[-1]} and {y.shape[-1]}"
+        )
+    if x.shape[1] == 0 or y.shape[1] == 0:
+        raise ValueError(f"empty point cloud: x has {x.shape[1]} points, y has {y.shape[1]}")
+    if x.shape[-1] == 0:
+        raise ValueError("points must have dimension D >= 1")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains non-finite values")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("y contains non-finite values")
+    B, N, M = x.shape[0], x.shape[1], y.shape[1]
+    if a is not None and a.dim() == 2 and not batched:
+        raise ValueError(f"a must be ({N},) for unbatched x; got {tuple(a.shape)}")
+    if b is not None and b.dim() == 2 and not batched:
+        raise ValueError(f"b must be ({M},) for unbatched y; got {tuple(b.shape)}")
+    a = _as_weights(a, "a", B, N, x)
+    b = _as_weights(b, "b", B, M, x)
+    return x, y, a, b, batched
+
+
+def _check_eps(eps):
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise ValueError(f"eps must be a positive number; got {eps!r}") from None
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite positive number; got {eps}")
+    return eps
+
+
+def _rhos(reach):
+    if reach is None:
+        return None, None
+    if isinstance(reach, (tuple, list)):
+        if len(reach) != 2:
+            raise ValueError(f"reach must be a number or a pair (rho_x, rho_y); got {reach!r}")
+        rx, ry = reach
+    else:
+        rx = ry = reach
+    out = []
+    for r in (rx, ry):
+        if r is None:
+            out.append(None)
+            continue
+        r = float(r)
+        if not (r > 0):
+            raise ValueError(f"reach must be positive (or None for a balanced side); got {r}")
+        out.append(None if math.isinf(r) else r)
+    return tuple(out)
+
+
+def _damp(eps, rho):
+    return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
+
+
+# ----------------------------------------------------------------------------------------
+# the problem: features, additive cost terms, weights
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    """A batched OT problem in the kernel's form ``C = cx_i + cy_j - c2 <X_i, Y_j> (+ W)``."""
+
+    X: torch.Tensor  # (B, N, D) features (normalized for cosine)
+    Y: torch.Tensor  # (B, M, D)
+    a: torch.Tensor  # (B, N)
+    b: torch.Tensor  # (B, M)
+    cx: torch.Tensor  # (B, N)
+    cy: torch.Tensor  # (B, M)
+    c2: float
+    cost: str
+    cost_scale: float
+    labels: tuple | None = None  # (lx, ly, W, scale)
+    precision: str = "tf32"
+    backend: str = "auto"
+    loga: torch.Tensor = field(init=False)
+    logb: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.loga = torch.log(self.a)
+        self.logb = torch.log(self.b)
+
+    @property
+    def labels_t(self):
+        if self.labels is None:
+            return None
+        lx, ly, W, s = self.labels
+        return (ly, lx, W.t(), s)
+
+    def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False):
+        """f-side update: ``damping * softmin_j`` over the columns (rows = x)."""
+        return softmin(
+            self.X,
+            self.Y,
+            g,
+            self.logb,
+            self.cx,
+            self.cy,
+            eps=eps,
+            c2=self.c2,
+            damping=damping,
+            v=v,
+            labels=self.labels,
+            precision=self.precision,
+            backend=self.backend,
+            want_lse=want_lse,
+        )
+
+    def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False):
+        """g-side update (rows = y)."""
+        return softmin(
+            self.Y,
+            self.X,
+            f,
+            self.loga,
+            self.cy,
+            self.cx,
+            eps=eps,
+            c2=self.c2,
+            damping=damping,
+            v=v,
+            labels=self.labels_t,
+            precision=self.precision,
+            backend=self.backend,
+            want_lse=want_lse,
+        )
+
+
+def cost_features(x, y, cost, cost_scale):
+    """Return ``(X, Y, cx, cy, c2)`` so that ``C = cost_scale * cost(x, y)`` in kernel form.
+
+    Differentiable torch ops (the cosine normalization is part of the autograd graph).
+    """
+    s = float(cost_scale)
+    if cost == "sqeuclidean":
+        return x, y, s * (x * x).sum(-1), s * (y * y).sum(-1), 2.0 * s
+    if cost == "cosine":
+        X = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        Y = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        # 1 - <X, Y> = |X - Y|^2 / 2 on the sphere: sqeuclidean with scale s/2
+        return X, Y, 0.5 * s * (X * X).sum(-1), 0.5 * s * (Y * Y).sum(-1), s
+    if cost == "dot":
+        z = x.new_zeros(x.shape[:-1])
+        return x, y, z, y.new_zeros(y.shape[:-1]), s
+    raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
+
+
+def _label_tuple(label_cost, B, N, M, device, label_scale=1.0):
+    if label_cost is None:
+        return None
+    try:
+        lx, ly, W = label_cost
+    except (TypeError, ValueError):
+        raise ValueError("label_cost must be a tuple (labels_x, labels_y, W)") from None
+    if W.dim() != 2:
+        raise ValueError(f"label_cost W must be (K1, K2); got {tuple(W.shape)}")
+    out = []
+    for name, l, n, K in (("labels_x", lx, N, W.shape[0]), ("labels_y", ly, M, W.shape[1])):
+        if l.dim() == 1:
+            l = l.unsqueeze(0).expand(B, -1)
+        if l.shape != (B, n):
+            raise ValueError(f"{name} must be ({n},) or ({B}, {n}); got {tuple(l.shape)}")
+        if l.dtype.is_floating_point:
+            raise ValueError(f"{name} must be an integer tensor; got {l.dtype}")
+        if l.numel() and (int(l.min()) < 0 or int(l.max()) >= K):
+            raise ValueError(f"{name} must lie in [0, {K}); W is {tuple(W.shape)}")
+        out.append(l.to(device))
+    return (out[0], out[1], W.to(device), float(label_scale))
+
+
+# ----------------------------------------------------------------------------------------
+# float64 dense reference
+# ----------------------------------------------------------------------------------------
+
+
+def cost_matrix_ref(x, y, cost="sqeuclidean", cost_scale=1.0, label_cost=None):
+    """Dense float64 cost matrix (B, N, M) (or (N, M)), the oracle for tests."""
+    x, y = x.double(), y.double()
+    if cost == "sqeuclidean":
+        C = ((x[..., :, None, :] - y[..., None, :, :]) ** 2).sum(-1)
+    elif cost == "cosine":
+        xn = x / x.norm(dim=-1, keepdim=True)
+        yn = y / y.norm(dim=-1, keepdim=True)
+        C = 1.0 - xn @ yn.transpose(-1, -2)
+    elif cost == "dot":
+        C = -(x @ y.transpose(-1, -2))
+    else:
+        raise ValueError(cost)
+    C = cost_scale * C
+    if label_cost is not None:
+        lx, ly, W = label_cost
+        C = C + W.double()[lx.long()[..., :, None], ly.long()[..., None, :]]
+    return C
+
+
+def sinkhorn_ref(C, a, b, eps, reach=None, n_iter=2000):
+    """Dense float64 log-domain Sinkhorn (alternating). ``C`` (N, M); returns ``(f, g, value)``.
+
+    ``value`` uses the same dual formula as :func:`solve`.
+    """
+    C, a, b = C.double(), a.double(), b.double()
+    rx, ry = _rhos(reach)
+    f = torch.zeros_like(a)
+    g = torch.zeros_like(b)
+    la, lb = a.log(), b.log()
+    for _ in range(n_iter):
+        f = -_damp(eps, rx) * eps * torch.logsumexp(lb[None, :] + (g[None, :] - C) / eps, dim=1)
+        g = -_damp(eps, ry) * eps * torch.logsumexp(la[:, None] + (f[:, None] - C) / eps, dim=0)
+    P = a[:, None] * b[None, :] * torch.exp((f[:, None] + g[None, :] - C) / eps)
+    if rx is None and ry is None:
+        value = (a * f).sum() + (b * g).sum()
+    else:
+        value = _dual_terms(f, a, rx) + _dual_terms(g, b, ry) - eps * (P.sum() - a.sum() * b.sum())
+    return f, g, value
+
+
+def _dual_terms(f, a, rho):
+    if rho is None:
+        return (a * f).sum(-1)
+    return (rho * a * (1.0 - torch.exp(-f / rho))).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------
+# the loop
+# ----------------------------------------------------------------------------------------
+
+
+def _l1_err(w, old, new, eps):
+    # L1 marginal error of the plan with the old potential: sum_i w_i |exp((old-new)/eps) - 1|
+    return (w * torch.expm1((old - new) / eps).abs()).sum(-1)
+
+
+def eps_schedule(diameter2: float, eps: float, scaling: float) -> list[float]:
+    """GeomLoss's eps-scaling list: ``diameter^2``, geometric steps by ``scaling^2``, ``eps``.
+
+    ``diameter2`` and ``eps`` are in cost units (``diameter^p``, ``blur^p`` with p = 2).
+    """
+    import numpy as np
+
+    if not (0 < scaling < 1):
+        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
+    p = 2
+    diameter = math.sqrt(diameter2)
+    blur = math.sqrt(eps)
+    return (
+        [diameter**p]
+        + [
+            float(np.exp(e))
+            for e in np.arange(p * np.log(diameter), p * np.log(blur), p * np.log(scaling))
+        ]
+        + [blur**p]
+    )
+
+
+def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_list):
+    B, N = prob.cx.shape
+    M = prob.cy.shape[1]
+    dt = torch.float64 if prob.X.dtype == torch.float64 else torch.float32
+    f = torch.zeros((B, N), dtype=dt, device=prob.X.device)
+    g = torch.zeros((B, M), dtype=dt, device=prob.X.device)
+    # eps-scaling warm start: one symmetric iteration per stage (GeomLoss)
+    if eps_list:
+        e0 = eps_list[0]
+        g = prob.sm_y(f, e0, _damp(e0, ry))[0]
+        f = prob.sm_x(torch.zeros_like(g), e0, _damp(e0, rx))[0]
+        for e in eps_list:
+            ft = prob.sm_x(g, e, _damp(e, rx))[0]
+            gt = prob.sm_y(f, e, _damp(e, ry))[0]
+            f, g = 0.5 * (f + ft), 0.5 * (g + gt)
+    err = torch.full((B,), float("inf"), device=f.device)
+    n_iter = 0
+    converged = False
+    for it in range(1, max_iter + 1):
+        if schedule == "alternating":
+            fn = prob.sm_x(g, eps, _damp(eps, rx))[0]
+            ea = _l1_err(prob.a, f, fn, eps)
+            gn = prob.sm_y(fn, eps, _damp(eps, ry))[0]
+            eb = _l1_err(prob.b, g, gn, eps)
+            f, g = fn, gn
+        else:  # symmetric (averaged) updates
+            ft = prob.sm_x(g, eps, _damp(eps, rx))[0]
+            gt = prob.sm_y(f, eps, _damp(eps, ry))[0]
+            ea = _l1_err(prob.a, f, ft, eps)
+            eb = _l1_err(prob.b, g, gt, eps)
+            f, g = 0.5 * (f + ft), 0.5 * (g + gt)
+        err = ea + eb
+        n_iter = it
+        if tol is not None and tol > 0 and (it % check_every == 0 or it == max_iter):
+            e_max = float(err.max())  # the only host sync: every check_every iterations
+            if not math.isfinite(e_max):
+                raise FloatingPointError(
+                    "Sinkhorn diverged (non-finite potentials); increase eps or check inputs"
+                )
+            if e_max < tol:
+                converged = True
+                break
+    if not bool(torch.isfinite(f).all() & torch.isfinite(g).all()):
+        raise FloatingPointError("Sinkhorn produced non-finite potentials; increase eps")
+    return f, g, err, n_iter, converged
+
+
+# ----------------------------------------------------------------------------------------
+# differentiable value (envelope theorem, streaming backward)
+# ----------------------------------------------------------------------------------------
+
+
+class _OTValue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, Y, a, b, f, g, prob, eps, rx, ry):
+        with torch.no_grad():
+            if rx is None and ry is None:
+                value = (a * f).sum(-1) + (b * g).sum(-1)
+                mass = None
+            else:
+                _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
+                rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
+                mass = rows.sum(-1)
+                value = (
+                    _dual_terms(f, a, rx)
+                    + _dual_terms(g, b, ry)
+                    - eps * (mass - a.sum(-1) * b.sum(-1))
+                )
+        ctx.prob, ctx.eps, ctx.rx, ctx.ry = prob, eps, rx, ry
+        ctx.save_for_backward(f, g)
+        return value
+
+    @staticmethod
+    def backward(ctx, gout):
+        f, g = ctx.saved_tensors
+        prob, eps, rx, ry = ctx.prob, ctx.eps, ctx.rx, ctx.ry
+        gX = gY = ga = gb = None
+        go = gout[:, None]
+        need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.no_grad():
+            # P @ Y and row sums; P^T @ X and column sums (streaming)
+            _, lse2x, Ybar = prob.sm_x(g, eps, 1.0, v=prob.Y if need_x else None, want_lse=True)
+            rows = prob.a * torch.exp((f - prob.cx) / eps + LN2 * lse2x)
+            _, lse2y, Xbar = prob.sm_y(f, eps, 1.0, v=prob.X if need_y else None, want_lse=True)
+            cols = prob.b * torch.exp((g - prob.cy) / eps + LN2 * lse2y)
+            if need_x:
+                gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
+            if need_y:
+                gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
+            bsum = prob.b.sum(-1, keepdim=True)
+            asum = prob.a.sum(-1, keepdim=True)
+            if ctx.needs_input_grad[2]:
+                base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
+                ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
+            if ctx.needs_input_grad[3]:
+                base = g if ry is None else ry * (1.0 - torch.exp(-g / ry))
+                gb = (base - eps * (cols / prob.b.clamp_min(1e-38) - asum)) * go
+        return gX, gY, ga, gb, None, None, None, None, None, None
+
+
+def _feature_grad(X, rows, Ybar, prob):
+    """sum_j P_ij d/dX_i C_ij = rows_i * (d cx_i / dX_i - c2 * Ybar_i)."""
+    if prob.cost == "dot":
+        return -prob.c2 * rows[..., None] * Ybar
+    # sqeuclidean and cosine (on the sphere): cx = (c2 / 2) |X|^2
+    return prob.c2 * rows[..., None] * (X - Ybar)
+
+
+# ----------------------------------------------------------------------------------------
+# result
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class SinkhornResult:
+    """Output of :func:`solve`. Unbatched inputs give unbatched fields.
+
+    Attributes:
+        f: (N,) or (B, N) potential on x. g: (M,) or (B, M) potential on y.
+        value: () or (B,) OT value (dual formula; differentiable w.r.t. x, y, a, b).
+        marginal_error: () or (B,) L1 marginal error (row + column) measured on device in
+            the last iteration (for unbalanced problems: the fixed-point residual).
+        n_iter: iterations at the final eps. converged: ``marginal_error < tol`` reached.
+    """
+
+    f: torch.Tensor
+    g: torch.Tensor
+    value: torch.Tensor
+    marginal_error: torch.Tensor
+    n_iter: int
+    converged: bool
+    eps: float
+    _prob: Problem = field(repr=False)
+    _batched: bool = field(repr=False, default=False)
+    _f: torch.Tensor = field(repr=False, default=None)
+    _g: torch.Tensor = field(repr=False, default=None)
+
+    def _unb(self, t):
+        return t if self._batched else t[0]
+
+    def _batch(self, V, n, name):
+        if not self._batched:
+            if V.dim() == 1:
+                V = V[:, None]
+                return V.unsqueeze(0), True
+            return V.unsqueeze(0), False
+        if V.dim() == 2:
+            return V[..., None], True
+        return V, False
+
+    def apply(self, V: torch.Tensor) -> torch.Tensor:
+        """``P @ V`` for V of shape (M,), (M, K) (or (B, M[, K])), streaming, no N x M buffer."""
+        p = self._prob
+        Vb, squeeze = self._batch(V, p.Y.shape[1], "V")
+        if Vb.shape[1] != p.Y.shape[1]:
+            raise ValueError(f"V must have {p.Y.shape[1]} rows; got {tuple(V.shape)}")
+        _, lse2, vbar = p.sm_x(self._g, self.eps, 1.0, v=Vb.to(p.Y.dtype), want_lse=True)
+        rows = p.a * torch.exp((self._f - p.cx) / self.eps + LN2 * lse2)
+        out = vbar * rows[..., None]
+        out = out[..., 0] if squeeze else out
+        return self._unb(out)
+
+    def apply_transpose(self, U: torch.Tensor) -> torch.Tensor:
+        """``P^T @ U`` for U of shape (N,), (N, K) (or batched), streaming."""
+        p = self._prob
+        Ub, squeeze = self._batch(U, p.X.shape[1], "U")
+        if Ub.shape[1] != p.X.shape[1]:
+            raise ValueError(f"U must have {p.X.shape[1]} rows; got {tuple(U.shape)}")
+        _, lse2, ubar = p.sm_y(self._f, self.eps, 1.0, v=Ub.to(p.X.dtype), want_lse=True)
+        cols = p.b * torch.exp((self._g - p.cy) / self.eps + LN2 * lse2)
+        out = ubar * cols[..., None]
+        out = out[..., 0] if squeeze else out
+        return self._unb(out)
+
+    def barycentric_map(self) -> torch.Tensor:
+        """``T(x_i) = (P Y)_i / (P 1)_i``, shape like x (in feature space for cosine)."""
+        p = self._prob
+        _, _, ybar = p.sm_x(self._g, self.eps, 1.0, v=p.Y)
+        return self._unb(ybar)
+
+    def marginals(self):
+        """Exact plan marginals ``(P 1, P^T 1)`` (two streaming passes)."""
+        p = self._prob
+        _, lx, _ = p.sm_x(self._g, self.eps, 1.0, want_lse=True)
+        _, ly, _ = p.sm_y(self._f, self.eps, 1.0, want_lse=True)
+        r = p.a * torch.exp((self._f - p.cx) / self.eps + LN2 * lx)
+        c = p.b * torch.exp((self._g - p.cy) / self.eps + LN2 * ly)
+        return self._unb(r), self._unb(c)
+
+    def plan(self) -> torch.Tensor:
+        """Dense plan (B, N, M): for small problems and tests only (allocates N x M)."""
+        p = self._prob
+        C = (
+            p.cx[..., :, None]
+            + p.cy[..., None, :]
+            - p.c2 * (p.X.detach() @ p.Y.detach().transpose(-1, -2))
+        )
+        if p.labels is not None:
+            lx, ly, W, s = p.labels
+            C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
+        P = (
+            p.a[..., :, None]
+            * p.b[..., None, :]
+            * torch.exp((self._f[..., :, None] + self._g[..., None, :] - C) / self.eps)
+        )
+        return self._unb(P)
+
+
+def solve(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    *,
+    eps: float,
+    reach=None,
+    cost: str = "sqeuclidean",
+    cost_scale: float = 1.0,
+    max_iter: int = 1000,
+    tol: float | None = 1e-5,
+    schedule: str = "alternating",
+    eps_scaling: float | None = None,
+    diameter: float | None = None,
+    check_every: int = 10,
+    label_cost: tuple | None = None,
+    precision: str = "tf32",
+    backend: str = "auto",
+    warn: bool = True,
+) -> SinkhornResult:
+    """Entropic OT between weighted point clouds by streaming Sinkhorn.
+
+    Args:
+        x: (N, D) or (B, N, D) source points. y: (M, D) or (B, M, D) target points.
+        a: (N,) / (B, N) nonnegative source weights (default uniform 1/N); b likewise.
+        eps: entropic temperature (> 0), in cost units.
+        reach: None (balanced), rho, or (rho_x, rho_y): KL marginal penalties (cost units,
+            POT's ``unbalanced``); a side with None stays balanced (semi-unbalanced).
+        cost: "sqeuclidean" (``|x - y|^2``), "cosine" (``1 - cos``), "dot" (``-<x, y>``);
+            the cost is multiplied by ``cost_scale`` (0.5 gives GeomLoss's p = 2 cost).
+        max_iter: iterations at the final eps. tol: stop when the L1 marginal error
+            (row + column, computed on device from the updates) falls below tol; checked
+            every ``check_every`` iterations (one host sync each). None: run max_iter.
+        schedule: "alternating" (f then g) or "symmetric" (GeomLoss's averaged updates).
+        eps_scaling: None, or a ratio in (0, 1): anneal eps from ``diameter^2`` with
+            GeomLoss's schedule (one symmetric iteration per stage) before iterating.
+        label_cost: optional ``(labels_x (N,), labels_y (M,), W (K1, K2))``: adds
+            ``W[labels_x[i], labels_y[j]]`` to the cost, gathered inside the kernel.
+        precision: "tf32" (default), "ieee", "tf32x3", "bf16" dot operands (triton backend).
+        backend: "auto" (triton on CUDA, torch blockwise on CPU), "triton", "torch".
+
+    Returns:
+        :class:`SinkhornResult` with ``f``, ``g``, ``value``, ``marginal_error``, ``n_iter``,
+        ``converged`` and streaming ``apply``, ``apply_transpose``, ``barycentric_map``.
+        A non-converged run is reported (``converged=False``) and warned about when
+        ``warn`` is true.
+    """
+    eps = _check_eps(eps)
+    rx, ry = _rhos(reach)
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
+    if schedule not in ("alternating", "symmetric"):
+        raise ValueError(f"schedule must be 'alternating' or 'symmetric'; got {schedule!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if int(max_iter) < 1:
+        raise ValueError(f"max_iter must be >= 1; got {max_iter}")
+    if int(check_every) < 1:
+        raise ValueError(f"check_every must be >= 1; got {check_every}")
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
+    be = resolve_backend(backend, x3.device)
+    X, Y, cx, cy, c2 = cost_features(x3, y3, cost, cost_scale)
+    B, N, M = X.shape[0], X.shape[1], Y.shape[1]
+    labels = _label_tuple(label_cost, B, N, M, X.device)
+    prob = Problem(
+        X.detach(),
+        Y.detach(),
+        a2.detach(),
+        b2.detach(),
+        cx.detach(),
+        cy.detach(),
+        c2,
+        cost,
+        cost_scale,
+        labels,
+        precision,
+        be,
+    )
+    eps_list = None
+    if eps_scaling is not None:
+        if diameter is None:
+            lo = torch.minimum(X.detach().amin(dim=(0, 1)), Y.detach().amin(dim=(0, 1)))
+            hi = torch.maximum(X.detach().amax(dim=(0, 1)), Y.detach().amax(dim=(0, 1)))
+            diameter = float((hi - lo).norm())
+        d2 = max(float(cost_scale) * diameter**2, eps)
+        eps_list = eps_schedule(d2, eps, eps_scaling)[:-1]
+    with torch.no_grad():
+        f, g, err, n_iter, converged = _run(
+            prob, eps, rx, ry, int(max_iter), tol, schedule, int(check_every), eps_list
+        )
+    if tol is None or tol <= 0:
+        converged = False
+    elif not converged and warn:
+        warnings.warn(
+            f"flashsinkhorn.solve: not converged after {n_iter} iterations "
+            f"(marginal error {float(err.max()):.3g} > tol {tol}); increase max_iter or eps",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    # the differentiable value: graph to x, y (through the features) and a, b
+    prob_g = Problem(X, Y, a2, b2, cx, cy, c2, cost, cost_scale, labels, precision, be)
+    prob_g.X, prob_g.Y = X.detach(), Y.detach()
+    prob_g.cx, prob_g.cy = cx.detach(), cy.detach()
+    prob_g.a, prob_g.b = a2.detach(), b2.detach()
+    value = _OTValue.apply(X, Y, a2, b2, f, g, prob_g, eps, rx, ry)
+    res = SinkhornResult(
+        f=f if batched else f[0],
+        g=g if batched else g[0],
+        value=value if batched else value[0],
+        marginal_error=err if batched else err[0],
+        n_iter=n_iter,
+        converged=converged,
+        eps=eps,
+        _prob=prob,
+        _batched=batched,
+        _f=f,
+        _g=g,
+    )
+    return res
