@@ -1,0 +1,556 @@
+"""FlashAdamW, FlashAdam, FlashSGD, FlashSGDW, FlashLion: torch.optim optimizers with weight
+splitting (bf16 parameter + int8/int16 correction) and companded 8-bit states.
+
+See ``_core.py`` for the storage formats and the arithmetic, ``docs/flashoptim.md`` for the
+math. On CUDA every step is one fused Triton launch per bucket of tensors (same dtype and
+hyperparameters); on CPU the same arithmetic runs in plain torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import _core
+from ._core import ADAM, GROUP, LION, SGD
+
+BLOCK = int(os.environ.get("FLASHOPTIM_BLOCK", "2048"))
+NUM_WARPS = int(os.environ.get("FLASHOPTIM_NUM_WARPS", "8"))
+_P_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class NonFiniteGradError(RuntimeError):
+    """Raised by ``step()`` when a gradient holds inf/NaN and ``on_nonfinite='raise'``."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameter or gradient), else the tensor."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _global_index_base(p: torch.Tensor) -> int:
+    """Flat index of the first local element in the full tensor (DTensor Shard(0) only)."""
+    if not hasattr(p, "_local_tensor"):
+        return 0
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        stride = math.prod(p.shape[1:]) if p.dim() > 1 else 1
+        return int(off[0]) * stride if p.dim() else 0
+    except Exception:  # pragma: no cover - older torch / exotic placements
+        return 0
+
+
+class FlashOptimizer(torch.optim.Optimizer):
+    """Base class. Subclasses set ``_kind`` and the torch-compatible state names.
+
+    Common options (also per param group):
+        master_weight_bits: 24 (int8 correction, default), 32 (int16) or None (the bf16/fp16
+            parameter is the only copy). fp32 parameters always update in fp32.
+        quantize: companded 8-bit states (default) or fp32 states.
+        stochastic_rounding: round the correction stochastically (default; small updates
+            land in expectation) or to nearest (the published scheme).
+        scale_dtype: torch.bfloat16 (default; absmax rounded up, range of fp32, 2 bytes
+            per group of 32) or torch.float32.
+    Optimizer-wide options:
+        backend: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
+        check_finite: check all gradients before the step (default True).
+        on_nonfinite: "skip" (count it in ``skipped_steps``, states untouched) or "raise".
+        seed: base seed of the stochastic rounding (each parameter derives its own).
+    """
+
+    _kind = ADAM
+    _m_key = "exp_avg"
+    _v_key: str | None = "exp_avg_sq"
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict[str, Any],
+        *,
+        master_weight_bits: int | None = 24,
+        quantize: bool = True,
+        stochastic_rounding: bool = True,
+        scale_dtype: torch.dtype = torch.bfloat16,
+        backend: str = "auto",
+        check_finite: bool = True,
+        on_nonfinite: str = "skip",
+        seed: int = 0,
+    ):
+        if defaults.get("lr", 0.0) < 0:
+            raise ValueError(f"lr must be >= 0; got {defaults['lr']}")
+        if master_weight_bits not in (None, 24, 32):
+            raise ValueError(f"master_weight_bits must be 24, 32 or None; got {master_weight_bits}")
+        if scale_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"scale_dtype must be torch.bfloat16 or torch.float32; got {scale_dtype}"
+                " (fp16 scales underflow for small momenta)"
+            )
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+        if on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise'; got {on_nonfinite!r}")
+        defaults = dict(
+            defaults,
+            master_weight_bits=master_weight_bits,
+            quantize=quantize,
+            stochastic_rounding=stochastic_rounding,
+            scale_dtype=scale_dtype,
+        )
+        self.backend = backend
+        self.check_finite = check_finite
+        self.on_nonfinite = on_nonfinite
+        self.seed = int(seed)
+        self.skipped_steps = 0
+        self._n_seen = 0
+        self._tables: dict = {}
+        self._release_enabled = False
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if p.is_complex():
+                raise ValueError("flashoptim does not support complex parameters")
+            if p.dtype not in _P_CODE:
+                raise ValueError(f"parameter dtype must be fp32, bf16 or fp16; got {p.dtype}")
+
+    # ------------------------------------------------------------------ state
+    def _bits(self, group, p) -> int:
+        if p.dtype == torch.float32:
+            return 0
+        return _core._ECC_BITS[group["master_weight_bits"]]
+
+    def _has_mom(self, group) -> bool:
+        return True
+
+    def _init_state(self, p: torch.Tensor, group) -> dict:
+        st = self.state[p]
+        if "step" in st:
+            return st
+        lp = _local(p)
+        n = lp.numel()
+        ng = (n + GROUP - 1) // GROUP
+        dev = lp.device
+        st["step"] = 0
+        st["seed"] = (_core._mix32_t(torch.tensor([self.seed * 1000003 + self._n_seen]))).item()
+        self._n_seen += 1
+        quant = group["quantize"]
+        keys = []
+        if self._has_mom(group):
+            keys.append((self._m_key, torch.int8))
+        if self._v_key is not None:
+            keys.append((self._v_key, torch.uint8))
+        for key, cdt in keys:
+            if quant:
+                st[key] = torch.zeros(lp.shape, dtype=cdt, device=dev)
+                st[key + "_scale"] = torch.zeros(ng, dtype=group["scale_dtype"], device=dev)
+            else:
+                st[key] = torch.zeros(lp.shape, dtype=torch.float32, device=dev)
+        bits = self._bits(group, p)
+        if bits:
+            st["correction"] = torch.zeros(lp.shape, dtype=_core._ECC_DTYPE[bits], device=dev)
+        return st
+
+    def _hp(self, group, p) -> dict:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ step
+    def _use_triton(self, t: torch.Tensor) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "triton":
+            return True
+        return t.is_cuda
+
+    def _grads(self, group):
+        out = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("flashoptim does not support sparse gradients")
+            out.append(p)
+        return out
+
+    def _found_nonfinite(self, params) -> bool:
+        grads = [_local(p.grad) for p in params]
+        if not grads:
+            return False
+        by_dev: dict = {}
+        for g in grads:
+            by_dev.setdefault(g.device, []).append(g)
+        bad = False
+        for gs in by_dev.values():
+            norms = torch._foreach_norm(gs, float("inf"))
+            bad = bad or not bool(torch.stack(norms).isfinite().all())
+        return bad
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [(g, self._grads(g)) for g in self.param_groups]
+        if self.check_finite and self._found_nonfinite([p for _, ps in work for p in ps]):
+            if self.on_nonfinite == "raise":
+                raise NonFiniteGradError("non-finite gradient: step not taken")
+            self.skipped_steps += 1
+            return loss
+        for group, ps in work:
+            self._step_group(group, ps)
+        return loss
+
+    @torch.no_grad()
+    def step_param(self, p: torch.Tensor) -> None:
+        """Step one parameter (used by gradient release); honours check_finite."""
+        if p.grad is None:
+            return
+        if self.check_finite and self._found_nonfinite([p]):
+            if self.on_nonfinite == "raise":
+                raise NonFiniteGradError("non-finite gradient: step not taken")
+            self.skipped_steps += 1
+            return
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                self._step_group(group, [p], cache=False)
+                return
+        raise ValueError("parameter is not managed by this optimizer")
+
+    def _step_group(self, group, ps, cache: bool = True) -> None:
+        buckets: dict = {}
+        for p in ps:
+            st = self._init_state(p, group)
+            st["step"] += 1
+            key = (st["step"], p.dtype, p.grad.dtype, _local(p).device, self._use_triton(p))
+            buckets.setdefault(key, []).append(p)
+        for (step, _, _, _, tri), bps in buckets.items():
+            hp = self._hp(group, bps[0])
+            if tri:
+                self._launch(group, bps, hp, step, cache)
+            else:
+                for p in bps:
+                    st = self.state[p]
+                    sd = self._state_view(st, group)
+                    _core.cpu_step(
+                        self._kind,
+                        _local(p),
+                        _local(p.grad),
+                        sd,
+                        hp,
+                        step,
+                        st["seed"],
+                        _global_index_base(p),
+                    )
+
+    def _state_view(self, st, group) -> dict:
+        sd = {}
+        if self._m_key in st:
+            sd["m"] = st[self._m_key]
+            sd["ms"] = st.get(self._m_key + "_scale")
+        if self._v_key is not None:
+            sd["v"] = st[self._v_key]
+            sd["vs"] = st.get(self._v_key + "_scale")
+        if "correction" in st:
+            sd["c"] = st["correction"]
+        return sd
+
+    def _launch(self, group, ps, hp, step, cache) -> None:
+        p0 = _local(ps[0])
+        lps = [_local(p) for p in ps]
+        gs = [_local(p.grad) for p in ps]
+        key = (id(group), tuple(map(torch.Tensor.data_ptr, lps)), tuple(map(torch.Tensor.data_ptr, gs)))
+        ent = self._tables.get(key) if cache else None
+        if ent is None:
+            sts = [self._state_view(self.state[p], group) for p in ps]
+            cols = [
+                lps,
+                gs,
+                [s.get("c") for s in sts],
+                [s.get("m") for s in sts],
+                [s.get("ms") for s in sts],
+                [s.get("v") for s in sts],
+                [s.get("vs") for s in sts],
+            ]
+            bases = [col[0] if col[0] is not None else p0 for col in cols]
+            rows, aligned = [], True
+            for i, p in enumerate(ps):
+                row = []
+                for j, col in enumerate(cols):
+                    t = col[i]
+                    if t is None:
+                        row.append(0)
+                        continue
+                    if not t.is_contiguous():
+                        raise ValueError("flashoptim needs contiguous parameters and gradients")
+                    es = t.element_size()
+                    d = t.data_ptr() - bases[j].data_ptr()
+                    if d % es:
+                        raise ValueError("tensor storage is not aligned to its element size")
+                    o = d // es
+                    aligned = aligned and o % 16 == 0 and t.data_ptr() % 16 == 0
+                    row.append(o)
+                st = self.state[p]
+                row += [cols[0][i].numel(), st["seed"], _global_index_base(p)]
+                rows.append(row)
+            tab = torch.tensor(rows, dtype=torch.int64, device=p0.device)
+            nb = [(r[7] + BLOCK - 1) // BLOCK for r in rows]
+            tid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nb))
+            first = torch.repeat_interleave(torch.tensor([0] + nb[:-1]).cumsum(0), torch.tensor(nb))
+            start = (torch.arange(len(tid)) - first) * BLOCK
+            blocks = torch.stack([tid, start], 1).to(torch.int32).contiguous().to(p0.device)
+            skip = torch.zeros(1, dtype=torch.int32, device=p0.device)
+            ent = (tab, blocks, bases, aligned, skip)
+            if cache:
+                if len(self._tables) > 64:
+                    self._tables.clear()
+                self._tables[key] = ent
+        tab, blocks, bases, aligned, skip = ent
+        nblocks = blocks.shape[0]
+        if nblocks == 0:
+            return
+        lr, wd = hp["lr"], hp["wd"]
+        b1, b2 = hp.get("b1", 0.0), hp.get("b2", 0.0)
+        bc1 = 1 - b1**step if self._kind == ADAM else 1.0
+        bc2 = 1 - b2**step if self._kind == ADAM else 1.0
+        _core._step_kernel[(nblocks,)](
+            blocks,
+            tab,
+            *bases,
+            lr,
+            b1,
+            1 - b1,
+            b2,
+            1 - b2,
+            hp.get("eps", 0.0),
+            wd,
+            1 - lr * wd,
+            lr / bc1,
+            1 / math.sqrt(bc2),
+            1 - hp.get("dampening", 0.0),
+            1 if step == 1 else 0,
+            (step * _core._GOLDEN) & _core._M32,
+            skip,
+            KIND=self._kind,
+            ECC=hp["ecc"],
+            QUANT=hp["quant"],
+            SR=hp["sr"],
+            P_DTYPE=_P_CODE[p0.dtype],
+            DECOUPLED=hp["decoupled"],
+            NESTEROV=hp.get("nesterov", False),
+            HAS_MOM=self._has_mom(group),
+            SCALE_F32=hp["scale_dtype"] == torch.float32,
+            CHECK_SKIP=False,
+            ALIGNED=aligned,
+            BLOCK=BLOCK,
+            GROUP_SIZE=GROUP,
+            num_warps=NUM_WARPS,
+        )
+
+    def _common_hp(self, group, p) -> dict:
+        return dict(
+            ecc=self._bits(group, p),
+            quant=bool(group["quantize"]),
+            sr=bool(group["stochastic_rounding"]),
+            scale_dtype=group["scale_dtype"],
+            lr=float(group["lr"]),
+            wd=float(group["weight_decay"]),
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ checkpoints
+    def master_weights(self) -> dict[torch.Tensor, torch.Tensor]:
+        """fp32 master weight of every parameter: {param: fp32 tensor (local shard)}."""
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                out[p] = master_weight(p, self)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our own state dict, or a plain torch.optim one (quantized on load).
+
+        torch's loader would cast floating states to the parameter dtype (fp32 scales and
+        states to bf16), so the states are mapped to parameters here, unchanged.
+        """
+        groups = state_dict["param_groups"]
+        saved = state_dict["state"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"state dict has {len(groups)} param groups; optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        id_map = {}
+        for g_new, g_old in zip(self.param_groups, groups):
+            if len(g_new["params"]) != len(g_old["params"]):
+                raise ValueError("state dict param group sizes do not match the optimizer")
+            for p, pid in zip(g_new["params"], g_old["params"]):
+                id_map[pid] = (p, g_new)
+            for k, v in g_old.items():
+                if k != "params":
+                    g_new[k] = v
+        self.state.clear()
+        extra = state_dict.get("flashoptim", {})
+        self.skipped_steps = extra.get("skipped_steps", 0)
+        self._n_seen = extra.get("n_seen", len(id_map))
+        self._tables.clear()
+        for pid, st_old in saved.items():
+            p, group = id_map[pid]
+            self._load_param_state(p, group, st_old)
+
+    def _load_param_state(self, p, group, st_old) -> None:
+        lp = _local(p)
+        st = self._init_state(p, group)
+        step = st_old.get("step", 0)
+        st["step"] = int(step.item()) if torch.is_tensor(step) else int(step)
+        if "seed" in st_old:
+            st["seed"] = int(st_old["seed"])
+        for key in [self._m_key, self._v_key]:
+            if key is None or key not in st_old or key not in st:
+                continue
+            v = _local(st_old[key]).to(lp.device)
+            if group["quantize"] and v.is_floating_point():  # torch.optim checkpoint
+                v = v.to(torch.float64).reshape(-1)
+                if key == self._v_key:
+                    codes, s = _core.quantize_variance_ref(v, group["scale_dtype"])
+                else:
+                    codes, s = _core.quantize_momentum_ref(v, group["scale_dtype"])
+                st[key].copy_(codes.view_as(st[key]))
+                st[key + "_scale"].copy_(s)
+            else:
+                st[key].copy_(v.view_as(st[key]))
+                if key + "_scale" in st_old:
+                    st[key + "_scale"].copy_(_local(st_old[key + "_scale"]))
+        if "correction" in st and "correction" in st_old:
+            st["correction"].copy_(_local(st_old["correction"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["flashoptim"] = {"skipped_steps": self.skipped_steps, "n_seen": self._n_seen}
+        return sd
+
+
+def master_weight(p: torch.Tensor, optimizer: FlashOptimizer | None = None) -> torch.Tensor:
+    """fp32 master value of ``p`` (its local shard): ``p + correction * q``."""
+    lp = _local(p).detach()
+    st = optimizer.state.get(p, {}) if optimizer is not None else {}
+    if "correction" not in st or lp.dtype == torch.float32:
+        return lp.to(torch.float32).clone()
+    c = st["correction"]
+    bits = 8 if c.dtype == torch.int8 else 16
+    pb = lp.reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF
+    q, _ = _core._narrow_q(pb, lp.dtype == torch.bfloat16, bits)
+    return (lp.reshape(-1).to(torch.float32) + c.reshape(-1).to(torch.float32) * q).view(lp.shape)
+
+
+class FlashAdamW(FlashOptimizer):
+    """AdamW (decoupled weight decay, torch.optim.AdamW semantics) with weight splitting and
+    companded 8-bit states. ~7.1 bytes/param with bf16 params and grads (5.1 with release)."""
+
+    _kind = ADAM
+    _decoupled = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        **kw,
+    ):
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"betas must be in [0, 1); got {betas}")
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0; got {eps}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), **kw)
+
+    def _hp(self, group, p):
+        hp = self._common_hp(group, p)
+        b1, b2 = group["betas"]
+        hp.update(b1=float(b1), b2=float(b2), eps=float(group["eps"]), decoupled=self._decoupled)
+        return hp
+
+
+class FlashAdam(FlashAdamW):
+    """Adam (L2 weight decay added to the gradient, torch.optim.Adam semantics)."""
+
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **kw):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
+
+
+class FlashSGD(FlashOptimizer):
+    """SGD with momentum, dampening, nesterov and coupled weight decay (torch.optim.SGD)."""
+
+    _kind = SGD
+    _m_key = "momentum_buffer"
+    _v_key = None
+    _decoupled = False
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        **kw,
+    ):
+        if momentum < 0:
+            raise ValueError(f"momentum must be >= 0; got {momentum}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov momentum requires a momentum and zero dampening")
+        d = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+        )
+        super().__init__(params, d, **kw)
+
+    def _has_mom(self, group) -> bool:
+        return group["momentum"] != 0
+
+    def _hp(self, group, p):
+        hp = self._common_hp(group, p)
+        hp.update(
+            b1=float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            nesterov=bool(group["nesterov"]),
+            decoupled=self._decoupled,
+        )
+        return hp
+
+
+class FlashSGDW(FlashSGD):
+    """SGD with decoupled weight decay: ``p *= 1 - lr * weight_decay`` before the update."""
+
+    _decoupled = True
+
+
+class FlashLion(FlashOptimizer):
+    """Lion (Chen et al. 2023): ``p -= lr * sign(b1 m + (1-b1) g)``; ``m = b2 m + (1-b2) g``;
+    decoupled weight decay ``p *= 1 - lr * wd``."""
+
+    _kind = LION
+    _m_key = "exp_avg"
+    _v_key = None
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, **kw):
+        if not 0.0 <= betas[0] <= 1.0 or not 0.0 <= betas[1] <= 1.0:
+            raise ValueError(f"betas must be in [0, 1]; got {betas}")
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), **kw)
+
+    def _hp(self, group, p):
+        hp = self._common_hp(group, p)
+        b1, b2 = group["betas"]
+        hp.update(b1=float(b1), b2=float(b2), decoupled=True)
+        return hp
