@@ -46,7 +46,9 @@ def _as_weights(w, name, B, n, like):
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None; got {type(w).__name__}")
     if w.device != like.device:
-        raise ValueError(f"{name} is on {w.device} but the points are on {like.device}")
+        raise ValueError(
+            f"{name} is on device {w.device} but the points are on device {like.device}"
+        )
     if w.dtype != like.dtype:
         raise ValueError(f"{name} has dtype {w.dtype} but the points have dtype {like.dtype}")
     if w.dim() == 1:
@@ -72,7 +74,7 @@ def prepare_inputs(x, y, a=None, b=None):
     if x.dim() != y.dim():
         raise ValueError(f"x and y must both be 2D or both 3D; got {x.dim()}D and {y.dim()}D")
     if x.device != y.device:
-        raise ValueError(f"x is on {x.device} but y is on {y.device}")
+        raise ValueError(f"x is on device {x.device} but y is on device {y.device}")
     if x.dtype != y.dtype:
         raise ValueError(f"x has dtype {x.dtype} but y has dtype {y.dtype}")
     batched = x.dim() == 3

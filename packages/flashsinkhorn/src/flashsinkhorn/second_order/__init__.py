@@ -1,38 +1,68 @@
 """Second-order tools for entropic optimal transport, streaming.
 
 Hessian-vector products of the entropic OT loss (and of the debiased Sinkhorn
-divergence) with respect to the point positions, computed from plan applications only
-(never the n x m plan), implicit differentiation of the potentials, inverse-HVPs, and
-the optimizers built on them (Newton-CG, Steihaug trust region, Lanczos smallest
-eigenvalue), plus the OTDD dataset distance.
+divergence) with respect to the point positions, computed from streamed plan products
+only (never the n x m plan), a loss with double backward, implicit differentiation of
+the potentials, inverse-HVPs, the optimizers built on them (Newton-CG, Steihaug trust
+region, Lanczos smallest eigenvalue), and the OTDD dataset distance. See
+docs/flashsinkhorn-second-order.md.
 """
 
-from flashsinkhorn.second_order.core import (
-    bench_hvp,
-    conjugate_gradient,
+from flashsinkhorn.second_order._plan import Plan, solve_potentials
+from flashsinkhorn.second_order.bench import bench_hvp
+from flashsinkhorn.second_order.hvp import (
+    HvpInfo,
+    ImplicitGrads,
     hvp,
-    hvp_ref,
     implicit_grad,
     inverse_hvp,
+    ot_loss,
+)
+from flashsinkhorn.second_order.optim import (
+    CGInfo,
+    LanczosResult,
+    OptimizeResult,
+    conjugate_gradient,
     lanczos_min_eig,
     newton_cg,
-    ot_loss_ref,
-    otdd,
-    otdd_ref,
+    steihaug_cg,
     trust_region,
 )
+from flashsinkhorn.second_order.otdd import (
+    OTDDResult,
+    label_distances,
+    otdd,
+    otdd_gradient_flow,
+    otdd_ref,
+)
+from flashsinkhorn.second_order.reference import hvp_ref, ot_loss_ref, potentials_ref
+from flashsinkhorn.second_order.shuffled_regression import shuffled_regression
 
 __all__ = [
+    "CGInfo",
+    "HvpInfo",
+    "ImplicitGrads",
+    "LanczosResult",
+    "OTDDResult",
+    "OptimizeResult",
+    "Plan",
     "bench_hvp",
     "conjugate_gradient",
     "hvp",
     "hvp_ref",
     "implicit_grad",
     "inverse_hvp",
+    "label_distances",
     "lanczos_min_eig",
     "newton_cg",
+    "ot_loss",
     "ot_loss_ref",
     "otdd",
+    "otdd_gradient_flow",
     "otdd_ref",
+    "potentials_ref",
+    "shuffled_regression",
+    "solve_potentials",
+    "steihaug_cg",
     "trust_region",
 ]

@@ -1,0 +1,139 @@
+"""The streaming primitive (softmin / plan application) against the float64 dense oracle."""
+
+import pytest
+import torch
+from _helpers import BACKENDS, needs_interpreter
+
+from flashsinkhorn.kernels import plan_apply, plan_apply_ref, resolve_backend, softmin, softmin_ref
+
+SHAPES = [  # (B, N, M, D)
+    (1, 1, 1, 1),
+    (2, 37, 53, 3),
+    (1, 70, 45, 100),
+    (1, 19, 23, 784),
+    (3, 65, 129, 16),
+]
+
+
+def _inputs(B, N, M, D, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N, D, generator=gen, dtype=dtype) / D**0.5
+    y = torch.randn(B, M, D, generator=gen, dtype=dtype) / D**0.5
+    g = 0.1 * torch.randn(B, M, generator=gen, dtype=dtype)
+    logb = torch.log(torch.rand(B, M, generator=gen, dtype=dtype) + 0.05)
+    cx, cy = (x * x).sum(-1), (y * y).sum(-1)
+    return x, y, g, logb, cx, cy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_softmin_matches_reference(backend, shape):
+    x, y, g, logb, cx, cy = _inputs(*shape)
+    eps = 0.3
+    ref, ref_lse2, _ = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=2.0, damping=0.8)
+    out, lse2, vbar = softmin(
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps=eps,
+        c2=2.0,
+        damping=0.8,
+        backend=backend,
+        precision="ieee",
+        want_lse=True,
+    )
+    assert vbar is None
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse2.double(), ref_lse2, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dv", [1, 5, 70])
+def test_softmin_average(backend, dv):
+    x, y, g, logb, cx, cy = _inputs(2, 41, 67, 7, seed=1)
+    v = torch.randn(2, 67, dv)
+    _, _, ref = softmin_ref(x, y, g, logb, cx, cy, eps=0.2, c2=2.0, v=v)
+    _, _, vbar = softmin(
+        x, y, g, logb, cx, cy, eps=0.2, c2=2.0, v=v, backend=backend, precision="ieee"
+    )
+    torch.testing.assert_close(vbar.double(), ref, atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_label_cost_in_kernel(backend):
+    B, N, M, D = 2, 33, 40, 5
+    x, y, g, logb, cx, cy = _inputs(B, N, M, D, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    lx = torch.randint(0, 3, (B, N), generator=gen)
+    ly = torch.randint(0, 4, (B, M), generator=gen)
+    W = torch.rand(3, 4, generator=gen)
+    labels = (lx, ly, W, 0.7)
+    ref, _, refv = softmin_ref(x, y, g, logb, cx, cy, eps=0.25, c2=2.0, labels=labels, v=y)
+    out, _, vbar = softmin(
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps=0.25,
+        c2=2.0,
+        labels=labels,
+        v=y,
+        backend=backend,
+        precision="ieee",
+    )
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(vbar.double(), refv, atol=2e-5, rtol=1e-5)
+    # the label term matters: without it the result differs
+    plain, _, _ = softmin(x, y, g, logb, cx, cy, eps=0.25, c2=2.0, backend=backend)
+    assert (plain - out).abs().max() > 1e-3
+
+
+@needs_interpreter
+def test_triton_equals_torch_path():
+    x, y, g, logb, cx, cy = _inputs(2, 90, 77, 24, seed=4)
+    kw = dict(eps=0.05, c2=2.0, precision="ieee", want_lse=True, v=y)
+    t = softmin(x, y, g, logb, cx, cy, backend="triton", **kw)
+    p = softmin(x, y, g, logb, cx, cy, backend="torch", **kw)
+    for u, w in zip(t, p):
+        torch.testing.assert_close(u, w, atol=5e-5, rtol=1e-5)
+
+
+def test_zero_weight_columns_are_ignored():
+    x, y, g, logb, cx, cy = _inputs(1, 10, 12, 3, seed=5)
+    logb[:, :4] = float("-inf")
+    out, _, _ = softmin(x, y, g, logb, cx, cy, eps=0.3, c2=2.0, backend="torch")
+    ref, _, _ = softmin(
+        x, y[:, 4:], g[:, 4:], logb[:, 4:], cx, cy[:, 4:], eps=0.3, c2=2.0, backend="torch"
+    )
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plan_apply_matches_dense(backend):
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.rand(1, 30, 4, generator=gen), torch.rand(1, 26, 4, generator=gen)
+    a, b = torch.full((1, 30), 1 / 30), torch.full((1, 26), 1 / 26)
+    f, g = 0.1 * torch.randn(1, 30, generator=gen), 0.1 * torch.randn(1, 26, generator=gen)
+    v = torch.randn(1, 26, 3, generator=gen)
+    cx, cy = (x * x).sum(-1), (y * y).sum(-1)
+    out, rows = plan_apply(
+        x, y, a, b, f, g, v, cx, cy, eps=0.1, c2=2.0, backend=backend, precision="ieee"
+    )
+    ref = plan_apply_ref(x, y, a, b, f, g, v, eps=0.1)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    ones = plan_apply_ref(x, y, a, b, f, g, torch.ones(1, 26, 1), eps=0.1)[..., 0]
+    torch.testing.assert_close(rows.double(), ones, atol=1e-6, rtol=1e-4)
+
+
+def test_backend_errors():
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend("cuda", torch.device("cpu"))
+    x, y, g, logb, cx, cy = _inputs(1, 4, 4, 2)
+    with pytest.raises(ValueError, match="precision"):
+        softmin(x, y, g, logb, cx, cy, eps=0.1, c2=2.0, precision="fp8")

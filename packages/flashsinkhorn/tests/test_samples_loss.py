@@ -1,0 +1,104 @@
+"""SamplesLoss: GeomLoss semantics (values and gradients) for p = 2."""
+
+import pytest
+import torch
+from _helpers import clouds, needs_interpreter
+
+import flashsinkhorn as fs
+from flashsinkhorn.samples_loss import samples_loss_ref
+
+CASES = [  # (debias, reach)
+    (False, None),
+    (True, None),
+    (False, 0.7),
+    (True, 0.7),
+]
+
+
+@pytest.mark.parametrize("debias,reach", CASES)
+def test_matches_dense_geomloss_reimplementation(debias, reach):
+    x, y, a, b = clouds(50, 40, 3)
+    v = fs.SamplesLoss(blur=0.1, reach=reach, debias=debias)(a, x, b, y)
+    ref = samples_loss_ref(a, x, b, y, blur=0.1, reach=reach, debias=debias)
+    torch.testing.assert_close(v, ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("debias,reach", CASES)
+@pytest.mark.parametrize("batch", [None, 3])
+def test_matches_geomloss_values_and_gradients(debias, reach, batch):
+    geomloss = pytest.importorskip("geomloss")
+    x, y, a, b = clouds(50, 40, 3, batch=batch, seed=1)
+    outs = []
+    for L in (
+        geomloss.SamplesLoss(
+            "sinkhorn", p=2, blur=0.1, reach=reach, debias=debias, backend="tensorized"
+        ),
+        fs.SamplesLoss("sinkhorn", p=2, blur=0.1, reach=reach, debias=debias),
+    ):
+        ts = [t.clone().requires_grad_() for t in (a, x, b, y)]
+        v = L(*ts)
+        v.sum().backward()
+        outs.append([v.detach()] + [t.grad for t in ts])
+    for u, w in zip(*outs):
+        torch.testing.assert_close(u, w, atol=1e-12, rtol=1e-10)
+
+
+def test_uniform_weight_call_and_shapes():
+    geomloss = pytest.importorskip("geomloss")
+    x, y, _, _ = clouds(30, 20, 2, seed=2)
+    v = fs.SamplesLoss(blur=0.05)(x, y)
+    assert v.dim() == 0
+    ref = geomloss.SamplesLoss("sinkhorn", p=2, blur=0.05, backend="tensorized")(x, y)
+    torch.testing.assert_close(v, ref, atol=1e-12, rtol=0)
+    xb, yb, _, _ = clouds(30, 20, 2, batch=4, seed=2)
+    assert fs.SamplesLoss(blur=0.05)(xb, yb).shape == (4,)
+
+
+def test_potentials_mode_and_debias_zero_on_identical_inputs():
+    x, y, a, b = clouds(25, 25, 2, seed=3)
+    F, G = fs.SamplesLoss(blur=0.1, potentials=True)(a, x, b, y)
+    assert F.shape == (25,) and G.shape == (25,)
+    loss = fs.SamplesLoss(blur=0.1)
+    assert abs(float(loss(a, x, a, x))) < 1e-12
+    assert float(loss(a, x, b, y)) > 1e-3
+
+
+def test_gradient_is_a_times_displacement_to_barycentre():
+    """Near convergence GeomLoss's gradient is the envelope gradient a_i (x_i - T(x_i))."""
+    x, y, a, b = clouds(20, 15, 2, seed=4)
+    xs = x.clone().requires_grad_()
+    v = fs.SamplesLoss(blur=0.4, debias=False, scaling=0.97)(a, xs, b, y)
+    v.backward()
+    r = fs.solve(x, y, a, b, eps=0.4**2, cost_scale=0.5, tol=1e-12, max_iter=20000)
+    T = r.barycentric_map()
+    torch.testing.assert_close(v.detach(), r.value, atol=2e-5, rtol=0)
+    torch.testing.assert_close(xs.grad, a[:, None] * (x - T), atol=1e-4, rtol=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("debias", [False, True])
+def test_triton_backend_matches_float64(debias):
+    x, y, a, b = clouds(60, 45, 3, batch=2, seed=5, dtype=torch.float32)
+    ts = [t.clone().requires_grad_() for t in (a, x, b, y)]
+    v = fs.SamplesLoss(blur=0.1, debias=debias, backend="triton", precision="ieee")(*ts)
+    v.sum().backward()
+    ts64 = [t.double().requires_grad_() for t in (a, x, b, y)]
+    v64 = fs.SamplesLoss(blur=0.1, debias=debias, backend="torch")(*ts64)
+    v64.sum().backward()
+    torch.testing.assert_close(v.double(), v64.detach(), atol=2e-6, rtol=1e-5)
+    for t, t64 in zip(ts, ts64):
+        torch.testing.assert_close(t.grad.double(), t64.grad, atol=2e-6, rtol=1e-4)
+
+
+def test_bad_arguments():
+    x, y, a, b = clouds(5, 5, 2)
+    with pytest.raises(ValueError, match="p=2"):
+        fs.SamplesLoss(p=1)
+    with pytest.raises(ValueError, match="sinkhorn"):
+        fs.SamplesLoss("energy")
+    with pytest.raises(ValueError, match="arguments"):
+        fs.SamplesLoss()(x, y, a)
+    with pytest.raises(ValueError, match="blur"):
+        fs.SamplesLoss(blur=0.0)(x, y)
+    with pytest.raises(ValueError, match="nonnegative"):
+        fs.SamplesLoss()(-a, x, b, y)
