@@ -1,0 +1,248 @@
+"""A solved entropic OT problem, held by its potentials, with streaming plan products.
+
+Conventions (the same as ``flashsinkhorn.solve``): cost ``C_ij = |x_i - y_j|^2`` (plus an
+optional label-cost table ``L[lx_i, ly_j]``, used by OTDD), plan
+``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``, unbalanced marginal penalty
+``rho * KL`` with ``rho = reach**2`` and damping ``kappa = 1 / (1 + eps / rho)`` per side
+(``kappa = 1`` on a balanced side). The loss is the dual objective
+
+    OT = <a, phi_x(f)> + <b, phi_y(g)> - eps * (sum(P) - sum(a) sum(b))
+
+with ``phi(f) = f`` on a balanced side and ``phi(f) = -rho (exp(-f / rho) - 1)`` on an
+unbalanced one; at the optimum this is the entropic OT cost, and its gradient in x is
+``2 (r_i x_i - (P y)_i)`` (envelope theorem, r = P 1).
+
+:func:`solve_potentials` is a small streaming Sinkhorn (alternating or symmetric updates,
+optional eps-scaling, optional label costs) so that this subpackage also works on its own;
+potentials from ``flashsinkhorn.solve`` can be passed instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashsinkhorn.second_order._stream import resolve_backend, row_apply, row_lse
+
+
+def _check_inputs(x, y, a, b, eps):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a (N, D) tensor; got {getattr(x, 'shape', type(x))}")
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise ValueError(f"y must be a (M, D) tensor; got {getattr(y, 'shape', type(y))}")
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(f"x and y must have the same D; got {x.shape[1]} and {y.shape[1]}")
+    if x.shape[0] == 0 or y.shape[0] == 0:
+        raise ValueError("x and y must be non-empty")
+    if x.device != y.device or x.dtype != y.dtype:
+        raise ValueError("x and y must share device and dtype")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps must be a positive number; got {eps!r}")
+    n, m = x.shape[0], y.shape[0]
+    dt = x.dtype if x.dtype == torch.float64 else torch.float32
+    if a is None:
+        a = torch.full((n,), 1.0 / n, dtype=dt, device=x.device)
+    if b is None:
+        b = torch.full((m,), 1.0 / m, dtype=dt, device=x.device)
+    if a.shape != (n,):
+        raise ValueError(f"a must have shape ({n},); got {tuple(a.shape)}")
+    if b.shape != (m,):
+        raise ValueError(f"b must have shape ({m},); got {tuple(b.shape)}")
+    if bool((a <= 0).any()) or bool((b <= 0).any()):
+        raise ValueError("weights a and b must be positive")
+    if not bool(torch.isfinite(x).all()) or not bool(torch.isfinite(y).all()):
+        raise ValueError("x and y must be finite")
+    return a.to(dt), b.to(dt)
+
+
+def _rho(reach):
+    """reach -> (rho_x, rho_y) with rho = reach**2; None means balanced on that side."""
+    if reach is None:
+        return None, None
+    if isinstance(reach, (tuple, list)):
+        rx, ry = reach
+    else:
+        rx = ry = reach
+    rx = None if rx is None else float(rx) ** 2
+    ry = None if ry is None else float(ry) ** 2
+    return rx, ry
+
+
+def _kappa(rho, eps):
+    return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
+
+
+@dataclass
+class Plan:
+    """Potentials of a solved problem plus everything needed to stream its plan."""
+
+    x: torch.Tensor  # centered compute copy (n, D)
+    y: torch.Tensor  # centered compute copy (m, D)
+    a: torch.Tensor
+    b: torch.Tensor
+    f: torch.Tensor
+    g: torch.Tensor
+    eps: float
+    rho_x: float | None = None
+    rho_y: float | None = None
+    labels: tuple | None = None  # (lx, ly, table) with the label weight folded in
+    backend: str = "auto"
+    precision: str = "tf32x3"
+    info: dict = field(default_factory=dict)
+
+    @property
+    def kx(self) -> float:
+        return _kappa(self.rho_x, self.eps)
+
+    @property
+    def ky(self) -> float:
+        return _kappa(self.rho_y, self.eps)
+
+    @property
+    def balanced(self) -> bool:
+        return self.rho_x is None and self.rho_y is None
+
+    def _shifted(self):
+        F = self.f - (self.x * self.x).sum(1) + self.eps * torch.log(self.a)
+        G = self.g - (self.y * self.y).sum(1) + self.eps * torch.log(self.b)
+        return F, G
+
+    def rows(self, W, A=None, B=None, U=None):
+        """``P @ W`` (and ``(P * (A B^T)) @ U`` when A is given)."""
+        F, G = self._shifted()
+        return row_apply(
+            self.x, self.y, F, G, self.eps, W, A=A, B=B, U=U, labels=self.labels,
+            backend=self.backend, precision=self.precision,
+        )  # fmt: skip
+
+    def cols(self, W, A=None, B=None, U=None):
+        """``P^T @ W`` (and ``(P * (B A^T))^T @ U`` with A (m, E), B (n, E))."""
+        F, G = self._shifted()
+        lab = None
+        if self.labels is not None:
+            lx, ly, t = self.labels
+            lab = (ly, lx, t.T.contiguous())
+        return row_apply(
+            self.y, self.x, G, F, self.eps, W, A=A, B=B, U=U, labels=lab,
+            backend=self.backend, precision=self.precision,
+        )  # fmt: skip
+
+    def value(self, r=None) -> torch.Tensor:
+        """The dual objective (the entropic OT cost at the optimum)."""
+        if r is None:
+            r = self.rows(torch.ones_like(self.g))
+        mass = r.sum() - self.a.sum() * self.b.sum()
+        return (
+            _phi(self.f, self.rho_x) @ self.a
+            + _phi(self.g, self.rho_y) @ self.b
+            - (self.eps * mass)
+        )
+
+
+def _phi(f, rho):
+    if rho is None:
+        return f
+    return -rho * torch.expm1(-f / rho)
+
+
+def center(x, y):
+    """Translate both clouds by their common mean (the cost is translation invariant)."""
+    t = (x.sum(0) + y.sum(0)) / (x.shape[0] + y.shape[0])
+    return x - t, y - t
+
+
+def solve_potentials(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    *,
+    eps: float,
+    reach=None,
+    max_iter: int = 100,
+    tol: float | None = None,
+    check_every: int = 10,
+    eps_schedule=None,
+    symmetric: bool = False,
+    labels=None,
+    potentials=None,
+    backend: str = "auto",
+    precision: str = "tf32x3",
+) -> Plan:
+    """Streaming log-domain Sinkhorn; returns a :class:`Plan` (potentials + plan products).
+
+    x (n, D), y (m, D); a (n,), b (m,) positive weights (uniform when None); ``eps`` the
+    final temperature; ``reach`` (float or (reach_x, reach_y), None = balanced) gives
+    ``rho = reach**2``. ``max_iter`` full iterations at the final eps (after one iteration
+    per value of ``eps_schedule`` when given). ``tol``: stop when the L1 marginal error,
+    checked every ``check_every`` iterations, falls below it. ``symmetric``: averaged
+    (GeomLoss-style) updates instead of alternating ones. ``labels``:
+    ``(lx (n,), ly (m,), table (Kx, Ky))`` adds ``table[lx_i, ly_j]`` to the cost.
+    ``potentials=(f, g)`` skips the solve (e.g. from ``flashsinkhorn.solve``).
+    """
+    a, b = _check_inputs(x, y, a, b, eps)
+    be = resolve_backend(backend, x.device)
+    dt = x.dtype if (be == "torch" and x.dtype == torch.float64) else torch.float32
+    xc, yc = center(x.detach().to(dt), y.detach().to(dt))
+    a = a.detach().to(dt)
+    b = b.detach().to(dt)
+    rx, ry = _rho(reach)
+    lab = None
+    if labels is not None:
+        lx, ly, table = labels
+        lab = (lx.to(x.device), ly.to(x.device), table.detach().to(device=x.device, dtype=dt))
+    plan = Plan(xc, yc, a, b, None, None, float(eps), rx, ry, lab, be, precision)
+    if potentials is not None:
+        plan.f = potentials[0].detach().to(dt)
+        plan.g = potentials[1].detach().to(dt)
+        plan.info = {"iterations": 0, "marginal_error": None}
+        return plan
+    x2 = (xc * xc).sum(1)
+    y2 = (yc * yc).sum(1)
+    loga = torch.log(a)
+    logb = torch.log(b)
+    lab_t = None if lab is None else (lab[1], lab[0], lab[2].T.contiguous())
+
+    def upd_f(g, e):
+        G = g - y2 + e * logb
+        return _kappa(rx, e) * (
+            x2 + row_lse(xc, yc, G, e, labels=lab, backend=be, precision=precision)
+        )
+
+    def upd_g(f, e):
+        F = f - x2 + e * loga
+        return _kappa(ry, e) * (
+            y2 + row_lse(yc, xc, F, e, labels=lab_t, backend=be, precision=precision)
+        )
+
+    eps_list = [float(e) for e in (eps_schedule or [])] + [float(eps)] * int(max_iter)
+    f = torch.zeros_like(x2)
+    g = torch.zeros_like(y2)
+    if eps_list:
+        # a first c-transform at the first temperature
+        g = upd_g(f, eps_list[0])
+    err = None
+    it = 0
+    for it, e in enumerate(eps_list, 1):
+        if symmetric:
+            f_new, g_new = upd_f(g, e), upd_g(f, e)
+            f, g = 0.5 * (f + f_new), 0.5 * (g + g_new)
+        else:
+            f = upd_f(g, e)
+            g_new = upd_g(f, e)
+            if tol is not None and it >= len(eps_list) - max_iter and it % check_every == 0:
+                # column marginal error of the plan (f, g): sum_j |b_j exp((g - g_new)/eps) - b_j|
+                if rx is None and ry is None:
+                    err = float((b * torch.expm1((g - g_new) / e).abs()).sum())
+                else:  # no fixed marginal: the change of the potential, in units of eps
+                    err = float((g - g_new).abs().max() / e)
+            g = g_new
+            if err is not None and err < tol:
+                break
+    plan.f, plan.g = f, g
+    plan.info = {"iterations": it, "marginal_error": err}
+    return plan
+
+
+__all__ = ["Plan", "solve_potentials", "center"]

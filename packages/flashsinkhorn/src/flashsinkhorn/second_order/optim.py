@@ -1,0 +1,320 @@
+"""Krylov solvers and second-order optimizers on Hessian-vector-product closures.
+
+Everything here is generic: a linear operator is a function ``v -> A v`` on tensors of any
+shape, and an objective is a function ``x -> scalar tensor`` differentiable twice by
+autograd (``flashsinkhorn.second_order.ot_loss`` is, through its streaming HVP).
+
+- :func:`conjugate_gradient`: preconditioned CG, optional projection (singular systems);
+- :func:`lanczos_min_eig`: smallest eigenvalue of a symmetric operator (saddle detection);
+- :func:`newton_cg`: line-search Newton-CG (truncated CG, stops on negative curvature);
+- :func:`trust_region`: trust-region Newton with the Steihaug-Toint CG subproblem solver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _dot(u: Tensor, v: Tensor) -> Tensor:
+    return (u * v).sum()
+
+
+@dataclass
+class CGInfo:
+    converged: bool
+    iterations: int
+    residual: float
+    initial_residual: float
+    negative_curvature: bool = False
+
+
+def conjugate_gradient(
+    matvec: Callable[[Tensor], Tensor],
+    b: Tensor,
+    *,
+    x0: Tensor | None = None,
+    M: Callable[[Tensor], Tensor] | None = None,
+    tol: float = 1e-6,
+    atol: float = 0.0,
+    max_iter: int | None = None,
+    project: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, CGInfo]:
+    """Solve ``A x = b`` for symmetric positive (semi-)definite A by preconditioned CG.
+
+    ``M``: the preconditioner, a function ``r -> M^{-1} r``. ``project``: applied to the
+    residual every iteration (e.g. removing the null-space component of a consistent
+    singular system). Stops when ``|r| <= max(tol * |b|, atol)``; returns ``(x, CGInfo)``.
+    """
+    max_iter = int(max_iter if max_iter is not None else 10 * b.numel())
+    if project is not None:
+        b = project(b)
+    x = torch.zeros_like(b) if x0 is None else x0.clone()
+    r = b - matvec(x) if x0 is not None else b.clone()
+    if project is not None:
+        r = project(r)
+    r0 = float(torch.linalg.vector_norm(r))
+    target = max(tol * float(torch.linalg.vector_norm(b)), atol)
+    if r0 <= target:
+        return x, CGInfo(True, 0, r0, r0)
+    z = M(r) if M is not None else r
+    p = z.clone()
+    rz = _dot(r, z)
+    res = r0
+    it = 0
+    for it in range(1, max_iter + 1):
+        Ap = matvec(p)
+        pAp = _dot(p, Ap)
+        if float(pAp) <= 0:  # not positive definite along p: stop with what we have
+            return x, CGInfo(False, it, res, r0, negative_curvature=True)
+        alpha = rz / pAp
+        x = x + alpha * p
+        r = r - alpha * Ap
+        if project is not None:
+            r = project(r)
+        res = float(torch.linalg.vector_norm(r))
+        if res <= target:
+            return x, CGInfo(True, it, res, r0)
+        z = M(r) if M is not None else r
+        rz_new = _dot(r, z)
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    return x, CGInfo(False, it, res, r0)
+
+
+@dataclass
+class LanczosResult:
+    eigenvalue: float
+    eigenvector: Tensor
+    ritz_values: Tensor
+    iterations: int
+
+
+def lanczos_min_eig(
+    matvec: Callable[[Tensor], Tensor],
+    v0: Tensor,
+    *,
+    k: int = 30,
+    tol: float = 1e-8,
+    reorthogonalize: bool = True,
+) -> LanczosResult:
+    """Smallest eigenvalue (and vector) of a symmetric operator by ``k`` Lanczos steps.
+
+    ``v0`` (any shape) is the start vector; the operator is applied ``<= k`` times. With
+    full reorthogonalization (default) the Krylov basis is stored: k vectors of v0's size.
+    A negative value at a stationary point of a loss means a saddle (or a maximum).
+    """
+    q = v0 / torch.linalg.vector_norm(v0)
+    Q = [q]
+    alphas, betas = [], []
+    beta = 0.0
+    q_prev = torch.zeros_like(q)
+    for j in range(k):
+        w = matvec(Q[-1])
+        alpha = float(_dot(w, Q[-1]))
+        w = w - alpha * Q[-1] - beta * q_prev
+        if reorthogonalize:
+            for qi in Q:
+                w = w - _dot(w, qi) * qi
+        alphas.append(alpha)
+        beta = float(torch.linalg.vector_norm(w))
+        if beta < tol or j == k - 1:
+            break
+        betas.append(beta)
+        q_prev = Q[-1]
+        Q.append(w / beta)
+        if not reorthogonalize:
+            Q = Q[-2:]
+    T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if betas:
+        off = torch.tensor(betas[: len(alphas) - 1], dtype=torch.float64)
+        T = T + torch.diag(off, 1) + torch.diag(off, -1)
+    evals, evecs = torch.linalg.eigh(T)
+    s = evecs[:, 0]
+    if reorthogonalize:
+        vec = sum(float(s[i]) * Q[i] for i in range(len(alphas)))
+    else:
+        vec = Q[-1]
+    return LanczosResult(float(evals[0]), vec, evals, len(alphas))
+
+
+def _grad_and_hvp(fun, x):
+    """(value, grad, hvp closure) of ``fun`` at x by autograd (double backward)."""
+    x = x.detach().requires_grad_(True)
+    val = fun(x)
+    (g,) = torch.autograd.grad(val, x, create_graph=True)
+
+    def hvp(v):
+        (h,) = torch.autograd.grad(g, x, v, retain_graph=True)
+        return h.detach()
+
+    return val.detach(), g.detach(), hvp
+
+
+@dataclass
+class OptimizeResult:
+    x: Tensor
+    fun: float
+    grad_norm: float
+    iterations: int
+    converged: bool
+    history: list = field(default_factory=list)
+
+
+def newton_cg(
+    fun: Callable[[Tensor], Tensor],
+    x0: Tensor,
+    *,
+    max_iter: int = 50,
+    gtol: float = 1e-6,
+    cg_tol: float | None = None,
+    cg_max_iter: int = 100,
+    damping: float = 0.0,
+    max_step: float | None = None,
+    callback: Callable | None = None,
+) -> OptimizeResult:
+    """Line-search Newton-CG (truncated Newton) minimizing ``fun(x)``.
+
+    Each iteration: gradient and Hessian-vector products of ``fun`` at x by autograd
+    (one forward, one ``create_graph`` backward, then one extra backward per CG step),
+    the Newton system ``(H + damping I) p = -g`` solved by CG to the forcing tolerance
+    ``min(0.5, sqrt(|g|))`` (superlinear, quadratic in the limit) or ``cg_tol``, stopped on
+    negative curvature (then the steepest-descent direction is used), and an Armijo
+    backtracking line search. Stops when ``|g| <= gtol``. ``history`` holds
+    ``(iteration, value, grad_norm)``.
+    """
+    x = x0.detach().clone()
+    hist = []
+    val, g, hvp = _grad_and_hvp(fun, x)
+    gn = float(torch.linalg.vector_norm(g))
+    it = 0
+    for it in range(1, max_iter + 1):
+        hist.append((it - 1, float(val), gn))
+        if callback is not None:
+            callback(it - 1, x, float(val), gn)
+        if gn <= gtol:
+            return OptimizeResult(x, float(val), gn, it - 1, True, hist)
+        eta = cg_tol if cg_tol is not None else min(0.5, math.sqrt(gn))
+        op = (lambda v: hvp(v) + damping * v) if damping else hvp
+        p, info = conjugate_gradient(op, -g, tol=eta, max_iter=cg_max_iter)
+        if info.negative_curvature and info.iterations <= 1:
+            p = -g
+        if float(_dot(p, g)) >= 0:
+            p = -g
+        if max_step is not None:
+            pn = float(torch.linalg.vector_norm(p))
+            if pn > max_step:
+                p = p * (max_step / pn)
+        t = 1.0
+        slope = float(_dot(p, g))
+        for _ in range(30):
+            with torch.no_grad():
+                v_new = float(fun(x + t * p))
+            if v_new <= float(val) + 1e-4 * t * slope:
+                break
+            t *= 0.5
+        x = (x + t * p).detach()
+        val, g, hvp = _grad_and_hvp(fun, x)
+        gn = float(torch.linalg.vector_norm(g))
+    hist.append((it, float(val), gn))
+    return OptimizeResult(x, float(val), gn, it, gn <= gtol, hist)
+
+
+def steihaug_cg(hvp, g, radius, *, tol, max_iter):
+    """Approximately minimize ``g.p + p.H p / 2`` over ``|p| <= radius`` (Steihaug-Toint)."""
+    z = torch.zeros_like(g)
+    r = g.clone()
+    d = -r
+    r0 = float(torch.linalg.vector_norm(r))
+    if r0 == 0:
+        return z, "zero"
+    for _ in range(max_iter):
+        Hd = hvp(d)
+        dHd = float(_dot(d, Hd))
+        if dHd <= 0:
+            return z + _to_boundary(z, d, radius) * d, "negative curvature"
+        alpha = float(_dot(r, r)) / dHd
+        z_new = z + alpha * d
+        if float(torch.linalg.vector_norm(z_new)) >= radius:
+            return z + _to_boundary(z, d, radius) * d, "boundary"
+        r_new = r + alpha * Hd
+        if float(torch.linalg.vector_norm(r_new)) < tol * r0:
+            return z_new, "converged"
+        d = -r_new + (float(_dot(r_new, r_new)) / float(_dot(r, r))) * d
+        z, r = z_new, r_new
+    return z, "max_iter"
+
+
+def _to_boundary(z, d, radius):
+    """tau >= 0 with |z + tau d| = radius."""
+    a = float(_dot(d, d))
+    b = 2 * float(_dot(z, d))
+    c = float(_dot(z, z)) - radius**2
+    return (-b + math.sqrt(max(b * b - 4 * a * c, 0.0))) / (2 * a)
+
+
+def trust_region(
+    fun: Callable[[Tensor], Tensor],
+    x0: Tensor,
+    *,
+    radius: float = 1.0,
+    max_radius: float = 1e3,
+    eta: float = 0.1,
+    max_iter: int = 100,
+    gtol: float = 1e-6,
+    cg_max_iter: int = 100,
+    callback: Callable | None = None,
+) -> OptimizeResult:
+    """Trust-region Newton with the Steihaug-CG subproblem (Nocedal & Wright, Alg. 4.1/7.2).
+
+    Moves along negative curvature to the trust-region boundary, so it escapes saddle
+    points where Newton-CG would stall. ``history`` holds
+    ``(iteration, value, grad_norm, radius, rho, stop_reason)``.
+    """
+    x = x0.detach().clone()
+    hist = []
+    val, g, hvp = _grad_and_hvp(fun, x)
+    gn = float(torch.linalg.vector_norm(g))
+    it = 0
+    for it in range(1, max_iter + 1):
+        if gn <= gtol:
+            hist.append((it - 1, float(val), gn, radius, None, "gtol"))
+            return OptimizeResult(x, float(val), gn, it - 1, True, hist)
+        tol = min(0.5, math.sqrt(gn))
+        p, why = steihaug_cg(hvp, g, radius, tol=tol, max_iter=cg_max_iter)
+        pred = -(float(_dot(g, p)) + 0.5 * float(_dot(p, hvp(p))))
+        with torch.no_grad():
+            v_new = float(fun(x + p))
+        actual = float(val) - v_new
+        rho = actual / pred if pred > 0 else -1.0
+        pn = float(torch.linalg.vector_norm(p))
+        hist.append((it - 1, float(val), gn, radius, rho, why))
+        if callback is not None:
+            callback(it - 1, x, float(val), gn)
+        if rho < 0.25:
+            radius = 0.25 * pn if pn > 0 else 0.25 * radius
+        elif rho > 0.75 and abs(pn - radius) <= 1e-6 * radius + 1e-12:
+            radius = min(2 * radius, max_radius)
+        if rho > eta:
+            x = (x + p).detach()
+            val, g, hvp = _grad_and_hvp(fun, x)
+            gn = float(torch.linalg.vector_norm(g))
+    hist.append((it, float(val), gn, radius, None, "end"))
+    return OptimizeResult(x, float(val), gn, it, gn <= gtol, hist)
+
+
+__all__ = [
+    "CGInfo",
+    "conjugate_gradient",
+    "LanczosResult",
+    "lanczos_min_eig",
+    "OptimizeResult",
+    "newton_cg",
+    "steihaug_cg",
+    "trust_region",
+]
