@@ -137,3 +137,28 @@ def test_backend_errors():
     x, y, g, logb, cx, cy = _inputs(1, 4, 4, 2)
     with pytest.raises(ValueError, match="precision"):
         softmin(x, y, g, logb, cx, cy, eps=0.1, c2=2.0, precision="fp8")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d", [3, 150])
+def test_center_subtracted_in_kernel(backend, d):
+    """center=c computes <x - c, y - c>: shifted clouds with the shift as center agree."""
+    x, y, g, logb, cx, cy = _inputs(2, 29, 38, d, seed=7)
+    shift = 5.0 + torch.randn(2, d)
+    ref, _, refv = softmin(x, y, g, logb, cx, cy, eps=0.2, c2=2.0, v=y, backend="torch")
+    out, _, vbar = softmin(
+        x + shift[:, None],
+        y + shift[:, None],
+        g,
+        logb,
+        cx,
+        cy,
+        eps=0.2,
+        c2=2.0,
+        v=y,
+        backend=backend,
+        precision="ieee",
+        center=shift,
+    )
+    torch.testing.assert_close(out, ref, atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(vbar, refv, atol=5e-5, rtol=1e-5)

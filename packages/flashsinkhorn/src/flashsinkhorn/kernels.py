@@ -133,42 +133,37 @@ def plan_apply_ref(x, y, a, b, f, g, v, *, eps, cost_scale=1.0):
 
 if HAS_TRITON:
 
+    def _no_autotune() -> bool:
+        return _interpret() or os.environ.get("FLASHSINKHORN_NO_AUTOTUNE", "0") == "1"
+
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_D is chosen by the launcher.
+    _FIXED = (64, 64, 4, 2)
+    _TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 2)]
+    _TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
+
     def _configs():
-        if _interpret() or os.environ.get("FLASHSINKHORN_NO_AUTOTUNE", "0") == "1":
-            return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
-        cfgs = []
-        for bm, bn, w, s in [
-            (128, 64, 4, 3),
-            (128, 64, 8, 3),
-            (128, 128, 8, 2),
-            (128, 128, 8, 3),
-            (64, 64, 4, 3),
-            (64, 128, 4, 3),
-            (256, 64, 8, 3),
-            (128, 32, 4, 4),
-        ]:
-            cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+        if _no_autotune():
+            bm, bn, w, st = _FIXED
+            return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)]
+        seen, cfgs = set(), []
+        for bm, bn, w, st in _TUNE_SMALL_D + _TUNE_LARGE_D:
+            if (bm, bn, w, st) not in seen:
+                seen.add((bm, bn, w, st))
+                cfgs.append(
+                    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                )
         return cfgs
 
     def _prune(configs, named_args, **kwargs):
-        # keep register pressure sane for wide softmax averages and big d-chunks
-        dv = named_args.get("DV", 0) if isinstance(named_args, dict) else 0
-        bd = kwargs.get("BLOCK_D", 64)
-        out = []
-        for c in configs:
-            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-            if bd >= 128 and bm * bn > 128 * 64:
-                continue
-            if dv and bm > 128:
-                continue
-            out.append(c)
+        nd = kwargs.get("NUM_D", 1)
+        allowed = set(_TUNE_SMALL_D if nd == 1 else _TUNE_LARGE_D)
+        out = [
+            c
+            for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed
+        ]
         return out or configs[:1]
 
-    @triton.autotune(
-        configs=_configs(),
-        key=["N_KEY", "M_KEY", "D", "DV", "HAS_LABELS", "PREC"],
-        prune_configs_by={"early_config_prune": _prune} if not _interpret() else None,
-    )
     @triton.jit
     def _softmin_kernel(
         X,
@@ -184,6 +179,7 @@ if HAS_TRITON:
         LX,
         LY,
         W,
+        CENTER,
         N,
         M,
         D,
@@ -202,6 +198,7 @@ if HAS_TRITON:
         HAS_V: tl.constexpr,
         HAS_LABELS: tl.constexpr,
         HAS_LSE: tl.constexpr,
+        HAS_CENTER: tl.constexpr,
         PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -228,6 +225,9 @@ if HAS_TRITON:
                 mask=row_mask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
+            if HAS_CENTER:  # translation-invariant cost: center for tf32 accuracy
+                c0 = tl.load(CENTER + pid_b64 * D + offs_d, mask=offs_d < D, other=0.0)
+                x0 = x0 - c0[None, :]
         if HAS_LABELS:
             lx = tl.load(LX + pid_b64 * N + rows, mask=row_mask, other=0)
         if HAS_V:
@@ -248,6 +248,8 @@ if HAS_TRITON:
                     mask=col_mask[:, None] & (offs_d[None, :] < D),
                     other=0.0,
                 )
+                if HAS_CENTER:
+                    y = y - c0[None, :]
                 s = tl.dot(x0, tl.trans(y), input_precision=PREC)
             else:
                 s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -263,6 +265,10 @@ if HAS_TRITON:
                         mask=col_mask[:, None] & (dd[None, :] < D),
                         other=0.0,
                     )
+                    if HAS_CENTER:
+                        ck = tl.load(CENTER + pid_b64 * D + dd, mask=dd < D, other=0.0)
+                        xk = xk - ck[None, :]
+                        yk = yk - ck[None, :]
                     s = tl.dot(xk, tl.trans(yk), s, input_precision=PREC)
             gj = tl.load(Gb + cols, mask=col_mask, other=0.0).to(tl.float32)
             lbj = tl.load(LOGBb + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
@@ -308,20 +314,35 @@ if HAS_TRITON:
             )
 
 
+if HAS_TRITON:
+    # autotuned entry point for the iteration kernel (no V); the plan-application variant
+    # (HAS_V) runs once per solve and uses one fixed config (no compile storm on the GPU).
+    _softmin_tuned = triton.autotune(
+        configs=_configs(),
+        key=["N_KEY", "M_KEY", "D", "HAS_LABELS", "PREC"],
+        prune_configs_by=None if _no_autotune() else {"early_config_prune": _prune},
+    )(_softmin_kernel)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _bucket(n: int) -> int:
-    return min(_next_pow2(n), 1 << 20)
+    return min(_next_pow2(n), 1 << 16)
 
 
-def _softmin_triton(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse):
+def _softmin_triton(
+    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center
+):
     B, N, D = x.shape
     M = y.shape[1]
     dev = x.device
     f32 = torch.float32
     if precision == "bf16":
+        if center is not None:
+            x, y = x - center[:, None, :], y - center[:, None, :]
+            center = None
         x = x.to(torch.bfloat16).contiguous()
         y = y.to(torch.bfloat16).contiguous()
         prec = "tf32"
@@ -352,9 +373,18 @@ def _softmin_triton(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precisio
     else:
         lx = ly = W = out
         K2, w_scale = 1, 0.0
+    if center is not None:
+        center = center.to(f32).contiguous()
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
+    extra = {}
+    if DV > 0:
+        kern = _softmin_kernel
+        bm, bn, w, st = _FIXED
+        extra = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+    else:
+        kern = _softmin_tuned
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
-        _softmin_kernel[grid](
+        kern[grid](
             x,
             y,
             g,
@@ -368,6 +398,7 @@ def _softmin_triton(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precisio
             lx,
             ly,
             W,
+            out if center is None else center,
             N,
             M,
             D,
@@ -386,7 +417,9 @@ def _softmin_triton(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precisio
             HAS_V=DV > 0,
             HAS_LABELS=labels is not None,
             HAS_LSE=want_lse,
+            HAS_CENTER=center is not None,
             PREC=prec,
+            **extra,
         )
     return out, (lse if want_lse else None), (vbar if DV > 0 else None)
 
@@ -404,11 +437,13 @@ class _nullctx:
 # ----------------------------------------------------------------------------------------
 
 
-def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse):
+def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse, center):
     B, N, D = x.shape
     M = y.shape[1]
     dt = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     x, y, g, logb, cx, cy = (t.to(dt) for t in (x, y, g, logb, cx, cy))
+    if center is not None:
+        y = y - center.to(dt)[:, None, :]
     bias = logb + (g - cy) / eps  # (B, M)
     yt = y.transpose(1, 2)
     out = torch.empty((B, N), dtype=dt, device=x.device)
@@ -420,7 +455,8 @@ def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse)
     rows = max(1, min(N, (1 << 22) // max(1, M)))  # at most ~4M scores per block
     for i0 in range(0, N, rows):
         i1 = min(N, i0 + rows)
-        S = (c2 / eps) * torch.bmm(x[:, i0:i1], yt) + bias[:, None, :]
+        xi = x[:, i0:i1] if center is None else x[:, i0:i1] - center.to(dt)[:, None, :]
+        S = (c2 / eps) * torch.bmm(xi, yt) + bias[:, None, :]
         if labels is not None:
             lx, ly, W, w_scale = labels
             Wt = W.to(dt)[lx[:, i0:i1].long()[:, :, None], ly.long()[:, None, :]]
@@ -455,6 +491,7 @@ def softmin(
     precision: str = "tf32",
     backend: str = "auto",
     want_lse: bool = False,
+    center: torch.Tensor | None = None,
 ):
     """Streaming c-transform (fused row-LSE update) for batched clouds.
 
@@ -471,6 +508,9 @@ def softmin(
         backend: "auto", "triton" or "torch".
         want_lse: also return ``lse2`` (B, N): ``log2 sum_j exp2(score_ij)`` with the scores
             excluding ``cx`` (so ``out = damping * (cx - eps * ln2 * lse2)``).
+        center: optional (B, D): the dot product uses ``<x_i - c, y_j - c>`` (subtracted
+            on load). For the squared-Euclidean cost pass ``cx = s|x - c|^2``,
+            ``cy = s|y - c|^2``: same cost, smaller operands, better tf32/bf16 accuracy.
 
     Returns:
         ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
@@ -480,9 +520,9 @@ def softmin(
     be = resolve_backend(backend, x.device)
     if be == "triton":
         return _softmin_triton(
-            x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse
+            x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center
         )
-    return _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse)
+    return _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse, center)
 
 
 def plan_apply(

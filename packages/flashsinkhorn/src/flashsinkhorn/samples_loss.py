@@ -27,7 +27,14 @@ import warnings
 import torch
 
 from flashsinkhorn.kernels import resolve_backend
-from flashsinkhorn.solver import Problem, _damp, eps_schedule, prepare_inputs
+from flashsinkhorn.solver import (
+    Problem,
+    _damp,
+    centered_sqnorm,
+    common_center,
+    eps_schedule,
+    prepare_inputs,
+)
 
 __all__ = ["SamplesLoss", "sinkhorn_divergence", "samples_loss_ref"]
 
@@ -72,11 +79,12 @@ def _sinkhorn_forward(
         diameter = _max_diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
     be = resolve_backend(backend, x.device)
-    hx, hy = 0.5 * (x * x).sum(-1), 0.5 * (y * y).sum(-1)
-    pxy = Problem(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be)
+    c = common_center(x, y)
+    hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
+    pxy = Problem(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
     if debias:
-        pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be)
-        pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be)
+        pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
+        pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
     zb = torch.zeros_like(hy)
     za = torch.zeros_like(hx)
     e = eps_list[0]

@@ -160,6 +160,7 @@ class Problem:
     labels: tuple | None = None  # (lx, ly, W, scale)
     precision: str = "tf32"
     backend: str = "auto"
+    center: torch.Tensor | None = None  # (B, D): dot products use <X - c, Y - c>
     loga: torch.Tensor = field(init=False)
     logb: torch.Tensor = field(init=False)
 
@@ -191,6 +192,7 @@ class Problem:
             precision=self.precision,
             backend=self.backend,
             want_lse=want_lse,
+            center=self.center,
         )
 
     def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False):
@@ -210,26 +212,51 @@ class Problem:
             precision=self.precision,
             backend=self.backend,
             want_lse=want_lse,
+            center=self.center,
         )
 
 
-def cost_features(x, y, cost, cost_scale):
-    """Return ``(X, Y, cx, cy, c2)`` so that ``C = cost_scale * cost(x, y)`` in kernel form.
+def common_center(x, y):
+    """(B, D) mean of both clouds (no grad): the squared-Euclidean cost is invariant under a
+    common translation, and centered operands make tf32/bf16 dot products more accurate."""
+    with torch.no_grad():
+        return (x.sum(-2) + y.sum(-2)) / (x.shape[-2] + y.shape[-2])
 
-    Differentiable torch ops (the cosine normalization is part of the autograd graph).
+
+def centered_sqnorm(x, c, chunk=1 << 16):
+    """``|x_i - c|^2`` (B, N) without a full-size temporary (row chunks)."""
+    with torch.no_grad():
+        out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
+        for i0 in range(0, x.shape[-2], chunk):
+            xi = x[:, i0 : i0 + chunk] - c[:, None, :]
+            out[:, i0 : i0 + chunk] = (xi * xi).sum(-1)
+        return out
+
+
+def cost_features(x, y, cost, cost_scale, center=True):
+    """Return ``(X, Y, cx, cy, c2, c)`` with ``C = cost_scale * cost(x, y)`` in kernel form
+    ``C_ij = cx_i + cy_j - c2 <X_i - c, Y_j - c>`` (``c`` (B, D) or None).
+
+    X, Y keep the autograd graph (the cosine normalization); cx, cy are detached.
     """
     s = float(cost_scale)
     if cost == "sqeuclidean":
-        return x, y, s * (x * x).sum(-1), s * (y * y).sum(-1), 2.0 * s
-    if cost == "cosine":
+        X, Y, c2, k = x, y, 2.0 * s, s
+    elif cost == "cosine":
         X = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         Y = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         # 1 - <X, Y> = |X - Y|^2 / 2 on the sphere: sqeuclidean with scale s/2
-        return X, Y, 0.5 * s * (X * X).sum(-1), 0.5 * s * (Y * Y).sum(-1), s
-    if cost == "dot":
+        c2, k = s, 0.5 * s
+    elif cost == "dot":
         z = x.new_zeros(x.shape[:-1])
-        return x, y, z, y.new_zeros(y.shape[:-1]), s
-    raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
+        return x, y, z, y.new_zeros(y.shape[:-1]), s, None
+    else:
+        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
+    Xd, Yd = X.detach(), Y.detach()
+    if center:
+        c = common_center(Xd, Yd)
+        return X, Y, k * centered_sqnorm(Xd, c), k * centered_sqnorm(Yd, c), c2, c
+    return X, Y, k * (Xd * Xd).sum(-1), k * (Yd * Yd).sum(-1), c2, None
 
 
 def _label_tuple(label_cost, B, N, M, device, label_scale=1.0):
@@ -531,11 +558,10 @@ class SinkhornResult:
     def plan(self) -> torch.Tensor:
         """Dense plan (B, N, M): for small problems and tests only (allocates N x M)."""
         p = self._prob
-        C = (
-            p.cx[..., :, None]
-            + p.cy[..., None, :]
-            - p.c2 * (p.X.detach() @ p.Y.detach().transpose(-1, -2))
-        )
+        X, Y = p.X.detach(), p.Y.detach()
+        if p.center is not None:
+            X, Y = X - p.center[:, None, :], Y - p.center[:, None, :]
+        C = p.cx[..., :, None] + p.cy[..., None, :] - p.c2 * (X @ Y.transpose(-1, -2))
         if p.labels is not None:
             lx, ly, W, s = p.labels
             C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
@@ -609,7 +635,7 @@ def solve(
         raise ValueError(f"check_every must be >= 1; got {check_every}")
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
     be = resolve_backend(backend, x3.device)
-    X, Y, cx, cy, c2 = cost_features(x3, y3, cost, cost_scale)
+    X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = _label_tuple(label_cost, B, N, M, X.device)
     prob = Problem(
@@ -625,6 +651,7 @@ def solve(
         labels,
         precision,
         be,
+        center,
     )
     eps_list = None
     if eps_scaling is not None:
@@ -648,7 +675,7 @@ def solve(
             stacklevel=2,
         )
     # the differentiable value: graph to x, y (through the features) and a, b
-    prob_g = Problem(X, Y, a2, b2, cx, cy, c2, cost, cost_scale, labels, precision, be)
+    prob_g = Problem(X, Y, a2, b2, cx, cy, c2, cost, cost_scale, labels, precision, be, center)
     prob_g.X, prob_g.Y = X.detach(), Y.detach()
     prob_g.cx, prob_g.cy = cx.detach(), cy.detach()
     prob_g.a, prob_g.b = a2.detach(), b2.detach()
