@@ -1,0 +1,546 @@
+"""flashsinkhorn-bench: timings against flash-sinkhorn, GeomLoss and POT (kernel-bench/1 JSON).
+
+    python -m flashsinkhorn.bench                 # CUDA: the standard H200 suite
+    python -m flashsinkhorn.bench --smoke         # tiny CPU run (CI)
+    python -m flashsinkhorn.bench --n 20000 --d 64 128 --mode fwd fwd_bwd iter
+    python -m flashsinkhorn.bench --json out.json --providers ours geomloss
+
+Benches (``bench`` field):
+- ``sinkhorn_iteration``: one symmetric fixed-eps iteration (both potentials), C = |x-y|^2,
+  eps = 0.01 (flash-sinkhorn's fixed-iteration setting); time per iteration is measured as
+  ``(t(K2 iterations) - t(K1 iterations)) / (K2 - K1)`` for every provider.
+- ``samples_loss``: GeomLoss's SamplesLoss(p=2, blur, scaling) schedule, modes ``fwd`` and
+  ``fwd_bwd``; ``params.debias`` and ``params.batch`` distinguish the variants.
+- ``hvp``: delegated to ``flashsinkhorn.second_order.bench_hvp`` when present.
+
+Points: x, y uniform in [0, 1/sqrt(d)]^d, y shifted by 0.5/sqrt(d) per coordinate (the
+problem of ../shared/GPU.md). Columns: median time, time per iteration, fraction of the
+floor (exp count at 4.2e12 exp/s vs dot FLOPs at 433 (tf32) / 792 (bf16) TFLOP/s, whichever
+is larger), peak extra memory, and |value - float64 reference| on small sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import flashsinkhorn as fs
+from flashsinkhorn.samples_loss import _max_diameter
+from flashsinkhorn.solver import Problem, centered_sqnorm, common_center, eps_schedule
+
+EXP_RATE = 4.2e12  # exp/s, H200 special-function units
+DOT_RATE = {"tf32": 433e12, "bf16": 792e12, "ieee": 60e12, "tf32x3": 144e12}
+TENSORIZED_LIMIT = 40 * 2**30  # skip geomloss tensorized above this estimate
+
+
+# ----------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------
+
+
+def _problem(n, m, d, device, batch=None, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    sh = () if batch is None else (batch,)
+    s = 1.0 / math.sqrt(d)
+    x = (torch.rand(*sh, n, d, generator=gen) * s).to(device)
+    y = (torch.rand(*sh, m, d, generator=gen) * s + 0.5 * s).to(device)
+    return x, y
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timeit(fn, device, warmup=1, reps=5):
+    """Median / p20 / p80 in ms (CUDA events on GPU) and peak extra memory (MiB)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    for _ in range(reps):
+        if device.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    q = statistics.quantiles(times, n=5) if len(times) > 1 else [times[0]] * 4
+    return statistics.median(times), q[0], q[-1], peak
+
+
+def _row(bench, provider, mode, params, **kw):
+    r = {
+        "bench": bench,
+        "provider": provider,
+        "mode": mode,
+        "params": params,
+        "status": "ok",
+        "time_ms": None,
+        "time_ms_p20": None,
+        "time_ms_p80": None,
+        "metrics": {},
+        "accuracy": {},
+        "error": None,
+    }
+    r.update(kw)
+    return r
+
+
+def _run_case(bench, provider, mode, params, fn, device, warmup, reps, floor_ms=None, extra=None):
+    try:
+        med, p20, p80, peak = _timeit(fn, device, warmup, reps)
+    except Exception as e:  # a failing peer must not kill the suite
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return _row(
+            bench, provider, mode, params, status="error", error=f"{type(e).__name__}: {e}"[:300]
+        )
+    metrics = {"peak_mem_mib": peak}
+    if floor_ms is not None:
+        metrics["floor_ms"] = floor_ms
+        metrics["frac_floor"] = floor_ms / med if med else None
+    if extra:
+        metrics.update(extra)
+    return _row(
+        bench,
+        provider,
+        mode,
+        params,
+        time_ms=med,
+        time_ms_p20=p20,
+        time_ms_p80=p80,
+        metrics=metrics,
+    )
+
+
+def _pass_floor_ms(n, m, d, precision, batch=1):
+    """One softmin pass (N x M scores): max(exp time, dot time), in ms."""
+    scores = batch * n * m
+    t_exp = scores / EXP_RATE
+    t_dot = scores * 2 * d / DOT_RATE.get(precision, DOT_RATE["tf32"])
+    return 1e3 * max(t_exp, t_dot)
+
+
+def _peers():
+    out = {}
+    try:
+        import geomloss
+
+        out["geomloss"] = geomloss
+    except Exception:
+        pass
+    try:
+        import flash_sinkhorn
+
+        out["flash-sinkhorn"] = flash_sinkhorn
+    except Exception:
+        pass
+    try:
+        import ot
+
+        out["pot"] = ot
+    except Exception:
+        pass
+    return out
+
+
+def _version(mod):
+    return getattr(mod, "__version__", "?")
+
+
+# ----------------------------------------------------------------------------------------
+# benches
+# ----------------------------------------------------------------------------------------
+
+
+def _ours_iterations(x, y, eps, k, precision, backend):
+    """k symmetric fixed-eps iterations (C = |x - y|^2), batched x (B, N, D)."""
+    if x.dim() == 2:
+        x, y = x[None], y[None]
+    B, N, _ = x.shape
+    M = y.shape[1]
+    a = torch.full((B, N), 1.0 / N, device=x.device)
+    b = torch.full((B, M), 1.0 / M, device=x.device)
+    c = common_center(x, y)
+    prob = Problem(
+        x, y, a, b, centered_sqnorm(x, c), centered_sqnorm(y, c), 2.0, "sqeuclidean", 1.0,
+        None, precision, backend, c,
+    )  # fmt: skip
+    f = torch.zeros_like(a)
+    g = torch.zeros_like(b)
+    for _ in range(k):
+        ft = prob.sm_x(g, eps)[0]
+        gt = prob.sm_y(f, eps)[0]
+        f, g = 0.5 * (f + ft), 0.5 * (g + gt)
+    return f, g
+
+
+def bench_iteration(n, d, device, providers, peers, precisions, warmup, reps, k1=2, k2=10):
+    rows = []
+    eps = 0.01
+    x, y = _problem(n, n, d, device)
+    be = "auto"
+    for prov, prec in [("ours", p) for p in precisions] + [("flash-sinkhorn", "tf32")]:
+        if prov not in providers:
+            continue
+        params = {"n": n, "m": n, "d": d, "eps": eps, "dtype": "float32"}
+        label = prov if (prov != "ours" or prec == "tf32") else f"ours-{prec}"
+        floor = 2 * _pass_floor_ms(n, n, d, prec)
+        if prov == "ours":
+
+            def make(k, prec=prec):
+                return lambda: _ours_iterations(x, y, eps, k, prec, be)
+
+        else:
+            if "flash-sinkhorn" not in peers or device.type != "cuda":
+                rows.append(_row("sinkhorn_iteration", label, "fwd", params, status="skipped",
+                                 error="flash_sinkhorn not importable"))  # fmt: skip
+                continue
+            FS = peers["flash-sinkhorn"].SamplesLoss
+            a = torch.full((n,), 1.0 / n, device=device)
+
+            def make(k, FS=FS, a=a):
+                L = FS("sinkhorn", use_epsilon_scaling=False, eps=eps, n_iters=k, debias=False,
+                       potentials=False, normalize=False, last_extrapolation=False,
+                       allow_tf32=True, half_cost=False)  # fmt: skip
+                return lambda: L(a, x, a, y)
+
+        try:
+            t1 = _timeit(make(k1), device, warmup, reps)
+            t2 = _timeit(make(k2), device, warmup, reps)
+        except Exception as e:
+            rows.append(_row("sinkhorn_iteration", label, "fwd", params, status="error",
+                             error=f"{type(e).__name__}: {e}"[:300]))  # fmt: skip
+            continue
+        per = (t2[0] - t1[0]) / (k2 - k1)
+        p20 = (t2[1] - t1[1]) / (k2 - k1)
+        p80 = (t2[2] - t1[2]) / (k2 - k1)
+        rows.append(
+            _row(
+                "sinkhorn_iteration",
+                prov,
+                "fwd",
+                params,
+                time_ms=per,
+                time_ms_p20=p20,
+                time_ms_p80=p80,
+                metrics={
+                    "floor_ms": floor,
+                    "frac_floor": floor / per if per > 0 else None,
+                    "peak_mem_mib": t2[3],
+                    f"time_ms_{k2}_iters": t2[0],
+                },
+            )  # fmt: skip
+        )
+    return rows
+
+
+def _samples_loss_passes(x, y, blur, scaling, debias):
+    d2 = _max_diameter(x, y) ** 2
+    n_eps = len(eps_schedule(d2, blur**2, scaling))
+    passes = 2 * (n_eps + 2)  # init, the loop, the final extrapolation; two sides each
+    return passes * (2 if debias else 1)
+
+
+def bench_samples_loss(
+    n, d, device, providers, peers, modes, warmup, reps, *, batch=None, debias=False,
+    blur=0.05, scaling=0.5, precisions=("tf32",), reference=False,
+):  # fmt: skip
+    rows = []
+    x, y = _problem(n, n, d, device, batch=batch)
+    params0 = {"n": n, "m": n, "d": d, "blur": blur, "scaling": scaling, "debias": debias,
+               "batch": batch or 1, "dtype": "float32"}  # fmt: skip
+    passes = _samples_loss_passes(x, y, blur, scaling, debias)
+    ref = None
+    if reference:
+        with torch.no_grad():
+            if batch is None:
+                a = torch.full((n,), 1.0 / n, device=device, dtype=torch.float64)
+                ref = float(
+                    fs.samples_loss_ref(
+                        a, x.double(), a, y.double(), blur=blur, scaling=scaling, debias=debias
+                    )  # fmt: skip
+                )
+    for mode in modes:
+        cases = [("ours", p) for p in precisions]
+        cases += [("flash-sinkhorn", "tf32"), ("geomloss", "fp32")]
+        for prov, prec in cases:
+            if prov not in providers:
+                continue
+            params = dict(params0)
+            label = prov if (prov != "ours" or prec == "tf32") else f"ours-{prec}"
+            if prov == "geomloss" and "geomloss" not in peers:
+                continue
+            if prov == "flash-sinkhorn" and (
+                "flash-sinkhorn" not in peers or device.type != "cuda"
+            ):
+                continue
+            if prov == "geomloss":
+                est = (8 if debias else 4) * n * n * 4 * (batch or 1)
+                if device.type == "cuda" and est > TENSORIZED_LIMIT:
+                    rows.append(_row("samples_loss", "geomloss", mode, params, status="skipped",
+                                     error=f"tensorized needs ~{est / 2**30:.0f} GiB"))  # fmt: skip
+                    continue
+                L = peers["geomloss"].SamplesLoss("sinkhorn", p=2, blur=blur, scaling=scaling,
+                                                  debias=debias, backend="tensorized")  # fmt: skip
+            elif prov == "flash-sinkhorn":
+                FL = peers["flash-sinkhorn"].SamplesLoss
+                L = FL("sinkhorn", p=2, blur=blur, scaling=scaling, debias=debias,
+                       half_cost=True, allow_tf32=True)  # fmt: skip
+                if batch is not None:  # flash-sinkhorn has no batch dimension: loop
+                    L0 = L
+
+                    def L(xx, yy, L0=L0):
+                        return torch.stack([L0(xx[i], yy[i]) for i in range(xx.shape[0])])
+
+            else:
+                L = fs.SamplesLoss(blur=blur, scaling=scaling, debias=debias, precision=prec)
+
+            if mode == "fwd":
+
+                def fn(L=L):
+                    with torch.no_grad():
+                        return L(x, y)
+
+            else:
+
+                def fn(L=L):
+                    xx = x.detach().requires_grad_()
+                    yy = y.detach().requires_grad_()
+                    v = L(xx, yy)
+                    v.sum().backward()
+                    return v
+
+            acc = {}
+            if ref is not None:
+                try:
+                    with torch.no_grad():
+                        val = float(L(x, y))
+                    acc = {"value": val, "abs_err_vs_f64_ref": abs(val - ref),
+                           "rel_err_vs_f64_ref": abs(val - ref) / max(abs(ref), 1e-30)}  # fmt: skip
+                except Exception:
+                    acc = {}
+            floor = passes * _pass_floor_ms(n, n, d, prec if prov == "ours" else "tf32", batch or 1)
+            r = _run_case("samples_loss", label, mode, params, fn, device, warmup, reps, floor)
+            r["accuracy"] = acc
+            rows.append(r)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def bench_hvp(n, d, device, providers, warmup, reps):
+    try:
+        from flashsinkhorn.second_order import bench_hvp as _bh
+    except Exception as e:
+        return [_row("hvp", "ours", "hvp", {"n": n, "d": d}, status="skipped",
+                     error=f"second_order.bench_hvp unavailable: {e!r}"[:300])]  # fmt: skip
+    prov = tuple(p for p in providers if p in ("ours", "flash-sinkhorn"))
+    try:
+        return list(_bh(n=n, d=d, reps=reps, providers=prov, device=device))
+    except Exception as e:
+        return [_row("hvp", "ours", "hvp", {"n": n, "d": d}, status="error",
+                     error=f"{type(e).__name__}: {e}"[:300])]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------
+
+
+def _fmt(v, nd=3):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown(rows):
+    head = "| bench | params | mode | provider | time ms | x ours | frac floor | peak MiB | err |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    ours_t = {}
+
+    def keyof(r):
+        p = dict(r["params"])
+        return (r["bench"], r["mode"], json.dumps(p, sort_keys=True))
+
+    for r in rows:
+        if r["provider"] == "ours" and r["status"] == "ok":
+            key = keyof(r)
+            ours_t[key] = r["time_ms"]
+    for r in rows:
+        p = r["params"]
+        skip = ("dtype", "m", "blur", "scaling", "eps")
+        ps = " ".join(f"{k}={v}" for k, v in p.items() if k not in skip and v not in (1, False))
+        key = keyof(r)
+        ratio = None
+        if r["status"] == "ok" and key in ours_t and ours_t[key]:
+            ratio = r["time_ms"] / ours_t[key]
+        t = _fmt(r["time_ms"]) if r["status"] == "ok" else r["status"]
+        m = r.get("metrics", {})
+        acc = r.get("accuracy", {}) or {}
+        lines.append(
+            f"| {r['bench']} | {ps} | {r['mode']} | {r['provider']} | {t} | {_fmt(ratio)} | "
+            f"{_fmt(m.get('frac_floor'))} | {_fmt(m.get('peak_mem_mib'))} | "
+            f"{_fmt(acc.get('abs_err_vs_f64_ref'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _env(peers, device):
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "peers": {k: _version(v) for k, v in peers.items()},
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    env["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return env
+
+
+def _tuned_configs():
+    try:
+        from flashsinkhorn import kernels
+
+        cache = getattr(kernels, "_softmin_tuned", None)
+        cache = getattr(cache, "cache", {}) or {}
+        return {str(k): str(v) for k, v in cache.items()}
+    except Exception:
+        return {}
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="flashsinkhorn-bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU-friendly (CI)")
+    ap.add_argument("--json", metavar="PATH", help="write kernel-bench/1 JSON here")
+    ap.add_argument("--providers", nargs="+", default=["ours", "flash-sinkhorn", "geomloss"],
+                    help="ours flash-sinkhorn geomloss (those importable are run)")  # fmt: skip
+    ap.add_argument("--mode", nargs="+", default=None,
+                    help="fwd fwd_bwd iter hvp (default: fwd fwd_bwd iter)")  # fmt: skip
+    ap.add_argument("--n", nargs="+", type=int, help="cloud sizes n = m")
+    ap.add_argument("--d", nargs="+", type=int, help="dimensions")
+    ap.add_argument("--batch", type=int, default=None, help="batch of problems (samples_loss)")
+    ap.add_argument("--blur", type=float, default=0.05)
+    ap.add_argument("--scaling", type=float, default=0.5)
+    ap.add_argument("--debias", action="store_true")
+    ap.add_argument("--precision", nargs="+", default=["tf32"], help="tf32 ieee tf32x3 bf16")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    peers = _peers()
+    providers = set(args.providers)
+    rows = []
+    t0 = time.time()
+    custom = args.n is not None or args.d is not None
+    if args.smoke or (device.type != "cuda" and not custom):
+        reps = args.reps or 3
+        for d in args.d or [3, 8]:
+            n = (args.n or [200])[0]
+            rows += bench_samples_loss(n, d, device, providers, peers, ["fwd", "fwd_bwd"], 1,
+                                       reps, reference=True, blur=0.1)  # fmt: skip
+        rows += bench_iteration(256, 8, device, providers & {"ours"}, peers, ["tf32"], 1, reps)
+    elif custom:
+        reps = args.reps or 5
+        modes = args.mode or ["fwd", "fwd_bwd", "iter"]
+        for n in args.n or [10000]:
+            for d in args.d or [64]:
+                if "iter" in modes:
+                    rows += bench_iteration(n, d, device, providers, peers, args.precision,
+                                            args.warmup, reps)  # fmt: skip
+                lm = [m for m in modes if m in ("fwd", "fwd_bwd")]
+                if lm:
+                    rows += bench_samples_loss(
+                        n, d, device, providers, peers, lm, args.warmup, reps,
+                        batch=args.batch, debias=args.debias, blur=args.blur,
+                        scaling=args.scaling, precisions=args.precision,
+                        reference=n <= 10000 and args.batch is None,
+                    )  # fmt: skip
+                if "hvp" in modes:
+                    rows += bench_hvp(n, d, device, providers, args.warmup, reps)
+    else:
+        rows += gpu_suite(device, providers, peers)
+    out = {
+        "schema": "kernel-bench/1",
+        "package": "flashsinkhorn",
+        "package_version": fs.__version__,
+        "command": "python -m flashsinkhorn.bench "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "env": _env(peers, device),
+        "results": rows,
+        "tuned_configs": _tuned_configs(),
+        "wall_s": time.time() - t0,
+    }
+    print(markdown(rows))
+    print(f"\n(total {time.time() - t0:.1f} s on {device})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+def gpu_suite(device, providers, peers):
+    """The standard H200 suite (GPU.md's problem sizes); about 2-3 minutes."""
+    rows = []
+    P = providers
+
+    def log(msg):
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # fixed-eps iterations at n = m = 50k
+    for d, precs in [(64, ["tf32", "bf16"]), (512, ["tf32", "bf16"]), (1024, ["tf32"])]:
+        log(f"iteration n=50k d={d}")
+        rows += bench_iteration(50000, d, device, P, peers, precs, 1, 3)
+    # GeomLoss schedule
+    for n, d in [(10000, 64), (10000, 512), (50000, 64), (50000, 512), (50000, 1024)]:
+        log(f"samples_loss n={n} d={d}")
+        rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, 3,
+                                   reference=n <= 10000)  # fmt: skip
+    log("samples_loss debias n=50k d=64")
+    rows += bench_samples_loss(50000, 64, device, P, peers, ["fwd", "fwd_bwd"], 1, 3, debias=True)
+    log("batched 64 x 2048")
+    rows += bench_samples_loss(2048, 64, device, P, peers, ["fwd", "fwd_bwd"], 1, 5, batch=64)
+    log("large n = 200k (memory)")
+    rows += bench_samples_loss(200000, 64, device, P & {"ours"}, peers, ["fwd_bwd"], 0, 1)
+    log("hvp n=20k d=64")
+    rows += bench_hvp(20000, 64, device, P, 1, 3)
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
