@@ -3,7 +3,9 @@ import torch
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped automatically without one)")
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA device (skipped automatically without one)"
+    )
     config.addinivalue_line("markers", "slow: long-running test")
 
 

@@ -86,8 +86,20 @@ def test_variance_never_decodes_to_zero():
 
 
 def _hp(kind, **kw):
-    hp = dict(ecc=8, quant=True, sr=True, scale_dtype=torch.bfloat16, lr=1e-2, wd=0.01,
-              b1=0.9, b2=0.999, eps=1e-8, decoupled=True, dampening=0.0, nesterov=False)
+    hp = dict(
+        ecc=8,
+        quant=True,
+        sr=True,
+        scale_dtype=torch.bfloat16,
+        lr=1e-2,
+        wd=0.01,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+        decoupled=True,
+        dampening=0.0,
+        nesterov=False,
+    )
     if kind == LION:
         hp.update(b2=0.99, lr=1e-3)
     hp.update(kw)
@@ -99,7 +111,10 @@ def _state(kind, p, hp):
     ng = (n + 31) // 32
     st = {}
     if hp["quant"]:
-        st["m"], st["ms"] = torch.zeros(n, dtype=torch.int8), torch.zeros(ng, dtype=hp["scale_dtype"])
+        st["m"], st["ms"] = (
+            torch.zeros(n, dtype=torch.int8),
+            torch.zeros(ng, dtype=hp["scale_dtype"]),
+        )
         if kind == ADAM:
             st["v"] = torch.zeros(n, dtype=torch.uint8)
             st["vs"] = torch.zeros(ng, dtype=hp["scale_dtype"])
@@ -124,7 +139,9 @@ def test_cpu_path_matches_float64_reference(kind, n, ecc):
     st = _state(kind, p, hp)
     for step in range(1, 6):
         g = torch.randn(n)
-        ref_p, ref_st = _core.step_ref(kind, p, g, {k: v.clone() for k, v in st.items()}, hp, step, 5)
+        ref_p, ref_st = _core.step_ref(
+            kind, p, g, {k: v.clone() for k, v in st.items()}, hp, step, 5
+        )
         _core.cpu_step(kind, p, g, st, hp, step, 5)
         for k in ref_st:
             d = (ref_st[k].double() - st[k].double()).abs()

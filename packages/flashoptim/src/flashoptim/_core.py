@@ -270,6 +270,7 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     """
     f32 = torch.float32
     n = p.numel()
+    st = {k: v.view(-1) for k, v in st.items() if v is not None}  # flat views, same storage
     bits, quant, sr = hp["ecc"], hp["quant"], hp["sr"]
     is_bf16 = p.dtype == torch.bfloat16
     pf = p.reshape(-1)
@@ -539,9 +540,7 @@ def _step_kernel(
             phi = 2.0 * x / (1.0 + tl.abs(x))
             code = tl.minimum(tl.maximum(tl.floor(phi * 127.0 + 0.5), -127.0), 127.0)
             tl.store(m_base + mo + off, tl.reshape(code, (BLOCK,)).to(tl.int8), mask=mask)
-            tl.store(
-                ms_base + mso + goff, ms_new.to(ms_base.dtype.element_ty), mask=gmask
-            )
+            tl.store(ms_base + mso + goff, ms_new.to(ms_base.dtype.element_ty), mask=gmask)
         else:
             tl.store(m_base + mo + off, m, mask=mask)
     if KIND == 0:
@@ -552,9 +551,7 @@ def _step_kernel(
             code = tl.minimum(tl.maximum(tl.floor(svg * inv[:, None] + 0.5), 0.0), 255.0)
             code = tl.where(svg > 0, tl.maximum(code, 1.0), code)
             tl.store(v_base + vo + off, tl.reshape(code, (BLOCK,)).to(tl.uint8), mask=mask)
-            tl.store(
-                vs_base + vso + goff, vs_new.to(vs_base.dtype.element_ty), mask=gmask
-            )
+            tl.store(vs_base + vso + goff, vs_new.to(vs_base.dtype.element_ty), mask=gmask)
         else:
             tl.store(v_base + vo + off, v, mask=mask)
 

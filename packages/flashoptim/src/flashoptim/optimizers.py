@@ -9,6 +9,7 @@ hyperparameters); on CPU the same arithmetic runs in plain torch.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -107,14 +108,16 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.on_nonfinite = on_nonfinite
         self.seed = int(seed)
         self.skipped_steps = 0
-        self._n_seen = 0
-        self._tables: dict = {}
+        self._plans: dict = {}
         self._release_enabled = False
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        if not hasattr(self, "_pindex"):
+            self._pindex = {}
         for p in self.param_groups[-1]["params"]:
+            self._pindex.setdefault(id(p), len(self._pindex))
             if p.is_complex():
                 raise ValueError("flashoptim does not support complex parameters")
             if p.dtype not in _P_CODE:
@@ -138,8 +141,10 @@ class FlashOptimizer(torch.optim.Optimizer):
         ng = (n + GROUP - 1) // GROUP
         dev = lp.device
         st["step"] = 0
-        st["seed"] = (_core._mix32_t(torch.tensor([self.seed * 1000003 + self._n_seen]))).item()
-        self._n_seen += 1
+        # per-parameter seed from its position in the param groups (not the order in which
+        # states are created: gradient release creates them in backward order)
+        idx = self._pindex.get(id(p), 0)
+        st["seed"] = _core._mix32_t(torch.tensor([(self.seed * 1000003 + idx) & 0xFFFFFFFF])).item()
         quant = group["quantize"]
         keys = []
         if self._has_mom(group):
@@ -169,14 +174,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         return t.is_cuda
 
     def _grads(self, group):
-        out = []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError("flashoptim does not support sparse gradients")
-            out.append(p)
-        return out
+        return [p for p in group["params"] if p.grad is not None]
 
     def _found_nonfinite(self, params) -> bool:
         grads = [_local(p.grad) for p in params]
@@ -184,6 +182,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             return False
         by_dev: dict = {}
         for g in grads:
+            if g.is_sparse:
+                raise ValueError("flashoptim does not support sparse gradients")
             by_dev.setdefault(g.device, []).append(g)
         bad = False
         for gs in by_dev.values():
@@ -204,7 +204,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             return loss
         for group, ps in work:
-            self._step_group(group, ps)
+            if ps:
+                self._step_group(group, ps)
         return loss
 
     @torch.no_grad()
@@ -217,6 +218,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                 raise NonFiniteGradError("non-finite gradient: step not taken")
             self.skipped_steps += 1
             return
+        self._plans.clear()
         for group in self.param_groups:
             if any(q is p for q in group["params"]):
                 self._step_group(group, [p], cache=False)
@@ -224,8 +226,24 @@ class FlashOptimizer(torch.optim.Optimizer):
         raise ValueError("parameter is not managed by this optimizer")
 
     def _step_group(self, group, ps, cache: bool = True) -> None:
+        # fast path: same parameters, same gradient storage, one bucket -> one launch
+        # with the cached offset tables and no per-tensor work beyond reading pointers
+        plan = self._plans.get(id(group)) if cache else None
+        if plan is not None and plan["n"] == len(ps) and all(map(operator.is_, plan["ps"], ps)):
+            if plan["dt"]:
+                gptrs = tuple([_local(p.grad).data_ptr() for p in ps])
+            else:
+                gptrs = tuple([p.grad.data_ptr() for p in ps])
+            if gptrs == plan["gptrs"]:
+                for st in plan["states"]:
+                    st["step"] += 1
+                plan["step"] += 1
+                self._run_kernel(plan["ent"], group, self._hp(group, ps[0]), plan["step"])
+                return
         buckets: dict = {}
         for p in ps:
+            if p.grad.is_sparse:
+                raise ValueError("flashoptim does not support sparse gradients")
             st = self._init_state(p, group)
             st["step"] += 1
             key = (st["step"], p.dtype, p.grad.dtype, _local(p).device, self._use_triton(p))
@@ -233,7 +251,18 @@ class FlashOptimizer(torch.optim.Optimizer):
         for (step, _, _, _, tri), bps in buckets.items():
             hp = self._hp(group, bps[0])
             if tri:
-                self._launch(group, bps, hp, step, cache)
+                ent = self._build_table(group, bps)
+                self._run_kernel(ent, group, hp, step)
+                if cache and len(buckets) == 1:
+                    self._plans[id(group)] = dict(
+                        n=len(ps),
+                        ps=list(ps),
+                        dt=any(hasattr(p, "_local_tensor") for p in ps),
+                        gptrs=tuple(_local(p.grad).data_ptr() for p in ps),
+                        states=[self.state[p] for p in ps],
+                        step=step,
+                        ent=ent,
+                    )
             else:
                 for p in bps:
                     st = self.state[p]
@@ -261,58 +290,61 @@ class FlashOptimizer(torch.optim.Optimizer):
             sd["c"] = st["correction"]
         return sd
 
-    def _launch(self, group, ps, hp, step, cache) -> None:
+    def _build_table(self, group, ps):
+        """Offset tables of one bucket: every array of tensor i sits at base_j + tab[i, j]."""
         p0 = _local(ps[0])
-        lps = [_local(p) for p in ps]
-        gs = [_local(p.grad) for p in ps]
-        key = (id(group), tuple(map(torch.Tensor.data_ptr, lps)), tuple(map(torch.Tensor.data_ptr, gs)))
-        ent = self._tables.get(key) if cache else None
-        if ent is None:
-            sts = [self._state_view(self.state[p], group) for p in ps]
-            cols = [
-                lps,
-                gs,
-                [s.get("c") for s in sts],
-                [s.get("m") for s in sts],
-                [s.get("ms") for s in sts],
-                [s.get("v") for s in sts],
-                [s.get("vs") for s in sts],
-            ]
-            bases = [col[0] if col[0] is not None else p0 for col in cols]
-            rows, aligned = [], True
-            for i, p in enumerate(ps):
-                row = []
-                for j, col in enumerate(cols):
-                    t = col[i]
-                    if t is None:
-                        row.append(0)
-                        continue
-                    if not t.is_contiguous():
-                        raise ValueError("flashoptim needs contiguous parameters and gradients")
-                    es = t.element_size()
-                    d = t.data_ptr() - bases[j].data_ptr()
-                    if d % es:
-                        raise ValueError("tensor storage is not aligned to its element size")
-                    o = d // es
-                    aligned = aligned and o % 16 == 0 and t.data_ptr() % 16 == 0
-                    row.append(o)
-                st = self.state[p]
-                row += [cols[0][i].numel(), st["seed"], _global_index_base(p)]
-                rows.append(row)
-            tab = torch.tensor(rows, dtype=torch.int64, device=p0.device)
-            nb = [(r[7] + BLOCK - 1) // BLOCK for r in rows]
-            tid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nb))
-            first = torch.repeat_interleave(torch.tensor([0] + nb[:-1]).cumsum(0), torch.tensor(nb))
-            start = (torch.arange(len(tid)) - first) * BLOCK
-            blocks = torch.stack([tid, start], 1).to(torch.int32).contiguous().to(p0.device)
-            skip = torch.zeros(1, dtype=torch.int32, device=p0.device)
-            ent = (tab, blocks, bases, aligned, skip)
-            if cache:
-                if len(self._tables) > 64:
-                    self._tables.clear()
-                self._tables[key] = ent
-        tab, blocks, bases, aligned, skip = ent
-        nblocks = blocks.shape[0]
+        sts = [self._state_view(self.state[p], group) for p in ps]
+        cols = [
+            [_local(p) for p in ps],
+            [_local(p.grad) for p in ps],
+            [s.get("c") for s in sts],
+            [s.get("m") for s in sts],
+            [s.get("ms") for s in sts],
+            [s.get("v") for s in sts],
+            [s.get("vs") for s in sts],
+        ]
+        bases = [col[0] if col[0] is not None else p0 for col in cols]
+        rows, aligned = [], True
+        for i, p in enumerate(ps):
+            row = []
+            for j, col in enumerate(cols):
+                t = col[i]
+                if t is None:
+                    row.append(0)
+                    continue
+                if not t.is_contiguous():
+                    raise ValueError("flashoptim needs contiguous parameters and gradients")
+                if t.device != p0.device:
+                    raise ValueError("all tensors of a step must be on one device")
+                es = t.element_size()
+                d = t.data_ptr() - bases[j].data_ptr()
+                if d % es:
+                    raise ValueError("tensor storage is not aligned to its element size")
+                o = d // es
+                aligned = aligned and o % 16 == 0 and t.data_ptr() % 16 == 0
+                row.append(o)
+            st = self.state[p]
+            row += [cols[0][i].numel(), st["seed"], _global_index_base(p)]
+            rows.append(row)
+        tab = torch.tensor(rows, dtype=torch.int64, device=p0.device)
+        nb = [(r[7] + BLOCK - 1) // BLOCK for r in rows]
+        tid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nb))
+        first = torch.repeat_interleave(torch.tensor([0] + nb[:-1]).cumsum(0), torch.tensor(nb))
+        start = (torch.arange(len(tid)) - first) * BLOCK
+        blocks = torch.stack([tid, start], 1).to(torch.int32).contiguous().to(p0.device)
+        skip = torch.zeros(1, dtype=torch.int32, device=p0.device)
+        return dict(
+            tab=tab,
+            blocks=blocks,
+            bases=bases,
+            aligned=aligned,
+            skip=skip,
+            dtype=p0.dtype,
+            cols=cols,
+        )
+
+    def _run_kernel(self, ent, group, hp, step) -> None:
+        nblocks = ent["blocks"].shape[0]
         if nblocks == 0:
             return
         lr, wd = hp["lr"], hp["wd"]
@@ -320,9 +352,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         bc1 = 1 - b1**step if self._kind == ADAM else 1.0
         bc2 = 1 - b2**step if self._kind == ADAM else 1.0
         _core._step_kernel[(nblocks,)](
-            blocks,
-            tab,
-            *bases,
+            ent["blocks"],
+            ent["tab"],
+            *ent["bases"],
             lr,
             b1,
             1 - b1,
@@ -336,18 +368,18 @@ class FlashOptimizer(torch.optim.Optimizer):
             1 - hp.get("dampening", 0.0),
             1 if step == 1 else 0,
             (step * _core._GOLDEN) & _core._M32,
-            skip,
+            ent["skip"],
             KIND=self._kind,
             ECC=hp["ecc"],
             QUANT=hp["quant"],
             SR=hp["sr"],
-            P_DTYPE=_P_CODE[p0.dtype],
+            P_DTYPE=_P_CODE[ent["dtype"]],
             DECOUPLED=hp["decoupled"],
             NESTEROV=hp.get("nesterov", False),
             HAS_MOM=self._has_mom(group),
             SCALE_F32=hp["scale_dtype"] == torch.float32,
             CHECK_SKIP=False,
-            ALIGNED=aligned,
+            ALIGNED=ent["aligned"],
             BLOCK=BLOCK,
             GROUP_SIZE=GROUP,
             num_warps=NUM_WARPS,
@@ -385,8 +417,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         saved = state_dict["state"]
         if len(groups) != len(self.param_groups):
             raise ValueError(
-                f"state dict has {len(groups)} param groups; optimizer has "
-                f"{len(self.param_groups)}"
+                f"state dict has {len(groups)} param groups; optimizer has {len(self.param_groups)}"
             )
         id_map = {}
         for g_new, g_old in zip(self.param_groups, groups):
@@ -400,8 +431,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.state.clear()
         extra = state_dict.get("flashoptim", {})
         self.skipped_steps = extra.get("skipped_steps", 0)
-        self._n_seen = extra.get("n_seen", len(id_map))
-        self._tables.clear()
+        self._plans.clear()
         for pid, st_old in saved.items():
             p, group = id_map[pid]
             self._load_param_state(p, group, st_old)
@@ -434,7 +464,7 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["flashoptim"] = {"skipped_steps": self.skipped_steps, "n_seen": self._n_seen}
+        sd["flashoptim"] = {"skipped_steps": self.skipped_steps}
         return sd
 
 
@@ -512,7 +542,11 @@ class FlashSGD(FlashOptimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires a momentum and zero dampening")
         d = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
         )
         super().__init__(params, d, **kw)
 
