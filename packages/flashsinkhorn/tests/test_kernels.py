@@ -1,5 +1,7 @@
 """The streaming primitive (softmin / plan application) against the float64 dense oracle."""
 
+import math
+
 import pytest
 import torch
 from _helpers import BACKENDS, needs_interpreter
@@ -162,3 +164,38 @@ def test_center_subtracted_in_kernel(backend, d):
     )
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(vbar, refv, atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B,N,D", [(1, 1, 3), (2, 70, 3), (1, 200, 20), (1, 130, 150)])
+def test_self_softmin_symmetric_tiles(backend, B, N, D):
+    """The half-tile symmetric self-transport update equals the plain softmin."""
+    from flashsinkhorn.kernels import self_softmin
+
+    gen = torch.Generator().manual_seed(N)
+    x = torch.rand(B, N, D, generator=gen)
+    c = x.mean(1)
+    cx = 0.5 * ((x - c[:, None]) ** 2).sum(-1)
+    loga = torch.log(torch.rand(B, N, generator=gen) + 0.2)
+    loga = loga - torch.logsumexp(loga, -1, keepdim=True)
+    f = 0.02 * torch.randn(B, N, generator=gen)
+    ref, _, _ = softmin_ref(x - c[:, None], x - c[:, None], f, loga, cx, cx, eps=0.05, c2=1.0,
+                            damping=0.9)  # fmt: skip
+    out = self_softmin(x, loga, f, cx, eps=0.05, c2=1.0, damping=0.9, center=c,
+                       precision="ieee", backend=backend)  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+@needs_interpreter
+def test_self_softmin_falls_back_on_large_spread():
+    from flashsinkhorn.kernels import self_softmin
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(1, 50, 2, generator=gen)
+    cx = 0.5 * (x**2).sum(-1)
+    loga = torch.full((1, 50), -math.log(50))
+    loga[0, 3] = float("-inf")  # a zero weight: the fast path must not be used
+    f = torch.zeros(1, 50)
+    ref, _, _ = softmin_ref(x, x, f, loga, cx, cx, eps=0.01, c2=1.0)
+    out = self_softmin(x, loga, f, cx, eps=0.01, c2=1.0, backend="triton", precision="ieee")
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)

@@ -54,6 +54,7 @@ __all__ = [
     "softmin_ref",
     "plan_apply_ref",
     "resolve_backend",
+    "self_softmin",
     "PRECISIONS",
 ]
 
@@ -573,6 +574,209 @@ def plan_apply(
     if normalize:
         return vbar, rows
     return vbar * rows[..., None], rows
+
+
+# ----------------------------------------------------------------------------------------
+# symmetric self-transport (the debiasing terms OT(a, a), OT(b, b)): half the tiles
+# ----------------------------------------------------------------------------------------
+#
+# For x against itself with C_ij = cx_i + cx_j - c2 <x_i, x_j>, cx = (c2/2)|x|^2, write
+# (log2 units) A_i = log2e (log a_i + f_i / eps), kappa_i = log2e cx_i / eps and
+# k_ij = log2e (c2 <x_i, x_j> / eps) - kappa_i - kappa_j = -log2e C_ij / eps (symmetric).
+# The update needs S_i = sum_j exp2(A_j - A_i + k_ij) (then
+# f_i <- -damping eps (log a_i + f_i/eps + ln S_i)). One tile (I, J), I < J, serves both
+# row blocks: with M_J = max_J A, E_ij = k_ij + A_j - M_J and ONE exp2 per score,
+#   S_i += exp2(M_J - A_i) sum_j exp2(E_ij)                               (rows of I)
+#   S_j += exp2(M_I + M_J - 2 A_j) sum_i exp2(E_ij) exp2(A_i - M_I)        (rows of J)
+# The fixed offsets are safe when the spread of A is moderate (checked by the caller, which
+# falls back to two ordinary passes otherwise). Column sums are merged with atomics.
+
+_SYM_SPREAD_MAX = 30.0  # log2 units
+
+if HAS_TRITON:
+
+    def _sym_configs():
+        if _no_autotune():
+            return [triton.Config({"BLOCK": 64}, num_warps=4, num_stages=2)]
+        return [
+            triton.Config({"BLOCK": 128}, num_warps=8, num_stages=2),
+            triton.Config({"BLOCK": 128}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK": 64}, num_warps=4, num_stages=3),
+        ]
+
+    @triton.jit
+    def _self_row_block(
+        Xb,
+        Ab,
+        Kb,
+        Sb,
+        CENTERb,
+        I,
+        NB,
+        N,
+        D,
+        dot_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        HAS_CENTER: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = I * BLOCK + offs
+        rmask = rows < N
+        a_i = tl.load(Ab + rows, mask=rmask, other=float("-inf"))
+        k_i = tl.load(Kb + rows, mask=rmask, other=0.0)
+        m_i = tl.max(a_i, 0)
+        r_i = tl.exp2(a_i - m_i)  # 0 on padding
+        a_i_safe = tl.where(rmask, a_i, m_i)
+        if NUM_D == 1:
+            x_i = tl.load(
+                Xb + rows[:, None] * D + offs_d[None, :],
+                mask=rmask[:, None] & (offs_d[None, :] < D),
+                other=0.0,
+            )
+            if HAS_CENTER:
+                c0 = tl.load(CENTERb + offs_d, mask=offs_d < D, other=0.0)
+                x_i = x_i - c0[None, :]
+        rs = tl.zeros((BLOCK,), dtype=tl.float32)
+        for J in range(I, NB):
+            cols = J * BLOCK + offs
+            cmask = cols < N
+            a_j = tl.load(Ab + cols, mask=cmask, other=float("-inf"))
+            k_j = tl.load(Kb + cols, mask=cmask, other=0.0)
+            m_j = tl.max(a_j, 0)
+            if NUM_D == 1:
+                x_j = tl.load(
+                    Xb + cols[:, None] * D + offs_d[None, :],
+                    mask=cmask[:, None] & (offs_d[None, :] < D),
+                    other=0.0,
+                )
+                if HAS_CENTER:
+                    x_j = x_j - c0[None, :]
+                q = tl.dot(x_i, tl.trans(x_j), input_precision=PREC)
+            else:
+                q = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+                for kd in range(NUM_D):
+                    dd = kd * BLOCK_D + offs_d
+                    xi = tl.load(
+                        Xb + rows[:, None] * D + dd[None, :],
+                        mask=rmask[:, None] & (dd[None, :] < D),
+                        other=0.0,
+                    )
+                    xj = tl.load(
+                        Xb + cols[:, None] * D + dd[None, :],
+                        mask=cmask[:, None] & (dd[None, :] < D),
+                        other=0.0,
+                    )
+                    if HAS_CENTER:
+                        ck = tl.load(CENTERb + dd, mask=dd < D, other=0.0)
+                        xi = xi - ck[None, :]
+                        xj = xj - ck[None, :]
+                    q = tl.dot(xi, tl.trans(xj), q, input_precision=PREC)
+            e = q * dot_scale - k_i[:, None] + (a_j - m_j - k_j)[None, :]
+            p = tl.exp2(e)  # the one exp per score (0 on padded columns)
+            rs += tl.exp2(m_j - a_i_safe) * tl.sum(p, 1)
+            if J != I:
+                cs = tl.sum(p * r_i[:, None], 0)
+                a_j_safe = tl.where(cmask, a_j, m_j)
+                tl.atomic_add(Sb + cols, tl.exp2(m_i + m_j - 2.0 * a_j_safe) * cs, mask=cmask)
+        tl.atomic_add(Sb + rows, rs, mask=rmask)
+
+    @triton.autotune(configs=_sym_configs(), key=["N_KEY", "D", "PREC"], reset_to_zero=["S"])
+    @triton.jit
+    def _self_softmin_kernel(
+        X,
+        A,
+        KAPPA,
+        S,
+        CENTER,
+        N,
+        D,
+        N_KEY,
+        dot_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        HAS_CENTER: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        pid_b = tl.program_id(1).to(tl.int64)
+        NB = tl.cdiv(N, BLOCK)
+        Xb = X + pid_b * N * D
+        Ab = A + pid_b * N
+        Kb = KAPPA + pid_b * N
+        Sb = S + pid_b * N
+        Cb = CENTER + pid_b * D
+        # program pid owns row blocks pid and NB - 1 - pid: the same work per program
+        _self_row_block(
+            Xb, Ab, Kb, Sb, Cb, pid, NB, N, D, dot_scale,
+            BLOCK_D, NUM_D, HAS_CENTER, PREC, BLOCK,
+        )  # fmt: skip
+        I2 = NB - 1 - pid
+        if I2 > pid:
+            _self_row_block(
+                Xb, Ab, Kb, Sb, Cb, I2, NB, N, D, dot_scale,
+                BLOCK_D, NUM_D, HAS_CENTER, PREC, BLOCK,
+            )  # fmt: skip
+
+
+def self_softmin(
+    x: torch.Tensor,
+    loga: torch.Tensor,
+    f: torch.Tensor,
+    cx: torch.Tensor,
+    *,
+    eps: float,
+    c2: float,
+    damping: float = 1.0,
+    precision: str = "tf32",
+    center: torch.Tensor | None = None,
+    backend: str = "auto",
+    check: bool = True,
+):
+    """Self-transport update ``damping * softmin_j(eps, C(x_i, x_j), log a_j + f_j / eps)``.
+
+    The same result as ``softmin(x, x, f, loga, cx, cx, ...)[0]`` for the squared-Euclidean
+    cost (``cx = (c2/2) |x - c|^2``), but on the triton backend each symmetric tile pair is
+    computed once (half the exps). Falls back to :func:`softmin` on the torch backend, when
+    some weight is zero, or when the potentials' spread makes fixed offsets unsafe (one
+    host sync, skipped with ``check=False``). Shapes: x (B, N, D), loga, f, cx (B, N).
+    """
+    be = resolve_backend(backend, x.device)
+    A = (loga + f / eps) * LOG2E
+    use_fast = be == "triton"
+    if use_fast and check:
+        spread = A.amax(dim=-1) - A.amin(dim=-1)
+        use_fast = bool((spread < _SYM_SPREAD_MAX).all())  # False also for -inf / nan
+    if not use_fast:
+        return softmin(
+            x, x, f, loga, cx, cx, eps=eps, c2=c2, damping=damping, precision=precision,
+            backend=backend, center=center,
+        )[0]  # fmt: skip
+    B, N, D = x.shape
+    f32 = torch.float32
+    if precision == "bf16":
+        xx = (x - center[:, None, :]) if center is not None else x
+        xx, center, prec = xx.to(torch.bfloat16).contiguous(), None, "tf32"
+    else:
+        xx, prec = x.to(f32).contiguous(), precision
+    A = A.to(f32).contiguous()
+    kappa = (cx * (LOG2E / eps)).to(f32).contiguous()
+    S = torch.zeros((B, N), device=x.device, dtype=f32)
+    BLOCK_D = max(16, min(_next_pow2(D), 128 if D <= 128 else 64))
+    NUM_D = triton.cdiv(D, BLOCK_D)
+    cen = center.to(f32).contiguous() if center is not None else S
+    grid = lambda meta: (triton.cdiv(triton.cdiv(N, meta["BLOCK"]), 2), B)  # noqa: E731
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullctx():
+        _self_softmin_kernel[grid](
+            xx, A, kappa, S, cen, N, D, _bucket(N), float(c2 * LOG2E / eps),
+            BLOCK_D=BLOCK_D, NUM_D=NUM_D, HAS_CENTER=center is not None, PREC=prec,
+        )  # fmt: skip
+    # f_i <- -damping * eps * ln2 * (A_i + log2 S_i)
+    return (-damping * eps * LN2) * (A + torch.log2(S))
 
 
 def _check_finite_scalar(name: str, val: float) -> None:

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from flashsinkhorn.kernels import resolve_backend
+from flashsinkhorn.kernels import resolve_backend, self_softmin
 from flashsinkhorn.solver import (
     Problem,
     _damp,
@@ -85,6 +85,14 @@ def _sinkhorn_forward(
     if debias:
         pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
         pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
+
+    def self_upd(p, f, e, dmp):
+        # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result
+        return self_softmin(
+            p.X, p.loga, f, p.cx, eps=e, c2=1.0, damping=dmp, precision=p.precision,
+            center=p.center, backend=p.backend,
+        )  # fmt: skip
+
     zb = torch.zeros_like(hy)
     za = torch.zeros_like(hx)
     e = eps_list[0]
@@ -92,15 +100,15 @@ def _sinkhorn_forward(
     g_ab = pxy.sm_y(za, e, dmp)[0]
     f_ba = pxy.sm_x(zb, e, dmp)[0]
     if debias:
-        f_aa = pxx.sm_x(za, e, dmp)[0]
-        g_bb = pyy.sm_x(zb, e, dmp)[0]
+        f_aa = self_upd(pxx, za, e, dmp)
+        g_bb = self_upd(pyy, zb, e, dmp)
     for e in eps_list:
         dmp = _damp(e, rho)
         ft_ba = pxy.sm_x(g_ab, e, dmp)[0]
         gt_ab = pxy.sm_y(f_ba, e, dmp)[0]
         if debias:
-            ft_aa = pxx.sm_x(f_aa, e, dmp)[0]
-            gt_bb = pyy.sm_x(g_bb, e, dmp)[0]
+            ft_aa = self_upd(pxx, f_aa, e, dmp)
+            gt_bb = self_upd(pyy, g_bb, e, dmp)
         f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
         if debias:
             f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
