@@ -1,0 +1,219 @@
+// mhc_proj._cpu: the C++ CPU path. Bindings take raw pointers and sizes (no libtorch);
+// the Python layer passes tensor.data_ptr(). Every function loops over B matrices of
+// n x n, calling the shared per-matrix math of mhc_math.h.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mhc_math.h"
+
+namespace py = pybind11;
+
+namespace {
+
+enum Dtype : int { kF32 = 0, kF64 = 1 };
+
+template <typename T>
+T* ptr(std::uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+// fp32: Newton in float, then a float64 re-solve of only the matrices that did not
+// converge. fp64: Newton in double.
+template <int N>
+void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B,
+                    int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
+                    double pivot_min) {
+  int* inf = info ? ptr<int>(info) : nullptr;
+  constexpr int E = N * N;
+  for (int64_t b = 0; b < B; ++b) {
+    int iters = 0, word = 0;
+    if (dtype == kF32) {
+      const float* s = ptr<const float>(src) + b * E;
+      float* d = ptr<float>(dst) + b * E;
+      int st = mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters,
+                                                float(pivot_min));
+      word = iters;
+      if (st == 1) {
+        word |= mhc::kInfoConverged;
+      } else if (st == 0) {
+        int it2 = 0;
+        st = mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
+        word = (iters + it2 > 0xffff ? 0xffff : iters + it2) | mhc::kInfoFallback;
+        if (st == 1) word |= mhc::kInfoConverged;
+      }
+    } else {
+      const double* s = ptr<const double>(src) + b * E;
+      double* d = ptr<double>(dst) + b * E;
+      int st = mhc::project_matrix<N, double>(s, d, tol, max_iter, iters);
+      word = iters | (st == 1 ? mhc::kInfoConverged : 0);
+    }
+    if (inf) inf[b] = word;
+  }
+}
+
+template <int N>
+void birkhoff_bwd_n(std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int dtype) {
+  constexpr int E = N * N;
+  for (int64_t b = 0; b < B; ++b) {
+    if (dtype == kF32) {
+      mhc::vjp_matrix<N, float>(ptr<const float>(t) + b * E, ptr<const float>(g) + b * E,
+                                ptr<float>(da) + b * E);
+    } else {
+      mhc::vjp_matrix<N, double>(ptr<const double>(t) + b * E, ptr<const double>(g) + b * E,
+                                 ptr<double>(da) + b * E);
+    }
+  }
+}
+
+template <int N, typename S>
+void load(const S* src, S (&a)[N][N]) {
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j) a[i][j] = src[i * N + j];
+}
+template <int N, typename S>
+void store(const S (&a)[N][N], S* dst) {
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j) dst[i * N + j] = a[i][j];
+}
+
+template <int N, typename S>
+void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps) {
+  constexpr int E = N * N;
+  for (int64_t b = 0; b < B; ++b) {
+    S a[N][N], p[N][N];
+    load<N, S>(src + b * E, a);
+    mhc::softmax_rows<N, S>(a, p);
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < N; ++j) p[i][j] += eps;
+    for (int k = 0; k < 2 * iters - 1; ++k) mhc::sinkhorn_step<N, S>(p, k % 2 == 0, eps);
+    store<N, S>(p, dst + b * E);
+  }
+}
+
+// Exact backward of the truncated iteration: recompute the forward keeping every
+// intermediate state, then apply the step VJPs in reverse.
+template <int N, typename S>
+void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S eps) {
+  constexpr int E = N * N;
+  const int steps = 2 * iters - 1;
+  std::vector<S> states(static_cast<size_t>(steps) * E);
+  for (int64_t b = 0; b < B; ++b) {
+    S a[N][N], sm[N][N], p[N][N], d[N][N];
+    load<N, S>(src + b * E, a);
+    load<N, S>(gsrc + b * E, d);
+    mhc::softmax_rows<N, S>(a, sm);
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < N; ++j) p[i][j] = sm[i][j] + eps;
+    for (int k = 0; k < steps; ++k) {
+      std::memcpy(&states[static_cast<size_t>(k) * E], &p[0][0], sizeof(S) * E);
+      mhc::sinkhorn_step<N, S>(p, k % 2 == 0, eps);
+    }
+    for (int k = steps - 1; k >= 0; --k) {
+      std::memcpy(&p[0][0], &states[static_cast<size_t>(k) * E], sizeof(S) * E);
+      mhc::sinkhorn_step_bwd<N, S>(p, d, k % 2 == 0, eps);
+    }
+    mhc::softmax_rows_bwd<N, S>(sm, d);
+    store<N, S>(d, dst + b * E);
+  }
+}
+
+template <template <int> class F, typename... Args>
+void dispatch_n(int n, Args... args) {
+  switch (n) {
+    case 2: F<2>::run(args...); break;
+    case 3: F<3>::run(args...); break;
+    case 4: F<4>::run(args...); break;
+    case 5: F<5>::run(args...); break;
+    case 6: F<6>::run(args...); break;
+    case 7: F<7>::run(args...); break;
+    case 8: F<8>::run(args...); break;
+    default: throw std::invalid_argument("n must be in 2..8, got " + std::to_string(n));
+  }
+}
+
+template <int N>
+struct FwdF {
+  template <typename... A>
+  static void run(A... a) { birkhoff_fwd_n<N>(a...); }
+};
+template <int N>
+struct BwdF {
+  template <typename... A>
+  static void run(A... a) { birkhoff_bwd_n<N>(a...); }
+};
+template <int N>
+struct SkFwdF {
+  static void run(std::uintptr_t s, std::uintptr_t d, int64_t B, int iters, double eps, int dt) {
+    if (dt == kF32)
+      sinkhorn_fwd_t<N, float>(ptr<const float>(s), ptr<float>(d), B, iters, float(eps));
+    else
+      sinkhorn_fwd_t<N, double>(ptr<const double>(s), ptr<double>(d), B, iters, eps);
+  }
+};
+template <int N>
+struct SkBwdF {
+  static void run(std::uintptr_t s, std::uintptr_t g, std::uintptr_t d, int64_t B, int iters,
+                  double eps, int dt) {
+    if (dt == kF32)
+      sinkhorn_bwd_t<N, float>(ptr<const float>(s), ptr<const float>(g), ptr<float>(d), B, iters,
+                               float(eps));
+    else
+      sinkhorn_bwd_t<N, double>(ptr<const double>(s), ptr<const double>(g), ptr<double>(d), B,
+                                iters, eps);
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu, m) {
+  m.doc() = "mhc-proj C++ CPU path (raw pointers, no libtorch)";
+  m.def(
+      "smoke_copy",
+      [](std::uintptr_t src, std::uintptr_t dst, int64_t count) {
+        std::memcpy(ptr<float>(dst), ptr<const float>(src), sizeof(float) * count);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("count"));
+  m.def("device_count", []() { return 0; });
+  m.def(
+      "birkhoff_fwd",
+      [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B, int n, int dtype,
+         double tol, int max_iter, double fb_tol, int fb_max_iter, double pivot_min) {
+        py::gil_scoped_release nogil;
+        dispatch_n<FwdF>(n, src, dst, info, B, dtype, tol, max_iter, fb_tol, fb_max_iter,
+                         pivot_min);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("n"),
+      py::arg("dtype"), py::arg("tol"), py::arg("max_iter"), py::arg("fallback_tol"),
+      py::arg("fallback_max_iter"), py::arg("pivot_min"));
+  m.def(
+      "birkhoff_bwd",
+      [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype) {
+        py::gil_scoped_release nogil;
+        dispatch_n<BwdF>(n, t, g, da, B, dtype);
+      },
+      py::arg("t"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
+      py::arg("dtype"));
+  m.def(
+      "sinkhorn_fwd",
+      [](std::uintptr_t src, std::uintptr_t dst, int64_t B, int n, int iters, double eps,
+         int dtype) {
+        py::gil_scoped_release nogil;
+        dispatch_n<SkFwdF>(n, src, dst, B, iters, eps, dtype);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("batch"), py::arg("n"), py::arg("iters"),
+      py::arg("eps"), py::arg("dtype"));
+  m.def(
+      "sinkhorn_bwd",
+      [](std::uintptr_t src, std::uintptr_t g, std::uintptr_t dst, int64_t B, int n, int iters,
+         double eps, int dtype) {
+        py::gil_scoped_release nogil;
+        dispatch_n<SkBwdF>(n, src, g, dst, B, iters, eps, dtype);
+      },
+      py::arg("src"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
+      py::arg("iters"), py::arg("eps"), py::arg("dtype"));
+}

@@ -1,0 +1,167 @@
+// CUDA kernels of mhc-proj. Launchers take raw pointers, sizes and a stream; nothing
+// here synchronizes the host, so every launch is capturable in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mhc_math.h"
+
+namespace mhc_cuda {
+
+constexpr int kThreads = 128;
+
+struct FwdArgs {
+  const void* src;
+  void* dst;
+  int* info;  // may be null
+  int* work;  // [0] = count of matrices for the fallback, [1..B] their indices
+  int64_t batch;
+  double tol;
+  int max_iter;
+  double fb_tol;
+  int fb_max_iter;
+  double pivot_min;
+};
+
+// ---------------------------------------------------------------- thread per matrix
+// Stage 1 (fp32): one thread solves one matrix (16-byte loads and stores for n = 4).
+// Matrices that did not converge (or are ill-conditioned) are appended to a work list.
+template <int N>
+__global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
+  const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+  if (b >= a.batch) return;
+  constexpr int E = N * N;
+  float in[E], out[E];
+  const float* src = static_cast<const float*>(a.src) + b * E;
+  if constexpr (E % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(src) + q);
+      in[4 * q] = v.x;
+      in[4 * q + 1] = v.y;
+      in[4 * q + 2] = v.z;
+      in[4 * q + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) in[e] = __ldg(src + e);
+  }
+  int iters = 0;
+  const int st = mhc::project_matrix<N, float>(in, out, float(a.tol), a.max_iter, iters,
+                                                float(a.pivot_min));
+  float* dst = static_cast<float*>(a.dst) + b * E;
+  if constexpr (E % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q)
+      reinterpret_cast<float4*>(dst)[q] =
+          make_float4(out[4 * q], out[4 * q + 1], out[4 * q + 2], out[4 * q + 3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = out[e];
+  }
+  if (st == 0) {
+    const int k = atomicAdd(a.work, 1);
+    a.work[1 + k] = int(b);
+  }
+  if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
+}
+
+// Stage 2 (fp64): the matrices on the work list, re-solved in double from the input.
+// A fixed grid strides over the device-side count, so the host never reads it.
+template <int N>
+__global__ void __launch_bounds__(kThreads) birkhoff_fwd_fallback(FwdArgs a) {
+  const int count = *static_cast<volatile int*>(a.work);
+  constexpr int E = N * N;
+  for (int k = blockIdx.x * kThreads + threadIdx.x; k < count; k += gridDim.x * kThreads) {
+    const int64_t b = a.work[1 + k];
+    const float* src = static_cast<const float*>(a.src) + b * E;
+    float* dst = static_cast<float*>(a.dst) + b * E;
+    int iters = 0;
+    const int st = mhc::project_matrix<N, double>(src, dst, a.fb_tol, a.fb_max_iter, iters);
+    if (a.info) {
+      int total = (a.info[b] & 0xffff) + iters;
+      total = total > 0xffff ? 0xffff : total;
+      a.info[b] = total | mhc::kInfoFallback | (st == 1 ? mhc::kInfoConverged : 0);
+    }
+  }
+}
+
+template <int N>
+__global__ void __launch_bounds__(kThreads) birkhoff_fwd_f64_thread(FwdArgs a) {
+  const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+  if (b >= a.batch) return;
+  constexpr int E = N * N;
+  int iters = 0;
+  const int st = mhc::project_matrix<N, double>(static_cast<const double*>(a.src) + b * E,
+                                                static_cast<double*>(a.dst) + b * E, a.tol,
+                                                a.max_iter, iters);
+  if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
+}
+
+template <int N, typename S>
+__global__ void __launch_bounds__(kThreads)
+    birkhoff_bwd_thread(const S* t, const S* g, S* da, int64_t batch) {
+  const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+  if (b >= batch) return;
+  constexpr int E = N * N;
+  if constexpr (E % 4 == 0 && sizeof(S) == 4) {
+    float tt[E], gg[E], out[E];
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(t + b * E) + q);
+      const float4 w = __ldg(reinterpret_cast<const float4*>(g + b * E) + q);
+      tt[4 * q] = v.x;
+      tt[4 * q + 1] = v.y;
+      tt[4 * q + 2] = v.z;
+      tt[4 * q + 3] = v.w;
+      gg[4 * q] = w.x;
+      gg[4 * q + 1] = w.y;
+      gg[4 * q + 2] = w.z;
+      gg[4 * q + 3] = w.w;
+    }
+    mhc::vjp_matrix<N, float>(tt, gg, out);
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q)
+      reinterpret_cast<float4*>(da + b * E)[q] =
+          make_float4(out[4 * q], out[4 * q + 1], out[4 * q + 2], out[4 * q + 3]);
+  } else {
+    mhc::vjp_matrix<N, S>(t + b * E, g + b * E, da + b * E);
+  }
+}
+
+inline unsigned blocks_for(int64_t work, int per_block) {
+  return unsigned((work + per_block - 1) / per_block);
+}
+
+template <int N>
+void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
+  if (a.batch == 0) return;
+  const unsigned grid = blocks_for(a.batch, kThreads);
+  if (dtype == 1) {
+    birkhoff_fwd_f64_thread<N><<<grid, kThreads, 0, stream>>>(a);
+    return;
+  }
+  cudaMemsetAsync(a.work, 0, sizeof(int), stream);
+  birkhoff_fwd_f32_thread<N><<<grid, kThreads, 0, stream>>>(a);
+  const unsigned fb_grid = grid < 528u ? grid : 528u;
+  birkhoff_fwd_fallback<N><<<fb_grid, kThreads, 0, stream>>>(a);
+}
+
+template <int N>
+void launch_bwd(const void* t, const void* g, void* da, int64_t batch, int dtype,
+                cudaStream_t stream) {
+  if (batch == 0) return;
+  const unsigned grid = blocks_for(batch, kThreads);
+  if (dtype == 1)
+    birkhoff_bwd_thread<N, double><<<grid, kThreads, 0, stream>>>(
+        static_cast<const double*>(t), static_cast<const double*>(g), static_cast<double*>(da),
+        batch);
+  else
+    birkhoff_bwd_thread<N, float><<<grid, kThreads, 0, stream>>>(
+        static_cast<const float*>(t), static_cast<const float*>(g), static_cast<float*>(da),
+        batch);
+}
+
+}  // namespace mhc_cuda

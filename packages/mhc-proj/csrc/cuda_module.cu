@@ -1,0 +1,241 @@
+// mhc_proj._cuda: CUDA kernels and their pybind11 bindings. Bindings take raw device
+// pointers, sizes and a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream);
+// no libtorch, static cudart, no host synchronization.
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "cuda_kernels.cuh"
+
+namespace py = pybind11;
+
+namespace mhc_cuda {
+void generic_fwd(int n, const FwdArgs& a, int dtype, cudaStream_t s);
+void generic_bwd(int n, const void* t, const void* g, void* da, int64_t batch, int dtype,
+                 cudaStream_t s);
+
+// ---------------------------------------------------------------- Sinkhorn-k, n = 4
+// The published layout: 16 lanes per matrix (two matrices per warp), lane = 4 i + j holds
+// one entry; row sums by __shfl_xor_sync over lanes 1, 2, column sums over 4, 8. No shared
+// or global memory for intermediates. ITERS > 0: compile-time iteration count, the saved
+// states of the backward stay in registers; ITERS == 0: run-time count (<= 64), states in
+// local memory.
+constexpr int kMaxSinkhornIters = 64;
+
+__device__ __forceinline__ float row_sum16(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float col_sum16(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  return v + __shfl_xor_sync(0xffffffffu, v, 8);
+}
+__device__ __forceinline__ float row_max16(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float softmax16(float x) {
+  const float m = row_max16(x);
+  const float e = __expf(x - m);
+  return e * (1.0f / row_sum16(e));
+}
+
+template <int ITERS>
+__global__ void __launch_bounds__(256) sinkhorn4_fwd_lane(const float* __restrict__ src,
+                                                          float* __restrict__ dst, int64_t batch,
+                                                          int iters, float eps) {
+  const int64_t gid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const bool valid = (gid >> 4) < batch;
+  const float x = valid ? __ldg(src + gid) : 0.0f;
+  float p = softmax16(x) + eps;
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+#pragma unroll
+  for (int k = 0; k < steps; ++k) {
+    const float s = (k & 1) ? row_sum16(p) : col_sum16(p);
+    p = p * (1.0f / (s + eps));
+  }
+  if (valid) dst[gid] = p;
+}
+
+template <int ITERS>
+__global__ void __launch_bounds__(256) sinkhorn4_bwd_lane(const float* __restrict__ src,
+                                                          const float* __restrict__ grad,
+                                                          float* __restrict__ dst, int64_t batch,
+                                                          int iters, float eps) {
+  const int64_t gid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const bool valid = (gid >> 4) < batch;
+  const float x = valid ? __ldg(src + gid) : 0.0f;
+  float d = valid ? __ldg(grad + gid) : 0.0f;
+  const float sm = softmax16(x);
+  constexpr int kSlots = ITERS > 0 ? 2 * ITERS - 1 : 2 * kMaxSinkhornIters - 1;
+  float states[kSlots];
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+  float p = sm + eps;
+#pragma unroll
+  for (int k = 0; k < steps; ++k) {
+    states[k] = p;
+    const float s = (k & 1) ? row_sum16(p) : col_sum16(p);
+    p = p * (1.0f / (s + eps));
+  }
+#pragma unroll
+  for (int k = steps - 1; k >= 0; --k) {
+    const float pk = states[k];
+    const float s = (k & 1) ? row_sum16(pk) : col_sum16(pk);
+    const float inv = 1.0f / (s + eps);
+    const float prod = d * (pk * inv);
+    const float dot = (k & 1) ? row_sum16(prod) : col_sum16(prod);
+    d = (d - dot) * inv;
+  }
+  const float dot = row_sum16(d * sm);
+  if (valid) dst[gid] = sm * (d - dot);
+}
+
+// The alternative layout for comparison: one thread per matrix, 16-byte loads, the
+// shared header's scalar code (forward only).
+__global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restrict__ src,
+                                                            float* __restrict__ dst,
+                                                            int64_t batch, int iters, float eps) {
+  const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (b >= batch) return;
+  float a[4][4], p[4][4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(src + b * 16) + q);
+    a[q][0] = v.x;
+    a[q][1] = v.y;
+    a[q][2] = v.z;
+    a[q][3] = v.w;
+  }
+  mhc::softmax_rows<4, float>(a, p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[i][j] += eps;
+  for (int k = 0; k < 2 * iters - 1; ++k) mhc::sinkhorn_step<4, float>(p, (k & 1) == 0, eps);
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(p[q][0], p[q][1], p[q][2], p[q][3]);
+}
+
+// ---------------------------------------------------------------- smoke
+__global__ void copy_kernel(const float* src, float* dst, int64_t count) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < count) dst[i] = src[i];
+}
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace mhc_cuda
+
+using namespace mhc_cuda;
+
+namespace {
+cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+template <typename T>
+T* ptr(std::uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+}  // namespace
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "mhc-proj CUDA kernels (raw pointers + stream, no libtorch)";
+  m.def("device_count", []() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return n;
+  });
+  m.def(
+      "smoke_copy",
+      [](std::uintptr_t src, std::uintptr_t dst, int64_t count, std::uintptr_t stream) {
+        if (count > 0)
+          copy_kernel<<<unsigned((count + 255) / 256), 256, 0, as_stream(stream)>>>(
+              ptr<const float>(src), ptr<float>(dst), count);
+        check_launch("smoke_copy");
+      },
+      py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("stream"));
+  m.def(
+      "birkhoff_fwd",
+      [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, std::uintptr_t work,
+         int64_t B, int n, int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
+         double pivot_min, std::uintptr_t stream) {
+        FwdArgs a{ptr<const void>(src), ptr<void>(dst), ptr<int>(info), ptr<int>(work), B,
+                  tol, max_iter, fb_tol, fb_max_iter, pivot_min};
+        if (n == 4)
+          launch_fwd<4>(a, dtype, as_stream(stream));
+        else
+          generic_fwd(n, a, dtype, as_stream(stream));
+        check_launch("birkhoff_fwd");
+      },
+      py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("work"), py::arg("batch"),
+      py::arg("n"), py::arg("dtype"), py::arg("tol"), py::arg("max_iter"),
+      py::arg("fallback_tol"), py::arg("fallback_max_iter"), py::arg("pivot_min"),
+      py::arg("stream"));
+  m.def(
+      "birkhoff_bwd",
+      [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype,
+         std::uintptr_t stream) {
+        if (n == 4)
+          launch_bwd<4>(ptr<const void>(t), ptr<const void>(g), ptr<void>(da), B, dtype,
+                        as_stream(stream));
+        else
+          generic_bwd(n, ptr<const void>(t), ptr<const void>(g), ptr<void>(da), B, dtype,
+                      as_stream(stream));
+        check_launch("birkhoff_bwd");
+      },
+      py::arg("t"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
+      py::arg("dtype"), py::arg("stream"));
+  m.def(
+      "sinkhorn_fwd",
+      [](std::uintptr_t src, std::uintptr_t dst, int64_t B, int iters, double eps, int variant,
+         std::uintptr_t stream) {
+        if (iters < 1 || iters > kMaxSinkhornIters)
+          throw std::invalid_argument("iters must be in 1..64 on CUDA, got " +
+                                      std::to_string(iters));
+        if (B == 0) return;
+        const cudaStream_t s = as_stream(stream);
+        if (variant == 1) {
+          sinkhorn4_fwd_thread<<<unsigned((B + 127) / 128), 128, 0, s>>>(
+              ptr<const float>(src), ptr<float>(dst), B, iters, float(eps));
+        } else {
+          const unsigned grid = unsigned((B * 16 + 255) / 256);
+          if (iters == 20)
+            sinkhorn4_fwd_lane<20><<<grid, 256, 0, s>>>(ptr<const float>(src), ptr<float>(dst),
+                                                       B, iters, float(eps));
+          else
+            sinkhorn4_fwd_lane<0><<<grid, 256, 0, s>>>(ptr<const float>(src), ptr<float>(dst), B,
+                                                      iters, float(eps));
+        }
+        check_launch("sinkhorn_fwd");
+      },
+      py::arg("src"), py::arg("dst"), py::arg("batch"), py::arg("iters"), py::arg("eps"),
+      py::arg("variant"), py::arg("stream"));
+  m.def(
+      "sinkhorn_bwd",
+      [](std::uintptr_t src, std::uintptr_t g, std::uintptr_t dst, int64_t B, int iters,
+         double eps, std::uintptr_t stream) {
+        if (iters < 1 || iters > kMaxSinkhornIters)
+          throw std::invalid_argument("iters must be in 1..64 on CUDA, got " +
+                                      std::to_string(iters));
+        if (B == 0) return;
+        const cudaStream_t s = as_stream(stream);
+        const unsigned grid = unsigned((B * 16 + 255) / 256);
+        if (iters == 20)
+          sinkhorn4_bwd_lane<20><<<grid, 256, 0, s>>>(ptr<const float>(src), ptr<const float>(g),
+                                                     ptr<float>(dst), B, iters, float(eps));
+        else
+          sinkhorn4_bwd_lane<0><<<grid, 256, 0, s>>>(ptr<const float>(src), ptr<const float>(g),
+                                                    ptr<float>(dst), B, iters, float(eps));
+        check_launch("sinkhorn_bwd");
+      },
+      py::arg("src"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("iters"),
+      py::arg("eps"), py::arg("stream"));
+}

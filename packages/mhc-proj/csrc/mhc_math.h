@@ -1,0 +1,586 @@
+// Shared __host__ __device__ math of mhc-proj: the per-matrix Newton solve of the
+// Birkhoff projection, its implicit backward, and the Sinkhorn-k compatibility
+// iteration. The CPU module (cpu_module.cpp) and the CUDA kernels (cuda_module.cu)
+// include this header and call the same functions, so the two paths run the same
+// algorithm. The derivation is in docs/mhc-proj-math.md.
+//
+// Conventions: one n x n matrix, row-major, n a compile-time constant N (2..8).
+// S is the arithmetic type (float or double).
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MHC_HD __host__ __device__ __forceinline__
+#else
+#define MHC_HD inline
+#endif
+
+#if defined(__CUDACC__) && !defined(MHC_NO_UNROLL)
+#define MHC_UNROLL _Pragma("unroll")
+#else
+#define MHC_UNROLL
+#endif
+
+namespace mhc {
+
+// ---------------------------------------------------------------- scalar helpers
+MHC_HD float m_exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);
+#else
+  return expf(x);
+#endif
+}
+MHC_HD double m_exp(double x) { return exp(x); }
+MHC_HD float m_log(float x) { return logf(x); }
+MHC_HD double m_log(double x) { return log(x); }
+MHC_HD float m_log1p(float x) { return log1pf(x); }
+MHC_HD double m_log1p(double x) { return log1p(x); }
+MHC_HD float m_expm1(float x) { return expm1f(x); }
+MHC_HD double m_expm1(double x) { return expm1(x); }
+MHC_HD float m_abs(float x) { return fabsf(x); }
+MHC_HD double m_abs(double x) { return fabs(x); }
+template <typename S>
+MHC_HD S m_max(S a, S b) {
+  return a > b ? a : b;
+}
+template <typename S>
+MHC_HD bool m_finite(S x) {
+  return x - x == S(0);  // false for NaN and +-Inf
+}
+
+template <typename S>
+struct Limits;
+template <>
+struct Limits<float> {
+  static constexpr float eps = FLT_EPSILON;
+  static constexpr float step_cap = 24.0f;  // max |Newton step| per iteration
+  static constexpr int max_halvings = 12;
+  static constexpr float huge = FLT_MAX;
+  static constexpr float cont_range = 64.0f;  // logit range above which we use continuation
+  static constexpr int stall = 5;  // iterations without a 10% error decrease before giving up
+};
+template <>
+struct Limits<double> {
+  static constexpr double eps = DBL_EPSILON;
+  static constexpr double step_cap = 64.0;
+  static constexpr int max_halvings = 24;
+  static constexpr double huge = DBL_MAX;
+  static constexpr double cont_range = 64.0;
+  static constexpr int stall = 40;
+};
+
+// Info word written per matrix when requested: bits 0..15 iterations (fp32 stage plus
+// fallback stage), bit 16 set when the float64 fallback ran, bit 17 set when converged.
+constexpr int kInfoFallback = 1 << 16;
+constexpr int kInfoConverged = 1 << 17;
+
+// ---------------------------------------------------------------- forward pieces
+
+// Rows of T = rowsoftmax(a + 1 beta^T); column sums in c; returns the marginal error
+// sum_i |r_i - 1| + sum_j |c_j - 1| (L1 of row and column deviations).
+template <int N, typename S>
+MHC_HD S plan(const S (&a)[N][N], const S (&beta)[N], S (&t)[N][N], S (&c)[N]) {
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) c[j] = S(0);
+  S err = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S x[N];
+    S m = a[i][0] + beta[0];
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      x[j] = a[i][j] + beta[j];
+      m = m_max(m, x[j]);
+    }
+    S s = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      x[j] = m_exp(x[j] - m);
+      s += x[j];
+    }
+    const S inv = S(1) / s;
+    S r = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      t[i][j] = x[j] * inv;
+      r += t[i][j];
+      c[j] += t[i][j];
+    }
+    err += m_abs(r - S(1));
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) err += m_abs(c[j] - S(1));
+  return err;
+}
+
+// One Sinkhorn column step computed entirely in the log domain, so it is defined even
+// when a column's mass underflows: beta_j -= log sum_i rowsoftmax(a + beta)_ij. This is
+// exact block-coordinate descent on the dual and never increases the semi-dual
+// objective: the globalization's fallback step. Gauge beta_{N-1} = 0 afterwards.
+template <int N, typename S>
+MHC_HD void log_col_step(const S (&a)[N][N], S (&beta)[N]) {
+  S lse[N];
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S m = a[i][0] + beta[0];
+    MHC_UNROLL
+    for (int j = 1; j < N; ++j) m = m_max(m, a[i][j] + beta[j]);
+    S s = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) s += m_exp(a[i][j] + beta[j] - m);
+    lse[i] = m + m_log(s);
+  }
+  S lc[N];
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) {
+    S m = a[0][j] + beta[j] - lse[0];
+    MHC_UNROLL
+    for (int i = 1; i < N; ++i) m = m_max(m, a[i][j] + beta[j] - lse[i]);
+    S s = S(0);
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) s += m_exp(a[i][j] + beta[j] - lse[i] - m);
+    lc[j] = m + m_log(s);
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) beta[j] -= lc[j];
+  const S g = beta[N - 1];
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) beta[j] -= g;
+}
+
+// Off-diagonal weights W_jk = sum_i T_ij T_ik (j != k). The Hessian of the semi-dual
+// (and the backward system) is the graph Laplacian diag(W 1) - W: its diagonal is a sum
+// of positive products, never 1 - sum_i T_ij^2 (which cancels for large logits).
+template <int N, typename S>
+MHC_HD void laplacian_weights(const S (&t)[N][N], S (&w)[N][N]) {
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) {
+    w[j][j] = S(0);
+    MHC_UNROLL
+    for (int k = j + 1; k < N; ++k) {
+      S s = S(0);
+      MHC_UNROLL
+      for (int i = 0; i < N; ++i) s += t[i][j] * t[i][k];
+      w[j][k] = s;
+      w[k][j] = s;
+    }
+  }
+}
+
+// Solves L x = b for the Laplacian L = diag(W 1) - W grounded at node N-1 (x_{N-1} = 0)
+// by Gaussian elimination in the Grassmann-Taufer-Heyman arrangement: every pivot is a
+// sum of positive off-diagonal weights (including the edge to ground), and the Schur
+// complement of a Laplacian is again a Laplacian, so no subtraction ever occurs in the
+// elimination. Overwrites w. A zero pivot (below eps times the node's degree) means node
+// p has no edge left to the rest of the graph (incl. ground): its component is grounded
+// at p instead (x_p = 0, a valid gauge there). Returns false if that happened.
+template <int N, typename S>
+MHC_HD bool grounded_laplacian_solve(S (&w)[N][N], S (&b)[N], S (&x)[N]) {
+  S piv[N], deg[N];
+  bool all_pos = true;
+  MHC_UNROLL
+  for (int p = 0; p < N - 1; ++p) {
+    S d0 = S(0);
+    MHC_UNROLL
+    for (int k = 0; k < N; ++k)
+      if (k != p) d0 += w[p][k];
+    deg[p] = d0;
+  }
+  MHC_UNROLL
+  for (int p = 0; p < N - 1; ++p) {
+    S d = S(0);
+    MHC_UNROLL
+    for (int k = p + 1; k < N; ++k) d += w[p][k];
+    // A pivot below eps times the node's initial degree is zero to working precision:
+    // the node's component is cut off from ground (e.g. the ground column is isolated).
+    if (!(d > Limits<S>::eps * deg[p]) || !(d > S(0)) || !m_finite(d)) {
+      all_pos = false;
+      piv[p] = S(0);
+      continue;  // no edges from p to the remaining nodes: nothing to eliminate
+    }
+    piv[p] = d;
+    const S inv = S(1) / d;
+    MHC_UNROLL
+    for (int i = p + 1; i < N; ++i) {
+      const S wip = w[i][p] * inv;
+      MHC_UNROLL
+      for (int j = i + 1; j < N; ++j) {
+        const S v = w[i][j] + wip * w[p][j];
+        w[i][j] = v;
+        w[j][i] = v;
+      }
+      if (i < N - 1) b[i] += wip * b[p];
+    }
+  }
+  x[N - 1] = S(0);
+  MHC_UNROLL
+  for (int p = N - 2; p >= 0; --p) {
+    S s = b[p];
+    MHC_UNROLL
+    for (int k = p + 1; k < N - 1; ++k) s += w[p][k] * x[k];
+    x[p] = piv[p] > S(0) ? s / piv[p] : S(0);
+  }
+  return all_pos;
+}
+
+// Smallest pivot of the grounded-Laplacian elimination of W (the Hessian's conditioning
+// in the semi-dual): small values mean nearly disconnected supports, where T and its
+// VJP are most sensitive to rounding in T.
+template <int N, typename S>
+MHC_HD S min_pivot(const S (&t)[N][N]) {
+  S w[N][N];
+  laplacian_weights<N, S>(t, w);
+  S mp = Limits<S>::huge;
+  MHC_UNROLL
+  for (int p = 0; p < N - 1; ++p) {
+    S d = S(0);
+    MHC_UNROLL
+    for (int k = p + 1; k < N; ++k) d += w[p][k];
+    mp = d < mp ? d : mp;
+    if (!(d > S(0))) return S(0);
+    const S inv = S(1) / d;
+    MHC_UNROLL
+    for (int i = p + 1; i < N; ++i) {
+      const S wip = w[i][p] * inv;
+      MHC_UNROLL
+      for (int j = i + 1; j < N; ++j) {
+        const S v = w[i][j] + wip * w[p][j];
+        w[i][j] = v;
+        w[j][i] = v;
+      }
+    }
+  }
+  return mp;
+}
+
+// Newton's method on the semi-dual over beta (beta_{N-1} = 0) with a backtracking line
+// search on the exact objective decrease, written cancellation-free as
+//   f(beta + s d) - f(beta) = sum_i log1p(sum_j T_ij expm1(s d_j)) - s sum_j d_j,
+// a step cap, a log-domain Sinkhorn step whenever Newton cannot make progress, and a
+// stagnation exit. Stops when the L1 marginal error of the T it returns is <= tol.
+// a must have row maxima 0 (the caller subtracts them). Returns converged; iters gets
+// the number of iterations used; t holds rowsoftmax(a + beta) at the final beta.
+template <int N, typename S>
+MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, int max_iter,
+                        int& iters) {
+  log_col_step<N, S>(a, beta);
+  S c[N];
+  S best = Limits<S>::huge;
+  int stall = 0;
+  int it = 0;
+  bool ok = false;
+  S err = S(0);
+  for (;;) {
+    err = plan<N, S>(a, beta, t, c);
+    if (err <= tol) {
+      ok = true;
+      break;
+    }
+    if (!m_finite(err) || it >= max_iter) break;
+    if (err < S(0.9) * best) {
+      best = err;
+      stall = 0;
+    } else if (++stall >= Limits<S>::stall) {
+      break;
+    }
+    ++it;
+    S w[N][N], b[N], d[N];
+    laplacian_weights<N, S>(t, w);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) b[j] = S(1) - c[j];
+    bool accepted = false;
+    grounded_laplacian_solve<N, S>(w, b, d);
+    {
+      S dmax = S(0), slope = S(0), sumd = S(0);
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) {
+        dmax = m_max(dmax, m_abs(d[j]));
+        slope += (c[j] - S(1)) * d[j];
+        sumd += d[j];
+      }
+      if (m_finite(dmax) && m_finite(slope) && slope < S(0)) {
+        S step = dmax > Limits<S>::step_cap ? Limits<S>::step_cap / dmax : S(1);
+        for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {
+          S em[N];
+          MHC_UNROLL
+          for (int j = 0; j < N; ++j) em[j] = m_expm1(step * d[j]);
+          S delta = -step * sumd;
+          MHC_UNROLL
+          for (int i = 0; i < N; ++i) {
+            S y = S(0);
+            MHC_UNROLL
+            for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
+            delta += m_log1p(y);
+          }
+          // Armijo with a rounding allowance: the decrease is computed to about
+          // N * eps * |step * d|, below which it cannot be resolved.
+          const S thr = S(1e-4) * step * slope + S(4 * N) * Limits<S>::eps * step * dmax;
+          if (m_finite(delta) && delta <= thr) {
+            accepted = true;
+            break;
+          }
+          step *= S(0.5);
+        }
+        if (accepted) {
+          MHC_UNROLL
+          for (int j = 0; j < N; ++j) beta[j] += step * d[j];
+        }
+      }
+    }
+    if (!accepted) log_col_step<N, S>(a, beta);
+  }
+  iters = it;
+  return ok;
+}
+
+// The projection of one matrix. Small logit ranges: one Newton solve. Large ranges:
+// continuation in the logit scale (epsilon-scaling): solve for f * a with f growing by
+// 4x up to 1, keeping the potentials in logit units (phi = beta / f) as the warm start;
+// intermediate stages stop at a loose tolerance. This keeps every stage well conditioned
+// and makes logits of magnitude 1e4 converge in tens of iterations.
+template <int N, typename S>
+MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters) {
+  S range = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) range = m_max(range, -a[i][j]);
+  }
+  S beta[N];
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) beta[j] = S(0);
+  if (!(range > Limits<S>::cont_range)) return newton_core<N, S>(a, beta, t, tol, max_iter, iters);
+  S phi[N];
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) phi[j] = S(0);
+  S f = Limits<S>::cont_range / range;
+  int total = 0;
+  bool ok = false;
+  for (;;) {
+    const bool last = !(f < S(1));
+    if (last) f = S(1);
+    S as[N][N];
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) as[i][j] = a[i][j] * f;
+    }
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) beta[j] = phi[j] * f;
+    int it = 0;
+    ok = newton_core<N, S>(as, beta, t, last ? tol : S(1e-2), max_iter, it);
+    total += it;
+    if (last) break;
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) phi[j] = beta[j] / f;
+    f *= S(4);
+  }
+  iters = total;
+  return ok;
+}
+
+// Loads one matrix (any input type) into the solver's layout with row maxima subtracted.
+// Returns false if any entry is not finite.
+template <int N, typename S, typename In>
+MHC_HD bool load_shifted(const In* src, S (&a)[N][N]) {
+  bool finite = true;
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S m = S(src[i * N]);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      a[i][j] = S(src[i * N + j]);
+      finite = finite && m_finite(a[i][j]);
+      m = m_max(m, a[i][j]);
+    }
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) a[i][j] -= m;
+  }
+  return finite;
+}
+
+// ---------------------------------------------------------------- backward
+// Implicit VJP: dA = T * (G - x 1^T - 1 y^T) with (I - T^T T) y = s - T^T r on the
+// grounded Laplacian, rearranged without cancellation:
+//   rhs_j  = sum_i sum_{k != j} T_ij T_ik (G_ij - G_ik)
+//   dA_ij  = T_ij sum_{k != j} T_ik (Z_ij - Z_ik),   Z_ij = G_ij - y_j.
+template <int N, typename S>
+MHC_HD void implicit_vjp(const S (&t)[N][N], const S (&g)[N][N], S (&da)[N][N]) {
+  S w[N][N], b[N], y[N];
+  laplacian_weights<N, S>(t, w);
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) {
+    S s = S(0);
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      S inner = S(0);
+      MHC_UNROLL
+      for (int k = 0; k < N; ++k)
+        if (k != j) inner += t[i][k] * (g[i][j] - g[i][k]);
+      s += t[i][j] * inner;
+    }
+    b[j] = s;
+  }
+  // A disconnected support (blocks of a permutation, up to underflow) is grounded per
+  // component inside the solve; any gauge per component gives the same dA.
+  grounded_laplacian_solve<N, S>(w, b, y);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S z[N];
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) z[j] = g[i][j] - y[j];
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      S s = S(0);
+      MHC_UNROLL
+      for (int k = 0; k < N; ++k)
+        if (k != j) s += t[i][k] * (z[j] - z[k]);
+      da[i][j] = t[i][j] * s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- Sinkhorn-k
+// The DeepSeek / TileKernels convention:
+//   P = rowsoftmax(A) + eps;  P /= colsum(P) + eps;
+//   repeat iters - 1 times: P /= rowsum(P) + eps; P /= colsum(P) + eps.
+// Normalization step k (0-based, 2 * iters - 1 of them): even k are column steps.
+template <int N, typename S>
+MHC_HD void softmax_rows(const S (&a)[N][N], S (&p)[N][N]) {
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S m = a[i][0];
+    MHC_UNROLL
+    for (int j = 1; j < N; ++j) m = m_max(m, a[i][j]);
+    S s = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      p[i][j] = m_exp(a[i][j] - m);
+      s += p[i][j];
+    }
+    const S inv = S(1) / s;
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) p[i][j] *= inv;
+  }
+}
+
+template <int N, typename S>
+MHC_HD void sinkhorn_step(S (&p)[N][N], bool column, S eps) {
+  if (column) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      S s = S(0);
+      MHC_UNROLL
+      for (int i = 0; i < N; ++i) s += p[i][j];
+      const S inv = S(1) / (s + eps);
+      MHC_UNROLL
+      for (int i = 0; i < N; ++i) p[i][j] *= inv;
+    }
+  } else {
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      S s = S(0);
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) s += p[i][j];
+      const S inv = S(1) / (s + eps);
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) p[i][j] *= inv;
+    }
+  }
+}
+
+// Backward of one normalization step q = p / (sum + eps), given p (its input) and dq;
+// overwrites dq with dp.
+template <int N, typename S>
+MHC_HD void sinkhorn_step_bwd(const S (&p)[N][N], S (&dq)[N][N], bool column, S eps) {
+  if (column) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      S s = S(0);
+      MHC_UNROLL
+      for (int i = 0; i < N; ++i) s += p[i][j];
+      const S inv = S(1) / (s + eps);
+      S dot = S(0);
+      MHC_UNROLL
+      for (int i = 0; i < N; ++i) dot += dq[i][j] * (p[i][j] * inv);
+      MHC_UNROLL
+      for (int i = 0; i < N; ++i) dq[i][j] = (dq[i][j] - dot) * inv;
+    }
+  } else {
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      S s = S(0);
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) s += p[i][j];
+      const S inv = S(1) / (s + eps);
+      S dot = S(0);
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) dot += dq[i][j] * (p[i][j] * inv);
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) dq[i][j] = (dq[i][j] - dot) * inv;
+    }
+  }
+}
+
+template <int N, typename S>
+MHC_HD void softmax_rows_bwd(const S (&sm)[N][N], S (&d)[N][N]) {
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S dot = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) dot += d[i][j] * sm[i][j];
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) d[i][j] = sm[i][j] * (d[i][j] - dot);
+  }
+}
+
+// ---------------------------------------------------------------- per-matrix drivers
+// Status of one projection: 1 converged, 0 not converged, -1 non-finite input (the
+// output is NaN; no other matrix is affected).
+template <int N, typename S, typename In, typename Out>
+MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& iters,
+                          S pivot_min = S(0)) {
+  S a[N][N], t[N][N];
+  iters = 0;
+  if (!load_shifted<N, S>(src, a)) {
+    MHC_UNROLL
+    for (int e = 0; e < N * N; ++e) dst[e] = Out(NAN);
+    return -1;
+  }
+  bool ok = newton_project<N, S>(a, t, tol, max_iter, iters);
+  // Ill-conditioned (nearly disconnected) matrices are reported as not converged so
+  // the caller re-solves them in float64: there fp32 rounding of the potentials would
+  // show up in T and, amplified, in its VJP.
+  if (ok && pivot_min > S(0) && min_pivot<N, S>(t) < pivot_min) ok = false;
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
+  }
+  return ok ? 1 : 0;
+}
+
+template <int N, typename S, typename In, typename Out>
+MHC_HD void vjp_matrix(const In* tp, const In* gp, Out* dst) {
+  S t[N][N], g[N][N], da[N][N];
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      t[i][j] = S(tp[i * N + j]);
+      g[i][j] = S(gp[i * N + j]);
+    }
+  }
+  implicit_vjp<N, S>(t, g, da);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) dst[i * N + j] = Out(da[i][j]);
+  }
+}
+
+}  // namespace mhc

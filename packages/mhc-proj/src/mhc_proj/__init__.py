@@ -1,0 +1,31 @@
+"""mhc-proj: exact Birkhoff projection for manifold-constrained hyper-connections.
+
+- :func:`birkhoff_project` — exact doubly stochastic projection (Newton forward,
+  implicit backward), CPU (C++) and CUDA kernels, a ``torch.library`` custom op.
+- :func:`sinkhorn_project` — the Sinkhorn-k compatibility projection (fused).
+- :mod:`mhc_proj.reference` — float64 torch oracles.
+"""
+
+from mhc_proj._backend import cuda_available
+from mhc_proj.birkhoff import BirkhoffProjection, ProjectionInfo, birkhoff_project
+from mhc_proj.reference import (
+    birkhoff_project_ref,
+    birkhoff_vjp_ref,
+    marginal_error,
+    sinkhorn_project_ref,
+)
+from mhc_proj.sinkhorn import sinkhorn_project
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BirkhoffProjection",
+    "ProjectionInfo",
+    "birkhoff_project",
+    "birkhoff_project_ref",
+    "birkhoff_vjp_ref",
+    "cuda_available",
+    "marginal_error",
+    "sinkhorn_project",
+    "sinkhorn_project_ref",
+]

@@ -1,0 +1,370 @@
+"""Benchmark CLI: ``mhc-proj-bench`` / ``python -m mhc_proj.bench``.
+
+Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
+
+- ``ours``: :func:`mhc_proj.birkhoff_project` (exact projection).
+- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20, 16 lanes
+  per matrix); ``ours-sinkhorn20-thread``: its one-thread-per-matrix layout (fwd only).
+- ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
+- ``compile-sinkhorn20``: that function under ``torch.compile``.
+- ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
+
+Columns: median CUDA-event time (wall clock on CPU), achieved GB/s (bytes of the ideal
+kernel: fwd 128 B, bwd 192 B, fwd+bwd 320 B per matrix) and its fraction of the copy
+ceiling measured in the same process, and accuracy (median / max L1 marginal error,
+max distance to the float64 exact projection on a sample). ``--json`` writes the
+kernel-bench/1 schema. With no size flags on CUDA it runs the standard GPU suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import mhc_proj
+from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
+from mhc_proj.reference import birkhoff_project_ref, marginal_error, sinkhorn_project_ref
+from mhc_proj.sinkhorn import sinkhorn_fwd
+
+PROVIDERS = [
+    "ours",
+    "ours-sinkhorn20",
+    "ours-sinkhorn20-thread",
+    "torch-sinkhorn20",
+    "compile-sinkhorn20",
+    "tile-kernels-sinkhorn",
+]
+MODES = ["fwd", "bwd", "fwd_bwd"]
+BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
+SAMPLE = 16384
+
+
+def torch_sinkhorn20(x: torch.Tensor) -> torch.Tensor:
+    """The eager peer: DeepSeek/TileKernels Sinkhorn-20 (eps = 1e-6) in plain torch."""
+    return sinkhorn_project_ref(x, iters=20, eps=1e-6)
+
+
+_compiled: Callable | None = None
+
+
+def compile_sinkhorn20() -> Callable:
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(torch_sinkhorn20, dynamic=True)
+    return _compiled
+
+
+def _tile_kernels_fn() -> Callable | None:
+    try:  # pragma: no cover - not installed anywhere we run
+        import tile_kernels  # noqa: F401
+        from tile_kernels.mhc import sinkhorn_normalize  # type: ignore
+
+        return lambda x: sinkhorn_normalize(x, repeat=20, eps=1e-6)
+    except Exception:
+        return None
+
+
+def _fn_for(provider: str) -> Callable | None:
+    if provider == "ours":
+        return mhc_proj.birkhoff_project
+    if provider == "ours-sinkhorn20":
+        return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
+    if provider == "ours-sinkhorn20-thread":
+        return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=1) if x.is_cuda else None
+    if provider == "torch-sinkhorn20":
+        return torch_sinkhorn20
+    if provider == "compile-sinkhorn20":
+        return compile_sinkhorn20()
+    if provider == "tile-kernels-sinkhorn":
+        return _tile_kernels_fn()
+    raise ValueError(f"unknown provider {provider!r}; choose from {PROVIDERS}")
+
+
+# ---------------------------------------------------------------- timing
+def _timeit(fn: Callable[[], object], device: torch.device, budget_s: float = 0.4):
+    """Median / p20 / p80 in ms of ``fn``: CUDA events on GPU, wall clock on CPU."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+    else:
+        t0 = time.perf_counter()
+        fn()
+    est = max(time.perf_counter() - t0, 1e-6)
+    reps = int(min(50, max(3, budget_s / est)))
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    q = lambda p: times[min(len(times) - 1, int(p * (len(times) - 1) + 0.5))]
+    return statistics.median(times), q(0.2), q(0.8)
+
+
+def copy_ceiling_gbps(device: torch.device) -> float | None:
+    """Device-to-device copy throughput (bytes read + written) of a 1 GiB buffer."""
+    if device.type != "cuda":
+        return None
+    a = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    ms, _, _ = _timeit(lambda: b.copy_(a), device, budget_s=0.2)
+    return 2 * (1 << 30) / (ms * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------- one case
+def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0):
+    params = {"B": batch, "n": 4, "sigma": sigma, "dtype": "float32"}
+    if graph:
+        params["graph"] = True
+    row = {
+        "bench": "birkhoff4",
+        "provider": provider,
+        "mode": mode,
+        "params": params,
+        "status": "ok",
+        "time_ms": None,
+        "time_ms_p20": None,
+        "time_ms_p80": None,
+        "metrics": {},
+        "accuracy": {},
+        "error": None,
+    }
+    fn = _fn_for(provider)
+    if fn is None or (
+        provider == "ours-sinkhorn20-thread" and (mode != "fwd" or not device.type == "cuda")
+    ):
+        row["status"] = "skipped"
+        row["error"] = "provider not importable or not applicable here"
+        return row
+    try:
+        g = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(batch, 4, 4, device=device, generator=g) * sigma
+        gr = torch.randn(batch, 4, 4, device=device, generator=g)
+        out = None
+        if mode == "fwd":
+            with torch.no_grad():
+                out = fn(x)
+            call = lambda: fn(x)
+            if graph:
+                call = _graphed(lambda: fn(x), device)
+        elif mode == "fwd_bwd":
+            if graph:
+                if provider != "ours":
+                    raise NotImplementedError("graph mode is measured for ours only")
+                call = _graphed(
+                    lambda: birkhoff_bwd(birkhoff_fwd(x, 4e-6, 30, False)[0], gr), device
+                )
+            else:
+                xg = x.clone().requires_grad_(True)
+
+                def call():
+                    (d,) = torch.autograd.grad(fn(xg), xg, gr)
+                    return d
+
+        else:  # bwd only
+            xg = x.clone().requires_grad_(True)
+            y = fn(xg)
+            if provider == "ours":
+                t = y.detach()
+                call = lambda: birkhoff_bwd(t, gr)
+            else:
+                call = lambda: torch.autograd.grad(y, xg, gr, retain_graph=True)
+        with torch.no_grad() if mode == "fwd" else torch.enable_grad():
+            ms, p20, p80 = _timeit(call, device)
+        row.update(time_ms=ms, time_ms_p20=p20, time_ms_p80=p80)
+        gbps = BYTES[mode] * batch / (ms * 1e-3) / 1e9
+        row["metrics"] = {
+            "gbps": gbps,
+            "frac_ceiling": gbps / ceiling if ceiling else None,
+        }
+        if out is not None:
+            err = marginal_error(out.detach().float())
+            k = min(batch, SAMPLE)
+            ref = birkhoff_project_ref(x[:k])
+            row["accuracy"] = {
+                "marginal_err_median": float(err.median()),
+                "marginal_err_max": float(err.max()),
+                "max_abs_err_vs_exact_ref": float((out[:k].double() - ref).abs().max()),
+            }
+    except Exception as e:  # one failing provider must not end the suite
+        row.update(status="error", error=f"{type(e).__name__}: {e}")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def _graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+# ---------------------------------------------------------------- suites
+def gpu_suite(providers: list[str]) -> list[tuple]:
+    """(provider, mode, B, sigma, graph) of the standard H200 suite."""
+    cases = []
+    for b in [4096, 131072, 1048576, 16777216]:
+        for mode in ["fwd", "fwd_bwd"]:
+            for p in providers:
+                cases.append((p, mode, b, 1.0, False))
+    for p in ["ours", "ours-sinkhorn20"]:
+        if p in providers:
+            cases.append((p, "bwd", 16777216, 1.0, False))
+            for b in [1048576, 16777216]:
+                for mode in ["fwd", "fwd_bwd"]:
+                    cases.append((p, mode, b, 10.0, False))
+    if "ours" in providers:
+        cases.append(("ours", "fwd", 1048576, 100.0, False))
+        cases.append(("ours", "fwd", 131072, 1.0, True))
+        cases.append(("ours", "fwd_bwd", 131072, 1.0, True))
+    return cases
+
+
+def markdown(rows: list[dict]) -> str:
+    head = (
+        "| provider | mode | B | sigma | graph | ms | GB/s | frac ceiling | marg err med "
+        "| marg err max | max err vs exact | vs ours |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    ours = {
+        (r["mode"], tuple(sorted(r["params"].items()))): r["time_ms"]
+        for r in rows
+        if r["provider"] == "ours" and r["status"] == "ok"
+    }
+    f = lambda v, fmt: "—" if v is None else format(v, fmt)
+    for r in rows:
+        p, m, a = r["params"], r["metrics"] or {}, r["accuracy"] or {}
+        o = ours.get((r["mode"], tuple(sorted(p.items()))))
+        ratio = r["time_ms"] / o if (o and r["time_ms"]) else None
+        t = f(r["time_ms"], ".4g") if r["status"] == "ok" else r["status"]
+        lines.append(
+            f"| {r['provider']} | {r['mode']} | {p['B']} | {p['sigma']:g} | "
+            f"{'yes' if p.get('graph') else ''} | {t} | {f(m.get('gbps'), '.0f')} | "
+            f"{f(m.get('frac_ceiling'), '.2f')} | {f(a.get('marginal_err_median'), '.1e')} | "
+            f"{f(a.get('marginal_err_max'), '.1e')} | "
+            f"{f(a.get('max_abs_err_vs_exact_ref'), '.1e')} | {f(ratio, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def _env(device: torch.device) -> dict:
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "peers": {},
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    env["gpu"] = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu"
+    )
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mhc-proj-bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (CI)")
+    ap.add_argument("--json", help="write kernel-bench/1 JSON here")
+    ap.add_argument("--providers", nargs="+", default=None, choices=PROVIDERS)
+    ap.add_argument("--mode", nargs="+", default=None, choices=MODES)
+    ap.add_argument("--batch", nargs="+", type=int, default=None, help="batch sizes B")
+    ap.add_argument("--sigma", nargs="+", type=float, default=None, help="logit std devs")
+    ap.add_argument("--graph", action="store_true", help="also time CUDA graph replay (ours)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    args = ap.parse_args(argv)
+
+    if args.smoke:
+        device = torch.device(args.device or "cpu")
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    default_providers = [p for p in PROVIDERS if p != "compile-sinkhorn20" or not args.smoke]
+    providers = args.providers or default_providers
+    ceiling = copy_ceiling_gbps(device)
+
+    sized = args.batch or args.sigma or args.mode or args.smoke or device.type != "cuda"
+    if sized:
+        batches = args.batch or ([64, 1024] if args.smoke or device.type != "cuda" else [1 << 20])
+        sigmas = args.sigma or [1.0]
+        modes = args.mode or ["fwd", "fwd_bwd"]
+        cases = [
+            (p, m, b, s, False) for b in batches for s in sigmas for m in modes for p in providers
+        ]
+        if args.graph and device.type == "cuda":
+            cases += [
+                ("ours", m, b, s, True)
+                for b in batches
+                for s in sigmas
+                for m in modes
+                if m != "bwd"
+            ]
+    else:
+        cases = gpu_suite(providers)
+
+    t_start = time.perf_counter()
+    rows = []
+    for p, m, b, s, graph in cases:
+        rows.append(run_case(p, m, b, s, device, ceiling, graph=graph))
+        r = rows[-1]
+        print(f"# {p:24s} {m:8s} B={b:<9d} sigma={s:<5g} graph={graph!s:5s} "
+              f"{r['status']:7s} {r['time_ms'] if r['time_ms'] is not None else '':>10} "
+              f"{r['error'] or ''}", file=sys.stderr, flush=True)  # fmt: skip
+    elapsed = time.perf_counter() - t_start
+    print(markdown(rows))
+    print(
+        f"\n{len(rows)} cases in {elapsed:.1f} s on {_env(device)['gpu']}; copy ceiling "
+        f"{f'{ceiling:.0f} GB/s' if ceiling else 'n/a (CPU)'}"
+    )
+    if args.json:
+        doc = {
+            "schema": "kernel-bench/1",
+            "package": "mhc-proj",
+            "package_version": mhc_proj.__version__,
+            "command": "python -m mhc_proj.bench "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "env": _env(device),
+            "results": rows,
+        }
+        if ceiling:
+            doc["env"]["copy_ceiling_gbps"] = ceiling
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

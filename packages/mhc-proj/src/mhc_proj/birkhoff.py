@@ -1,0 +1,226 @@
+"""The exact Birkhoff projection: T = argmin over doubly stochastic T of KL(T || exp(A)).
+
+Read top to bottom: reference (float64, in :mod:`mhc_proj.reference`), launchers
+``birkhoff_fwd`` / ``birkhoff_bwd`` around the C++ / CUDA kernels, the ``torch.library``
+custom ops with fake implementations and the autograd formula (implicit backward, only T
+saved), the public :func:`birkhoff_project`, and the :class:`BirkhoffProjection` module.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mhc_proj import _backend
+from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref  # noqa: F401
+
+__all__ = ["birkhoff_project", "BirkhoffProjection", "ProjectionInfo", "N_MIN", "N_MAX"]
+
+N_MIN, N_MAX = 2, 8
+
+# Defaults. fp32 stage: stop at an L1 marginal error of 4e-6 (the fp32 rounding floor of
+# the check is ~1e-6); matrices that miss it, or whose Hessian has a pivot below
+# PIVOT_MIN (nearly disconnected support: T and its VJP most sensitive to rounding), are
+# re-solved in float64. float64 inputs are solved in float64 to 1e-13.
+TOL_F32, MAX_ITER_F32 = 4e-6, 30
+TOL_F64, MAX_ITER_F64 = 1e-13, 100
+FALLBACK_TOL, FALLBACK_MAX_ITER = 1e-10, 200
+PIVOT_MIN = 2e-4
+
+_INFO_FALLBACK = 1 << 16
+_INFO_CONVERGED = 1 << 17
+
+
+class ProjectionInfo(NamedTuple):
+    """Per-matrix solver report, each of shape ``logits.shape[:-2]``.
+
+    ``iterations``: Newton iterations used (fp32 stage plus float64 re-solve), int32.
+    ``converged``: the returned T meets the tolerance. ``fallback``: re-solved in float64.
+    """
+
+    iterations: torch.Tensor
+    converged: torch.Tensor
+    fallback: torch.Tensor
+
+
+# ---------------------------------------------------------------- launchers
+def birkhoff_fwd(
+    x: torch.Tensor,
+    tol: float,
+    max_iter: int,
+    want_info: bool,
+    fallback_tol: float = FALLBACK_TOL,
+    fallback_max_iter: int = FALLBACK_MAX_ITER,
+    pivot_min: float = PIVOT_MIN,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the forward on (B, n, n) contiguous float32/float64 ``x``.
+
+    Returns T (same dtype) and the int32 info words (B,) (empty when not wanted).
+    """
+    b, n = x.shape[0], x.shape[-1]
+    x = _backend.aligned(x)
+    out = torch.empty_like(x)
+    info = torch.empty(b if want_info else 0, dtype=torch.int32, device=x.device)
+    if b == 0:
+        return out, info
+    mod = _backend.for_tensor(x)
+    info_ptr = info.data_ptr() if want_info else 0
+    if x.is_cuda:
+        with torch.cuda.device(x.device):
+            work = torch.empty(b + 1, dtype=torch.int32, device=x.device)
+            mod.birkhoff_fwd(
+                x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n,
+                _backend.dtype_code(x), tol, max_iter, fallback_tol, fallback_max_iter,
+                pivot_min, _backend.stream(x),
+            )  # fmt: skip
+    else:
+        mod.birkhoff_fwd(
+            x.data_ptr(), out.data_ptr(), info_ptr, b, n, _backend.dtype_code(x), tol,
+            max_iter, fallback_tol, fallback_max_iter, pivot_min,
+        )  # fmt: skip
+    return out, info
+
+
+def birkhoff_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Implicit VJP on (B, n, n) contiguous ``t`` and ``grad`` of the same dtype."""
+    b, n = t.shape[0], t.shape[-1]
+    t, grad = _backend.aligned(t), _backend.aligned(grad)
+    out = torch.empty_like(t)
+    if b == 0:
+        return out
+    mod = _backend.for_tensor(t)
+    if t.is_cuda:
+        with torch.cuda.device(t.device):
+            mod.birkhoff_bwd(
+                t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, _backend.dtype_code(t),
+                _backend.stream(t),
+            )  # fmt: skip
+    else:
+        mod.birkhoff_bwd(
+            t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, _backend.dtype_code(t)
+        )
+    return out
+
+
+# ---------------------------------------------------------------- custom ops
+@torch.library.custom_op("mhc_proj::birkhoff_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor, tol: float, max_iter: int, want_info: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return birkhoff_fwd(x, tol, max_iter, want_info)
+
+
+@_fwd_op.register_fake
+def _(x, tol, max_iter, want_info):
+    info = x.new_empty((x.shape[0] if want_info else 0,), dtype=torch.int32)
+    return torch.empty_like(x), info
+
+
+@torch.library.custom_op("mhc_proj::birkhoff_bwd", mutates_args=())
+def _bwd_op(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return birkhoff_bwd(t, grad)
+
+
+@_bwd_op.register_fake
+def _(t, grad):
+    return torch.empty_like(t)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[0])
+
+
+def _backward(ctx, grad_t, grad_info):
+    (t,) = ctx.saved_tensors
+    if grad_t is None:
+        return None, None, None, None
+    return _bwd_op(t, grad_t.to(t.dtype).contiguous()), None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- public API
+def _check(logits: object) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor; got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(
+            "logits must have a floating dtype (float32, bfloat16, float16 or float64); "
+            f"got {logits.dtype}"
+        )
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"logits must have shape (..., n, n); got {tuple(logits.shape)}")
+    n = logits.shape[-1]
+    if not N_MIN <= n <= N_MAX:
+        raise ValueError(f"logits: n must be in {N_MIN}..{N_MAX}; got n={n}")
+    if logits.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"logits must be on a CPU or CUDA device; got {logits.device}")
+    return logits
+
+
+def birkhoff_project(
+    logits: torch.Tensor,
+    *,
+    tol: float | None = None,
+    max_iter: int | None = None,
+    return_info: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ProjectionInfo]:
+    """Projects each n x n matrix of ``logits`` onto the Birkhoff polytope (exact, KL).
+
+    T = diag(u) exp(A) diag(v) with all row and column sums 1, for every finite input.
+
+    Args:
+        logits: (..., n, n), n in 2..8, any leading dims and strides. float32, bfloat16
+            and float16 are computed in float32; float64 is computed in float64.
+        tol: stopping tolerance on the L1 marginal error per matrix (default 4e-6 for
+            float32, 1e-13 for float64).
+        max_iter: Newton iterations per continuation stage (default 30 / 100).
+        return_info: also return a :class:`ProjectionInfo`.
+
+    Returns:
+        T of shape (..., n, n), float32 (float64 for float64 input); differentiable
+        (implicit backward, only T saved). With ``return_info``: ``(T, info)``.
+    """
+    logits = _check(logits)
+    shape = logits.shape
+    n = shape[-1]
+    if logits.dtype == torch.float64:
+        x = logits
+        tol = TOL_F64 if tol is None else float(tol)
+        max_iter = MAX_ITER_F64 if max_iter is None else int(max_iter)
+    else:
+        x = logits.to(torch.float32)
+        tol = TOL_F32 if tol is None else float(tol)
+        max_iter = MAX_ITER_F32 if max_iter is None else int(max_iter)
+    if not tol > 0:
+        raise ValueError(f"tol must be > 0; got {tol}")
+    if max_iter < 0:
+        raise ValueError(f"max_iter must be >= 0; got {max_iter}")
+    x = x.reshape(-1, n, n).contiguous()
+    t, info = _fwd_op(x, tol, max_iter, return_info)
+    t = t.reshape(shape)
+    if not return_info:
+        return t
+    lead = shape[:-2]
+    return t, ProjectionInfo(
+        iterations=(info & 0xFFFF).reshape(lead),
+        converged=((info & _INFO_CONVERGED) != 0).reshape(lead),
+        fallback=((info & _INFO_FALLBACK) != 0).reshape(lead),
+    )
+
+
+class BirkhoffProjection(torch.nn.Module):
+    """``nn.Module`` wrapper of :func:`birkhoff_project` (no parameters)."""
+
+    def __init__(self, tol: float | None = None, max_iter: int | None = None) -> None:
+        super().__init__()
+        self.tol = tol
+        self.max_iter = max_iter
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return birkhoff_project(logits, tol=self.tol, max_iter=self.max_iter)
+
+    def extra_repr(self) -> str:
+        return f"tol={self.tol}, max_iter={self.max_iter}"

@@ -1,0 +1,209 @@
+"""birkhoff_project: C++ / CUDA paths against the float64 reference, autograd, the op."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mhc_proj
+from mhc_proj import BirkhoffProjection, birkhoff_project, marginal_error
+from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize(
+    "dtype,dist_tol,marg_tol", [(torch.float32, 2e-5, 1e-5), (torch.float64, 1e-11, 1e-12)]
+)
+def test_forward_matches_reference(device, n, dtype, dist_tol, marg_tol):
+    x = (torch.randn(257, n, n, generator=_gen(n), dtype=torch.float64) * 3).to(dtype)
+    t = birkhoff_project(x.to(device)).cpu()
+    assert t.dtype == dtype
+    ref = birkhoff_project_ref(x)
+    assert marginal_error(t).max() <= marg_tol
+    assert (t.double() - ref).abs().max() <= dist_tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shapes_strides_dtypes(device):
+    x = torch.randn(3, 4, 4, 5, generator=_gen(1)).to(device)
+    xt = x.transpose(-1, -2)[..., :4]  # (3, 4, 5, 4) -> non-contiguous slice (3, 4, 4, 4)
+    xt = x.permute(0, 3, 1, 2)[:, :4]  # (3, 4, 4, 4), non-contiguous
+    assert not xt.is_contiguous()
+    t = birkhoff_project(xt)
+    assert t.shape == xt.shape and t.dtype == torch.float32
+    ref = birkhoff_project_ref(xt.cpu())
+    assert (t.cpu().double() - ref).abs().max() < 2e-5
+    for dt in (torch.bfloat16, torch.float16):
+        th = birkhoff_project(xt.to(dt))
+        assert th.dtype == torch.float32
+        assert (th.cpu().double() - birkhoff_project_ref(xt.to(dt).cpu())).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    x = torch.randn(0, 3, 4, 4, device=device, requires_grad=True)
+    t = birkhoff_project(x)
+    assert t.shape == (0, 3, 4, 4)
+    t.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_logits_and_nan_isolation(device):
+    g = _gen(2)
+    x = torch.randn(512, 4, 4, generator=g) * 1e4
+    x[7, 1, 2] = float("nan")
+    x[9, 0, 0] = float("inf")
+    t, info = birkhoff_project(x.to(device), return_info=True)
+    t = t.cpu()
+    bad = torch.zeros(512, dtype=torch.bool)
+    bad[[7, 9]] = True
+    assert torch.isnan(t[bad]).all()
+    assert torch.isfinite(t[~bad]).all()
+    assert marginal_error(t[~bad]).max() <= 1e-4
+    assert not info.converged.cpu()[bad].any()
+    assert info.converged.cpu()[~bad].all()
+    # the other matrices are exactly what they are without the bad ones
+    t2 = birkhoff_project(x[~bad].to(device)).cpu()
+    assert torch.equal(t2, t[~bad])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_return_info(device):
+    x = torch.randn(6, 5, 4, 4, generator=_gen(3)).to(device)
+    x[0, 0] *= 300  # a hard matrix
+    t, info = birkhoff_project(x, return_info=True)
+    assert info.iterations.shape == (6, 5) and info.iterations.dtype == torch.int32
+    assert info.converged.dtype == torch.bool and bool(info.converged.all())
+    assert int(info.iterations.min()) >= 0 and int(info.iterations.max()) > 0
+    assert info.fallback.dtype == torch.bool
+    t_only = birkhoff_project(x)
+    assert torch.equal(t, t_only)
+    # a tolerance that fp32 cannot meet goes to the float64 re-solve
+    t2, info2 = birkhoff_project(x, tol=1e-9, return_info=True)
+    assert int(info2.fallback.sum()) >= 15 and bool(info2.converged.all())
+    assert marginal_error(t2[info2.fallback]).max() <= 1e-6
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_gradcheck_float64(n):
+    x = (torch.randn(3, n, n, generator=_gen(n), dtype=torch.float64) * 2).requires_grad_(True)
+    assert torch.autograd.gradcheck(birkhoff_project, (x,), atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sigma", [1.0, 10.0])
+def test_backward_fp32_vs_float64_vjp(device, sigma):
+    g = _gen(4)
+    x = torch.randn(2000, 4, 4, generator=g) * sigma
+    gr = torch.randn(2000, 4, 4, generator=g)
+    xd = x.to(device).requires_grad_(True)
+    birkhoff_project(xd).backward(gr.to(device))
+    ref = birkhoff_vjp_ref(birkhoff_project_ref(x), gr)
+    err = (xd.grad.cpu().double() - ref).abs().flatten(1).amax(1)
+    rel = err / ref.abs().flatten(1).amax(1)
+    assert float(rel.quantile(0.99)) <= 1e-4
+
+
+def test_finite_differences_fp32():
+    # directional derivative of <G, T(A)> against a central difference in float64
+    g = _gen(5)
+    x = torch.randn(64, 4, 4, generator=g, dtype=torch.float64)
+    gr = torch.randn(64, 4, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(64, 4, 4, generator=g, dtype=torch.float64)
+    xf = x.float().requires_grad_(True)
+    birkhoff_project(xf).backward(gr.float())
+    h = 1e-5
+    fp = (birkhoff_project_ref(x + h * v) * gr).sum((-1, -2))
+    fm = (birkhoff_project_ref(x - h * v) * gr).sum((-1, -2))
+    fd = (fp - fm) / (2 * h)
+    an = (xf.grad.double() * v).sum((-1, -2))
+    assert (an - fd).abs().max() <= 1e-4 * (1 + fd.abs().max())
+
+
+def test_opcheck():
+    x = torch.randn(5, 4, 4, generator=_gen(6))
+    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_fwd.default, (x, 4e-6, 30, True))
+    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_fwd.default, (x.double(), 1e-13, 50, False))
+    t = birkhoff_project(x)
+    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_bwd.default, (t, torch.randn_like(t)))
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+
+    def f(a):
+        return (birkhoff_project(a * 2.0) ** 2).sum()
+
+    x = torch.randn(7, 4, 4, generator=_gen(7), requires_grad=True)
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    y = cf(x)
+    (gx,) = torch.autograd.grad(y, x)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = f(x2)
+    (gx2,) = torch.autograd.grad(y2, x2)
+    assert torch.allclose(y, y2) and torch.allclose(gx, gx2)
+
+
+def test_module():
+    m = BirkhoffProjection(tol=1e-5)
+    x = torch.randn(2, 3, 4, 4, generator=_gen(8))
+    assert torch.equal(m(x), birkhoff_project(x, tol=1e-5))
+    assert "tol=1e-05" in repr(m)
+
+
+@pytest.mark.parametrize(
+    "bad,exc,match",
+    [
+        (torch.zeros(3, 4, 5), ValueError, r"\(\.\.\., n, n\); got \(3, 4, 5\)"),
+        (torch.zeros(4), ValueError, r"\(\.\.\., n, n\)"),
+        (torch.zeros(2, 9, 9), ValueError, "n must be in 2..8; got n=9"),
+        (torch.zeros(2, 1, 1), ValueError, "n must be in 2..8; got n=1"),
+        (torch.zeros(2, 4, 4, dtype=torch.int64), TypeError, "floating dtype.*int64"),
+        (torch.zeros(2, 4, 4, dtype=torch.complex64), TypeError, "floating dtype.*complex64"),
+        ([[1.0, 0.0], [0.0, 1.0]], TypeError, "torch.Tensor; got list"),
+    ],
+)
+def test_bad_input(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        birkhoff_project(bad)
+    with pytest.raises(exc):
+        mhc_proj.sinkhorn_project(bad)
+
+
+def test_bad_options():
+    x = torch.zeros(2, 4, 4)
+    with pytest.raises(ValueError, match="tol must be > 0"):
+        birkhoff_project(x, tol=0.0)
+    with pytest.raises(ValueError, match="max_iter must be >= 0"):
+        birkhoff_project(x, max_iter=-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(2, 8),
+    b=st.integers(1, 9),
+    log_scale=st.floats(-3, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_doubly_stochastic(n, b, log_scale, seed):
+    x = torch.randn(b, n, n, generator=_gen(seed)) * (10.0**log_scale)
+    t, info = birkhoff_project(x, return_info=True)
+    assert torch.isfinite(t).all() and (t >= 0).all()
+    assert bool(info.converged.all())
+    assert marginal_error(t).max() <= 1e-4
+    # invariance: adding row and column constants does not change T
+    r = torch.randn(b, n, 1, generator=_gen(seed + 1))
+    c = torch.randn(b, 1, n, generator=_gen(seed + 2))
+    if 10.0**log_scale < 100:
+        t2 = birkhoff_project(x + r + c)
+        assert (t2 - t).abs().max() <= 1e-4 * max(1.0, math.sqrt(n))
