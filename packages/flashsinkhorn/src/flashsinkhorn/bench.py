@@ -468,14 +468,14 @@ def main(argv=None):
     rows = []
     t0 = time.time()
     custom = args.n is not None or args.d is not None
-    if args.smoke or (device.type != "cuda" and not custom):
+    if args.smoke or (device.type != "cuda" and not custom):  # tiny CPU run
         reps = args.reps or 3
-        for d in args.d or [3, 8]:
+        for d in args.d or [3]:
             n = (args.n or [200])[0]
             rows += bench_samples_loss(n, d, device, providers, peers, ["fwd", "fwd_bwd"], 1,
                                        reps, reference=True, blur=0.1)  # fmt: skip
         rows += bench_iteration(256, 8, device, providers & {"ours"}, peers, ["tf32"], 1, reps)
-    elif custom:
+    elif custom or device.type != "cuda":
         reps = args.reps or 5
         modes = args.mode or ["fwd", "fwd_bwd", "iter"]
         for n in args.n or [10000]:
@@ -514,22 +514,24 @@ def main(argv=None):
     return 0
 
 
-def gpu_suite(device, providers, peers):
+def gpu_suite(device, providers, peers, dump=lambda rows: None):
     """The standard H200 suite (GPU.md's problem sizes); about 2-3 minutes."""
     rows = []
     P = providers
 
     def log(msg):
+        dump(rows)  # partial results survive a timeout
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    # fixed-eps iterations at n = m = 50k
+    # fixed-eps iterations at n = m = 50k: (t(6 iters) - t(2 iters)) / 4
     for d, precs in [(64, ["tf32", "bf16"]), (512, ["tf32", "bf16"]), (1024, ["tf32"])]:
         log(f"iteration n=50k d={d}")
-        rows += bench_iteration(50000, d, device, P, peers, precs, 1, 3)
-    # GeomLoss schedule
-    for n, d in [(10000, 64), (10000, 512), (50000, 64), (50000, 512), (50000, 1024)]:
+        rows += bench_iteration(50000, d, device, P, peers, precs, 1, 3, k1=2, k2=6)
+    # GeomLoss schedule (blur 0.05, scaling 0.5, debias False)
+    for n, d, reps in [(10000, 64, 5), (10000, 512, 5), (50000, 64, 3), (50000, 512, 2),
+                       (50000, 1024, 2)]:  # fmt: skip
         log(f"samples_loss n={n} d={d}")
-        rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, 3,
+        rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, reps,
                                    reference=n <= 10000)  # fmt: skip
     log("samples_loss debias n=50k d=64")
     rows += bench_samples_loss(50000, 64, device, P, peers, ["fwd", "fwd_bwd"], 1, 3, debias=True)
@@ -539,6 +541,7 @@ def gpu_suite(device, providers, peers):
     rows += bench_samples_loss(200000, 64, device, P & {"ours"}, peers, ["fwd_bwd"], 0, 1)
     log("hvp n=20k d=64")
     rows += bench_hvp(20000, 64, device, P, 1, 3)
+    log("done")
     return rows
 
 
