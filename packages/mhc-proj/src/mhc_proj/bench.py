@@ -335,10 +335,28 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = gpu_suite(providers)
 
+    doc = {
+        "schema": "kernel-bench/1",
+        "package": "mhc-proj",
+        "package_version": mhc_proj.__version__,
+        "command": "python -m mhc_proj.bench "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "env": _env(device),
+        "results": [],
+    }
+    if ceiling:
+        doc["env"]["copy_ceiling_gbps"] = ceiling
+
+    def dump():
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(doc, fh, indent=1)
+
     t_start = time.perf_counter()
-    rows = []
+    rows = doc["results"]
     for p, m, b, s, graph in cases:
         rows.append(run_case(p, m, b, s, device, ceiling, graph=graph))
+        dump()  # partial results survive an interrupted run
         r = rows[-1]
         print(f"# {p:24s} {m:8s} B={b:<9d} sigma={s:<5g} graph={graph!s:5s} "
               f"{r['status']:7s} {r['time_ms'] if r['time_ms'] is not None else '':>10} "
@@ -346,23 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t_start
     print(markdown(rows))
     print(
-        f"\n{len(rows)} cases in {elapsed:.1f} s on {_env(device)['gpu']}; copy ceiling "
+        f"\n{len(rows)} cases in {elapsed:.1f} s on {doc['env']['gpu']}; copy ceiling "
         f"{f'{ceiling:.0f} GB/s' if ceiling else 'n/a (CPU)'}"
     )
-    if args.json:
-        doc = {
-            "schema": "kernel-bench/1",
-            "package": "mhc-proj",
-            "package_version": mhc_proj.__version__,
-            "command": "python -m mhc_proj.bench "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-            "env": _env(device),
-            "results": rows,
-        }
-        if ceiling:
-            doc["env"]["copy_ceiling_gbps"] = ceiling
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=1)
+    dump()
     return 0
 
 

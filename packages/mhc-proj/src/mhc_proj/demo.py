@@ -28,9 +28,8 @@ def main() -> None:
         )
     x = torch.randn(8, 4, 4) * 3
     ref = birkhoff_project_ref(x)
-    print(
-        f"  distance to the float64 reference: {(birkhoff_project(x).double() - ref).abs().max():.1e}"
-    )
+    dist = (birkhoff_project(x).double() - ref).abs().max()
+    print(f"  distance to the float64 reference: {dist:.1e}")
     xg = x.clone().requires_grad_(True)
     w = torch.randn(8, 4, 4)
     (birkhoff_project(xg) * w).sum().backward()
