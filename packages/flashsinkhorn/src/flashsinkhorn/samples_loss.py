@@ -142,15 +142,18 @@ def _sinkhorn_forward(
             return torch.ones_like(f)
         return torch.exp(-f / rho) * ((rho + e / 2) / (rho + e))
 
+    # gradients assembled in place in the softmax-average buffers (memory: O(N D) once)
     gx = gy = None
     if need_grad_x:
-        gx = (a * wfac(F_ba))[..., None] * (x - Ty)
+        gx = torch.sub(x, Ty, out=Ty).mul_((a * wfac(F_ba))[..., None])
         if debias:
-            gx = gx - (a * wfac(F_aa))[..., None] * (x - Txx)
+            gx.add_(Txx.sub_(x).mul_((a * wfac(F_aa))[..., None]))
+            del Txx
     if need_grad_y:
-        gy = (b * wfac(G_ab))[..., None] * (y - Tx)
+        gy = torch.sub(y, Tx, out=Tx).mul_((b * wfac(G_ab))[..., None])
         if debias:
-            gy = gy - (b * wfac(G_bb))[..., None] * (y - Tyy)
+            gy.add_(Tyy.sub_(y).mul_((b * wfac(G_bb))[..., None]))
+            del Tyy
     out.update(value=value, gx=gx, gy=gy, ga=ga, gb=gb)
     return out
 
