@@ -52,6 +52,7 @@ def _fsdp_worker(init, steps):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=init, rank=0, world_size=1)
     try:
         torch.manual_seed(0)

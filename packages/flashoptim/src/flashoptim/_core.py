@@ -434,6 +434,7 @@ def _step_kernel(
     SCALE_F32: tl.constexpr,
     CHECK_SKIP: tl.constexpr,
     ALIGNED: tl.constexpr,
+    N16: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
 ):
@@ -445,6 +446,8 @@ def _step_kernel(
     start = tl.load(blocks + 2 * pid + 1).to(tl.int64)
     row = tab + t.to(tl.int64) * 10
     n = tl.load(row + 7)
+    if N16:  # every numel in the bucket is a multiple of 16: masks stay vectorizable
+        n = tl.multiple_of(n, 16)
     off = start + tl.arange(0, BLOCK)
     mask = off < n
     NG: tl.constexpr = BLOCK // GROUP_SIZE

@@ -238,7 +238,9 @@ class FlashOptimizer(torch.optim.Optimizer):
                 for st in plan["states"]:
                     st["step"] += 1
                 plan["step"] += 1
-                self._run_kernel(plan["ent"], group, self._hp(group, ps[0]), plan["step"])
+                hp = self._hp(group, ps[0])
+                for ent in plan["ents"]:
+                    self._run_kernel(ent, group, hp, plan["step"])
                 return
         buckets: dict = {}
         for p in ps:
@@ -246,23 +248,23 @@ class FlashOptimizer(torch.optim.Optimizer):
                 raise ValueError("flashoptim does not support sparse gradients")
             st = self._init_state(p, group)
             st["step"] += 1
-            key = (st["step"], p.dtype, p.grad.dtype, _local(p).device, self._use_triton(p))
+            lp = _local(p)
+            key = (
+                st["step"],
+                p.dtype,
+                p.grad.dtype,
+                lp.device,
+                self._use_triton(p),
+                lp.numel() % 16 == 0,
+            )
             buckets.setdefault(key, []).append(p)
-        for (step, _, _, _, tri), bps in buckets.items():
+        ents = []
+        for (step, _, _, _, tri, _), bps in buckets.items():
             hp = self._hp(group, bps[0])
             if tri:
                 ent = self._build_table(group, bps)
                 self._run_kernel(ent, group, hp, step)
-                if cache and len(buckets) == 1:
-                    self._plans[id(group)] = dict(
-                        n=len(ps),
-                        ps=list(ps),
-                        dt=any(hasattr(p, "_local_tensor") for p in ps),
-                        gptrs=tuple(_local(p.grad).data_ptr() for p in ps),
-                        states=[self.state[p] for p in ps],
-                        step=step,
-                        ent=ent,
-                    )
+                ents.append(ent)
             else:
                 for p in bps:
                     st = self.state[p]
@@ -277,6 +279,18 @@ class FlashOptimizer(torch.optim.Optimizer):
                         st["seed"],
                         _global_index_base(p),
                     )
+
+        steps = {k[0] for k in buckets}
+        if cache and len(ents) == len(buckets) and len(steps) == 1:
+            self._plans[id(group)] = dict(
+                n=len(ps),
+                ps=list(ps),
+                dt=any(hasattr(p, "_local_tensor") for p in ps),
+                gptrs=tuple(_local(p.grad).data_ptr() for p in ps),
+                states=[self.state[p] for p in ps],
+                step=steps.pop(),
+                ents=ents,
+            )
 
     def _state_view(self, st, group) -> dict:
         sd = {}
@@ -340,7 +354,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             aligned=aligned,
             skip=skip,
             dtype=p0.dtype,
-            cols=cols,
+            n16=all(r[7] % 16 == 0 for r in rows),
         )
 
     def _run_kernel(self, ent, group, hp, step) -> None:
@@ -380,6 +394,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             SCALE_F32=hp["scale_dtype"] == torch.float32,
             CHECK_SKIP=False,
             ALIGNED=ent["aligned"],
+            N16=ent["n16"],
             BLOCK=BLOCK,
             GROUP_SIZE=GROUP,
             num_warps=NUM_WARPS,
