@@ -349,6 +349,38 @@ def bench_samples_loss(
     return rows
 
 
+def bench_pass_variants(n, d, device, warmup=2, reps=5):
+    """Kernel-level variants of ONE softmin pass (n x n scores): what each feature costs."""
+    from flashsinkhorn.kernels import self_softmin, softmin
+
+    rows = []
+    x, y = _problem(n, n, d, device)
+    x, y = x[None], y[None]
+    eps = 0.01
+    c = common_center(x, y)
+    cx, cy = centered_sqnorm(x, c), centered_sqnorm(y, c)
+    cx0, cy0 = (x * x).sum(-1), (y * y).sum(-1)
+    g = torch.zeros(1, n, device=device)
+    logb = torch.full((1, n), -math.log(n), device=device)
+    params = {"n": n, "m": n, "d": d, "eps": eps, "dtype": "float32"}
+    variants = {
+        "ours": lambda: softmin(x, y, g, logb, cx, cy, eps=eps, c2=2.0, center=c),
+        "ours-nocenter": lambda: softmin(x, y, g, logb, cx0, cy0, eps=eps, c2=2.0),
+        "ours-bf16": lambda: softmin(x, y, g, logb, cx, cy, eps=eps, c2=2.0, center=c,
+                                     precision="bf16"),
+        "ours-with-V": lambda: softmin(x, y, g, logb, cx, cy, eps=eps, c2=2.0, center=c, v=y),
+        "ours-self-plain": lambda: softmin(x, x, g, logb, cx, cx, eps=eps, c2=2.0, center=c),
+        "ours-self-symmetric": lambda: self_softmin(x, logb, g, cx, eps=eps, c2=2.0, center=c,
+                                                    check=False),
+    }  # fmt: skip
+    for name, fn in variants.items():
+        prec = "bf16" if "bf16" in name else "tf32"
+        floor = _pass_floor_ms(n, n, d, prec)
+        rows.append(_run_case("softmin_pass", name, "fwd", params, fn, device, warmup, reps,
+                              floor))  # fmt: skip
+    return rows
+
+
 def bench_hvp(n, d, device, providers, warmup, reps):
     try:
         from flashsinkhorn.second_order import bench_hvp as _bh
@@ -523,6 +555,10 @@ def gpu_suite(device, providers, peers, dump=lambda rows: None):
         dump(rows)  # partial results survive a timeout
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    # one pass, kernel variants (what centering, bf16, V, the symmetric kernel cost)
+    for d in (64, 512):
+        log(f"softmin pass variants n=50k d={d}")
+        rows += bench_pass_variants(50000, d, device)
     # fixed-eps iterations at n = m = 50k: (t(6 iters) - t(2 iters)) / 4
     for d, precs in [(64, ["tf32", "bf16"]), (512, ["tf32", "bf16"]), (1024, ["tf32"])]:
         log(f"iteration n=50k d={d}")
