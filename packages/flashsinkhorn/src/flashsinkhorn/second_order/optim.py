@@ -200,7 +200,7 @@ def newton_cg(
         if gn <= gtol:
             return OptimizeResult(x, float(val), gn, it - 1, True, hist)
         eta = cg_tol if cg_tol is not None else min(0.5, math.sqrt(gn))
-        op = (lambda v: hvp(v) + damping * v) if damping else hvp
+        op = (lambda v, h=hvp: h(v) + damping * v) if damping else hvp
         p, info = conjugate_gradient(op, -g, tol=eta, max_iter=cg_max_iter)
         if info.negative_curvature and info.iterations <= 1:
             p = -g

@@ -92,7 +92,7 @@ def shuffled_regression(
         loss = fun(Wp)
         loss.backward()
         if it % check_every != 0:
-            hist.append(dict(iteration=it, phase="adam", loss=float(loss),
+            hist.append(dict(iteration=it, phase="adam", loss=float(loss.detach()),
                              grad_norm=float(Wp.grad.norm())))  # fmt: skip
         opt.step()
     W = Wp.detach()
