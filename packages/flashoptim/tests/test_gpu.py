@@ -10,9 +10,12 @@ import torch
 import flashoptim as fo
 
 
+LAYERS = 16
+
+
 def _big_model():
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)]
+    layers = [torch.nn.Linear(2048, 2048, bias=False) for _ in range(LAYERS)]
     return torch.nn.Sequential(*layers).cuda().bfloat16()
 
 
@@ -35,16 +38,17 @@ def test_measured_bytes_per_param(Opt, kw, release, target):
     opt = Opt(model.parameters(), lr=1e-4, **kw)
     if release:
         fo.enable_gradient_release(model, opt)
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):  # the first step allocates the states
         torch.cuda.reset_peak_memory_stats()
         model(x).float().square().mean().backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / n
-    # activations of a 16-row batch and temporaries are < 0.05 bytes/param here
-    assert peak <= target + 0.05, peak
+    # activations of a 16-row batch and temporaries are < 0.05 bytes/param here; with
+    # release, one layer's gradient (2 / LAYERS bytes/param) exists while its hook runs
+    assert peak <= target + 0.05 + (2 / LAYERS if release else 0), peak
     print(f"{Opt.__name__} release={release}: peak {peak:.3f} bytes/param")
 
 
