@@ -175,29 +175,31 @@ MHC_HD void laplacian_weights(const S (&t)[N][N], S (&w)[N][N]) {
 // by Gaussian elimination in the Grassmann-Taufer-Heyman arrangement: every pivot is a
 // sum of positive off-diagonal weights (including the edge to ground), and the Schur
 // complement of a Laplacian is again a Laplacian, so no subtraction ever occurs in the
-// elimination. Overwrites w. A zero pivot (below eps times the node's degree) means node
+// elimination. Overwrites w. A zero pivot (below eps times the largest degree) means node
 // p has no edge left to the rest of the graph (incl. ground): its component is grounded
 // at p instead (x_p = 0, a valid gauge there). Returns false if that happened.
 template <int N, typename S>
 MHC_HD bool grounded_laplacian_solve(S (&w)[N][N], S (&b)[N], S (&x)[N]) {
-  S piv[N], deg[N];
+  S piv[N];
   bool all_pos = true;
+  S maxdeg = S(0);
   MHC_UNROLL
-  for (int p = 0; p < N - 1; ++p) {
+  for (int p = 0; p < N; ++p) {
     S d0 = S(0);
     MHC_UNROLL
     for (int k = 0; k < N; ++k)
       if (k != p) d0 += w[p][k];
-    deg[p] = d0;
+    maxdeg = m_max(maxdeg, d0);
   }
+  const S zero_piv = Limits<S>::eps * maxdeg;
   MHC_UNROLL
   for (int p = 0; p < N - 1; ++p) {
     S d = S(0);
     MHC_UNROLL
     for (int k = p + 1; k < N; ++k) d += w[p][k];
-    // A pivot below eps times the node's initial degree is zero to working precision:
-    // the node's component is cut off from ground (e.g. the ground column is isolated).
-    if (!(d > Limits<S>::eps * deg[p]) || !(d > S(0)) || !m_finite(d)) {
+    // A pivot below eps times the largest degree is zero to working precision: node p's
+    // component is cut off from ground (e.g. the ground column is isolated).
+    if (!(d > zero_piv) || !(d > S(0)) || !m_finite(d)) {
       all_pos = false;
       piv[p] = S(0);
       continue;  // no edges from p to the remaining nodes: nothing to eliminate
@@ -293,7 +295,7 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
     MHC_UNROLL
     for (int j = 0; j < N; ++j) b[j] = S(1) - c[j];
     bool accepted = false;
-    grounded_laplacian_solve<N, S>(w, b, d);
+    const bool connected = grounded_laplacian_solve<N, S>(w, b, d);
     {
       S dmax = S(0), slope = S(0), sumd = S(0);
       MHC_UNROLL
@@ -331,7 +333,9 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
         }
       }
     }
-    if (!accepted) log_col_step<N, S>(a, beta);
+    // Newton cannot move mass between components that are disconnected to working
+    // precision; the log-domain column step can (it is exact block-coordinate descent).
+    if (!accepted || !connected) log_col_step<N, S>(a, beta);
   }
   iters = it;
   return ok;
