@@ -35,14 +35,16 @@ void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info,
     if (dtype == kF32) {
       const float* s = ptr<const float>(src) + b * E;
       float* d = ptr<float>(dst) + b * E;
+      float beta[N];
       int st = mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters,
-                                                float(pivot_min));
+                                             float(pivot_min), beta);
       word = iters;
       if (st == 1) {
         word |= mhc::kInfoConverged;
-      } else if (st == 0) {
+      } else if (st == 0 || st == 2) {
         int it2 = 0;
-        st = mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
+        st = st == 2 ? mhc::polish_matrix<N, double>(s, d, beta, fb_tol, fb_max_iter, it2)
+                     : mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
         word = (iters + it2 > 0xffff ? 0xffff : iters + it2) | mhc::kInfoFallback;
         if (st == 1) word |= mhc::kInfoConverged;
       }

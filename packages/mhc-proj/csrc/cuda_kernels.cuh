@@ -16,7 +16,8 @@ struct FwdArgs {
   const void* src;
   void* dst;
   int* info;  // may be null
-  int* work;  // [0] = count of matrices for the fallback, [1..B] their indices
+  int* work;  // [0] = count of matrices for the fallback, [1..B] their indices, then
+              // B x N floats: fp32 potentials of each listed matrix (NaN: solve from scratch)
   int64_t batch;
   double tol;
   int max_iter;
@@ -49,8 +50,9 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
     for (int e = 0; e < E; ++e) in[e] = __ldg(src + e);
   }
   int iters = 0;
+  float beta[N];
   const int st = mhc::project_matrix<N, float>(in, out, float(a.tol), a.max_iter, iters,
-                                                float(a.pivot_min));
+                                                float(a.pivot_min), beta);
   float* dst = static_cast<float*>(a.dst) + b * E;
   if constexpr (E % 4 == 0) {
 #pragma unroll
@@ -61,9 +63,12 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
 #pragma unroll
     for (int e = 0; e < E; ++e) dst[e] = out[e];
   }
-  if (st == 0) {
+  if (st == 0 || st == 2) {
     const int k = atomicAdd(a.work, 1);
     a.work[1 + k] = int(b);
+    float* wb = reinterpret_cast<float*>(a.work + 1 + a.batch) + int64_t(k) * N;
+#pragma unroll
+    for (int j = 0; j < N; ++j) wb[j] = st == 2 ? beta[j] : NAN;
   }
   if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
 }
@@ -79,7 +84,11 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_fallback(FwdArgs a) {
     const float* src = static_cast<const float*>(a.src) + b * E;
     float* dst = static_cast<float*>(a.dst) + b * E;
     int iters = 0;
-    const int st = mhc::project_matrix<N, double>(src, dst, a.fb_tol, a.fb_max_iter, iters);
+    const float* wb = reinterpret_cast<const float*>(a.work + 1 + a.batch) + int64_t(k) * N;
+    const int st = isnan(wb[0])
+                       ? mhc::project_matrix<N, double>(src, dst, a.fb_tol, a.fb_max_iter, iters)
+                       : mhc::polish_matrix<N, double>(src, dst, wb, a.fb_tol, a.fb_max_iter,
+                                                       iters);
     if (a.info) {
       int total = (a.info[b] & 0xffff) + iters;
       total = total > 0xffff ? 0xffff : total;

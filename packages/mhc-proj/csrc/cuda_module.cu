@@ -39,7 +39,7 @@ __device__ __forceinline__ float row_max16(float v) {
 __device__ __forceinline__ float softmax16(float x) {
   const float m = row_max16(x);
   const float e = __expf(x - m);
-  return e * (1.0f / row_sum16(e));
+  return e * __frcp_rn(row_sum16(e));
 }
 
 template <int ITERS>
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(256) sinkhorn4_fwd_lane(const float* __restric
 #pragma unroll
   for (int k = 0; k < steps; ++k) {
     const float s = (k & 1) ? row_sum16(p) : col_sum16(p);
-    p = p * (1.0f / (s + eps));
+    p = p * __frcp_rn(s + eps);
   }
   if (valid) dst[gid] = p;
 }
@@ -77,13 +77,13 @@ __global__ void __launch_bounds__(256) sinkhorn4_bwd_lane(const float* __restric
   for (int k = 0; k < steps; ++k) {
     states[k] = p;
     const float s = (k & 1) ? row_sum16(p) : col_sum16(p);
-    p = p * (1.0f / (s + eps));
+    p = p * __frcp_rn(s + eps);
   }
 #pragma unroll
   for (int k = steps - 1; k >= 0; --k) {
     const float pk = states[k];
     const float s = (k & 1) ? row_sum16(pk) : col_sum16(pk);
-    const float inv = 1.0f / (s + eps);
+    const float inv = __frcp_rn(s + eps);
     const float prod = d * (pk * inv);
     const float dot = (k & 1) ? row_sum16(prod) : col_sum16(prod);
     d = (d - dot) * inv;

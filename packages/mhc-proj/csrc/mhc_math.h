@@ -35,6 +35,15 @@ MHC_HD float m_exp(float x) {
 #endif
 }
 MHC_HD double m_exp(double x) { return exp(x); }
+// Correctly rounded reciprocal: bitwise equal to 1.0f / x, cheaper on the GPU.
+MHC_HD float m_rcp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(x);
+#else
+  return 1.0f / x;
+#endif
+}
+MHC_HD double m_rcp(double x) { return 1.0 / x; }
 MHC_HD float m_log(float x) { return logf(x); }
 MHC_HD double m_log(double x) { return log(x); }
 MHC_HD float m_log1p(float x) { return log1pf(x); }
@@ -102,7 +111,7 @@ MHC_HD S plan(const S (&a)[N][N], const S (&beta)[N], S (&t)[N][N], S (&c)[N]) {
       x[j] = m_exp(x[j] - m);
       s += x[j];
     }
-    const S inv = S(1) / s;
+    const S inv = m_rcp(s);
     S r = S(0);
     MHC_UNROLL
     for (int j = 0; j < N; ++j) {
@@ -205,7 +214,7 @@ MHC_HD bool grounded_laplacian_solve(S (&w)[N][N], S (&b)[N], S (&x)[N]) {
       continue;  // no edges from p to the remaining nodes: nothing to eliminate
     }
     piv[p] = d;
-    const S inv = S(1) / d;
+    const S inv = m_rcp(d);
     MHC_UNROLL
     for (int i = p + 1; i < N; ++i) {
       const S wip = w[i][p] * inv;
@@ -244,7 +253,7 @@ MHC_HD S min_pivot(const S (&t)[N][N]) {
     for (int k = p + 1; k < N; ++k) d += w[p][k];
     mp = d < mp ? d : mp;
     if (!(d > S(0))) return S(0);
-    const S inv = S(1) / d;
+    const S inv = m_rcp(d);
     MHC_UNROLL
     for (int i = p + 1; i < N; ++i) {
       const S wip = w[i][p] * inv;
@@ -268,8 +277,8 @@ MHC_HD S min_pivot(const S (&t)[N][N]) {
 // the number of iterations used; t holds rowsoftmax(a + beta) at the final beta.
 template <int N, typename S>
 MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, int max_iter,
-                        int& iters) {
-  log_col_step<N, S>(a, beta);
+                        int& iters, bool warm = false) {
+  if (!warm) log_col_step<N, S>(a, beta);
   S c[N];
   S best = Limits<S>::huge;
   int stall = 0;
@@ -347,14 +356,14 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
 // intermediate stages stop at a loose tolerance. This keeps every stage well conditioned
 // and makes logits of magnitude 1e4 converge in tens of iterations.
 template <int N, typename S>
-MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters) {
+MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters,
+                           S (&beta)[N]) {
   S range = S(0);
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
     MHC_UNROLL
     for (int j = 0; j < N; ++j) range = m_max(range, -a[i][j]);
   }
-  S beta[N];
   MHC_UNROLL
   for (int j = 0; j < N; ++j) beta[j] = S(0);
   if (!(range > Limits<S>::cont_range)) return newton_core<N, S>(a, beta, t, tol, max_iter, iters);
@@ -466,7 +475,7 @@ MHC_HD void softmax_rows(const S (&a)[N][N], S (&p)[N][N]) {
       p[i][j] = m_exp(a[i][j] - m);
       s += p[i][j];
     }
-    const S inv = S(1) / s;
+    const S inv = m_rcp(s);
     MHC_UNROLL
     for (int j = 0; j < N; ++j) p[i][j] *= inv;
   }
@@ -480,7 +489,7 @@ MHC_HD void sinkhorn_step(S (&p)[N][N], bool column, S eps) {
       S s = S(0);
       MHC_UNROLL
       for (int i = 0; i < N; ++i) s += p[i][j];
-      const S inv = S(1) / (s + eps);
+      const S inv = m_rcp(s + eps);
       MHC_UNROLL
       for (int i = 0; i < N; ++i) p[i][j] *= inv;
     }
@@ -490,7 +499,7 @@ MHC_HD void sinkhorn_step(S (&p)[N][N], bool column, S eps) {
       S s = S(0);
       MHC_UNROLL
       for (int j = 0; j < N; ++j) s += p[i][j];
-      const S inv = S(1) / (s + eps);
+      const S inv = m_rcp(s + eps);
       MHC_UNROLL
       for (int j = 0; j < N; ++j) p[i][j] *= inv;
     }
@@ -507,7 +516,7 @@ MHC_HD void sinkhorn_step_bwd(const S (&p)[N][N], S (&dq)[N][N], bool column, S 
       S s = S(0);
       MHC_UNROLL
       for (int i = 0; i < N; ++i) s += p[i][j];
-      const S inv = S(1) / (s + eps);
+      const S inv = m_rcp(s + eps);
       S dot = S(0);
       MHC_UNROLL
       for (int i = 0; i < N; ++i) dot += dq[i][j] * (p[i][j] * inv);
@@ -520,7 +529,7 @@ MHC_HD void sinkhorn_step_bwd(const S (&p)[N][N], S (&dq)[N][N], bool column, S 
       S s = S(0);
       MHC_UNROLL
       for (int j = 0; j < N; ++j) s += p[i][j];
-      const S inv = S(1) / (s + eps);
+      const S inv = m_rcp(s + eps);
       S dot = S(0);
       MHC_UNROLL
       for (int j = 0; j < N; ++j) dot += dq[i][j] * (p[i][j] * inv);
@@ -543,11 +552,12 @@ MHC_HD void softmax_rows_bwd(const S (&sm)[N][N], S (&d)[N][N]) {
 }
 
 // ---------------------------------------------------------------- per-matrix drivers
-// Status of one projection: 1 converged, 0 not converged, -1 non-finite input (the
-// output is NaN; no other matrix is affected).
+// Status of one projection: 1 converged, 0 not converged, 2 converged but
+// ill-conditioned (min pivot < pivot_min; its potentials go to beta_out for a warm-started
+// float64 polish), -1 non-finite input (the output is NaN; no other matrix is affected).
 template <int N, typename S, typename In, typename Out>
 MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& iters,
-                          S pivot_min = S(0)) {
+                          S pivot_min = S(0), float* beta_out = nullptr) {
   S a[N][N], t[N][N];
   iters = 0;
   if (!load_shifted<N, S>(src, a)) {
@@ -555,11 +565,43 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
     for (int e = 0; e < N * N; ++e) dst[e] = Out(NAN);
     return -1;
   }
-  bool ok = newton_project<N, S>(a, t, tol, max_iter, iters);
-  // Ill-conditioned (nearly disconnected) matrices are reported as not converged so
-  // the caller re-solves them in float64: there fp32 rounding of the potentials would
-  // show up in T and, amplified, in its VJP.
-  if (ok && pivot_min > S(0) && min_pivot<N, S>(t) < pivot_min) ok = false;
+  S beta[N];
+  const bool ok = newton_project<N, S>(a, t, tol, max_iter, iters, beta);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
+  }
+  if (!ok) return 0;
+  // Ill-conditioned (nearly disconnected) matrices are flagged so the caller polishes
+  // them in float64: there fp32 rounding of the potentials shows up in T and, amplified,
+  // in its VJP.
+  if (pivot_min > S(0) && min_pivot<N, S>(t) < pivot_min) {
+    if (beta_out) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) beta_out[j] = float(beta[j]);
+    }
+    return 2;
+  }
+  return 1;
+}
+
+// Float64 polish: Newton warm-started from potentials of the fp32 stage (1-2 iterations
+// from an fp32-accurate start); a full solve from scratch if that does not converge.
+template <int N, typename S, typename In, typename Out>
+MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, int max_iter,
+                         int& iters) {
+  S a[N][N], t[N][N], beta[N];
+  iters = 0;
+  if (!load_shifted<N, S>(src, a)) return -1;
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) beta[j] = S(beta_in[j]) - S(beta_in[N - 1]);
+  bool ok = newton_core<N, S>(a, beta, t, tol, max_iter, iters, true);
+  if (!ok) {
+    int it2 = 0;
+    ok = newton_project<N, S>(a, t, tol, max_iter, it2, beta);
+    iters += it2;
+  }
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
     MHC_UNROLL

@@ -65,4 +65,6 @@ def test_torch_fallback_backward_matches_kernel():
     for n, iters in [(2, 1), (4, 20), (7, 3)]:
         x = torch.randn(50, n, n, dtype=torch.float64)
         g = torch.randn_like(x)
-        assert (_sinkhorn_bwd_torch(x, g, iters, 1e-6) - sinkhorn_bwd(x, g, iters, 1e-6)).abs().max() < 1e-12
+        assert (
+            _sinkhorn_bwd_torch(x, g, iters, 1e-6) - sinkhorn_bwd(x, g, iters, 1e-6)
+        ).abs().max() < 1e-12

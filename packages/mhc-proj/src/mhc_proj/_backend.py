@@ -54,6 +54,24 @@ def for_tensor(x: torch.Tensor) -> ModuleType:
     raise ValueError(f"mhc_proj supports CPU and CUDA tensors; got device {x.device}")
 
 
+class _NoGuard:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_GUARD = _NoGuard()
+
+
+def on_device(x: torch.Tensor):
+    """A device guard for ``x``'s GPU, skipped when it is already current (cheap path)."""
+    if x.device.index is None or x.device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(x.device)
+
+
 def stream(x: torch.Tensor) -> int:
     return torch.cuda.current_stream(x.device).cuda_stream
 

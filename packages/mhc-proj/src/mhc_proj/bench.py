@@ -3,8 +3,9 @@
 Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 
 - ``ours``: :func:`mhc_proj.birkhoff_project` (exact projection).
-- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20, 16 lanes
-  per matrix); ``ours-sinkhorn20-thread``: its one-thread-per-matrix layout (fwd only).
+- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20: forward one
+  thread per matrix, backward 16 lanes per matrix); ``ours-sinkhorn20-lane16``: the
+  forward in the 16-lanes-per-matrix layout (fwd only), for comparison.
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -37,7 +38,7 @@ from mhc_proj.sinkhorn import sinkhorn_fwd
 PROVIDERS = [
     "ours",
     "ours-sinkhorn20",
-    "ours-sinkhorn20-thread",
+    "ours-sinkhorn20-lane16",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -77,8 +78,8 @@ def _fn_for(provider: str) -> Callable | None:
         return mhc_proj.birkhoff_project
     if provider == "ours-sinkhorn20":
         return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
-    if provider == "ours-sinkhorn20-thread":
-        return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=1) if x.is_cuda else None
+    if provider == "ours-sinkhorn20-lane16":
+        return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=0) if x.is_cuda else None
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":
@@ -150,7 +151,7 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
     }
     fn = _fn_for(provider)
     if fn is None or (
-        provider == "ours-sinkhorn20-thread" and (mode != "fwd" or not device.type == "cuda")
+        provider == "ours-sinkhorn20-lane16" and (mode != "fwd" or not device.type == "cuda")
     ):
         row["status"] = "skipped"
         row["error"] = "provider not importable or not applicable here"
