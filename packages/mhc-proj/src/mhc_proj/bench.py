@@ -59,7 +59,13 @@ _compiled: Callable | None = None
 def compile_sinkhorn20() -> Callable:
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(torch_sinkhorn20, dynamic=True)
+        # static shapes (one compile per batch size, like a training job sees): dynamic
+        # shapes gave a 13x slower kernel on the H200
+        cfg = torch._dynamo.config
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(64, getattr(cfg, name)))
+        _compiled = torch.compile(torch_sinkhorn20, dynamic=False)
     return _compiled
 
 
@@ -200,11 +206,14 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
         if out is not None:
             err = marginal_error(out.detach().float())
             k = min(batch, SAMPLE)
-            ref = birkhoff_project_ref(x[:k])
+            ref = birkhoff_project_ref(x[:k]) if sigma <= 10 else None
             row["accuracy"] = {
                 "marginal_err_median": float(err.median()),
                 "marginal_err_max": float(err.max()),
-                "max_abs_err_vs_exact_ref": float((out[:k].double() - ref).abs().max()),
+                # the float64 reference has no continuation: trusted for sigma <= 10 only
+                "max_abs_err_vs_exact_ref": float((out[:k].double() - ref).abs().max())
+                if sigma <= 10
+                else None,
             }
     except Exception as e:  # one failing provider must not end the suite
         row.update(status="error", error=f"{type(e).__name__}: {e}")
