@@ -28,14 +28,15 @@ ts "bench"
 timeout "${FO_BENCH_TIMEOUT:-150}" python3 -m flashoptim.bench --json "$out/bench-flashoptim.json" \
   --peer-flashoptim-path "$site" >"$out/bench.txt" 2>&1
 ts "bench rc=$?"
-for cfg in "1024 4" "4096 8"; do
-  set -- $cfg
+for cfg in ${FO_SWEEP:-1024,4 2048,8}; do
+  set -- ${cfg/,/ }
   echo "## BLOCK=$1 NUM_WARPS=$2" >>"$out/sweep.txt"
-  FLASHOPTIM_BLOCK=$1 FLASHOPTIM_NUM_WARPS=$2 timeout 45 python3 -m flashoptim.bench --layout large \
+  FLASHOPTIM_BLOCK=$1 FLASHOPTIM_NUM_WARPS=$2 timeout 30 python3 -m flashoptim.bench --layout large \
     --providers ours_nocheck,ours_sgd --reps 10 >>"$out/sweep.txt" 2>&1
 done
 ts "sweep done"
-timeout "${FO_PARITY_TIMEOUT:-170}" python3 -m flashoptim.parity --out "$out" ${FO_PARITY_ARGS:-} \
+[ "${FO_SKIP_PARITY:-0}" = 1 ] || timeout "${FO_PARITY_TIMEOUT:-170}" python3 -m flashoptim.parity --out "$out" ${FO_PARITY_ARGS:-} \
   >"$out/parity.txt" 2>&1
 ts "parity rc=$?"
-tail -25 "$out/bench.txt"; tail -3 "$out/tests.txt"; grep -E "seed" "$out/parity.txt"
+tail -25 "$out/bench.txt"; grep -E "^\||##" "$out/sweep.txt"; tail -3 "$out/tests.txt"
+grep -E "seed" "$out/parity.txt" 2>/dev/null; true

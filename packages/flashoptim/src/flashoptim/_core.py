@@ -55,7 +55,7 @@ def _mix32_t(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_ref(seed: int, step: int, idx: torch.Tensor) -> torch.Tensor:
     """The stochastic-rounding draw u in [0, 1) for element indices ``idx`` (int64)."""
-    key = torch.tensor([(seed + (step * _GOLDEN)) & _M32], dtype=torch.int64)
+    key = torch.tensor([(seed + (step * _GOLDEN)) & _M32], dtype=torch.int64, device=idx.device)
     key = _mix32_t(key)
     h = _mix32_t((idx & _M32) ^ key)
     return (h >> 8).to(torch.float32) * (2.0**-24)
@@ -368,8 +368,8 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         _, invq = _narrow_q(pnb, is_bf16, bits)
         r = (th - pn.to(f32)) * invq
         if sr:
-            u = uniform_ref(seed, step, torch.arange(n, dtype=torch.int64) + idx_base)
-            code = torch.floor(r + u)
+            idx = torch.arange(n, dtype=torch.int64, device=p.device) + idx_base
+            code = torch.floor(r + uniform_ref(seed, step, idx))
         else:
             code = torch.floor(r + 0.5)
         lim = 2 ** (bits - 1)
@@ -448,9 +448,10 @@ def _step_kernel(
     n = tl.load(row + 7)
     if N16:  # every numel in the bucket is a multiple of 16: masks stay vectorizable
         n = tl.multiple_of(n, 16)
-    off = start + tl.arange(0, BLOCK)
-    mask = off < n
+    # 2-D tiles [groups, 32]: group reductions along axis 1, no reshapes (layout shuffles)
     NG: tl.constexpr = BLOCK // GROUP_SIZE
+    off = start + tl.arange(0, NG)[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    mask = off < n
     goff = start // GROUP_SIZE + tl.arange(0, NG)
     gmask = goff < (n + GROUP_SIZE - 1) // GROUP_SIZE
 
@@ -485,7 +486,7 @@ def _step_kernel(
             msc = tl.load(ms_base + mso + goff, mask=gmask, other=0.0).to(tl.float32)
             y = mc * 0.007874015718698502  # fp32(1/127)
             x = y / (2.0 - tl.abs(y))
-            m = tl.reshape(tl.reshape(x, (NG, GROUP_SIZE)) * msc[:, None], (BLOCK,))
+            m = x * msc[:, None]
         else:
             m = tl.load(m_base + mo + off, mask=mask, other=0.0)
 
@@ -497,10 +498,7 @@ def _step_kernel(
             vso = tl.load(row + 6)
             vc = tl.load(v_base + vo + off, mask=mask, other=0).to(tl.float32)
             vsc = tl.load(vs_base + vso + goff, mask=gmask, other=0.0).to(tl.float32)
-            sv = tl.reshape(
-                tl.reshape(vc, (NG, GROUP_SIZE)) * vsc[:, None] * 0.003921568859368563,
-                (BLOCK,),
-            )
+            sv = vc * vsc[:, None] * 0.003921568859368563
             v = sv * sv
         else:
             v = tl.load(v_base + vo + off, mask=mask, other=0.0)
@@ -536,24 +534,24 @@ def _step_kernel(
     # requantize the states
     if HAS_MOM:
         if QUANT:
-            mg = tl.reshape(m, (NG, GROUP_SIZE))
+            mg = m
             ms_new = _ceil_scale(tl.max(tl.abs(mg), axis=1), SCALE_F32)
             inv = tl.where(ms_new > 0, 1.0 / tl.where(ms_new > 0, ms_new, 1.0), 0.0)
             x = mg * inv[:, None]
             phi = 2.0 * x / (1.0 + tl.abs(x))
             code = tl.minimum(tl.maximum(tl.floor(phi * 127.0 + 0.5), -127.0), 127.0)
-            tl.store(m_base + mo + off, tl.reshape(code, (BLOCK,)).to(tl.int8), mask=mask)
+            tl.store(m_base + mo + off, code.to(tl.int8), mask=mask)
             tl.store(ms_base + mso + goff, ms_new.to(ms_base.dtype.element_ty), mask=gmask)
         else:
             tl.store(m_base + mo + off, m, mask=mask)
     if KIND == 0:
         if QUANT:
-            svg = tl.reshape(tl.sqrt(v), (NG, GROUP_SIZE))
+            svg = tl.sqrt(v)
             vs_new = _ceil_scale(tl.max(svg, axis=1), SCALE_F32)
             inv = tl.where(vs_new > 0, 255.0 / tl.where(vs_new > 0, vs_new, 1.0), 0.0)
             code = tl.minimum(tl.maximum(tl.floor(svg * inv[:, None] + 0.5), 0.0), 255.0)
             code = tl.where(svg > 0, tl.maximum(code, 1.0), code)
-            tl.store(v_base + vo + off, tl.reshape(code, (BLOCK,)).to(tl.uint8), mask=mask)
+            tl.store(v_base + vo + off, code.to(tl.uint8), mask=mask)
             tl.store(vs_base + vso + goff, vs_new.to(vs_base.dtype.element_ty), mask=gmask)
         else:
             tl.store(v_base + vo + off, v, mask=mask)
@@ -588,3 +586,34 @@ def _step_kernel(
             LIM: tl.constexpr = 1 << (ECC - 1)
             code = tl.minimum(tl.maximum(code, -LIM), LIM - 1)
             tl.store(c_base + co + off, code.to(c_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nonfinite_kernel(
+    blocks,
+    tab,
+    g_base,
+    flag,  # int32 [1], set to 1 if any gradient element is inf or NaN
+    ALIGNED: tl.constexpr,
+    N16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+):
+    """Pre-pass over the gradients of a bucket (same block table as the step kernel)."""
+    pid = tl.program_id(0)
+    t = tl.load(blocks + 2 * pid)
+    start = tl.load(blocks + 2 * pid + 1).to(tl.int64)
+    row = tab + t.to(tl.int64) * 10
+    n = tl.load(row + 7)
+    if N16:
+        n = tl.multiple_of(n, 16)
+    NG: tl.constexpr = BLOCK // GROUP_SIZE
+    off = start + tl.arange(0, NG)[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    go = tl.load(row + 1)
+    if ALIGNED:
+        go = tl.multiple_of(go, 16)
+    g = tl.load(g_base + go + off, mask=off < n, other=0.0).to(tl.float32)
+    bad = ((g - g) != 0.0).to(tl.int32)  # inf - inf and NaN - NaN are NaN
+    nbad = tl.sum(tl.sum(bad, axis=1), axis=0)
+    if nbad > 0:
+        tl.atomic_max(flag, 1)

@@ -19,8 +19,8 @@ import torch
 from . import _core
 from ._core import ADAM, GROUP, LION, SGD
 
-BLOCK = int(os.environ.get("FLASHOPTIM_BLOCK", "2048"))
-NUM_WARPS = int(os.environ.get("FLASHOPTIM_NUM_WARPS", "8"))
+BLOCK = int(os.environ.get("FLASHOPTIM_BLOCK", "1024"))
+NUM_WARPS = int(os.environ.get("FLASHOPTIM_NUM_WARPS", "4"))
 _P_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -176,20 +176,48 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _grads(self, group):
         return [p for p in group["params"] if p.grad is not None]
 
-    def _found_nonfinite(self, params) -> bool:
-        grads = [_local(p.grad) for p in params]
-        if not grads:
-            return False
-        by_dev: dict = {}
-        for g in grads:
+    def _found_nonfinite_torch(self, params) -> bool:
+        bad = False
+        for p in params:
+            g = _local(p.grad)
             if g.is_sparse:
                 raise ValueError("flashoptim does not support sparse gradients")
-            by_dev.setdefault(g.device, []).append(g)
-        bad = False
-        for gs in by_dev.values():
-            norms = torch._foreach_norm(gs, float("inf"))
-            bad = bad or not bool(torch.stack(norms).isfinite().all())
+            bad = bad or not bool(torch.isfinite(g).all())
         return bad
+
+    def _nonfinite(self, preps) -> bool:
+        """One check for the whole step: a Triton pre-pass per bucket writing one flag per
+        device, then a single host sync; torch.isfinite for CPU-path tensors."""
+        flags = {}
+        cpu_ps = []
+        for prep in preps:
+            for b in prep["buckets"]:
+                ent = b["ent"]
+                if ent is None:
+                    cpu_ps += b["ps"]
+                    continue
+                dev = ent["tab"].device
+                if dev not in flags:
+                    flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+                nb = ent["blocks"].shape[0]
+                if nb:
+                    _core._nonfinite_kernel[(nb,)](
+                        ent["blocks"],
+                        ent["tab"],
+                        ent["bases"][1],
+                        flags[dev],
+                        ALIGNED=ent["aligned"],
+                        N16=ent["n16"],
+                        BLOCK=BLOCK,
+                        GROUP_SIZE=GROUP,
+                        num_warps=NUM_WARPS,
+                    )
+        if cpu_ps and self._found_nonfinite_torch(cpu_ps):
+            return True
+        if not flags:
+            return False
+        total = sum(f.to("cpu", non_blocking=False).item() for f in flags.values())
+        return total > 0
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -197,15 +225,14 @@ class FlashOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [(g, self._grads(g)) for g in self.param_groups]
-        if self.check_finite and self._found_nonfinite([p for _, ps in work for p in ps]):
+        preps = [self._prepare(g, ps) for g in self.param_groups if (ps := self._grads(g))]
+        if self.check_finite and self._nonfinite(preps):
             if self.on_nonfinite == "raise":
                 raise NonFiniteGradError("non-finite gradient: step not taken")
             self.skipped_steps += 1
             return loss
-        for group, ps in work:
-            if ps:
-                self._step_group(group, ps)
+        for prep in preps:
+            self._commit(prep)
         return loss
 
     @torch.no_grad()
@@ -213,21 +240,22 @@ class FlashOptimizer(torch.optim.Optimizer):
         """Step one parameter (used by gradient release); honours check_finite."""
         if p.grad is None:
             return
-        if self.check_finite and self._found_nonfinite([p]):
-            if self.on_nonfinite == "raise":
-                raise NonFiniteGradError("non-finite gradient: step not taken")
-            self.skipped_steps += 1
-            return
-        self._plans.clear()
         for group in self.param_groups:
             if any(q is p for q in group["params"]):
-                self._step_group(group, [p], cache=False)
+                prep = self._prepare(group, [p], cache=False)
+                if self.check_finite and self._nonfinite([prep]):
+                    if self.on_nonfinite == "raise":
+                        raise NonFiniteGradError("non-finite gradient: step not taken")
+                    self.skipped_steps += 1
+                    return
+                self._plans.pop(id(group), None)
+                self._commit(prep)
                 return
         raise ValueError("parameter is not managed by this optimizer")
 
-    def _step_group(self, group, ps, cache: bool = True) -> None:
-        # fast path: same parameters, same gradient storage, one bucket -> one launch
-        # with the cached offset tables and no per-tensor work beyond reading pointers
+    def _prepare(self, group, ps, cache: bool = True) -> dict:
+        """Buckets and offset tables for this step; no state changes (a skipped step must
+        leave everything as it was)."""
         plan = self._plans.get(id(group)) if cache else None
         if plan is not None and plan["n"] == len(ps) and all(map(operator.is_, plan["ps"], ps)):
             if plan["dt"]:
@@ -235,19 +263,12 @@ class FlashOptimizer(torch.optim.Optimizer):
             else:
                 gptrs = tuple([p.grad.data_ptr() for p in ps])
             if gptrs == plan["gptrs"]:
-                for st in plan["states"]:
-                    st["step"] += 1
-                plan["step"] += 1
-                hp = self._hp(group, ps[0])
-                for ent in plan["ents"]:
-                    self._run_kernel(ent, group, hp, plan["step"])
-                return
+                return dict(group=group, plan=plan, buckets=plan["buckets"], cache=cache)
         buckets: dict = {}
         for p in ps:
             if p.grad.is_sparse:
                 raise ValueError("flashoptim does not support sparse gradients")
             st = self._init_state(p, group)
-            st["step"] += 1
             lp = _local(p)
             key = (
                 st["step"],
@@ -258,38 +279,55 @@ class FlashOptimizer(torch.optim.Optimizer):
                 lp.numel() % 16 == 0,
             )
             buckets.setdefault(key, []).append(p)
-        ents = []
-        for (step, _, _, _, tri, _), bps in buckets.items():
-            hp = self._hp(group, bps[0])
-            if tri:
-                ent = self._build_table(group, bps)
-                self._run_kernel(ent, group, hp, step)
-                ents.append(ent)
+        out = []
+        for key, bps in buckets.items():
+            ent = self._build_table(group, bps) if key[4] else None
+            out.append(dict(ps=bps, ent=ent, step=key[0]))
+        return dict(group=group, plan=None, buckets=out, cache=cache, ps=ps)
+
+    def _commit(self, prep) -> None:
+        group = prep["group"]
+        plan = prep["plan"]
+        if plan is not None:  # fast path: one step count for all, cached tables
+            for st in plan["states"]:
+                st["step"] += 1
+            plan["step"] += 1
+            hp = self._hp(group, plan["ps"][0])
+            for b in plan["buckets"]:
+                self._run_kernel(b["ent"], group, hp, plan["step"])
+            return
+        for b in prep["buckets"]:
+            step = b["step"] + 1
+            hp = self._hp(group, b["ps"][0])
+            for p in b["ps"]:
+                self.state[p]["step"] = step
+            if b["ent"] is not None:
+                self._run_kernel(b["ent"], group, hp, step)
             else:
-                for p in bps:
+                for p in b["ps"]:
                     st = self.state[p]
-                    sd = self._state_view(st, group)
                     _core.cpu_step(
                         self._kind,
                         _local(p),
                         _local(p.grad),
-                        sd,
+                        self._state_view(st, group),
                         hp,
                         step,
                         st["seed"],
                         _global_index_base(p),
                     )
-
-        steps = {k[0] for k in buckets}
-        if cache and len(ents) == len(buckets) and len(steps) == 1:
+        bs = prep["buckets"]
+        steps = {b["step"] for b in bs}
+        if prep["cache"] and all(b["ent"] is not None for b in bs) and len(steps) == 1:
+            ps = prep["ps"]
             self._plans[id(group)] = dict(
                 n=len(ps),
                 ps=list(ps),
                 dt=any(hasattr(p, "_local_tensor") for p in ps),
                 gptrs=tuple(_local(p.grad).data_ptr() for p in ps),
                 states=[self.state[p] for p in ps],
-                step=steps.pop(),
-                ents=ents,
+                step=steps.pop() + 1,
+                buckets=bs,
             )
 
     def _state_view(self, st, group) -> dict:
