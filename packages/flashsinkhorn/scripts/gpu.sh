@@ -4,6 +4,7 @@
 # Installs the carried peer wheels (.whl/), runs the gpu-marked tests (one kernel config:
 # FLASHSINKHORN_NO_AUTOTUNE=1), then the benchmark GPU suite (autotuned), writing
 # OUTDIR/{env.txt,tests.txt,bench.txt,bench-flashsinkhorn.json,summary.md}.
+# Env: GPU_TEST_PATH (default the tests folder), GPU_TEST_K (pytest -k), BENCH_ARGS.
 set -uo pipefail
 out="${1:?usage: gpu.sh OUTDIR}"; tl="${2:-110}"; bl="${3:-200}"
 root="$(cd "$(dirname "$0")/../../.." && pwd)"; cd "$root"; mkdir -p "$out"
@@ -18,11 +19,11 @@ export PYTHONPATH="$root/packages/flashsinkhorn/src:$root/.site${PYTHONPATH:+:$P
 } >"$out/env.txt" 2>&1
 t0=$SECONDS
 FLASHSINKHORN_NO_AUTOTUNE=1 timeout "$tl" python3 -m pytest -q -m gpu -p no:cacheprovider \
-  -c pyproject.toml --rootdir . --durations=15 packages/flashsinkhorn/tests ${GPU_PYTEST_ARGS:-} \
-  >"$out/tests.txt" 2>&1
+  -c pyproject.toml --rootdir . --durations=15 --tb=short -k "${GPU_TEST_K:-}" \
+  ${GPU_TEST_PATH:-packages/flashsinkhorn/tests} >"$out/tests.txt" 2>&1
 echo "tests rc=$? in $((SECONDS - t0)) s" | tee -a "$out/tests.txt"
 t0=$SECONDS
-timeout "$bl" python3 -m flashsinkhorn.bench --json "$out/bench-flashsinkhorn.json" ${BENCH_ARGS:-} \
+TRITON_PRINT_AUTOTUNING=1 timeout "$bl" python3 -m flashsinkhorn.bench --json "$out/bench-flashsinkhorn.json" ${BENCH_ARGS:-} \
   >"$out/bench.txt" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s" | tee -a "$out/bench.txt"
 python3 tools/report.py --stdout "$out/bench-flashsinkhorn.json" >"$out/summary.md" 2>&1

@@ -492,6 +492,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--quick", action="store_true", help="GPU suite: the headline cases only")
+    ap.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--force-suite", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -500,7 +503,10 @@ def main(argv=None):
     rows = []
     t0 = time.time()
     custom = args.n is not None or args.d is not None
-    if args.smoke or (device.type != "cuda" and not custom):  # tiny CPU run
+    run_suite = args.force_suite or not (args.smoke or custom or device.type != "cuda")
+    if run_suite:
+        pass
+    elif args.smoke or (device.type != "cuda" and not custom):  # tiny CPU run
         reps = args.reps or 3
         for d in args.d or [3]:
             n = (args.n or [200])[0]
@@ -525,58 +531,85 @@ def main(argv=None):
                     )  # fmt: skip
                 if "hvp" in modes:
                     rows += bench_hvp(n, d, device, providers, args.warmup, reps)
-    else:
-        rows += gpu_suite(device, providers, peers)
-    out = {
-        "schema": "kernel-bench/1",
-        "package": "flashsinkhorn",
-        "package_version": fs.__version__,
-        "command": "python -m flashsinkhorn.bench "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "env": _env(peers, device),
-        "results": rows,
-        "tuned_configs": _tuned_configs(),
-        "wall_s": time.time() - t0,
-    }
-    print(markdown(rows))
-    print(f"\n(total {time.time() - t0:.1f} s on {device})")
-    if args.json:
+    command = "python -m flashsinkhorn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def dump(rows):
+        if not args.json:
+            return
+        out = {
+            "schema": "kernel-bench/1",
+            "package": "flashsinkhorn",
+            "package_version": fs.__version__,
+            "command": command.strip(),
+            "env": _env(peers, device),
+            "results": rows,
+            "tuned_configs": _tuned_configs(),
+            "wall_s": time.time() - t0,
+        }
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
+
+    if run_suite:
+        suite = QUICK_SUITE if args.quick else FULL_SUITE
+        rows += gpu_suite(device, providers, peers, dump, suite=suite, scale=args.scale)
+    dump(rows)
+    print(markdown(rows))
+    print(f"\n(total {time.time() - t0:.1f} s on {device})")
     return 0
 
 
-def gpu_suite(device, providers, peers, dump=lambda rows: None):
-    """The standard H200 suite (GPU.md's problem sizes); about 2-3 minutes."""
+FULL_SUITE = [
+    ("loss", 50000, 64, {}),
+    ("iter", 50000, 64, {}),
+    ("loss_debias", 50000, 64, {}),
+    ("loss_batched", 2048, 64, {}),
+    ("iter", 50000, 512, {}),
+    ("loss", 50000, 512, {}),
+    ("iter", 50000, 1024, {}),
+    ("loss", 50000, 1024, {}),
+    ("loss_ref", 10000, 64, {}),
+    ("loss_ref", 10000, 512, {}),
+    ("large", 200000, 64, {}),
+    ("passes", 50000, 64, {}),
+    ("passes", 50000, 512, {}),
+    ("hvp", 20000, 64, {}),
+]
+QUICK_SUITE = FULL_SUITE[:8]
+
+
+def gpu_suite(device, providers, peers, dump=lambda rows: None, suite=None, scale=1.0):
+    """The standard H200 suite (GPU.md's problem sizes), headline cases first; the JSON is
+    rewritten after every case so that a time limit keeps what was measured."""
     rows = []
     P = providers
+    suite = FULL_SUITE if suite is None else suite
 
     def log(msg):
-        dump(rows)  # partial results survive a timeout
+        dump(rows)
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    # one pass, kernel variants (what centering, bf16, V, the symmetric kernel cost)
-    for d in (64, 512):
-        log(f"softmin pass variants n=50k d={d}")
-        rows += bench_pass_variants(50000, d, device)
-    # fixed-eps iterations at n = m = 50k: (t(6 iters) - t(2 iters)) / 4
-    for d, precs in [(64, ["tf32", "bf16"]), (512, ["tf32", "bf16"]), (1024, ["tf32"])]:
-        log(f"iteration n=50k d={d}")
-        rows += bench_iteration(50000, d, device, P, peers, precs, 1, 3, k1=2, k2=6)
-    # GeomLoss schedule (blur 0.05, scaling 0.5, debias False)
-    for n, d, reps in [(10000, 64, 5), (10000, 512, 5), (50000, 64, 3), (50000, 512, 2),
-                       (50000, 1024, 2)]:  # fmt: skip
-        log(f"samples_loss n={n} d={d}")
-        rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, reps,
-                                   reference=n <= 10000)  # fmt: skip
-    log("samples_loss debias n=50k d=64")
-    rows += bench_samples_loss(50000, 64, device, P, peers, ["fwd", "fwd_bwd"], 1, 3, debias=True)
-    log("batched 64 x 2048")
-    rows += bench_samples_loss(2048, 64, device, P, peers, ["fwd", "fwd_bwd"], 1, 5, batch=64)
-    log("large n = 200k (memory)")
-    rows += bench_samples_loss(200000, 64, device, P & {"ours"}, peers, ["fwd_bwd"], 0, 1)
-    log("hvp n=20k d=64")
-    rows += bench_hvp(20000, 64, device, P, 1, 3)
+    for kind, n, d, _ in suite:
+        n = max(64, int(n * scale))
+        log(f"{kind} n={n} d={d}")
+        if kind == "iter":  # (t(6 iterations) - t(2 iterations)) / 4
+            precs = ["tf32", "bf16"] if d <= 512 else ["tf32"]
+            rows += bench_iteration(n, d, device, P, peers, precs, 1, 2, k1=2, k2=6)
+        elif kind == "loss":
+            rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, 2)
+        elif kind == "loss_ref":
+            rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, 3,
+                                       reference=True)  # fmt: skip
+        elif kind == "loss_debias":
+            rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, 2,
+                                       debias=True)  # fmt: skip
+        elif kind == "loss_batched":
+            rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, 3, batch=64)
+        elif kind == "large":
+            rows += bench_samples_loss(n, d, device, P & {"ours"}, peers, ["fwd_bwd"], 0, 1)
+        elif kind == "passes":
+            rows += bench_pass_variants(n, d, device)
+        elif kind == "hvp":
+            rows += bench_hvp(n, d, device, P, 1, 3)
     log("done")
     return rows
 
