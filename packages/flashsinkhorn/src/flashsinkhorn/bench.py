@@ -574,7 +574,7 @@ FULL_SUITE = [
     ("passes", 50000, 512, {}),
     ("hvp", 20000, 64, {}),
 ]
-QUICK_SUITE = FULL_SUITE[:8]
+QUICK_SUITE = FULL_SUITE[:4]
 
 
 def gpu_suite(device, providers, peers, dump=lambda rows: None, suite=None, scale=1.0):
