@@ -139,6 +139,8 @@ if HAS_TRITON:
 
     # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_D is chosen by the launcher.
     _FIXED = (64, 64, 4, 2)
+    if os.environ.get("FLASHSINKHORN_FIXED_CONFIG"):  # e.g. "128,64,8,3" (no-autotune runs)
+        _FIXED = tuple(int(v) for v in os.environ["FLASHSINKHORN_FIXED_CONFIG"].split(","))
     _TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 2)]
     _TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
 
