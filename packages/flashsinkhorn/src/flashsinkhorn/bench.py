@@ -88,6 +88,9 @@ def _timeit(fn, device, warmup=1, reps=5):
     return statistics.median(times), q[0], q[-1], peak
 
 
+_LIVE = {"rows": [], "dump": None}  # every row as soon as it exists (GPU suite)
+
+
 def _row(bench, provider, mode, params, **kw):
     r = {
         "bench": bench,
@@ -103,6 +106,9 @@ def _row(bench, provider, mode, params, **kw):
         "error": None,
     }
     r.update(kw)
+    _LIVE["rows"].append(r)
+    if _LIVE["dump"] is not None:
+        _LIVE["dump"](_LIVE["rows"])
     return r
 
 
@@ -550,6 +556,7 @@ def main(argv=None):
             json.dump(out, fh, indent=1)
 
     if run_suite:
+        _LIVE["dump"] = dump  # the JSON is rewritten after every measured row
         suite = QUICK_SUITE if args.quick else FULL_SUITE
         rows += gpu_suite(device, providers, peers, dump, suite=suite, scale=args.scale)
     dump(rows)
