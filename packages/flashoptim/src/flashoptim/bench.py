@@ -49,9 +49,10 @@ MOVED = {
     "flashoptim_0.1.4": 12.25,
     "bnb_adamw8bit": 10.0,
     "torchao_adamw8bit": 10.0,
-    "ours_sgd": 2 + 2 + 1 + 1 + 0.0625 * 2 + 2 + 1 + 2,
-    "flashoptim_0.1.4_sgd": 2 + 2 + 1 + 1 + 0.0625 * 2 + 2 + 1,
-    "ours_lion": 2 + 2 + 1 + 1 + 0.0625 * 2 + 2 + 1 + 2,
+    # read p 2, g 2, rho 1, m 1, scale 1/16; write p 2, rho 1, m 1, scale 1/16
+    "ours_sgd": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
+    "flashoptim_0.1.4_sgd": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
+    "ours_lion": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
 }
 
 

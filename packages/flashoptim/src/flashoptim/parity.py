@@ -195,8 +195,20 @@ def plot(result, path):
         f"{c['batch']}x{c['ctx']} tokens/step, {result['env'].get('gpu', 'cpu')}"
     )
     ax.legend(fontsize=7, ncol=2)
+    v = result["summary"]
+    ax.text(
+        0.02,
+        0.03,
+        "val loss (3 seeds): torch AdamW "
+        + ", ".join(f"{x:.3f}" for x in v["torch_adamw"]["val_loss"])
+        + " | FlashAdamW "
+        + ", ".join(f"{x:.3f}" for x in v["flash_adamw"]["val_loss"]),
+        transform=ax.transAxes,
+        fontsize=7,
+    )
     lo = min(min(r["losses"][len(r["losses"]) // 3 :]) for r in result["runs"])
-    ax.set_ylim(lo * 0.95, lo * 1.8)
+    hi = max(r["losses"][len(r["losses"]) // 20] for r in result["runs"])
+    ax.set_ylim(lo * 0.95, hi)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
