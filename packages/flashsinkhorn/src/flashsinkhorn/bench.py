@@ -499,6 +499,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--quick", action="store_true", help="GPU suite: the headline cases only")
+    ap.add_argument("--budget", type=float, default=190.0,
+                    help="GPU suite: start no case after this many seconds")  # fmt: skip
     ap.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--force-suite", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -558,7 +560,8 @@ def main(argv=None):
     if run_suite:
         _LIVE["dump"] = dump  # the JSON is rewritten after every measured row
         suite = QUICK_SUITE if args.quick else FULL_SUITE
-        rows += gpu_suite(device, providers, peers, dump, suite=suite, scale=args.scale)
+        rows += gpu_suite(device, providers, peers, dump, suite=suite, scale=args.scale,
+                          budget_s=args.budget)  # fmt: skip
     dump(rows)
     print(markdown(rows))
     print(f"\n(total {time.time() - t0:.1f} s on {device})")
@@ -584,12 +587,17 @@ FULL_SUITE = [
 QUICK_SUITE = FULL_SUITE[:4]
 
 
-def gpu_suite(device, providers, peers, dump=lambda rows: None, suite=None, scale=1.0):
+def gpu_suite(
+    device, providers, peers, dump=lambda rows: None, suite=None, scale=1.0, budget_s=190.0
+):
     """The standard H200 suite (GPU.md's problem sizes), headline cases first; the JSON is
-    rewritten after every case so that a time limit keeps what was measured."""
+    rewritten after every row so that a time limit keeps what was measured. Cases that
+    would start after ``budget_s`` seconds are recorded as skipped (the whole suite stays
+    within about 3.5 minutes)."""
     rows = []
     P = providers
     suite = FULL_SUITE if suite is None else suite
+    t_start = time.time()
 
     def log(msg):
         dump(rows)
@@ -597,6 +605,11 @@ def gpu_suite(device, providers, peers, dump=lambda rows: None, suite=None, scal
 
     for kind, n, d, _ in suite:
         n = max(64, int(n * scale))
+        if time.time() - t_start > budget_s:
+            why = f"suite time budget {budget_s:.0f} s"
+            rows.append(_row(f"suite:{kind}", "ours", "-", {"n": n, "m": n, "d": d},
+                             status="skipped", error=why))  # fmt: skip
+            continue
         log(f"{kind} n={n} d={d}")
         if kind == "iter":  # (t(6 iterations) - t(2 iterations)) / 4
             precs = ["tf32", "bf16"] if d <= 512 else ["tf32"]
