@@ -102,3 +102,16 @@ def test_bad_arguments():
         fs.SamplesLoss(blur=0.0)(x, y)
     with pytest.raises(ValueError, match="nonnegative"):
         fs.SamplesLoss()(-a, x, b, y)
+
+
+def test_marginal_error_is_reported_and_warned():
+    x, y, a, b = clouds(40, 30, 2, seed=6)
+    loose = fs.SamplesLoss(blur=0.05, scaling=0.5, debias=False)
+    loose(a, x, b, y)
+    fine = fs.SamplesLoss(blur=0.3, scaling=0.99, debias=False)
+    fine(a, x, b, y)
+    assert loose.last_marginal_error.shape == ()
+    # a finer schedule (many more iterations at a larger blur) converges the marginals
+    assert float(fine.last_marginal_error) < 2e-2 < float(loose.last_marginal_error)
+    with pytest.warns(RuntimeWarning, match="marginal error"):
+        fs.SamplesLoss(blur=0.05, debias=False, warn_tol=1e-6)(a, x, b, y)

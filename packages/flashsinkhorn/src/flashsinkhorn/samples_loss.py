@@ -118,6 +118,10 @@ def _sinkhorn_forward(
     F_ba, _, Ty = pxy.sm_x(g_ab, e, dmp, v=y if need_grad_x else None)
     G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
+    # L1 marginal error of the last loop plan, from what the last step already computed
+    out["marginal_error"] = (a * torch.expm1((f_ba - F_ba) / e).abs()).sum(-1) + (
+        b * torch.expm1((g_ab - G_ab) / e).abs()
+    ).sum(-1)
     if debias:
         F_aa, _, Txx = pxx.sm_x(f_aa, e, dmp, v=x if need_grad_x else None)
         G_bb, _, Tyy = pyy.sm_x(g_bb, e, dmp, v=y if need_grad_y else None)
@@ -160,7 +164,7 @@ def _sinkhorn_forward(
 
 class _SinkhornLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, x, b, y, opts):
+    def forward(ctx, a, x, b, y, opts, info):
         with torch.no_grad():
             out = _sinkhorn_forward(
                 a.detach(),
@@ -172,13 +176,14 @@ class _SinkhornLoss(torch.autograd.Function):
                 **opts,
             )
         ctx.save_for_backward(out["ga"], out["gx"], out["gb"], out["gy"])
+        info["marginal_error"] = out["marginal_error"]
         return out["value"].to(x.dtype)
 
     @staticmethod
     def backward(ctx, gout):
         ga, gx, gb, gy = ctx.saved_tensors
         go = gout[:, None]
-        r = [None] * 5
+        r = [None] * 6
         if ctx.needs_input_grad[0]:
             r[0] = (ga * go).to(gout.dtype)
         if ctx.needs_input_grad[1]:
@@ -204,8 +209,14 @@ def sinkhorn_divergence(
     potentials=False,
     precision="tf32",
     backend="auto",
+    warn_tol=None,
+    info=None,
 ):
-    """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ..."""
+    """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ...
+
+    ``info`` (a dict, optional) receives ``marginal_error``: the L1 marginal error (B,) of
+    the last plan of the schedule, on device. ``warn_tol``: warn when it exceeds this.
+    """
     if not (blur > 0):
         raise ValueError(f"blur must be positive; got {blur}")
     if reach is not None and not (reach > 0):
@@ -230,11 +241,23 @@ def sinkhorn_divergence(
             F, G = F - out["f_aa"], G - out["g_bb"]
         F, G = F.to(x.dtype), G.to(x.dtype)
         return (F, G) if batched else (F[0], G[0])
-    value = _SinkhornLoss.apply(a2, x3, b2, y3, opts)
+    info = {} if info is None else info
+    value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
     if not torch.isfinite(value).all():
         warnings.warn(
             "flashsinkhorn.SamplesLoss: non-finite loss value", RuntimeWarning, stacklevel=2
         )
+    err = info.get("marginal_error")
+    if warn_tol is not None and err is not None and float(err.max()) > warn_tol:
+        warnings.warn(
+            f"flashsinkhorn.SamplesLoss: the eps-scaling schedule ended with L1 marginal error "
+            f"{float(err.max()):.3g} > warn_tol={warn_tol}; use a larger scaling (more "
+            "iterations) or a larger blur",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if not batched and err is not None:
+        info["marginal_error"] = err[0]
     return value if batched else value[0]
 
 
@@ -243,8 +266,15 @@ class SamplesLoss(torch.nn.Module):
 
     Call as ``loss(x, y)`` or ``loss(a, x, b, y)`` with x (N, D) / (B, N, D) and weights
     (N,) / (B, N). Extra arguments over GeomLoss: ``precision`` ("tf32", "ieee", "tf32x3",
-    "bf16") and ``backend`` ("auto", "triton", "torch"; GeomLoss's "tensorized", "online"
-    and "multiscale" map to "auto").
+    "bf16"), ``backend`` ("auto", "triton", "torch"; GeomLoss's "tensorized", "online"
+    and "multiscale" map to "auto") and ``warn_tol``.
+
+    Convergence is reported, not hidden: after each call ``self.last_marginal_error``
+    holds the L1 marginal error (row + column) of the schedule's last plan (a tensor on
+    the device, no sync). GeomLoss's schedule runs a fixed number of iterations and does
+    not drive this to zero (about 0.4-0.8 for 300-point clouds at blur 0.05, scaling
+    0.5; the loss value is still accurate thanks to the final extrapolation); set
+    ``warn_tol`` to get a ``RuntimeWarning`` above a threshold (one host sync per call).
     """
 
     def __init__(
@@ -264,8 +294,11 @@ class SamplesLoss(torch.nn.Module):
         verbose: bool = False,
         backend: str = "auto",
         precision: str = "tf32",
+        warn_tol: float | None = None,
     ):
         super().__init__()
+        self.warn_tol = warn_tol
+        self.last_marginal_error = None
         if loss != "sinkhorn":
             raise ValueError(
                 f"flashsinkhorn.SamplesLoss supports loss='sinkhorn' only; got {loss!r}"
@@ -292,7 +325,8 @@ class SamplesLoss(torch.nn.Module):
             a, x, b, y = args
         else:
             raise ValueError(f"call as loss(x, y) or loss(a, x, b, y); got {len(args)} arguments")
-        return sinkhorn_divergence(
+        info = {}
+        out = sinkhorn_divergence(
             a,
             x,
             b,
@@ -305,7 +339,11 @@ class SamplesLoss(torch.nn.Module):
             potentials=self.potentials,
             precision=self.precision,
             backend=self.backend,
+            warn_tol=self.warn_tol,
+            info=info,
         )
+        self.last_marginal_error = info.get("marginal_error")
+        return out
 
 
 def samples_loss_ref(a, x, b, y, *, blur=0.05, reach=None, diameter=None, scaling=0.5, debias=True):
