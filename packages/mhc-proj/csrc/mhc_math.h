@@ -69,7 +69,7 @@ struct Limits<float> {
   static constexpr float step_cap = 24.0f;  // max |Newton step| per iteration
   static constexpr int max_halvings = 12;
   static constexpr float huge = FLT_MAX;
-  static constexpr float cont_range = 64.0f;  // logit range above which we use continuation
+  static constexpr float cont_range = 16.0f;  // logit range above which we use continuation
   static constexpr int stall = 5;  // iterations without a 10% error decrease before giving up
 };
 template <>
@@ -390,7 +390,7 @@ MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter
     if (last) break;
     MHC_UNROLL
     for (int j = 0; j < N; ++j) phi[j] = beta[j] / f;
-    f *= S(4);
+    f *= S(8);
   }
   iters = total;
   return ok;
