@@ -500,6 +500,10 @@ class FlashOptimizer(torch.optim.Optimizer):
             if key is None or key not in st_old or key not in st:
                 continue
             v = _local(st_old[key]).to(lp.device)
+            per_el = st_old.get(key + "_scale_per_element")
+            if per_el is not None and group["quantize"]:  # sharded (DCP) export
+                self._load_per_element(st, key, v, _local(per_el).to(lp.device), group)
+                continue
             if group["quantize"] and v.is_floating_point():  # torch.optim checkpoint
                 v = v.to(torch.float64).reshape(-1)
                 if key == self._v_key:
@@ -515,8 +519,65 @@ class FlashOptimizer(torch.optim.Optimizer):
         if "correction" in st and "correction" in st_old:
             st["correction"].copy_(_local(st_old["correction"]))
 
+    def _load_per_element(self, st, key, codes, per_el, group) -> None:
+        """Codes + per-element scales (a sharded export). If this shard's groups of 32 line
+        up with the saved ones (every group sees one scale), the codes and scales are copied
+        unchanged (bit-exact, any world size); otherwise decode and quantize again."""
+        c = codes.reshape(-1)
+        e = per_el.reshape(-1).to(torch.float64)
+        n = c.numel()
+        eg = _core._pad(e).view(-1, GROUP)
+        valid = _core._pad(torch.ones(n, dtype=torch.bool, device=e.device)).view(-1, GROUP)
+        aligned = bool(((eg == eg[:, :1]) | ~valid).all())
+        if aligned:
+            st[key].copy_(codes.view_as(st[key]))
+            st[key + "_scale"].copy_(eg[:, 0])
+            return
+        cf = c.to(torch.float64)
+        if key == self._v_key:
+            sv = cf / 255 * e
+            codes2, s2 = _core.quantize_variance_ref(sv * sv, group["scale_dtype"])
+        else:
+            y = cf / 127
+            codes2, s2 = _core.quantize_momentum_ref(y / (2 - y.abs()) * e, group["scale_dtype"])
+        st[key].copy_(codes2.view_as(st[key]))
+        st[key + "_scale"].copy_(s2)
+
     def state_dict(self) -> dict[str, Any]:
+        """torch.optim layout. For DTensor (FSDP2) parameters every per-element state is a
+        DTensor with the parameter's placements, and each group scale is repeated per element
+        (``<state>_scale_per_element``), so torch.distributed.checkpoint can save, load and
+        reshard it; plain parameters keep the compact layout."""
         sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, st in list(sd["state"].items()):
+            p = params[idx]
+            if not hasattr(p, "_local_tensor"):
+                continue
+            from torch.distributed.tensor import DTensor
+
+            lp = _local(p)
+
+            def wrap(t, p=p, lp=lp):
+                return DTensor.from_local(
+                    t.reshape(lp.shape),
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+
+            new = {}
+            for k, v in st.items():
+                if not torch.is_tensor(v):
+                    new[k] = v
+                elif k.endswith("_scale"):
+                    per_el = v.repeat_interleave(GROUP)[: lp.numel()]
+                    new[k + "_per_element"] = wrap(per_el)
+                else:
+                    new[k] = wrap(v)
+            sd["state"][idx] = new
         sd["flashoptim"] = {"skipped_steps": self.skipped_steps}
         return sd
 
