@@ -142,7 +142,7 @@ def test_torch_compile_fullgraph():
     torch._dynamo.reset()
 
     def f(a):
-        return (birkhoff_project(a * 2.0) ** 2).sum()
+        return (birkhoff_project(a * 2.0) ** 2).sum() + mhc_proj.sinkhorn_project(a).pow(3).sum()
 
     x = torch.randn(7, 4, 4, generator=_gen(7), requires_grad=True)
     cf = torch.compile(f, fullgraph=True, backend="aot_eager")
