@@ -155,3 +155,42 @@ def test_cpu_path_matches_float64_reference(kind, n, ecc):
                 assert ((th_ref - th).abs() <= tol).all()
             else:
                 assert d.max() <= 1, (k, d.max())
+
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as hs
+except ImportError:  # pragma: no cover - hypothesis is in the [test] extra
+    given = None
+
+if given is not None:
+    _finite32 = hs.floats(
+        min_value=-(2.0**127), max_value=2.0**127, allow_nan=False, allow_infinity=False, width=32
+    )
+
+    @settings(max_examples=200, deadline=None)
+    @given(hs.lists(_finite32, min_size=1, max_size=64), hs.integers(0, 2**32 - 1))
+    def test_split_join_property(values, seed):
+        """Any fp32 value: nearest split within q/2, stochastic split within q, of the value;
+        the CPU path's integer bf16 rounding equals torch's round-to-nearest-even cast."""
+        theta = torch.tensor(values, dtype=torch.float32)
+        assert torch.equal(_core._to_narrow_t(theta, True), theta.to(torch.bfloat16))
+        big = theta.abs() > 2.0**-100  # below, q is clamped at 2**-126 (documented)
+        for u in (None, _core.uniform_ref(seed, 1, torch.arange(theta.numel()))):
+            p, c = _core.split_ref(theta, torch.bfloat16, 8, u)
+            back = _core.join_ref(p, c, 8)
+            q = _core._ulp_ref(p) / 256
+            err = (back - theta.double()).abs()
+            bound = q / 2 if u is None else q
+            # the +ulp/2 tie clamps at code 127: one more code there
+            assert (err[big] <= bound[big] + q[big] * (c[big] == 127)).all()
+
+    @settings(max_examples=100, deadline=None)
+    @given(hs.lists(_finite32.filter(lambda x: abs(x) < 1e30), min_size=1, max_size=96))
+    def test_momentum_quantizer_property(values):
+        m = torch.tensor(values, dtype=torch.float32).double()
+        code, s = _core.quantize_momentum_ref(m)
+        back = _core.dequantize_momentum_ref(code, s)
+        sg = s.double().repeat_interleave(32)[: m.numel()]
+        assert ((back - m).abs() <= sg * 2 / 127 + 1e-300).all()
+        assert ((back == 0) <= (m.abs() <= sg / 200)).all()  # zero only for tiny entries
