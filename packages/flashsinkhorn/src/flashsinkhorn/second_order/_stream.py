@@ -313,10 +313,11 @@ def _labels_args(labels, device):
         z = torch.zeros(1, dtype=torch.int32, device=device)
         return z, z, torch.zeros(1, dtype=torch.float32, device=device), 1, False
     lx, ly, table = labels
+    table = table.float().contiguous()
     return (
         lx.to(torch.int32).contiguous(),
         ly.to(torch.int32).contiguous(),
-        table.float().contiguous(),
+        table,
         table.stride(0),
         True,
     )
