@@ -38,7 +38,7 @@ def _convnet():
     )
 
 
-def train(make_opt, dtype, epochs=4, seed=0):
+def train(make_opt, dtype, epochs=3, seed=0):
     X, y = _digits()
     X = X.view(-1, 1, 8, 8)
     torch.manual_seed(seed)
@@ -61,7 +61,7 @@ def train(make_opt, dtype, epochs=4, seed=0):
 
 def main() -> None:
     t0 = time.perf_counter()
-    print("1) digits convnet, 4 epochs, held-out 297 images")
+    print("1) digits convnet, 3 epochs, held-out 297 images")
     for name, mk, dt in [
         ("torch AdamW fp32", lambda p: torch.optim.AdamW(p, lr=4e-3), torch.float32),
         ("FlashAdamW bf16 ", lambda p: fo.FlashAdamW(p, lr=4e-3), torch.bfloat16),
