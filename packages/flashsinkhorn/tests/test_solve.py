@@ -226,3 +226,22 @@ def test_tiny_eps_does_not_give_silent_garbage():
     if r.converged:
         rows, cols = r.marginals()
         assert float((rows - a).abs().sum() + (cols - b).abs().sum()) < 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_weights_equal_dropping_the_points(backend):
+    x, y, a, b = clouds(20, 16, 2, seed=11, dtype=torch.float32)
+    a0, b0 = a.clone(), b.clone()
+    a0[[2, 7]] = 0.0
+    b0[5] = 0.0
+    with pytest.raises(ValueError, match="a.sum"):
+        fs.solve(x, y, a0, b0, eps=0.05)
+    a0, b0 = a0 / a0.sum(), b0 / b0.sum()
+    keep_x = torch.tensor([i for i in range(20) if i not in (2, 7)])
+    keep_y = torch.tensor([j for j in range(16) if j != 5])
+    kw = dict(eps=0.05, tol=1e-6, max_iter=3000, backend=backend, precision="ieee")
+    r0 = fs.solve(x, y, a0, b0, **kw)
+    r1 = fs.solve(x[keep_x], y[keep_y], a0[keep_x], b0[keep_y], **kw)
+    assert r0.converged and r1.converged
+    torch.testing.assert_close(r0.value, r1.value, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r0.f[keep_x], r1.f, atol=1e-4, rtol=0)

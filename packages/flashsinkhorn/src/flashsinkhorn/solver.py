@@ -634,6 +634,14 @@ def solve(
     if int(check_every) < 1:
         raise ValueError(f"check_every must be >= 1; got {check_every}")
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
+    if rx is None and ry is None:
+        ma, mb = a2.sum(-1), b2.sum(-1)
+        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
+            raise ValueError(
+                "balanced OT needs a.sum() == b.sum() for every problem; got "
+                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights or pass "
+                "reach= for unbalanced OT"
+            )
     be = resolve_backend(backend, x3.device)
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
