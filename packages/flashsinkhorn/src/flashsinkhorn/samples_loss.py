@@ -79,6 +79,8 @@ def _sinkhorn_forward(
         diameter = _max_diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
     be = resolve_backend(backend, x.device)
+    if backend == "auto" and x.dtype == torch.float64:
+        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
     c = common_center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     pxy = Problem(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)

@@ -613,7 +613,8 @@ def solve(
         label_cost: optional ``(labels_x (N,), labels_y (M,), W (K1, K2))``: adds
             ``W[labels_x[i], labels_y[j]]`` to the cost, gathered inside the kernel.
         precision: "tf32" (default), "ieee", "tf32x3", "bf16" dot operands (triton backend).
-        backend: "auto" (triton on CUDA, torch blockwise on CPU), "triton", "torch".
+        backend: "auto" (triton on CUDA for float32/16 inputs, torch blockwise on CPU and
+            for float64), "triton", "torch".
 
     Returns:
         :class:`SinkhornResult` with ``f``, ``g``, ``value``, ``marginal_error``, ``n_iter``,
@@ -643,6 +644,8 @@ def solve(
                 "reach= for unbalanced OT"
             )
     be = resolve_backend(backend, x3.device)
+    if backend == "auto" and x3.dtype == torch.float64:
+        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = _label_tuple(label_cost, B, N, M, X.device)
