@@ -12,6 +12,9 @@
 #   summary.md              pass/fail per step and the benchmark tables (printed last)
 # Extra pytest args: GPU_PYTEST_ARGS; extra bench args per package: BENCH_ARGS_<pkg>
 # (e.g. BENCH_ARGS_flashsinkhorn="--quick"). Set GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1.
+# Time limits in seconds per step (a step past its limit is killed and marked FAILED, and
+# the run goes on): LIMIT_TESTS_<pkg>, LIMIT_BENCH_<pkg> (default 300 each), with <pkg>
+# the import name (flashsinkhorn, mhc_proj, flashoptim).
 set -uo pipefail
 out="${1:?usage: tools/gpu_run.sh OUTDIR [PACKAGE ...]}"; shift
 mkdir -p "$out"
@@ -23,11 +26,11 @@ log="$out/log.txt"; summary="$out/summary.md"
 : >"$log"; : >"$summary"
 export PYTHONUNBUFFERED=1
 say() { echo "$*" | tee -a "$log"; }
-step() {  # step NAME CMD...: run, log, record status in the summary
-  local name="$1"; shift
+step() {  # step NAME LIMIT_S CMD...: run under a time limit, log, record in the summary
+  local name="$1" limit="$2"; shift 2
   local t0=$SECONDS
-  say "=== $name: $*"
-  "$@" >>"$log" 2>&1
+  say "=== $name (limit ${limit} s): $*"
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
   local rc=$?
   local status="ok"; [ $rc -ne 0 ] && status="FAILED (rc=$rc)"
   say "=== $name: $status in $((SECONDS - t0)) s"
@@ -39,7 +42,7 @@ step() {  # step NAME CMD...: run, log, record status in the summary
 site="$root/.site"
 for wheels in .whl .whl-bnb; do
   if compgen -G "$wheels/*.whl" >/dev/null; then
-    step "install peers from $wheels" python3 -m pip install -q --no-index --no-deps \
+    step "install peers from $wheels" 120 python3 -m pip install -q --no-index --no-deps \
       --no-compile --target "$site" --upgrade "$wheels"/*.whl
   fi
 done
@@ -69,16 +72,17 @@ cat "$out/env.json" | tee -a "$log"
 for pkg in "${packages[@]}"; do
   import_name="${pkg//-/_}"
   if [ "$pkg" = mhc-proj ]; then
-    step "build mhc-proj" python3 -m pip install -q --no-build-isolation --no-deps \
+    step "build mhc-proj" 300 python3 -m pip install -q --no-build-isolation --no-deps \
       --target "$site" --upgrade packages/mhc-proj || continue
   fi
+  limit_tests="LIMIT_TESTS_${import_name}"; limit_bench="LIMIT_BENCH_${import_name}"
   if [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then
-    step "gpu tests $pkg" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    step "gpu tests $pkg" "${!limit_tests:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       -c pyproject.toml --rootdir . packages/$pkg/tests ${GPU_PYTEST_ARGS:-}
   fi
   if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
     var="BENCH_ARGS_${import_name}"
-    step "bench $pkg" python3 -m "$import_name.bench" --json "$out/bench-$pkg.json" ${!var:-}
+    step "bench $pkg" "${!limit_bench:-300}" python3 -m "$import_name.bench" --json "$out/bench-$pkg.json" ${!var:-}
   fi
 done
 
