@@ -199,3 +199,53 @@ def test_self_softmin_falls_back_on_large_spread():
     ref, _, _ = softmin_ref(x, x, f, loga, cx, cx, eps=0.01, c2=1.0)
     out = self_softmin(x, loga, f, cx, eps=0.01, c2=1.0, backend="triton", precision="ieee")
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("D", [64, 256])
+def test_softmin_even_d_fused_bias_and_tail(backend, D):
+    """D a multiple of the D block (the kernel drops the D mask), a zero column weight
+    (log b = -inf inside the fused column bias), a partial last column tile, and the
+    plan-application variant, against the float64 oracle."""
+    x, y, g, logb, cx, cy = _inputs(2, 70, 130, D, seed=3)
+    logb[0, 5] = float("-inf")
+    logb[1, 129] = float("-inf")
+    v = torch.randn(2, 130, 3, generator=torch.Generator().manual_seed(4))
+    ref, ref_lse2, refv = softmin_ref(x, y, g, logb, cx, cy, eps=0.2, c2=2.0, damping=0.7, v=v)
+    out, lse2, vbar = softmin(
+        x, y, g, logb, cx, cy, eps=0.2, c2=2.0, damping=0.7, v=v, want_lse=True,
+        backend=backend, precision="ieee",
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse2.double(), ref_lse2, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(vbar.double(), refv, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_problem_prepares_centered_operands_once(backend):
+    """Problem centers (and casts) the kernel operands once; its updates equal softmin with
+    center= (the per-call path), and a self problem shares one copy."""
+    from flashsinkhorn.solver import Problem, centered_sqnorm, common_center
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.rand(2, 40, 5, generator=gen) + 3.0
+    y = torch.rand(2, 33, 5, generator=gen) + 3.5
+    a = torch.full((2, 40), 1 / 40)
+    b = torch.full((2, 33), 1 / 33)
+    c = common_center(x, y)
+    cx, cy = centered_sqnorm(x, c), centered_sqnorm(y, c)
+    p = Problem(x, y, a, b, cx, cy, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c)
+    torch.testing.assert_close(p.Xk, x - c[:, None], atol=0, rtol=0)
+    torch.testing.assert_close(p.Yk, y - c[:, None], atol=0, rtol=0)
+    g = 0.05 * torch.randn(2, 33, generator=gen)
+    f = 0.05 * torch.randn(2, 40, generator=gen)
+    kw = dict(eps=0.1, c2=2.0, damping=0.9, precision="ieee", backend=backend)
+    ref_f = softmin(x, y, g, p.logb, cx, cy, center=c, **kw)[0]
+    ref_g = softmin(y, x, f, p.loga, cy, cx, center=c, **kw)[0]
+    torch.testing.assert_close(p.sm_x(g, 0.1, 0.9)[0], ref_f, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(p.sm_y(f, 0.1, 0.9)[0], ref_g, atol=1e-6, rtol=1e-6)
+    q = Problem(x, x, a, a, cx, cx, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c)
+    assert q.Xk is q.Yk
+    r = Problem(x, y, a, b, cx, cy, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c,
+                Xk=p.Xk, Yk=p.Yk)  # fmt: skip
+    assert r.Xk is p.Xk and r.Yk is p.Yk

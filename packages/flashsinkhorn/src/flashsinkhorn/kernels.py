@@ -141,7 +141,14 @@ if HAS_TRITON:
     _FIXED = (64, 64, 4, 2)
     if os.environ.get("FLASHSINKHORN_FIXED_CONFIG"):  # e.g. "128,64,8,3" (no-autotune runs)
         _FIXED = tuple(int(v) for v in os.environ["FLASHSINKHORN_FIXED_CONFIG"].split(","))
-    _TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 2)]
+    # the plan-application variant (HAS_V, once per solve) is not autotuned: on the GPU it
+    # uses a Hopper-sized tile unless a fixed config was requested
+    _FIXED_V = _FIXED
+    if not _no_autotune() and not os.environ.get("FLASHSINKHORN_FIXED_CONFIG"):
+        _FIXED_V = (128, 64, 8, 3)
+    # Hopper (H200) candidates; d <= 128 is one tl.dot per tile (K = BLOCK_D)
+    _TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4),
+                     (256, 64, 8, 3)]  # fmt: skip
     _TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
 
     def _configs():
@@ -171,10 +178,8 @@ if HAS_TRITON:
     def _softmin_kernel(
         X,
         Y,
-        G,
-        LOGB,
+        BIAS,
         CX,
-        CY,
         OUT,
         LSE,
         V,
@@ -182,7 +187,6 @@ if HAS_TRITON:
         LX,
         LY,
         W,
-        CENTER,
         N,
         M,
         D,
@@ -191,21 +195,24 @@ if HAS_TRITON:
         N_KEY,
         M_KEY,
         dot_scale,  # c2 * log2(e) / eps
-        inv_eps2,  # log2(e) / eps
+        inv_eps2,  # log2(e) / eps (label term)
         eps_ln2,  # eps * ln(2)
         damping,
         w_scale,
         BLOCK_D: tl.constexpr,
         NUM_D: tl.constexpr,
+        EVEN_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
         HAS_V: tl.constexpr,
         HAS_LABELS: tl.constexpr,
         HAS_LSE: tl.constexpr,
-        HAS_CENTER: tl.constexpr,
         PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
+        # X, Y arrive in their final form (centered, cast) and BIAS is the fused column
+        # vector log2e * (log b_j + (g_j - cy_j) / eps): the loop is load -> dot -> one FMA
+        # per score -> online LSE, with nothing between the pipelined loads and tl.dot.
         pid_m = tl.program_id(0)
         pid_b = tl.program_id(1)
         pid_v = tl.program_id(2)
@@ -218,19 +225,19 @@ if HAS_TRITON:
 
         Xb = X + pid_b64 * N * D
         Yb = Y + pid_b64 * M * D
-        Gb = G + pid_b64 * M
-        LOGBb = LOGB + pid_b64 * M
-        CYb = CY + pid_b64 * M
+        BIASb = BIAS + pid_b64 * M
 
         if NUM_D == 1:
-            x0 = tl.load(
-                Xb + rows[:, None] * D + offs_d[None, :],
-                mask=row_mask[:, None] & (offs_d[None, :] < D),
-                other=0.0,
-            )
-            if HAS_CENTER:  # translation-invariant cost: center for tf32 accuracy
-                c0 = tl.load(CENTER + pid_b64 * D + offs_d, mask=offs_d < D, other=0.0)
-                x0 = x0 - c0[None, :]
+            if EVEN_D:
+                x0 = tl.load(
+                    Xb + rows[:, None] * D + offs_d[None, :], mask=row_mask[:, None], other=0.0
+                )
+            else:
+                x0 = tl.load(
+                    Xb + rows[:, None] * D + offs_d[None, :],
+                    mask=row_mask[:, None] & (offs_d[None, :] < D),
+                    other=0.0,
+                )
         if HAS_LABELS:
             lx = tl.load(LX + pid_b64 * N + rows, mask=row_mask, other=0)
         if HAS_V:
@@ -246,37 +253,41 @@ if HAS_TRITON:
             col_mask = cols < M
             # scores in log2 units: bias_j + dot_scale * <x_i, y_j>
             if NUM_D == 1:
-                y = tl.load(
-                    Yb + cols[:, None] * D + offs_d[None, :],
-                    mask=col_mask[:, None] & (offs_d[None, :] < D),
-                    other=0.0,
-                )
-                if HAS_CENTER:
-                    y = y - c0[None, :]
+                if EVEN_D:
+                    y = tl.load(
+                        Yb + cols[:, None] * D + offs_d[None, :], mask=col_mask[:, None], other=0.0
+                    )
+                else:
+                    y = tl.load(
+                        Yb + cols[:, None] * D + offs_d[None, :],
+                        mask=col_mask[:, None] & (offs_d[None, :] < D),
+                        other=0.0,
+                    )
                 s = tl.dot(x0, tl.trans(y), input_precision=PREC)
             else:
                 s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for kd in range(NUM_D):
                     dd = kd * BLOCK_D + offs_d
-                    xk = tl.load(
-                        Xb + rows[:, None] * D + dd[None, :],
-                        mask=row_mask[:, None] & (dd[None, :] < D),
-                        other=0.0,
-                    )
-                    yk = tl.load(
-                        Yb + cols[:, None] * D + dd[None, :],
-                        mask=col_mask[:, None] & (dd[None, :] < D),
-                        other=0.0,
-                    )
-                    if HAS_CENTER:
-                        ck = tl.load(CENTER + pid_b64 * D + dd, mask=dd < D, other=0.0)
-                        xk = xk - ck[None, :]
-                        yk = yk - ck[None, :]
+                    if EVEN_D:
+                        xk = tl.load(
+                            Xb + rows[:, None] * D + dd[None, :], mask=row_mask[:, None], other=0.0
+                        )
+                        yk = tl.load(
+                            Yb + cols[:, None] * D + dd[None, :], mask=col_mask[:, None], other=0.0
+                        )
+                    else:
+                        xk = tl.load(
+                            Xb + rows[:, None] * D + dd[None, :],
+                            mask=row_mask[:, None] & (dd[None, :] < D),
+                            other=0.0,
+                        )
+                        yk = tl.load(
+                            Yb + cols[:, None] * D + dd[None, :],
+                            mask=col_mask[:, None] & (dd[None, :] < D),
+                            other=0.0,
+                        )
                     s = tl.dot(xk, tl.trans(yk), s, input_precision=PREC)
-            gj = tl.load(Gb + cols, mask=col_mask, other=0.0).to(tl.float32)
-            lbj = tl.load(LOGBb + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
-            cyj = tl.load(CYb + cols, mask=col_mask, other=0.0).to(tl.float32)
-            bias = lbj * 1.4426950408889634 + (gj - cyj) * inv_eps2
+            bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
             s = s * dot_scale + bias[None, :]
             if HAS_LABELS:
                 ly = tl.load(LY + pid_b64 * M + cols, mask=col_mask, other=0)
@@ -342,25 +353,29 @@ def _softmin_triton(
     M = y.shape[1]
     dev = x.device
     f32 = torch.float32
-    if precision == "bf16":
-        if center is not None:
-            x, y = x - center[:, None, :], y - center[:, None, :]
-            center = None
-        x = x.to(torch.bfloat16).contiguous()
-        y = y.to(torch.bfloat16).contiguous()
-        prec = "tf32"
-    else:
-        x = x.to(f32).contiguous()
-        y = y.to(f32).contiguous()
-        prec = precision
-    g, logb, cx, cy = (t.to(f32).contiguous() for t in (g, logb, cx, cy))
+    # Operands reach the kernel in their final form: centering and casts happen here (once
+    # per call; callers that iterate, like Problem, pass prepared operands and center=None),
+    # never between the kernel's pipelined loads and tl.dot.
+    if center is not None:
+        same = y is x
+        c = center.to(f32)[:, None, :]
+        x = x.to(f32) - c
+        y = x if same else y.to(f32) - c
+    kdt = torch.bfloat16 if precision == "bf16" else f32
+    prec = "tf32" if precision == "bf16" else precision
+    x = x.to(kdt).contiguous()
+    y = y.to(kdt).contiguous()
+    # the one fused column vector (log2 units): log2e * (log b_j + (g_j - cy_j) / eps)
+    bias = torch.sub(g.to(f32), cy.to(f32)).mul_(LOG2E / eps).add_(logb.to(f32), alpha=LOG2E)
+    bias = bias.contiguous()
+    cx = cx.to(f32).contiguous()
     out = torch.empty((B, N), device=dev, dtype=f32)
     lse = torch.empty((B, N), device=dev, dtype=f32) if want_lse else out
     BLOCK_D = max(16, min(_next_pow2(D), 128 if D <= 128 else 64))
     NUM_D = triton.cdiv(D, BLOCK_D)
     if v is not None:
         DV = v.shape[-1]
-        v = v.to(x.dtype if precision == "bf16" else f32).contiguous()
+        v = v.to(kdt).contiguous()
         BLOCK_DV = max(16, min(_next_pow2(DV), 64))
         n_v = triton.cdiv(DV, BLOCK_DV)
         vbar = torch.empty((B, N, DV), device=dev, dtype=f32)
@@ -376,13 +391,11 @@ def _softmin_triton(
     else:
         lx = ly = W = out
         K2, w_scale = 1, 0.0
-    if center is not None:
-        center = center.to(f32).contiguous()
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
     extra = {}
     if DV > 0:
         kern = _softmin_kernel
-        bm, bn, w, st = _FIXED
+        bm, bn, w, st = _FIXED_V
         extra = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
     else:
         kern = _softmin_tuned
@@ -390,10 +403,8 @@ def _softmin_triton(
         kern[grid](
             x,
             y,
-            g,
-            logb,
+            bias,
             cx,
-            cy,
             out,
             lse,
             v,
@@ -401,7 +412,6 @@ def _softmin_triton(
             lx,
             ly,
             W,
-            out if center is None else center,
             N,
             M,
             D,
@@ -416,11 +426,11 @@ def _softmin_triton(
             float(w_scale),
             BLOCK_D=BLOCK_D,
             NUM_D=NUM_D,
+            EVEN_D=BLOCK_D * NUM_D == D,
             BLOCK_DV=BLOCK_DV,
             HAS_V=DV > 0,
             HAS_LABELS=labels is not None,
             HAS_LSE=want_lse,
-            HAS_CENTER=center is not None,
             PREC=prec,
             **extra,
         )
@@ -511,9 +521,11 @@ def softmin(
         backend: "auto", "triton" or "torch".
         want_lse: also return ``lse2`` (B, N): ``log2 sum_j exp2(score_ij)`` with the scores
             excluding ``cx`` (so ``out = damping * (cx - eps * ln2 * lse2)``).
-        center: optional (B, D): the dot product uses ``<x_i - c, y_j - c>`` (subtracted
-            on load). For the squared-Euclidean cost pass ``cx = s|x - c|^2``,
-            ``cy = s|y - c|^2``: same cost, smaller operands, better tf32/bf16 accuracy.
+        center: optional (B, D): the dot product uses ``<x_i - c, y_j - c>`` (the triton
+            backend subtracts it in one pass before the kernel, an O((N + M) D) copy per
+            call; loops should pass centered operands once and ``center=None``). For the
+            squared-Euclidean cost pass ``cx = s|x - c|^2``, ``cy = s|y - c|^2``: same
+            cost, smaller operands, better tf32/bf16 accuracy.
 
     Returns:
         ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
@@ -612,7 +624,6 @@ if HAS_TRITON:
         Ab,
         Kb,
         Sb,
-        CENTERb,
         I,
         NB,
         N,
@@ -620,7 +631,6 @@ if HAS_TRITON:
         dot_scale,
         BLOCK_D: tl.constexpr,
         NUM_D: tl.constexpr,
-        HAS_CENTER: tl.constexpr,
         PREC: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -639,9 +649,6 @@ if HAS_TRITON:
                 mask=rmask[:, None] & (offs_d[None, :] < D),
                 other=0.0,
             )
-            if HAS_CENTER:
-                c0 = tl.load(CENTERb + offs_d, mask=offs_d < D, other=0.0)
-                x_i = x_i - c0[None, :]
         rs = tl.zeros((BLOCK,), dtype=tl.float32)
         for J in range(I, NB):
             cols = J * BLOCK + offs
@@ -655,8 +662,6 @@ if HAS_TRITON:
                     mask=cmask[:, None] & (offs_d[None, :] < D),
                     other=0.0,
                 )
-                if HAS_CENTER:
-                    x_j = x_j - c0[None, :]
                 q = tl.dot(x_i, tl.trans(x_j), input_precision=PREC)
             else:
                 q = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
@@ -672,10 +677,6 @@ if HAS_TRITON:
                         mask=cmask[:, None] & (dd[None, :] < D),
                         other=0.0,
                     )
-                    if HAS_CENTER:
-                        ck = tl.load(CENTERb + dd, mask=dd < D, other=0.0)
-                        xi = xi - ck[None, :]
-                        xj = xj - ck[None, :]
                     q = tl.dot(xi, tl.trans(xj), q, input_precision=PREC)
             e = q * dot_scale - k_i[:, None] + (a_j - m_j - k_j)[None, :]
             p = tl.exp2(e)  # the one exp per score (0 on padded columns)
@@ -693,14 +694,12 @@ if HAS_TRITON:
         A,
         KAPPA,
         S,
-        CENTER,
         N,
         D,
         N_KEY,
         dot_scale,
         BLOCK_D: tl.constexpr,
         NUM_D: tl.constexpr,
-        HAS_CENTER: tl.constexpr,
         PREC: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -711,17 +710,16 @@ if HAS_TRITON:
         Ab = A + pid_b * N
         Kb = KAPPA + pid_b * N
         Sb = S + pid_b * N
-        Cb = CENTER + pid_b * D
         # program pid owns row blocks pid and NB - 1 - pid: the same work per program
         _self_row_block(
-            Xb, Ab, Kb, Sb, Cb, pid, NB, N, D, dot_scale,
-            BLOCK_D, NUM_D, HAS_CENTER, PREC, BLOCK,
+            Xb, Ab, Kb, Sb, pid, NB, N, D, dot_scale,
+            BLOCK_D, NUM_D, PREC, BLOCK,
         )  # fmt: skip
         I2 = NB - 1 - pid
         if I2 > pid:
             _self_row_block(
-                Xb, Ab, Kb, Sb, Cb, I2, NB, N, D, dot_scale,
-                BLOCK_D, NUM_D, HAS_CENTER, PREC, BLOCK,
+                Xb, Ab, Kb, Sb, I2, NB, N, D, dot_scale,
+                BLOCK_D, NUM_D, PREC, BLOCK,
             )  # fmt: skip
 
 
@@ -760,22 +758,22 @@ def self_softmin(
         )[0]  # fmt: skip
     B, N, D = x.shape
     f32 = torch.float32
+    # centered and cast once here (not inside the kernel's loop)
+    xx = x.to(f32) - center.to(f32)[:, None, :] if center is not None else x
     if precision == "bf16":
-        xx = (x - center[:, None, :]) if center is not None else x
-        xx, center, prec = xx.to(torch.bfloat16).contiguous(), None, "tf32"
+        xx, prec = xx.to(torch.bfloat16).contiguous(), "tf32"
     else:
-        xx, prec = x.to(f32).contiguous(), precision
+        xx, prec = xx.to(f32).contiguous(), precision
     A = A.to(f32).contiguous()
     kappa = (cx * (LOG2E / eps)).to(f32).contiguous()
     S = torch.zeros((B, N), device=x.device, dtype=f32)
     BLOCK_D = max(16, min(_next_pow2(D), 128 if D <= 128 else 64))
     NUM_D = triton.cdiv(D, BLOCK_D)
-    cen = center.to(f32).contiguous() if center is not None else S
     grid = lambda meta: (triton.cdiv(triton.cdiv(N, meta["BLOCK"]), 2), B)  # noqa: E731
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullctx():
         _self_softmin_kernel[grid](
-            xx, A, kappa, S, cen, N, D, _bucket(N), float(c2 * LOG2E / eps),
-            BLOCK_D=BLOCK_D, NUM_D=NUM_D, HAS_CENTER=center is not None, PREC=prec,
+            xx, A, kappa, S, N, D, _bucket(N), float(c2 * LOG2E / eps),
+            BLOCK_D=BLOCK_D, NUM_D=NUM_D, PREC=prec,
         )  # fmt: skip
     # f_i <- -damping * eps * ln2 * (A_i + log2 S_i)
     return (-damping * eps * LN2) * (A + torch.log2(S))

@@ -83,16 +83,21 @@ def _sinkhorn_forward(
         be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
     c = common_center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
+    # the centered kernel operands x - c, y - c are made once here and shared by all three
+    # problems (no per-pass centering, nothing between the kernel's loads and its dot)
     pxy = Problem(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
     if debias:
-        pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
-        pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
+        pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                      Xk=pxy.Xk, Yk=pxy.Xk)  # fmt: skip
+        pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                      Xk=pxy.Yk, Yk=pxy.Yk)  # fmt: skip
 
     def self_upd(p, f, e, dmp):
-        # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result
+        # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result; the
+        # operand is already centered (and cast for bf16)
         return self_softmin(
-            p.X, p.loga, f, p.cx, eps=e, c2=1.0, damping=dmp, precision=p.precision,
-            center=p.center, backend=p.backend,
+            p.Xk, p.loga, f, p.cx, eps=e, c2=1.0, damping=dmp, precision=p.precision,
+            center=None, backend=p.backend,
         )  # fmt: skip
 
     zb = torch.zeros_like(hy)
@@ -117,6 +122,14 @@ def _sinkhorn_forward(
     # last extrapolation (at the last eps): potentials and the softmax averages for grads
     e = eps_list[-1]
     dmp = _damp(e, rho)
+
+    def wfac(f):  # d value / d f, times the damping of d f / d C
+        if rho is None:
+            return torch.ones_like(f)
+        return torch.exp(-f / rho) * ((rho + e / 2) / (rho + e))
+
+    # gradients assembled in place in the softmax-average buffers as soon as each is ready
+    # (memory: at most three N x D buffers alive, also with debias)
     F_ba, _, Ty = pxy.sm_x(g_ab, e, dmp, v=y if need_grad_x else None)
     G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
@@ -124,9 +137,20 @@ def _sinkhorn_forward(
     out["marginal_error"] = (a * torch.expm1((f_ba - F_ba) / e).abs()).sum(-1) + (
         b * torch.expm1((g_ab - G_ab) / e).abs()
     ).sum(-1)
+    gx = gy = None
+    if need_grad_x:
+        gx = torch.sub(x, Ty, out=Ty).mul_((a * wfac(F_ba))[..., None])
+    if need_grad_y:
+        gy = torch.sub(y, Tx, out=Tx).mul_((b * wfac(G_ab))[..., None])
     if debias:
         F_aa, _, Txx = pxx.sm_x(f_aa, e, dmp, v=x if need_grad_x else None)
+        if need_grad_x:
+            gx.add_(Txx.sub_(x).mul_((a * wfac(F_aa))[..., None]))
+        del Txx
         G_bb, _, Tyy = pyy.sm_x(g_bb, e, dmp, v=y if need_grad_y else None)
+        if need_grad_y:
+            gy.add_(Tyy.sub_(y).mul_((b * wfac(G_bb))[..., None]))
+        del Tyy
         out.update(f_aa=F_aa, g_bb=G_bb)
     # value and gradient pieces
     if not debias:
@@ -142,24 +166,6 @@ def _sinkhorn_forward(
             va, ga = a * (rho + e / 2) * (eaa - ea), (rho + e / 2) * (eaa - ea)
             vb, gb = b * (rho + e / 2) * (ebb - eb), (rho + e / 2) * (ebb - eb)
     value = va.sum(-1) + vb.sum(-1)
-
-    def wfac(f):  # d value / d f, times the damping of d f / d C
-        if rho is None:
-            return torch.ones_like(f)
-        return torch.exp(-f / rho) * ((rho + e / 2) / (rho + e))
-
-    # gradients assembled in place in the softmax-average buffers (memory: O(N D) once)
-    gx = gy = None
-    if need_grad_x:
-        gx = torch.sub(x, Ty, out=Ty).mul_((a * wfac(F_ba))[..., None])
-        if debias:
-            gx.add_(Txx.sub_(x).mul_((a * wfac(F_aa))[..., None]))
-            del Txx
-    if need_grad_y:
-        gy = torch.sub(y, Tx, out=Tx).mul_((b * wfac(G_ab))[..., None])
-        if debias:
-            gy.add_(Tyy.sub_(y).mul_((b * wfac(G_bb))[..., None]))
-            del Tyy
     out.update(value=value, gx=gx, gy=gy, ga=ga, gb=gb)
     return out
 
