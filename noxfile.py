@@ -65,7 +65,7 @@ def _pytest(session: nox.Session, package: str, env: dict[str, str]) -> None:
 
 
 def _smoke_bench(session: nox.Session, package: str, env: dict[str, str]) -> None:
-    out = Path(session.create_tmp()) / f"bench-{package}-smoke.json"
+    out = Path(session.create_tmp()).resolve() / f"bench-{package}-smoke.json"
     module = f"{PACKAGES[package]}.bench"
     session.run("python", "-m", module, "--smoke", "--json", str(out), env=env)
     session.log(f"smoke benchmark JSON written to {out}")
@@ -110,14 +110,14 @@ def tests(session: nox.Session, variant: str) -> None:
 def build(session: nox.Session, package: str) -> None:
     """sdist + wheel, then the wheel installed alone in a fresh venv and imported."""
     session.install("build")
-    dist = Path(session.create_tmp()) / "dist"
+    dist = Path(session.create_tmp()).resolve() / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.run("python", "-m", "build", "--outdir", str(dist), str(ROOT / "packages" / package))
     wheels = sorted(dist.glob("*.whl"))
     sdists = sorted(dist.glob("*.tar.gz"))
     if len(wheels) != 1 or len(sdists) != 1:
         session.error(f"expected one wheel and one sdist in {dist}, got {wheels + sdists}")
-    venv = Path(session.create_tmp()) / "clean-venv"
+    venv = Path(session.create_tmp()).resolve() / "clean-venv"
     shutil.rmtree(venv, ignore_errors=True)
     session.run("python", "-m", "venv", str(venv))
     py = str(venv / "bin" / "python")
