@@ -104,13 +104,16 @@ def test_fsdp2_world_size_one_matches_unsharded():
 
 
 @pytest.mark.gpu
-def test_many_small_tensors_repeated_steps_match_cpu_path():
-    """2,050 tensors, 5 steps, kernel vs CPU path on copies: codes within one."""
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+def test_many_small_tensors_repeated_steps_match_cpu_path(kernel, monkeypatch):
+    """2,050 tensors, 5 steps, kernel vs CPU path on copies: codes within one (v2 with its
+    default config: autotuning is tested in test_kernels.py)."""
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     sizes = [(128, 384)] * 20 + [(4096,)] * 20 + [(3, 5)] * 2010
     torch.manual_seed(0)
     ps = [torch.randn(s).bfloat16().cuda().requires_grad_() for s in sizes]
     qs = [p.detach().cpu().clone().requires_grad_() for p in ps]
-    a = fo.FlashAdamW(ps, lr=1e-3)
+    a = fo.FlashAdamW(ps, lr=1e-3, kernel=kernel)
     b = fo.FlashAdamW(qs, lr=1e-3)
     for _s in range(5):
         for p, q in zip(ps, qs):

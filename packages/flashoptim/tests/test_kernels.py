@@ -28,12 +28,15 @@ CASES = [
 ]
 
 
-def _run_pair(Opt, kw, sizes, dtype, device, steps=3, **okw):
+KERNELS = pytest.mark.parametrize("kernel", ["v1", "v2"])
+
+
+def _run_pair(Opt, kw, sizes, dtype, device, steps=3, kernel="v1", **okw):
     torch.manual_seed(0)
     ps = [torch.randn(n, device=device).to(dtype).requires_grad_() for n in sizes]
     qs = [p.detach().clone().requires_grad_() for p in ps]
     a = Opt(ps, lr=1e-2, backend="torch", **kw, **okw)
-    b = Opt(qs, lr=1e-2, backend="triton", **kw, **okw)
+    b = Opt(qs, lr=1e-2, backend="triton", kernel=kernel, **kw, **okw)
     for s in range(steps):
         for p, q in zip(ps, qs):
             g = torch.randn_like(p, dtype=torch.float32).to(dtype)
@@ -93,18 +96,22 @@ def _compare(a, b, ps, qs, exact):
 
 
 @needs_kernel
+@KERNELS
 @pytest.mark.parametrize("Opt,kw", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_matches_cpu_path(Opt, kw, dtype):
+def test_kernel_matches_cpu_path(Opt, kw, dtype, kernel):
     dev = "cuda" if not INTERP else "cpu"
-    a, b, ps, qs = _run_pair(Opt, kw, (1, 31, 33, 100, 2500), dtype, dev)
+    # 4100: two v2 units (2048) and a partial third; 2500 ends inside v2's second unit
+    sizes = (1, 31, 33, 100, 2500) if kernel == "v1" else (1, 33, 2500, 4100)
+    a, b, ps, qs = _run_pair(Opt, kw, sizes, dtype, dev, kernel=kernel)
     _compare(a, b, ps, qs, exact=INTERP)
 
 
 @needs_kernel
+@KERNELS
 @pytest.mark.parametrize("bits", [32, None])
 @pytest.mark.parametrize("quantize", [True, False])
-def test_kernel_options(bits, quantize):
+def test_kernel_options(bits, quantize, kernel):
     dev = "cuda" if not INTERP else "cpu"
     a, b, ps, qs = _run_pair(
         fo.FlashAdamW,
@@ -115,25 +122,28 @@ def test_kernel_options(bits, quantize):
         master_weight_bits=bits,
         quantize=quantize,
         stochastic_rounding=False,
+        kernel=kernel,
     )
     _compare(a, b, ps, qs, exact=INTERP)
 
 
 @needs_kernel
-def test_kernel_fp16_and_fp32_scales():
+@KERNELS
+def test_kernel_fp16_and_fp32_scales(kernel):
     dev = "cuda" if not INTERP else "cpu"
     a, b, ps, qs = _run_pair(
-        fo.FlashAdamW, {}, (5, 200), torch.float16, dev, scale_dtype=torch.float32
+        fo.FlashAdamW, {}, (5, 200), torch.float16, dev, scale_dtype=torch.float32, kernel=kernel
     )
     _compare(a, b, ps, qs, exact=INTERP)
 
 
 @needs_kernel
-def test_many_tensors_one_launch():
+@KERNELS
+def test_many_tensors_one_launch(kernel):
     """200 tensors in one bucket: one launch covers all of them through the offset table."""
     dev = "cuda" if not INTERP else "cpu"
     sizes = [1 + (i * 37) % 97 for i in range(200)]
-    a, b, ps, qs = _run_pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, dev, steps=2)
+    a, b, ps, qs = _run_pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, dev, steps=2, kernel=kernel)
     _compare(a, b, ps, qs, exact=INTERP)
     (plan,) = b._plans.values()  # one bucket: one table, one launch per step
     assert sum(b["ent"]["tab"].shape[0] for b in plan["buckets"]) == 200 and plan["step"] == 2
@@ -141,10 +151,11 @@ def test_many_tensors_one_launch():
 
 
 @needs_kernel
-def test_kernel_nonfinite_prepass_skips_step():
+@KERNELS
+def test_kernel_nonfinite_prepass_skips_step(kernel):
     dev = "cuda" if not INTERP else "cpu"
     ps = [torch.randn(n, device=dev).bfloat16().requires_grad_() for n in (40, 2000)]
-    opt = fo.FlashAdamW(ps, backend="triton")
+    opt = fo.FlashAdamW(ps, backend="triton", kernel=kernel)
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -165,8 +176,70 @@ def test_kernel_nonfinite_prepass_skips_step():
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_large_vs_cpu_path():
-    """Exact GPU comparison on a large odd size: codes within one, mostly equal."""
+@KERNELS
+def test_gpu_kernel_large_vs_cpu_path(kernel, monkeypatch):
+    """GPU comparison on a large odd size: codes within one, mostly equal. v2 with its one
+    default config here (autotuning is covered by the next test)."""
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     for Opt, kw in CASES:
-        a, b, ps, qs = _run_pair(Opt, kw, (1_000_003, 4097), torch.bfloat16, "cuda")
+        a, b, ps, qs = _run_pair(Opt, kw, (1_000_003, 4097), torch.bfloat16, "cuda", kernel=kernel)
         _compare(a, b, ps, qs, exact=False)
+
+
+@pytest.mark.gpu
+def test_gpu_v2_autotune_applies_the_step_once(monkeypatch):
+    """Autotuning benchmarks the in-place kernel many times on the live bucket; the snapshot
+    hooks must restore every tensor of the bucket (not only the base tensors) so that the
+    first step is applied exactly once: compare with the CPU path after that step."""
+    monkeypatch.delenv("FLASHOPTIM_NO_AUTOTUNE", raising=False)
+    from flashoptim import _core
+
+    n0 = len(_core._step_kernel_v2_tuned.cache)
+    sizes = (1_000_003, 4097, 3 * 2048 + 5)  # three tensors: two are not base tensors
+    a, b, ps, qs = _run_pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, "cuda", kernel="v2")
+    _compare(a, b, ps, qs, exact=False)
+    assert len(_core._step_kernel_v2_tuned.cache) > n0  # it did tune
+    print("v2 autotuned config:", _core._step_kernel_v2_tuned.best_config)
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    not INTERP,
+    reason="interpreter check of the tuning hooks (GPU: test_gpu_v2_autotune_*)",
+)
+def test_v2_autotune_restores_every_tensor(monkeypatch):
+    """triton.autotune with the v2 snapshot hooks, run under the interpreter: each config is
+    'benchmarked' by running the in-place kernel twice on the live bucket; the step must
+    still be applied exactly once to every tensor (three tensors, two not base tensors)."""
+    import triton
+
+    from flashoptim import _core
+    from flashoptim import optimizers as fopt
+
+    calls = []
+
+    def bench(fn, quantiles):
+        fn()
+        fn()
+        calls.append(1)
+        return [float(len(calls))] * 3
+
+    cfgs = [
+        triton.Config(dict(BLOCK=1024, WAVES=2), num_warps=4),
+        triton.Config(dict(BLOCK=512, WAVES=0), num_warps=4),
+    ]
+    tuned = triton.autotune(
+        cfgs,
+        key=_core._TUNE_KEY,
+        pre_hook=_core._tune_pre_hook,
+        post_hook=_core._tune_post_hook,
+        do_bench=bench,
+    )(_core._step_kernel_v2)
+    monkeypatch.setattr(_core, "_step_kernel_v2_tuned", tuned)
+    monkeypatch.setattr(fopt, "_v2_autotune", lambda dev: True)
+    a, b, ps, qs = _run_pair(
+        fo.FlashAdamW, {}, (33, 2500, 4100), torch.bfloat16, "cpu", steps=2, kernel="v2"
+    )
+    _compare(a, b, ps, qs, exact=True)
+    assert len(calls) == 2  # tuned once (first step), both configs, cached for the second
+    assert _core._TUNE["snap"] is None and not _core._TUNE["tensors"]

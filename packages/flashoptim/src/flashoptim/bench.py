@@ -29,14 +29,18 @@ import flashoptim as fo
 CEILING_TBPS = 4.21  # H200 device-to-device copy, read + write
 GPU_PROVIDERS = [
     "ours",
+    "ours_v2",  # the v2 kernel (autotuned on its first step), same options as the row above
     "ours_nocheck",
+    "ours_v2_nocheck",
     "torch_fused_fp32",
     "torch_fused_bf16",
     "flashoptim_0.1.4",
-    "bnb_adamw8bit",
     "ours_sgd",
+    "ours_v2_sgd",
     "flashoptim_0.1.4_sgd",
     "ours_lion",
+    "ours_v2_lion",
+    "bnb_adamw8bit",
     "torchao_adamw8bit",  # last: torch.compile on its first step
 ]
 # bytes the step must move per parameter (read + write), bf16 params unless noted
@@ -54,6 +58,8 @@ MOVED = {
     "flashoptim_0.1.4_sgd": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
     "ours_lion": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
 }
+for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion"):
+    MOVED[_k.replace("ours", "ours_v2")] = MOVED[_k]
 
 
 def layout_shapes(name: str) -> list[tuple[int, ...]]:
@@ -95,14 +101,13 @@ def load_peer_flashoptim(path: str | None = None):
 
 def make_optimizer(provider: str, params, peer_path=None):
     lr = 1e-4
-    if provider == "ours":
-        return fo.FlashAdamW(params, lr=lr)
-    if provider == "ours_nocheck":
-        return fo.FlashAdamW(params, lr=lr, check_finite=False)
-    if provider == "ours_sgd":
-        return fo.FlashSGD(params, lr=lr, momentum=0.9, check_finite=False)
-    if provider == "ours_lion":
-        return fo.FlashLion(params, lr=lr, check_finite=False)
+    if provider.startswith("ours_v2"):
+        kw = dict(kernel="v2")
+        provider = provider.replace("ours_v2", "ours")
+    else:
+        kw = dict(kernel="v1") if provider.startswith("ours") else {}
+    if provider.startswith("ours"):
+        return _make_ours(provider, params, lr, kw)
     if provider.startswith("torch_fused"):
         return torch.optim.AdamW(params, lr=lr, fused=True)
     if provider.startswith("torch_foreach"):
@@ -123,6 +128,28 @@ def make_optimizer(provider: str, params, peer_path=None):
 
         return AdamW8bit(params, lr=lr)
     raise ValueError(f"unknown provider {provider!r}")
+
+
+def _make_ours(provider, params, lr, kw):
+    if provider == "ours":
+        return fo.FlashAdamW(params, lr=lr, **kw)
+    if provider == "ours_nocheck":
+        return fo.FlashAdamW(params, lr=lr, check_finite=False, **kw)
+    if provider == "ours_sgd":
+        return fo.FlashSGD(params, lr=lr, momentum=0.9, check_finite=False, **kw)
+    if provider == "ours_lion":
+        return fo.FlashLion(params, lr=lr, check_finite=False, **kw)
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+def _v2_config() -> str | None:
+    """The config the v2 autotuner picked for its latest launch (None: not tuned)."""
+    from . import _core
+
+    cfg = getattr(_core._step_kernel_v2_tuned, "best_config", None)
+    if cfg is None:
+        return None
+    return f"{cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}"
 
 
 def param_dtype(provider: str) -> torch.dtype:
@@ -199,6 +226,9 @@ def bench_one(provider, layout, device, warmup, reps, peer_path=None) -> dict:
             m["step_peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base - held) / 2**20
         if isinstance(opt, fo.FlashOptimizer):
             m["bytes_per_param_counted"] = fo.memory_report(opt)["bytes_per_param"]
+            m["kernel"] = opt.kernel
+            if opt.kernel == "v2" and device.type == "cuda":
+                m["v2_config"] = _v2_config()
         res["metrics"] = m
     except ImportError as e:
         res.update(status="skipped", error=f"not importable: {e}")
@@ -291,14 +321,26 @@ def main(argv=None) -> int:
         warmup, reps = 3, a.reps or 15
     results = []
     env = env_info()
-    only_large = ("ours_sgd", "ours_lion", "flashoptim_0.1.4_sgd", "torchao_adamw8bit")
+    only_large = (
+        "ours_sgd",
+        "ours_lion",
+        "ours_v2_sgd",
+        "ours_v2_lion",
+        "flashoptim_0.1.4_sgd",
+        "torchao_adamw8bit",
+    )
     for lay in layouts:
         for prov in providers:
             if lay != "large" and prov in only_large and not a.providers:
                 continue  # SGD/Lion and torchao (compiles per shape) on the large layout only
             r = bench_one(prov, lay, device, warmup, reps, a.peer_flashoptim_path)
             results.append(r)
-            print(f"# {lay} {prov}: {r['status']} {r['time_ms']} ms {r['error'] or ''}", flush=True)
+            cfg = r["metrics"].get("v2_config")
+            print(
+                f"# {lay} {prov}: {r['status']} {r['time_ms']} ms {r['error'] or ''}"
+                + (f" v2 config {cfg}" if cfg else ""),
+                flush=True,
+            )
             if a.json:  # written after every row: a timeout keeps what was measured
                 out = {
                     "schema": "kernel-bench/1",

@@ -24,6 +24,27 @@ NUM_WARPS = int(os.environ.get("FLASHOPTIM_NUM_WARPS", "4"))
 _P_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _v2_autotune(dev: torch.device) -> bool:
+    """Autotune v2 on CUDA unless FLASHOPTIM_NO_AUTOTUNE=1 (read at every launch)."""
+    return (
+        dev.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and os.environ.get("FLASHOPTIM_NO_AUTOTUNE", "0") != "1"
+    )
+
+
+_SMS: dict = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 1
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
 class NonFiniteGradError(RuntimeError):
     """Raised by ``step()`` when a gradient holds inf/NaN and ``on_nonfinite='raise'``."""
 
@@ -63,6 +84,10 @@ class FlashOptimizer(torch.optim.Optimizer):
         check_finite: check all gradients before the step (default True).
         on_nonfinite: "skip" (count it in ``skipped_steps``, states untouched) or "raise".
         seed: base seed of the stochastic rounding (each parameter derives its own).
+        kernel: Triton step kernel, "v1" (default) or "v2" (aligned int32 indexing over a
+            unit table, persistent grid, autotuned on CUDA); default from the environment
+            variable FLASHOPTIM_KERNEL. Both compute the same codes, scales and rounding.
+            FLASHOPTIM_NO_AUTOTUNE=1 runs v2 with its single default config.
     """
 
     _kind = ADAM
@@ -82,6 +107,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         check_finite: bool = True,
         on_nonfinite: str = "skip",
         seed: int = 0,
+        kernel: str | None = None,
     ):
         if defaults.get("lr", 0.0) < 0:
             raise ValueError(f"lr must be >= 0; got {defaults['lr']}")
@@ -94,6 +120,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             )
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+        kernel = kernel or os.environ.get("FLASHOPTIM_KERNEL", "v1") or "v1"
+        if kernel not in ("v1", "v2"):
+            raise ValueError(f"kernel must be 'v1' or 'v2'; got {kernel!r}")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise'; got {on_nonfinite!r}")
         defaults = dict(
@@ -104,6 +133,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             scale_dtype=scale_dtype,
         )
         self.backend = backend
+        self.kernel = kernel
         self.check_finite = check_finite
         self.on_nonfinite = on_nonfinite
         self.seed = int(seed)
@@ -200,7 +230,21 @@ class FlashOptimizer(torch.optim.Optimizer):
                 if dev not in flags:
                     flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
                 nb = ent["blocks"].shape[0]
-                if nb:
+                if nb and self._v2(ent):
+                    nu = ent["units"].shape[0]
+                    _core._nonfinite_kernel_v2[(nu,)](
+                        ent["units"],
+                        nu,
+                        ent["tab"],
+                        ent["bases"][1],
+                        flags[dev],
+                        ALIGNED=ent["aligned"],
+                        N16=ent["n16"],
+                        UNIT=_core.V2_UNIT,
+                        BLOCK=1024,
+                        num_warps=4,
+                    )
+                elif nb:
                     _core._nonfinite_kernel[(nb,)](
                         ent["blocks"],
                         ent["tab"],
@@ -385,7 +429,16 @@ class FlashOptimizer(torch.optim.Optimizer):
         start = (torch.arange(len(tid)) - first) * BLOCK
         blocks = torch.stack([tid, start], 1).to(torch.int32).contiguous().to(p0.device)
         skip = torch.zeros(1, dtype=torch.int32, device=p0.device)
+        unit = _core.V2_UNIT
+        nu = [(r[7] + unit - 1) // unit for r in rows]
+        utid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nu))
+        ufirst = torch.repeat_interleave(torch.tensor([0] + nu[:-1]).cumsum(0), torch.tensor(nu))
+        units = torch.stack([utid, torch.arange(len(utid)) - ufirst], 1)
+        written = [t for j in (0, 2, 3, 4, 5, 6) for t in cols[j] if t is not None]
         return dict(
+            units=units.to(torch.int32).contiguous().to(p0.device),
+            v2ok=max(r[7] for r in rows) <= 2**31 - 2 * unit,  # int32 element offsets
+            written=written,
             tab=tab,
             blocks=blocks,
             bases=bases,
@@ -403,6 +456,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         b1, b2 = hp.get("b1", 0.0), hp.get("b2", 0.0)
         bc1 = 1 - b1**step if self._kind == ADAM else 1.0
         bc2 = 1 - b2**step if self._kind == ADAM else 1.0
+        if self._v2(ent):
+            self._run_kernel_v2(ent, group, hp, step, bc1, bc2)
+            return
         _core._step_kernel[(nblocks,)](
             ent["blocks"],
             ent["tab"],
@@ -436,6 +492,69 @@ class FlashOptimizer(torch.optim.Optimizer):
             BLOCK=BLOCK,
             GROUP_SIZE=GROUP,
             num_warps=NUM_WARPS,
+        )
+
+    def _v2(self, ent) -> bool:
+        return self.kernel == "v2" and ent["v2ok"]
+
+    def _run_kernel_v2(self, ent, group, hp, step, bc1, bc2) -> None:
+        nunits = ent["units"].shape[0]
+        lr, wd = hp["lr"], hp["wd"]
+        b1, b2 = hp.get("b1", 0.0), hp.get("b2", 0.0)
+        args = (
+            ent["units"],
+            nunits,
+            ent["tab"],
+            *ent["bases"],
+            lr,
+            b1,
+            1 - b1,
+            b2,
+            1 - b2,
+            hp.get("eps", 0.0),
+            wd,
+            1 - lr * wd,
+            lr / bc1,
+            1 / math.sqrt(bc2),
+            1 - hp.get("dampening", 0.0),
+            1 if step == 1 else 0,
+            (step * _core._GOLDEN) & _core._M32,
+        )
+        meta = dict(
+            KIND=self._kind,
+            ECC=hp["ecc"],
+            QUANT=hp["quant"],
+            SR=hp["sr"],
+            P_DTYPE=_P_CODE[ent["dtype"]],
+            DECOUPLED=hp["decoupled"],
+            NESTEROV=hp.get("nesterov", False),
+            HAS_MOM=self._has_mom(group),
+            SCALE_F32=hp["scale_dtype"] == torch.float32,
+            ALIGNED=ent["aligned"],
+            N16=ent["n16"],
+            UNIT=_core.V2_UNIT,
+            GROUP_SIZE=GROUP,
+        )
+        dev = ent["tab"].device
+        if _v2_autotune(dev):
+            nsm = _num_sms(dev)
+
+            def grid(m):
+                w = m["WAVES"]
+                return (min(nunits, nsm * w) if w else nunits,)
+
+            _core._TUNE["tensors"] = ent["written"]
+            try:
+                _core._step_kernel_v2_tuned[grid](*args, **meta)
+            finally:
+                if _core._TUNE["snap"] is not None:  # tuning raised: undo its runs
+                    _core._tune_pre_hook({}, reset_only=True)
+                _core._TUNE["tensors"] = ()
+            return
+        w = _core.V2_DEFAULT["WAVES"]
+        nprog = min(nunits, _num_sms(dev) * w) if dev.type == "cuda" else min(nunits, 3)
+        _core._step_kernel_v2[(nprog,)](
+            *args, **meta, **_core.V2_DEFAULT, num_warps=_core.V2_DEFAULT_WARPS
         )
 
     def _common_hp(self, group, p) -> dict:
