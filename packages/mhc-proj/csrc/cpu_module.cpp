@@ -5,9 +5,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "mhc_math.h"
 
@@ -97,29 +97,19 @@ void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps) {
   }
 }
 
-// Exact backward of the truncated iteration: recompute the forward keeping every
-// intermediate state, then apply the step VJPs in reverse.
+// Exact backward of the truncated iteration: the recompute formulation of the shared
+// header (scaling vectors, N numbers per step), the same code the CUDA thread-per-matrix
+// backward runs.
 template <int N, typename S>
 void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S eps) {
   constexpr int E = N * N;
   const int steps = 2 * iters - 1;
-  std::vector<S> states(static_cast<size_t>(steps) * E);
+  std::unique_ptr<S[][N]> vec(new S[steps][N]);
   for (int64_t b = 0; b < B; ++b) {
-    S a[N][N], sm[N][N], p[N][N], d[N][N];
+    S a[N][N], d[N][N];
     load<N, S>(src + b * E, a);
     load<N, S>(gsrc + b * E, d);
-    mhc::softmax_rows<N, S>(a, sm);
-    for (int i = 0; i < N; ++i)
-      for (int j = 0; j < N; ++j) p[i][j] = sm[i][j] + eps;
-    for (int k = 0; k < steps; ++k) {
-      std::memcpy(&states[static_cast<size_t>(k) * E], &p[0][0], sizeof(S) * E);
-      mhc::sinkhorn_step<N, S>(p, k % 2 == 0, eps);
-    }
-    for (int k = steps - 1; k >= 0; --k) {
-      std::memcpy(&p[0][0], &states[static_cast<size_t>(k) * E], sizeof(S) * E);
-      mhc::sinkhorn_step_bwd<N, S>(p, d, k % 2 == 0, eps);
-    }
-    mhc::softmax_rows_bwd<N, S>(sm, d);
+    mhc::sinkhorn_vjp_scaling<N, S>(a, d, iters, eps, vec.get());
     store<N, S>(d, dst + b * E);
   }
 }

@@ -119,6 +119,41 @@ __global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restr
     reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(p[q][0], p[q][1], p[q][2], p[q][3]);
 }
 
+// Thread-per-matrix backward (exact, of the truncated iteration): the shared header's
+// recompute formulation, mhc::sinkhorn_vjp_scaling. It keeps the vector each step updates
+// (4 floats per step instead of the 16-float state): for ITERS = 20 that is 39 x 4 = 156
+// floats, in registers (every index is a compile-time constant after unrolling). One forward
+// replay plus the reverse sweep; no shuffles. ITERS == 0: run-time count (<= 64), the vectors
+// in local memory. Selected with variant = 1 of sinkhorn_bwd (see NOTES.md).
+template <int ITERS>
+__global__ void __launch_bounds__(128) sinkhorn4_bwd_thread(const float* __restrict__ src,
+                                                            const float* __restrict__ grad,
+                                                            float* __restrict__ dst,
+                                                            int64_t batch, int iters, float eps) {
+  const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (b >= batch) return;
+  float a[4][4], g[4][4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(src + b * 16) + q);
+    const float4 w = __ldg(reinterpret_cast<const float4*>(grad + b * 16) + q);
+    a[q][0] = v.x;
+    a[q][1] = v.y;
+    a[q][2] = v.z;
+    a[q][3] = v.w;
+    g[q][0] = w.x;
+    g[q][1] = w.y;
+    g[q][2] = w.z;
+    g[q][3] = w.w;
+  }
+  constexpr int kSlots = ITERS > 0 ? 2 * ITERS - 1 : 2 * kMaxSinkhornIters - 1;
+  float vec[kSlots][4];
+  mhc::sinkhorn_vjp_scaling<4, float, ITERS>(a, g, iters, eps, vec);
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(g[q][0], g[q][1], g[q][2], g[q][3]);
+}
+
 // ---------------------------------------------------------------- smoke
 __global__ void copy_kernel(const float* src, float* dst, int64_t count) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -221,12 +256,29 @@ PYBIND11_MODULE(_cuda, m) {
   m.def(
       "sinkhorn_bwd",
       [](std::uintptr_t src, std::uintptr_t g, std::uintptr_t dst, int64_t B, int iters,
-         double eps, std::uintptr_t stream) {
+         double eps, int variant, std::uintptr_t stream) {
         if (iters < 1 || iters > kMaxSinkhornIters)
           throw std::invalid_argument("iters must be in 1..64 on CUDA, got " +
                                       std::to_string(iters));
         if (B == 0) return;
         const cudaStream_t s = as_stream(stream);
+        if (variant == 1) {
+          const unsigned tgrid = unsigned((B + 127) / 128);
+          if (iters == 20)
+            sinkhorn4_bwd_thread<20><<<tgrid, 128, 0, s>>>(ptr<const float>(src),
+                                                           ptr<const float>(g), ptr<float>(dst),
+                                                           B, iters, float(eps));
+          else
+            sinkhorn4_bwd_thread<0><<<tgrid, 128, 0, s>>>(ptr<const float>(src),
+                                                          ptr<const float>(g), ptr<float>(dst), B,
+                                                          iters, float(eps));
+          check_launch("sinkhorn_bwd");
+          return;
+        }
+        if (variant != 0)
+          throw std::invalid_argument("sinkhorn_bwd: variant must be 0 (16 lanes per matrix) "
+                                      "or 1 (thread per matrix), got " +
+                                      std::to_string(variant));
         const unsigned grid = unsigned((B * 16 + 255) / 256);
         if (iters == 20)
           sinkhorn4_bwd_lane<20><<<grid, 256, 0, s>>>(ptr<const float>(src), ptr<const float>(g),
@@ -237,5 +289,5 @@ PYBIND11_MODULE(_cuda, m) {
         check_launch("sinkhorn_bwd");
       },
       py::arg("src"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("iters"),
-      py::arg("eps"), py::arg("stream"));
+      py::arg("eps"), py::arg("variant"), py::arg("stream"));
 }

@@ -44,6 +44,31 @@ MHC_HD float m_rcp(float x) {
 #endif
 }
 MHC_HD double m_rcp(double x) { return 1.0 / x; }
+// Approximate reciprocal (GPU: one MUFU.RCP, max error 1 ulp, subnormal inputs and results
+// flushed to zero; host: 1 / x). Used where the operand is bounded away from the subnormal
+// range and the last bit does not matter (the Sinkhorn backward's recompute, eps > 0).
+MHC_HD float m_rcp_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return 1.0f / x;
+#endif
+}
+MHC_HD double m_rcp_approx(double x) { return 1.0 / x; }
+// a / b: GPU: approximate reciprocal and one residual correction (4 instructions, within
+// ~1 ulp, no slow path; b normal); host: the IEEE division.
+MHC_HD float m_div_approx(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  const float r = m_rcp_approx(b);
+  const float q = a * r;
+  return fmaf(fmaf(-q, b, a), r, q);
+#else
+  return a / b;
+#endif
+}
+MHC_HD double m_div_approx(double a, double b) { return a / b; }
 MHC_HD float m_log(float x) { return logf(x); }
 MHC_HD double m_log(double x) { return log(x); }
 MHC_HD float m_log1p(float x) { return log1pf(x); }
@@ -550,6 +575,114 @@ MHC_HD void softmax_rows_bwd(const S (&sm)[N][N], S (&d)[N][N]) {
     for (int j = 0; j < N; ++j) d[i][j] = sm[i][j] * (d[i][j] - dot);
   }
 }
+
+// ---------------------------------------------------------------- Sinkhorn-k backward
+// Recompute formulation (scaling form). Every state of the iteration is
+//   p = P0 (.) r c^T,   P0 = rowsoftmax(A) + eps,   r = c = 1 before step 0,
+// and a normalization step rescales one of the two vectors:
+//   column step: c_j <- c_j / (c_j (P0^T r)_j + eps),   row step: r_i <- r_i / (r_i (P0 c)_i + eps),
+// which is the same iteration as sinkhorn_step (same eps placement, same order); only the
+// rounding of the states differs (the products are formed in another order). The backward
+// keeps the vector each step updated (N numbers per step instead of N x N), replays the
+// forward once, then runs sinkhorn_step_bwd's adjoint of each step in reverse, forming the
+// state it needs from the vectors: <dq, q> along a column j is c'_j sum_i dq_ij P0_ij r_i,
+// and the step's factor 1 / (sum + eps) is c'_j / c_j. Derivation: docs/mhc-proj-math.md.
+
+// y += P0^T x (transpose: column step) or y += P0 x (row step).
+template <int N, typename S>
+MHC_HD void sk_matvec_acc(const S (&p0)[N][N], const S (&x)[N], S (&y)[N], bool transpose) {
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      if (transpose)
+        y[j] += p0[i][j] * x[i];
+      else
+        y[i] += p0[i][j] * x[j];
+    }
+  }
+}
+
+// One normalization step in the scaling form: out = in / (in (.) M other + eps), where M is
+// P0^T for a column step (other = r, in = c) and P0 for a row step (other = c, in = r).
+template <int N, typename S>
+MHC_HD void sk_scaling_step(const S (&p0)[N][N], const S (&other)[N], const S (&in)[N],
+                            S (&out)[N], bool column, S eps) {
+  S u[N];
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) u[j] = S(0);
+  sk_matvec_acc<N, S>(p0, other, u, column);
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) out[j] = in[j] * m_rcp_approx(in[j] * u[j] + eps);
+}
+
+// Adjoint of one normalization step q = p / (sum + eps) (sum along the step's axis), with
+// the states in the scaling form: q = P0 (.) r c^T after the step, the step's factor
+// f = out / in. d: the adjoint of q on entry, that of p on return (sinkhorn_step_bwd's math:
+// dp = (dq - <dq, q>) f along the axis).
+template <int N, typename S>
+MHC_HD void sk_scaling_step_bwd(const S (&p0)[N][N], const S (&other)[N], const S (&in)[N],
+                                const S (&out)[N], S (&d)[N][N], bool column) {
+  S h[N], f[N];
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) h[j] = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      const S dp = d[i][j] * p0[i][j];
+      if (column)
+        h[j] += dp * other[i];
+      else
+        h[i] += dp * other[j];
+    }
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) {
+    f[j] = m_div_approx(out[j], in[j]);  // recovers the forward's factor (in ~ 1 ulp)
+    h[j] = (h[j] * out[j]) * f[j];  // <dq, q> along the axis, times f
+  }
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) d[i][j] = column ? d[i][j] * f[j] - h[j] : d[i][j] * f[i] - h[i];
+  }
+}
+
+// Exact VJP of sinkhorn_step's iteration (iters iterations, 2 iters - 1 steps) at logits a:
+// g holds the output gradient on entry and dA on return. vec: workspace of 2 iters - 1
+// vectors of N. ITERS > 0: compile-time iteration count (iters is ignored; the loops unroll
+// and the GPU keeps vec in registers); ITERS == 0: run-time count.
+template <int N, typename S, int ITERS = 0>
+MHC_HD void sinkhorn_vjp_scaling(const S (&a)[N][N], S (&g)[N][N], int iters, S eps,
+                                 S (*vec)[N]) {
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+  S sm[N][N], p0[N][N], one[N];
+  softmax_rows<N, S>(a, sm);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    one[i] = S(1);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) p0[i][j] = sm[i][j] + eps;
+  }
+  // forward replay: vec[k] = the vector step k updated (c for even k, r for odd k)
+  MHC_UNROLL
+  for (int k = 0; k < steps; ++k) {
+    const S(&other)[N] = k >= 1 ? vec[k - 1] : one;
+    const S(&in)[N] = k >= 2 ? vec[k - 2] : one;
+    sk_scaling_step<N, S>(p0, other, in, vec[k], (k & 1) == 0, eps);
+  }
+  // reverse sweep on the adjoint of the state (g: adjoint of the output state on entry)
+  MHC_UNROLL
+  for (int k = steps - 1; k >= 0; --k) {
+    const S(&other)[N] = k >= 1 ? vec[k - 1] : one;
+    const S(&in)[N] = k >= 2 ? vec[k - 2] : one;
+    sk_scaling_step_bwd<N, S>(p0, other, in, vec[k], g, (k & 1) == 0);
+  }
+  // P0 = sm + eps: dA = the softmax backward of P0's adjoint
+  softmax_rows_bwd<N, S>(sm, g);
+}
+
 
 // ---------------------------------------------------------------- per-matrix drivers
 // Status of one projection: 1 converged, 0 not converged, 2 converged but

@@ -5,12 +5,23 @@ P /= rowsum(P) + eps; P /= colsum(P) + eps. The backward is the exact derivative
 this truncated iteration (not of the exact projection): for parity with checkpoints
 trained with Sinkhorn, and as the baseline of :func:`mhc_proj.birkhoff_project`.
 
-Kernels: C++ on CPU (n = 2..8, float32/float64); CUDA for n = 4 float32 (16 lanes per
-matrix, the iteration's states kept in registers for iters = 20, in local memory for
-other iters <= 64). Other CUDA cases run the plain torch reference inside the op.
+Kernels: C++ on CPU (n = 2..8, float32/float64); CUDA for n = 4 float32. Forward: one
+thread per matrix (default) or 16 lanes per matrix. Backward, two CUDA kernels:
+
+- ``lane`` (default): 16 lanes per matrix, the iteration's states kept in registers for
+  iters = 20 (local memory for other iters <= 64).
+- ``thread``: one thread per matrix, the recompute formulation of ``csrc/mhc_math.h``
+  (``sinkhorn_vjp_scaling``: one forward replay keeping the 4-float scaling vector of every
+  step, then the reverse sweep). The CPU backward runs the same header code. Selected with
+  ``MHC_PROJ_SINKHORN_BWD=thread`` (read at each backward call) or ``variant="thread"`` of
+  :func:`sinkhorn_bwd`; not yet measured on a GPU, hence not the default.
+
+Other CUDA cases run the plain torch reference inside the op.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -64,8 +75,33 @@ def sinkhorn_fwd(x: torch.Tensor, iters: int, eps: float, variant: int = 1) -> t
     return out
 
 
-def sinkhorn_bwd(x: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Exact VJP of the truncated iteration (recomputes the forward from ``x``)."""
+BWD_ENV = "MHC_PROJ_SINKHORN_BWD"
+_BWD_VARIANTS = {"lane": 0, "thread": 1}
+
+
+def bwd_variant_code(variant: str | None = None) -> int:
+    """CUDA backward kernel code: ``variant`` if given, else the ``MHC_PROJ_SINKHORN_BWD``
+    environment variable, else ``"lane"``. ``"lane"`` = 0 (16 lanes per matrix, default),
+    ``"thread"`` = 1 (thread per matrix, recompute from scaling vectors)."""
+    if variant is None:
+        variant = os.environ.get(BWD_ENV) or "lane"
+    try:
+        return _BWD_VARIANTS[variant]
+    except KeyError:
+        raise ValueError(
+            f"Sinkhorn backward variant must be one of {sorted(_BWD_VARIANTS)}; got {variant!r}"
+        ) from None
+
+
+def sinkhorn_bwd(
+    x: torch.Tensor, grad: torch.Tensor, iters: int, eps: float, variant: str | None = None
+) -> torch.Tensor:
+    """Exact VJP of the truncated iteration (recomputes the forward from ``x``).
+
+    ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"`` or ``"thread"``; None reads
+    ``MHC_PROJ_SINKHORN_BWD`` (default ``"lane"``). The CPU path has one implementation
+    (the recompute formulation the ``thread`` kernel shares)."""
+    code = bwd_variant_code(variant)
     b, n = x.shape[0], x.shape[-1]
     if b == 0:
         return torch.empty_like(x)
@@ -77,7 +113,14 @@ def sinkhorn_bwd(x: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) ->
     if x.is_cuda:
         with _backend.on_device(x):
             mod.sinkhorn_bwd(
-                x.data_ptr(), grad.data_ptr(), out.data_ptr(), b, iters, eps, _backend.stream(x)
+                x.data_ptr(),
+                grad.data_ptr(),
+                out.data_ptr(),
+                b,
+                iters,
+                eps,
+                code,
+                _backend.stream(x),
             )
     else:
         mod.sinkhorn_bwd(
@@ -124,23 +167,33 @@ class _SinkhornFunction(torch.autograd.Function):
     """Eager fast path (no custom-op dispatch overhead); the op is used under compile."""
 
     @staticmethod
-    def forward(ctx, x, iters, eps):
+    def forward(ctx, x, iters, eps, bwd_variant=None):
         ctx.save_for_backward(x)
-        ctx.iters, ctx.eps = iters, eps
+        ctx.iters, ctx.eps, ctx.bwd_variant = iters, eps, bwd_variant
         return sinkhorn_fwd(x, iters, eps)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return sinkhorn_bwd(x, grad.to(x.dtype).contiguous(), ctx.iters, ctx.eps), None, None
+        g = grad.to(x.dtype).contiguous()
+        return sinkhorn_bwd(x, g, ctx.iters, ctx.eps, ctx.bwd_variant), None, None, None
 
 
 def sinkhorn_project(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
     """Sinkhorn-``iters`` projection of (..., n, n) ``logits`` (n in 2..8).
 
     float32/bfloat16/float16 computed in float32 (float32 output); float64 in float64.
-    Differentiable (exact backward of the truncated iteration; saves the logits).
+    Differentiable (exact backward of the truncated iteration; saves the logits). The CUDA
+    backward kernel is chosen by ``MHC_PROJ_SINKHORN_BWD`` (``lane`` default, ``thread``).
     """
+    return _project(logits, iters, eps)
+
+
+def _project(logits: torch.Tensor, iters: int, eps: float, bwd_variant: str | None = None):
+    """:func:`sinkhorn_project` with an explicit CUDA backward kernel (eager path; under
+    ``torch.compile`` the environment variable decides). Used by the benchmark."""
+    if bwd_variant is not None:
+        bwd_variant_code(bwd_variant)  # validate before the forward runs
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor; got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -159,4 +212,4 @@ def sinkhorn_project(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -
     x = x.reshape(-1, n, n).contiguous()
     if torch.compiler.is_compiling():
         return _fwd_op(x, int(iters), float(eps)).reshape(shape)
-    return _SinkhornFunction.apply(x, int(iters), float(eps)).reshape(shape)
+    return _SinkhornFunction.apply(x, int(iters), float(eps), bwd_variant).reshape(shape)
