@@ -268,25 +268,42 @@ def trust_region(
     max_iter: int = 100,
     gtol: float = 1e-6,
     cg_max_iter: int = 100,
+    saddle_check: bool = True,
+    saddle_tol: float = 1e-6,
+    lanczos_k: int = 20,
     callback: Callable | None = None,
 ) -> OptimizeResult:
     """Trust-region Newton with the Steihaug-CG subproblem (Nocedal & Wright, Alg. 4.1/7.2).
 
-    Moves along negative curvature to the trust-region boundary, so it escapes saddle
-    points where Newton-CG would stall. ``history`` holds
-    ``(iteration, value, grad_norm, radius, rho, stop_reason)``.
+    Moves along negative curvature to the trust-region boundary. At a stationary point
+    (``|g| <= gtol``) it runs Lanczos on the HVP (``saddle_check``): if the smallest
+    eigenvalue is below ``-saddle_tol * |lambda_max|`` it steps along that eigenvector to
+    the boundary instead of stopping, so it escapes saddle points where Newton-CG stalls.
+    ``history`` holds ``(iteration, value, grad_norm, radius, rho, step_kind)``.
     """
     x = x0.detach().clone()
     hist = []
     val, g, hvp = _grad_and_hvp(fun, x)
     gn = float(torch.linalg.vector_norm(g))
+    gen = torch.Generator().manual_seed(0)
     it = 0
     for it in range(1, max_iter + 1):
+        p = None
         if gn <= gtol:
-            hist.append((it - 1, float(val), gn, radius, None, "gtol"))
-            return OptimizeResult(x, float(val), gn, it - 1, True, hist)
-        tol = min(0.5, math.sqrt(gn))
-        p, why = steihaug_cg(hvp, g, radius, tol=tol, max_iter=cg_max_iter)
+            if saddle_check:  # a stationary point: is it a saddle? (Lanczos on the HVP)
+                v0 = torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device)
+                lz = lanczos_min_eig(hvp, v0, k=min(x.numel(), lanczos_k))
+                lam_max = float(lz.ritz_values[-1].abs())
+                if lz.eigenvalue < -saddle_tol * max(lam_max, 1e-30):
+                    e = lz.eigenvector / torch.linalg.vector_norm(lz.eigenvector)
+                    p = -radius * e if float(_dot(g, e)) > 0 else radius * e
+                    why = "lanczos negative curvature"
+            if p is None:
+                hist.append((it - 1, float(val), gn, radius, None, "gtol"))
+                return OptimizeResult(x, float(val), gn, it - 1, True, hist)
+        if p is None:
+            tol = min(0.5, math.sqrt(gn))
+            p, why = steihaug_cg(hvp, g, radius, tol=tol, max_iter=cg_max_iter)
         pred = -(float(_dot(g, p)) + 0.5 * float(_dot(p, hvp(p))))
         with torch.no_grad():
             v_new = float(fun(x + p))
