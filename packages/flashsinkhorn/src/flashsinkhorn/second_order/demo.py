@@ -23,7 +23,7 @@ from flashsinkhorn.second_order import (
 )
 
 
-def _digits(n_per_side=250):
+def _digits(n_per_side=150):
     try:
         from sklearn.datasets import load_digits
 
@@ -93,14 +93,15 @@ def main() -> None:
     # 4. OTDD on digits
     x1, l1, x2, l2, src = _digits()
     t0 = time.time()
-    kw = dict(eps=2.0, label_distance="gaussian", max_iter=300, tol=1e-7, backend="torch")
+    kw = dict(eps=2.0, label_distance="gaussian", max_iter=200, tol=1e-7, backend="torch")
     r12 = otdd(x1, l1, x2, l2, **kw)
     r21 = otdd(x2, l2, x1, l1, **kw)
     r11 = otdd(x1, l1, x1, l1, **kw)
-    rp = otdd(x1, l1, x2, (l2 + 1) % 10, **kw)
+    scrambled = l1[torch.randperm(len(l1), generator=g)]
+    rp = otdd(x1, l1, x1, scrambled, **kw)
     print(f"[4] OTDD ({src}, {len(x1)} vs {len(x2)} points, d=64, eps=2, Gaussian label "
           f"distances): OTDD(D1, D2) = {r12.value:.4f}, OTDD(D2, D1) = {r21.value:.4f}, "
-          f"OTDD(D1, D1) = {r11.value:.1e}, with D2's labels shifted by one: {rp.value:.4f} "
+          f"OTDD(D1, D1) = {r11.value:.1e}, D1 vs D1 with scrambled labels: {rp.value:.4f} "
           f"({time.time() - t0:.1f} s)")  # fmt: skip
     print(f"demo done in {time.time() - t_all:.1f} s")
 
