@@ -185,7 +185,8 @@ def newton_cg(
     the Newton system ``(H + damping I) p = -g`` solved by CG to the forcing tolerance
     ``min(0.5, sqrt(|g|))`` (superlinear, quadratic in the limit) or ``cg_tol``, stopped on
     negative curvature (then the steepest-descent direction is used), and an Armijo
-    backtracking line search. Stops when ``|g| <= gtol``. ``history`` holds
+    backtracking line search. Stops when ``|g| <= gtol`` or when the line search finds no
+    decrease (the accuracy floor of ``fun``; then ``converged`` is False). ``history`` holds
     ``(iteration, value, grad_norm)``.
     """
     x = x0.detach().clone()
@@ -212,12 +213,17 @@ def newton_cg(
                 p = p * (max_step / pn)
         t = 1.0
         slope = float(_dot(p, g))
+        accepted = False
         for _ in range(30):
             with torch.no_grad():
                 v_new = float(fun(x + t * p))
             if v_new <= float(val) + 1e-4 * t * slope:
+                accepted = True
                 break
             t *= 0.5
+        if not accepted:  # no decrease along p: at the accuracy floor of fun and its gradient
+            hist.append((it, float(val), gn))
+            return OptimizeResult(x, float(val), gn, it, gn <= gtol, hist)
         x = (x + t * p).detach()
         val, g, hvp = _grad_and_hvp(fun, x)
         gn = float(torch.linalg.vector_norm(g))
