@@ -185,8 +185,9 @@ def newton_cg(
     the Newton system ``(H + damping I) p = -g`` solved by CG to the forcing tolerance
     ``min(0.5, sqrt(|g|))`` (superlinear, quadratic in the limit) or ``cg_tol``, stopped on
     negative curvature (then the steepest-descent direction is used), and an Armijo
-    backtracking line search. Stops when ``|g| <= gtol`` or when the line search finds no
-    decrease (the accuracy floor of ``fun``; then ``converged`` is False). ``history`` holds
+    backtracking line search. Stops when ``|g| <= gtol``, or at the accuracy floor of
+    ``fun`` (no decrease found, or the gradient norm stalled for two iterations; then
+    ``converged`` is False). ``history`` holds
     ``(iteration, value, grad_norm)``.
     """
     x = x0.detach().clone()
@@ -194,6 +195,7 @@ def newton_cg(
     val, g, hvp = _grad_and_hvp(fun, x)
     gn = float(torch.linalg.vector_norm(g))
     it = 0
+    stalled = 0
     for it in range(1, max_iter + 1):
         hist.append((it - 1, float(val), gn))
         if callback is not None:
@@ -217,7 +219,8 @@ def newton_cg(
         for _ in range(30):
             with torch.no_grad():
                 v_new = float(fun(x + t * p))
-            if v_new <= float(val) + 1e-4 * t * slope:
+            # (a rounding allowance on the value: near the optimum it no longer resolves)
+            if v_new <= float(val) + 1e-4 * t * slope + 1e-15 * abs(float(val)):
                 accepted = True
                 break
             t *= 0.5
@@ -225,8 +228,13 @@ def newton_cg(
             hist.append((it, float(val), gn))
             return OptimizeResult(x, float(val), gn, it, gn <= gtol, hist)
         x = (x + t * p).detach()
+        gn_old = gn
         val, g, hvp = _grad_and_hvp(fun, x)
         gn = float(torch.linalg.vector_norm(g))
+        stalled = stalled + 1 if gn >= 0.999 * gn_old else 0
+        if stalled >= 2:  # the gradient stopped decreasing: accuracy floor of fun / grad
+            hist.append((it, float(val), gn))
+            return OptimizeResult(x, float(val), gn, it, gn <= gtol, hist)
     hist.append((it, float(val), gn))
     return OptimizeResult(x, float(val), gn, it, gn <= gtol, hist)
 
