@@ -4,11 +4,11 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 
 - ``ours``: :func:`mhc_proj.birkhoff_project` (exact projection).
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20: forward one
-  thread per matrix, backward by default 16 lanes per matrix, or whatever
+  thread per matrix, backward by default thread per matrix (recompute), or whatever
   ``MHC_PROJ_SINKHORN_BWD`` selects); ``ours-sinkhorn20-lane16``: the forward in the
-  16-lanes-per-matrix layout (fwd only), for comparison; ``ours-sinkhorn20-thread-bwd``:
-  the same op with the thread-per-matrix recompute backward (bwd and fwd_bwd only; its
-  forward is ``ours-sinkhorn20``'s).
+  16-lanes-per-matrix layout (fwd only), for comparison; ``ours-sinkhorn20-lane-bwd``:
+  the same op with the 16-lanes-per-matrix backward (bwd and fwd_bwd only; its forward is
+  ``ours-sinkhorn20``'s).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -43,7 +43,7 @@ PROVIDERS = [
     "ours",
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
-    "ours-sinkhorn20-thread-bwd",
+    "ours-sinkhorn20-lane-bwd",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -91,8 +91,8 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
     if provider == "ours-sinkhorn20-lane16":
         return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=0) if x.is_cuda else None
-    if provider == "ours-sinkhorn20-thread-bwd":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread")
+    if provider == "ours-sinkhorn20-lane-bwd":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="lane")
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":
@@ -166,7 +166,7 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
     if (
         fn is None
         or (provider == "ours-sinkhorn20-lane16" and (mode != "fwd" or device.type != "cuda"))
-        or (provider == "ours-sinkhorn20-thread-bwd" and mode == "fwd")
+        or (provider == "ours-sinkhorn20-lane-bwd" and mode == "fwd")
     ):
         row["status"] = "skipped"
         row["error"] = "provider not importable or not applicable here"
@@ -255,17 +255,17 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
             for p in providers:
                 if p == "compile-sinkhorn20" and b < 1048576:
                     continue  # one static compile per shape: keep the suite short
-                if p == "ours-sinkhorn20-thread-bwd" and mode == "fwd":
+                if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":
                     continue  # the same forward as ours-sinkhorn20
                 cases.append((p, mode, b, 1.0, False))
-    for p in ["ours", "ours-sinkhorn20", "ours-sinkhorn20-thread-bwd"]:
+    for p in ["ours", "ours-sinkhorn20", "ours-sinkhorn20-lane-bwd"]:
         if p in providers:
             # backward alone; for Sinkhorn-20 both kernels (16 lanes / thread per matrix)
             # at every size
             cases += [(p, "bwd", b, 1.0, False) for b in (sizes if p != "ours" else sizes[-1:])]
             for b in [1048576, 16777216]:
                 for mode in ["fwd", "fwd_bwd"]:
-                    if p == "ours-sinkhorn20-thread-bwd" and mode == "fwd":
+                    if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":
                         continue
                     cases.append((p, mode, b, 10.0, False))
     if "ours" in providers:
