@@ -130,6 +130,16 @@ def plot(doc: dict, outdir: Path) -> list[Path]:
             groups.setdefault((row.get("bench"), row.get("mode")), []).append(row)
     for (bench, mode), rows in groups.items():
         params = list(OrderedDict.fromkeys(_params_key(r.get("params", {})) for r in rows))
+        # tick labels name only the parameters that vary within this plot
+        keys = OrderedDict.fromkeys(k for r in rows for k in r.get("params", {}))
+        varying = [k for k in keys if len({str(r.get("params", {}).get(k)) for r in rows}) > 1]
+        labels = {
+            _params_key(r.get("params", {})): ", ".join(
+                f"{k}={r['params'].get(k)}" for k in varying
+            )
+            or _params_key(r.get("params", {}))
+            for r in rows
+        }
         providers = list(OrderedDict.fromkeys(r.get("provider") for r in rows))
         width = 0.8 / max(len(providers), 1)
         fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(params) + 3), 4))
@@ -143,7 +153,7 @@ def plot(doc: dict, outdir: Path) -> list[Path]:
             ys = [times[p] for p in params if p in times]
             ax.bar(xs, ys, width=width, label=provider)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(params))])
-        ax.set_xticklabels(params, rotation=20, ha="right", fontsize=7)
+        ax.set_xticklabels([labels[p] for p in params], rotation=20, ha="right", fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("time (ms, log scale)")
         gpu = doc.get("env", {}).get("gpu", "CPU")
@@ -173,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stdout", action="store_true", help="print tables, write nothing")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
+    parser.add_argument("--note", default="", help="markdown paragraph put under the header")
     args = parser.parse_args(argv)
     docs = load(args.files)
     body = "\n".join(tables_for(d) for d in docs)
@@ -180,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(body)
         return 0
     names = " ".join(Path(d["_path"]).name for d in docs)
-    text = HEADER.format(files=names) + "\n" + body
+    text = HEADER.format(files=names) + ("\n" + args.note + "\n" if args.note else "")
+    text += "\n" + body
     if args.plots:
         images = [p for d in docs for p in plot(d, args.plots)]
         if images:
