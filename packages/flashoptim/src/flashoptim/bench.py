@@ -29,17 +29,17 @@ import flashoptim as fo
 CEILING_TBPS = 4.21  # H200 device-to-device copy, read + write
 GPU_PROVIDERS = [
     "ours",
-    "ours_v2",  # the v2 kernel (autotuned on its first step), same options as the row above
+    "ours_v1",  # the first (v1) kernel, same options as the row above; "ours" is v2
     "ours_nocheck",
-    "ours_v2_nocheck",
+    "ours_v1_nocheck",
     "torch_fused_fp32",
     "torch_fused_bf16",
     "flashoptim_0.1.4",
     "ours_sgd",
-    "ours_v2_sgd",
+    "ours_v1_sgd",
     "flashoptim_0.1.4_sgd",
     "ours_lion",
-    "ours_v2_lion",
+    "ours_v1_lion",
     "bnb_adamw8bit",
     "torchao_adamw8bit",  # last: torch.compile on its first step
 ]
@@ -59,7 +59,7 @@ MOVED = {
     "ours_lion": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
 }
 for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion"):
-    MOVED[_k.replace("ours", "ours_v2")] = MOVED[_k]
+    MOVED[_k.replace("ours", "ours_v1")] = MOVED[_k]
 
 
 def layout_shapes(name: str) -> list[tuple[int, ...]]:
@@ -101,11 +101,11 @@ def load_peer_flashoptim(path: str | None = None):
 
 def make_optimizer(provider: str, params, peer_path=None):
     lr = 1e-4
-    if provider.startswith("ours_v2"):
-        kw = dict(kernel="v2")
-        provider = provider.replace("ours_v2", "ours")
+    if provider.startswith("ours_v1"):
+        kw = dict(kernel="v1")
+        provider = provider.replace("ours_v1", "ours")
     else:
-        kw = dict(kernel="v1") if provider.startswith("ours") else {}
+        kw = dict(kernel="v2") if provider.startswith("ours") else {}
     if provider.startswith("ours"):
         return _make_ours(provider, params, lr, kw)
     if provider.startswith("torch_fused"):
@@ -324,8 +324,8 @@ def main(argv=None) -> int:
     only_large = (
         "ours_sgd",
         "ours_lion",
-        "ours_v2_sgd",
-        "ours_v2_lion",
+        "ours_v1_sgd",
+        "ours_v1_lion",
         "flashoptim_0.1.4_sgd",
         "torchao_adamw8bit",
     )

