@@ -14,7 +14,8 @@
 # (e.g. BENCH_ARGS_flashsinkhorn="--quick"). Set GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1.
 # Time limits in seconds per step (a step past its limit is killed and marked FAILED, and
 # the run goes on): LIMIT_TESTS_<pkg>, LIMIT_BENCH_<pkg> (default 300 each), with <pkg>
-# the import name (flashsinkhorn, mhc_proj, flashoptim).
+# the import name (flashsinkhorn, mhc_proj, flashoptim); LIMIT_SECOND_ORDER (default 240)
+# for flashsinkhorn's second-order GPU script (SECOND_ORDER_ARGS, GPU_SKIP_SECOND_ORDER=1).
 set -uo pipefail
 out="${1:?usage: tools/gpu_run.sh OUTDIR [PACKAGE ...]}"; shift
 mkdir -p "$out"
@@ -83,6 +84,13 @@ for pkg in "${packages[@]}"; do
   if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
     var="BENCH_ARGS_${import_name}"
     step "bench $pkg" "${!limit_bench:-300}" python3 -m "$import_name.bench" --json "$out/bench-$pkg.json" ${!var:-}
+  fi
+  # flashsinkhorn's second-order applications (HVP vs flash-sinkhorn, OTDD at 60k, shuffled
+  # regression) write their own JSON and figures into OUTDIR/second-order.
+  if [ "$pkg" = flashsinkhorn ] && [ "${GPU_SKIP_SECOND_ORDER:-0}" != 1 ] \
+     && [ -f packages/flashsinkhorn/examples/gpu_second_order.py ]; then
+    step "second-order flashsinkhorn" "${LIMIT_SECOND_ORDER:-240}" python3 \
+      packages/flashsinkhorn/examples/gpu_second_order.py --out "$out/second-order" ${SECOND_ORDER_ARGS:-}
   fi
 done
 
