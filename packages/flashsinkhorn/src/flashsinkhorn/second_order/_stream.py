@@ -28,8 +28,6 @@ the fp32 operands: ``"tf32x3"`` (default here: about fp32 accuracy on tensor cor
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -40,29 +38,11 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# one backend rule and one set of constants for the whole package (core kernels module)
+from flashsinkhorn.kernels import LN2, LOG2E, _interpret, resolve_backend  # noqa: E402, F401
+
+# the second-order dot default is tf32x3 (about fp32 accuracy on tensor cores)
 PRECISIONS = ("tf32x3", "ieee", "tf32")
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``"auto" | "triton" | "torch"`` to the backend used for tensors on ``device``."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-    if backend == "auto":
-        return "triton" if (device.type == "cuda" and HAS_TRITON) else "torch"
-    if backend == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("backend='triton' needs the triton package")
-        if device.type != "cuda" and not _interpret():
-            raise RuntimeError(
-                "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before Python starts"
-            )
-    return backend
 
 
 def _p2(k: int, lo: int = 16) -> int:
