@@ -453,40 +453,18 @@ class FlashOptimizer(torch.optim.Optimizer):
         nblocks = ent["blocks"].shape[0]
         if nblocks == 0:
             return
-        lr, wd = hp["lr"], hp["wd"]
-        b1, b2 = hp.get("b1", 0.0), hp.get("b2", 0.0)
-        bc1 = 1 - b1**step if self._kind == ADAM else 1.0
-        bc2 = 1 - b2**step if self._kind == ADAM else 1.0
+        scalars = self._scalar_args(hp, step)
+        flags = self._flags(ent, group, hp)
         if self._v2(ent):
-            self._run_kernel_v2(ent, group, hp, step, bc1, bc2)
+            self._run_kernel_v2(ent, scalars, flags)
             return
         _core._step_kernel[(nblocks,)](
             ent["blocks"],
             ent["tab"],
             *ent["bases"],
-            lr,
-            b1,
-            1 - b1,
-            b2,
-            1 - b2,
-            hp.get("eps", 0.0),
-            wd,
-            1 - lr * wd,
-            lr / bc1,
-            1 / math.sqrt(bc2),
-            1 - hp.get("dampening", 0.0),
-            1 if step == 1 else 0,
-            (step * _core._GOLDEN) & _core._M32,
+            *scalars,
             ent["skip"],
-            KIND=self._kind,
-            ECC=hp["ecc"],
-            QUANT=hp["quant"],
-            SR=hp["sr"],
-            P_DTYPE=_P_CODE[ent["dtype"]],
-            DECOUPLED=hp["decoupled"],
-            NESTEROV=hp.get("nesterov", False),
-            HAS_MOM=self._has_mom(group),
-            SCALE_F32=hp["scale_dtype"] == torch.float32,
+            **flags,
             CHECK_SKIP=False,
             ALIGNED=ent["aligned"],
             N16=ent["n16"],
@@ -498,15 +476,13 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _v2(self, ent) -> bool:
         return self.kernel == "v2" and ent["v2ok"]
 
-    def _run_kernel_v2(self, ent, group, hp, step, bc1, bc2) -> None:
-        nunits = ent["units"].shape[0]
+    def _scalar_args(self, hp, step) -> tuple:
+        """The step's run-time scalars, in the order both step kernels take them."""
         lr, wd = hp["lr"], hp["wd"]
         b1, b2 = hp.get("b1", 0.0), hp.get("b2", 0.0)
-        args = (
-            ent["units"],
-            nunits,
-            ent["tab"],
-            *ent["bases"],
+        bc1 = 1 - b1**step if self._kind == ADAM else 1.0
+        bc2 = 1 - b2**step if self._kind == ADAM else 1.0
+        return (
             lr,
             b1,
             1 - b1,
@@ -521,7 +497,10 @@ class FlashOptimizer(torch.optim.Optimizer):
             1 if step == 1 else 0,
             (step * _core._GOLDEN) & _core._M32,
         )
-        meta = dict(
+
+    def _flags(self, ent, group, hp) -> dict:
+        """The constexpr mode flags both step kernels take."""
+        return dict(
             KIND=self._kind,
             ECC=hp["ecc"],
             QUANT=hp["quant"],
@@ -531,6 +510,13 @@ class FlashOptimizer(torch.optim.Optimizer):
             NESTEROV=hp.get("nesterov", False),
             HAS_MOM=self._has_mom(group),
             SCALE_F32=hp["scale_dtype"] == torch.float32,
+        )
+
+    def _run_kernel_v2(self, ent, scalars, flags) -> None:
+        nunits = ent["units"].shape[0]
+        args = (ent["units"], nunits, ent["tab"], *ent["bases"], *scalars)
+        meta = dict(
+            **flags,
             ALIGNED=ent["aligned"],
             N16=ent["n16"],
             UNIT=_core.V2_UNIT,
