@@ -3,6 +3,7 @@ single-process training; FSDP2 per-rank optimizer state dicts resume bit-exactly
 
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,37 @@ import torch.multiprocessing as mp
 import flashoptim as fo
 
 STEPS = 6
+
+
+def _spawn(worker, args, nprocs, done_dir):
+    """mp.spawn that tolerates a known gloo teardown crash.
+
+    On a loaded 2-core CI machine a gloo rank occasionally aborts in C++ teardown
+    ("terminate called without an active exception": gloo worker threads still holding
+    work objects while the interpreter shuts down). Every rank writes a marker after the
+    final barrier; an abort after all markers exist leaves complete results on disk and
+    is accepted. An abort before that is retried once; anything else fails."""
+    markers = [os.path.join(done_dir, f"done{rank}") for rank in range(nprocs)]
+    for attempt in range(2):
+        for m in markers:
+            if os.path.exists(m):
+                os.remove(m)
+        try:
+            mp.spawn(worker, args=args, nprocs=nprocs, join=True)
+            return
+        except mp.ProcessExitedException as e:
+            if e.signal_name != "SIGABRT":
+                raise
+            if all(os.path.exists(m) for m in markers):
+                warnings.warn(f"gloo rank aborted in teardown after finishing: {e}", stacklevel=2)
+                return
+            if attempt == 1:
+                raise
+
+
+def _mark_done(out_dir, rank):
+    with open(os.path.join(out_dir, f"done{rank}"), "w") as f:
+        f.write("ok")
 
 
 def _model():
@@ -102,6 +134,7 @@ def _worker(rank, world, init, mode, out):
         if rank == 0:
             torch.save(params, out)
         dist.barrier()  # no rank tears gloo down while another is still in a collective
+        _mark_done(os.path.dirname(out), rank)
     finally:
         dist.destroy_process_group()
 
@@ -113,7 +146,7 @@ def test_two_process_gloo_matches_single_process(mode):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "params.pt")
         init = "file://" + os.path.join(d, "store")
-        mp.spawn(_worker, args=(2, init, mode, out), nprocs=2, join=True)
+        _spawn(_worker, (2, init, mode, out), 2, d)
         got = torch.load(out)
         resume = torch.load(out + ".resume") if mode == "fsdp2" else None
     ref = _reference()
@@ -188,6 +221,7 @@ def _dcp_worker(rank, world, init, ckpt, out, phase):
         if rank == 0:
             torch.save(full, out)
         dist.barrier()  # no rank tears gloo down while another is still in a collective
+        _mark_done(os.path.dirname(out), rank)
     finally:
         dist.destroy_process_group()
 
@@ -201,8 +235,8 @@ def test_fsdp2_dcp_save_on_2_load_on_1():
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "ckpt")
         a, b = os.path.join(d, "a.pt"), os.path.join(d, "b.pt")
-        mp.spawn(_dcp_worker, args=(2, "file://" + d + "/s1", ckpt, a, "save"), nprocs=2)
-        mp.spawn(_dcp_worker, args=(1, "file://" + d + "/s2", ckpt, b, "load"), nprocs=1)
+        _spawn(_dcp_worker, (2, "file://" + d + "/s1", ckpt, a, "save"), 2, d)
+        _spawn(_dcp_worker, (1, "file://" + d + "/s2", ckpt, b, "load"), 1, d)
         saved, loaded = torch.load(a), torch.load(b)
     assert saved.keys() == loaded.keys()
     n_exact = 0
