@@ -230,12 +230,11 @@ class FlashOptimizer(torch.optim.Optimizer):
                 dev = ent["tab"].device
                 if dev not in flags:
                     flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
-                nb = ent["blocks"].shape[0]
-                if nb and self._v2(ent):
-                    nu = ent["units"].shape[0]
-                    _core._nonfinite_kernel_v2[(nu,)](
-                        ent["units"],
-                        nu,
+                nb = ent["work"].shape[0]
+                if nb and ent["use_v2"]:
+                    _core._nonfinite_kernel_v2[(nb,)](
+                        ent["work"],
+                        nb,
                         ent["tab"],
                         ent["bases"][1],
                         flags[dev],
@@ -247,7 +246,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                     )
                 elif nb:
                     _core._nonfinite_kernel[(nb,)](
-                        ent["blocks"],
+                        ent["work"],
                         ent["tab"],
                         ent["bases"][1],
                         flags[dev],
@@ -424,42 +423,39 @@ class FlashOptimizer(torch.optim.Optimizer):
             row += [cols[0][i].numel(), st["seed"], _global_index_base(p)]
             rows.append(row)
         tab = torch.tensor(rows, dtype=torch.int64, device=p0.device)
-        nb = [(r[7] + BLOCK - 1) // BLOCK for r in rows]
-        tid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nb))
-        first = torch.repeat_interleave(torch.tensor([0] + nb[:-1]).cumsum(0), torch.tensor(nb))
-        start = (torch.arange(len(tid)) - first) * BLOCK
-        blocks = torch.stack([tid, start], 1).to(torch.int32).contiguous().to(p0.device)
-        skip = torch.zeros(1, dtype=torch.int32, device=p0.device)
         unit = _core.V2_UNIT
-        nu = [(r[7] + unit - 1) // unit for r in rows]
-        utid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nu))
-        ufirst = torch.repeat_interleave(torch.tensor([0] + nu[:-1]).cumsum(0), torch.tensor(nu))
-        units = torch.stack([utid, torch.arange(len(utid)) - ufirst], 1)
+        use_v2 = self.kernel == "v2" and max(r[7] for r in rows) <= 2**31 - 2 * unit  # int32
+        # only the chosen kernel's work table is kept: both would cost 0.012 bytes/param
+        size = unit if use_v2 else BLOCK
+        nw = [(r[7] + size - 1) // size for r in rows]
+        tid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nw))
+        first = torch.repeat_interleave(torch.tensor([0] + nw[:-1]).cumsum(0), torch.tensor(nw))
+        local = torch.arange(len(tid)) - first  # v2: unit index; v1: block start element
+        work = torch.stack([tid, local if use_v2 else local * BLOCK], 1)
         written = [t for j in (0, 2, 3, 4, 5, 6) for t in cols[j] if t is not None]
         return dict(
-            units=units.to(torch.int32).contiguous().to(p0.device),
-            v2ok=max(r[7] for r in rows) <= 2**31 - 2 * unit,  # int32 element offsets
+            use_v2=use_v2,
+            work=work.to(torch.int32).contiguous().to(p0.device),  # v2 units or v1 blocks
             written=written,
             tab=tab,
-            blocks=blocks,
             bases=bases,
             aligned=aligned,
-            skip=skip,
+            skip=torch.zeros(1, dtype=torch.int32, device=p0.device),
             dtype=p0.dtype,
             n16=all(r[7] % 16 == 0 for r in rows),
         )
 
     def _run_kernel(self, ent, group, hp, step) -> None:
-        nblocks = ent["blocks"].shape[0]
+        nblocks = ent["work"].shape[0]
         if nblocks == 0:
             return
         scalars = self._scalar_args(hp, step)
         flags = self._flags(ent, group, hp)
-        if self._v2(ent):
+        if ent["use_v2"]:
             self._run_kernel_v2(ent, scalars, flags)
             return
         _core._step_kernel[(nblocks,)](
-            ent["blocks"],
+            ent["work"],
             ent["tab"],
             *ent["bases"],
             *scalars,
@@ -472,9 +468,6 @@ class FlashOptimizer(torch.optim.Optimizer):
             GROUP_SIZE=GROUP,
             num_warps=NUM_WARPS,
         )
-
-    def _v2(self, ent) -> bool:
-        return self.kernel == "v2" and ent["v2ok"]
 
     def _scalar_args(self, hp, step) -> tuple:
         """The step's run-time scalars, in the order both step kernels take them."""
@@ -513,8 +506,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         )
 
     def _run_kernel_v2(self, ent, scalars, flags) -> None:
-        nunits = ent["units"].shape[0]
-        args = (ent["units"], nunits, ent["tab"], *ent["bases"], *scalars)
+        nunits = ent["work"].shape[0]
+        args = (ent["work"], nunits, ent["tab"], *ent["bases"], *scalars)
         meta = dict(
             **flags,
             ALIGNED=ent["aligned"],
