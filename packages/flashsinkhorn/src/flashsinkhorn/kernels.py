@@ -174,6 +174,77 @@ if HAS_TRITON:
         ]
         return out or configs[:1]
 
+    # -- tile helpers (inlined by the compiler), shared with second_order/_stream.py --------
+
+    @triton.jit
+    def _load_rows(P, idx, mask, offs_d, stride, D, EVEN_D: tl.constexpr):
+        """Tile ``P[idx, offs_d]`` of a row-major operand with row stride ``stride``: rows
+        outside ``mask`` (and, unless EVEN_D, features at or past D) read as 0."""
+        if EVEN_D:
+            m = mask[:, None]
+        else:
+            m = mask[:, None] & (offs_d[None, :] < D)
+        return tl.load(P + idx[:, None] * stride + offs_d[None, :], mask=m, other=0.0)
+
+    @triton.jit
+    def _tile_dot(
+        X, Y, rows, cols, row_mask, col_mask, sx, sy, D, acc, num_d,
+        EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """``acc + <X_rows, Y_cols>`` for one tile, over ``num_d`` chunks of BLOCK_D features
+        (``num_d`` a constexpr or a run-time ``cdiv(D, BLOCK_D)``)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        for kd in range(num_d):
+            dd = kd * BLOCK_D + offs_d
+            xk = _load_rows(X, rows, row_mask, dd, sx, D, EVEN_D)
+            yk = _load_rows(Y, cols, col_mask, dd, sy, D, EVEN_D)
+            acc = tl.dot(xk, tl.trans(yk), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
+    def _row_stationary_dot(
+        x0, X, Y, rows, cols, row_mask, col_mask, D,
+        NUM_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """``<X_rows, Y_cols>`` (BLOCK_M, BLOCK_N) for a kernel that keeps its row tile on
+        chip: with one feature chunk (NUM_D == 1) ``x0`` is that preloaded row tile and only
+        the column tile is loaded; otherwise both stream chunk by chunk (x0 unused)."""
+        if NUM_D == 1:
+            y = _load_rows(Y, cols, col_mask, tl.arange(0, BLOCK_D), D, D, EVEN_D)
+            s = tl.dot(x0, tl.trans(y), input_precision=PREC)
+        else:
+            s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            s = _tile_dot(
+                X, Y, rows, cols, row_mask, col_mask, D, D, D, s, NUM_D, EVEN_D, BLOCK_D, PREC
+            )
+        return s
+
+    @triton.jit
+    def _label_tile(LY, W, lx, cols, row_mask, col_mask, stride):
+        """Label-cost tile ``W[lx_i, ly_j]`` (0 outside the masks); LY: this problem's column
+        labels, lx: the row labels already loaded, stride: W's row stride."""
+        ly = tl.load(LY + cols, mask=col_mask, other=0)
+        return tl.load(
+            W + lx[:, None] * stride + ly[None, :],
+            mask=row_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+
+    @triton.jit
+    def _online_lse_step(m_i, l_i, s):
+        """One tile of a streaming base-2 LogSumExp over the rows of ``s`` (BLOCK_M, BLOCK_N).
+
+        Returns ``(m_new, l_new, alpha, p)``: running max and sum, the rescaling ``alpha`` of
+        the old sum (also for accumulators) and ``p = exp2(s - m_new)`` (0 where s = -inf).
+        """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        return m_new, l_i, alpha, p
+
     @triton.jit
     def _softmin_kernel(
         X,
@@ -227,17 +298,9 @@ if HAS_TRITON:
         Yb = Y + pid_b64 * M * D
         BIASb = BIAS + pid_b64 * M
 
+        x0 = rows  # placeholder, read only with one feature chunk
         if NUM_D == 1:
-            if EVEN_D:
-                x0 = tl.load(
-                    Xb + rows[:, None] * D + offs_d[None, :], mask=row_mask[:, None], other=0.0
-                )
-            else:
-                x0 = tl.load(
-                    Xb + rows[:, None] * D + offs_d[None, :],
-                    mask=row_mask[:, None] & (offs_d[None, :] < D),
-                    other=0.0,
-                )
+            x0 = _load_rows(Xb, rows, row_mask, offs_d, D, D, EVEN_D)
         if HAS_LABELS:
             lx = tl.load(LX + pid_b64 * N + rows, mask=row_mask, other=0)
         if HAS_V:
@@ -252,56 +315,16 @@ if HAS_TRITON:
             cols = start + offs_n
             col_mask = cols < M
             # scores in log2 units: bias_j + dot_scale * <x_i, y_j>
-            if NUM_D == 1:
-                if EVEN_D:
-                    y = tl.load(
-                        Yb + cols[:, None] * D + offs_d[None, :], mask=col_mask[:, None], other=0.0
-                    )
-                else:
-                    y = tl.load(
-                        Yb + cols[:, None] * D + offs_d[None, :],
-                        mask=col_mask[:, None] & (offs_d[None, :] < D),
-                        other=0.0,
-                    )
-                s = tl.dot(x0, tl.trans(y), input_precision=PREC)
-            else:
-                s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for kd in range(NUM_D):
-                    dd = kd * BLOCK_D + offs_d
-                    if EVEN_D:
-                        xk = tl.load(
-                            Xb + rows[:, None] * D + dd[None, :], mask=row_mask[:, None], other=0.0
-                        )
-                        yk = tl.load(
-                            Yb + cols[:, None] * D + dd[None, :], mask=col_mask[:, None], other=0.0
-                        )
-                    else:
-                        xk = tl.load(
-                            Xb + rows[:, None] * D + dd[None, :],
-                            mask=row_mask[:, None] & (dd[None, :] < D),
-                            other=0.0,
-                        )
-                        yk = tl.load(
-                            Yb + cols[:, None] * D + dd[None, :],
-                            mask=col_mask[:, None] & (dd[None, :] < D),
-                            other=0.0,
-                        )
-                    s = tl.dot(xk, tl.trans(yk), s, input_precision=PREC)
+            s = _row_stationary_dot(
+                x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
             bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
             s = s * dot_scale + bias[None, :]
             if HAS_LABELS:
-                ly = tl.load(LY + pid_b64 * M + cols, mask=col_mask, other=0)
-                wv = tl.load(
-                    W + lx[:, None] * K2 + ly[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :],
-                    other=0.0,
-                )
+                wv = _label_tile(LY + pid_b64 * M, W, lx, cols, row_mask, col_mask, K2)
                 s = s - (w_scale * inv_eps2) * wv
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, l_i, alpha, p = _online_lse_step(m_i, l_i, s)
             if HAS_V:
                 vj = tl.load(
                     Vb + cols[:, None] * DV + offs_v[None, :],
@@ -340,6 +363,13 @@ if HAS_TRITON:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _label_operands(lx, ly, W):
+    """Label-cost operands in the kernels' form: int32 labels, fp32 contiguous table, and
+    the table's row stride."""
+    W = W.to(torch.float32).contiguous()
+    return lx.to(torch.int32).contiguous(), ly.to(torch.int32).contiguous(), W, W.stride(0)
 
 
 def _bucket(n: int) -> int:
@@ -384,10 +414,7 @@ def _softmin_triton(
         v = vbar = out
     if labels is not None:
         lx, ly, W, w_scale = labels
-        lx = lx.to(torch.int32).contiguous()
-        ly = ly.to(torch.int32).contiguous()
-        W = W.to(f32).contiguous()
-        K2 = W.shape[1]
+        lx, ly, W, K2 = _label_operands(lx, ly, W)
     else:
         lx = ly = W = out
         K2, w_scale = 1, 0.0
@@ -450,6 +477,11 @@ class _nullctx:
 # ----------------------------------------------------------------------------------------
 
 
+def _block_rows(n: int, m: int) -> int:
+    """Rows per block of the torch paths: at most ~4M scores (n x m) per block."""
+    return max(1, min(n, (1 << 22) // max(1, m)))
+
+
 def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse, center):
     B, N, D = x.shape
     M = y.shape[1]
@@ -465,7 +497,7 @@ def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse,
     if v is not None:
         v = v.to(dt)
         vbar = torch.empty((B, N, v.shape[-1]), dtype=dt, device=x.device)
-    rows = max(1, min(N, (1 << 22) // max(1, M)))  # at most ~4M scores per block
+    rows = _block_rows(N, M)
     for i0 in range(0, N, rows):
         i1 = min(N, i0 + rows)
         xi = x[:, i0:i1] if center is None else x[:, i0:i1] - center.to(dt)[:, None, :]
@@ -643,12 +675,9 @@ if HAS_TRITON:
         m_i = tl.max(a_i, 0)
         r_i = tl.exp2(a_i - m_i)  # 0 on padding
         a_i_safe = tl.where(rmask, a_i, m_i)
+        x_i = rows  # placeholder, read only with one feature chunk
         if NUM_D == 1:
-            x_i = tl.load(
-                Xb + rows[:, None] * D + offs_d[None, :],
-                mask=rmask[:, None] & (offs_d[None, :] < D),
-                other=0.0,
-            )
+            x_i = _load_rows(Xb, rows, rmask, offs_d, D, D, False)
         rs = tl.zeros((BLOCK,), dtype=tl.float32)
         for J in range(I, NB):
             cols = J * BLOCK + offs
@@ -656,28 +685,9 @@ if HAS_TRITON:
             a_j = tl.load(Ab + cols, mask=cmask, other=float("-inf"))
             k_j = tl.load(Kb + cols, mask=cmask, other=0.0)
             m_j = tl.max(a_j, 0)
-            if NUM_D == 1:
-                x_j = tl.load(
-                    Xb + cols[:, None] * D + offs_d[None, :],
-                    mask=cmask[:, None] & (offs_d[None, :] < D),
-                    other=0.0,
-                )
-                q = tl.dot(x_i, tl.trans(x_j), input_precision=PREC)
-            else:
-                q = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-                for kd in range(NUM_D):
-                    dd = kd * BLOCK_D + offs_d
-                    xi = tl.load(
-                        Xb + rows[:, None] * D + dd[None, :],
-                        mask=rmask[:, None] & (dd[None, :] < D),
-                        other=0.0,
-                    )
-                    xj = tl.load(
-                        Xb + cols[:, None] * D + dd[None, :],
-                        mask=cmask[:, None] & (dd[None, :] < D),
-                        other=0.0,
-                    )
-                    q = tl.dot(xi, tl.trans(xj), q, input_precision=PREC)
+            q = _row_stationary_dot(
+                x_i, Xb, Xb, rows, cols, rmask, cmask, D, NUM_D, False, BLOCK_D, PREC, BLOCK, BLOCK
+            )
             e = q * dot_scale - k_i[:, None] + (a_j - m_j - k_j)[None, :]
             p = tl.exp2(e)  # the one exp per score (0 on padded columns)
             rs += tl.exp2(m_j - a_i_safe) * tl.sum(p, 1)

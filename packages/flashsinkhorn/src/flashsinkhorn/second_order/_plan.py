@@ -56,14 +56,17 @@ def _check_inputs(x, y, a, b, eps):
     return a.to(dt), b.to(dt)
 
 
-def _rho(reach):
-    """reach -> (rho_x, rho_y) with rho = reach**2; None means balanced on that side."""
-    if reach is None:
-        return None, None
+def _split_reach(reach):
+    """reach (None, a number, or a pair) -> (reach_x, reach_y)."""
     if isinstance(reach, (tuple, list)):
         rx, ry = reach
-    else:
-        rx = ry = reach
+        return rx, ry
+    return reach, reach
+
+
+def _rho(reach):
+    """reach -> (rho_x, rho_y) with rho = reach**2; None means balanced on that side."""
+    rx, ry = _split_reach(reach)
     rx = None if rx is None else float(rx) ** 2
     ry = None if ry is None else float(ry) ** 2
     return rx, ry
@@ -141,6 +144,8 @@ class Plan:
 
 
 def _phi(f, rho):
+    """The dual's per-point term (and its derivative in the weight): f on a balanced side,
+    ``-rho (exp(-f / rho) - 1)`` on an unbalanced one."""
     if rho is None:
         return f
     return -rho * torch.expm1(-f / rho)

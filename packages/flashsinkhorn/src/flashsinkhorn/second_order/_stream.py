@@ -30,23 +30,31 @@ from __future__ import annotations
 
 import torch
 
-try:
+# one backend rule, one set of constants and the shared tile helpers for the whole package
+# (core kernels module)
+from flashsinkhorn.kernels import (  # noqa: F401
+    HAS_TRITON,
+    LN2,
+    LOG2E,
+    _block_rows,
+    _interpret,
+    _label_operands,
+    _next_pow2,
+    resolve_backend,
+)
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-
-# one backend rule and one set of constants for the whole package (core kernels module)
-from flashsinkhorn.kernels import LN2, LOG2E, _interpret, resolve_backend  # noqa: E402, F401
+    from flashsinkhorn.kernels import _label_tile, _online_lse_step, _tile_dot
 
 # the second-order dot default is tf32x3 (about fp32 accuracy on tensor cores)
 PRECISIONS = ("tf32x3", "ieee", "tf32")
 
 
 def _p2(k: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(k))) if HAS_TRITON else max(lo, k)
+    return max(lo, _next_pow2(k))
 
 
 # ----------------------------------------------------------------------------------------
@@ -55,40 +63,51 @@ def _p2(k: int, lo: int = 16) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _scores(
-        X,
-        Y,
-        offs_m,
-        offs_n,
-        n,
-        m,
-        D,
-        sxm,
-        sym,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        """<x_i, y_j> for one (BLOCK_M, BLOCK_N) tile, looping over D in BLOCK_D chunks."""
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        mask_m = offs_m < n
-        mask_n = offs_n < m
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            md = offs_d < D
-            xt = tl.load(
-                X + offs_m[:, None] * sxm + offs_d[None, :],
-                mask=mask_m[:, None] & md[None, :],
+    def _exponent(
+        X, Y, G, LY, LT, fi, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
+        HAS_F: tl.constexpr, HAS_LABELS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """``[F_i +] G_j + 2<x_i, y_j> [- L[lx_i, ly_j]]`` for one (BLOCK_M, BLOCK_N) tile."""
+        s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        s = _tile_dot(
+            X, Y, offs_m, offs_n, mask_m, mask_n, sxm, sym, D, s, tl.cdiv(D, BLOCK_D),
+            False, BLOCK_D, PRECISION,
+        )  # fmt: skip
+        gj = tl.load(G + offs_n, mask=mask_n, other=0.0)
+        t = 2.0 * s + gj[None, :]
+        if HAS_F:
+            t = t + fi[:, None]
+        if HAS_LABELS:
+            t = t - _label_tile(LY, LT, lx, offs_n, mask_m, mask_n, slt)
+        return t
+
+    @triton.jit
+    def _acc_product(acc, p, W, offs_n, mask_n, sw, offs_k, mask_k, VEC: tl.constexpr,
+                     PRECISION: tl.constexpr):  # fmt: skip
+        """``acc + p @ W[offs_n]`` with W a vector (VEC: acc (BLOCK_M,)) or a matrix."""
+        if VEC:
+            wv = tl.load(W + offs_n * sw, mask=mask_n, other=0.0)
+            acc += tl.sum(p * wv[None, :], 1)
+        else:
+            wt = tl.load(
+                W + offs_n[:, None] * sw + offs_k[None, :],
+                mask=mask_n[:, None] & mask_k[None, :],
                 other=0.0,
             )
-            yt = tl.load(
-                Y + offs_n[:, None] * sym + offs_d[None, :],
-                mask=mask_n[:, None] & md[None, :],
-                other=0.0,
-            )
-            acc = tl.dot(xt, tl.trans(yt), acc, input_precision=PRECISION)
+            acc = tl.dot(p, wt, acc, input_precision=PRECISION)
         return acc
+
+    @triton.jit
+    def _store_rows(OUT, acc, offs_m, mask_m, so, offs_k, mask_k, VEC: tl.constexpr):
+        if VEC:
+            tl.store(OUT + offs_m * so, acc, mask=mask_m)
+        else:
+            tl.store(
+                OUT + offs_m[:, None] * so + offs_k[None, :],
+                acc,
+                mask=mask_m[:, None] & mask_k[None, :],
+            )
 
     @triton.jit
     def _row_lse_kernel(
@@ -115,6 +134,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n
+        lx = offs_m  # placeholder, read only with labels
         if HAS_LABELS:
             lx = tl.load(LX + offs_m, mask=mask_m, other=0)
         run_max = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
@@ -122,24 +142,12 @@ if HAS_TRITON:
         for n0 in range(0, m, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < m
-            s = _scores(
-                X, Y, offs_m, offs_n, n, m, D, sxm, sym, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
-            )
-            gj = tl.load(G + offs_n, mask=mask_n, other=0.0)
-            t = 2.0 * s + gj[None, :]
-            if HAS_LABELS:
-                ly = tl.load(LY + offs_n, mask=mask_n, other=0)
-                lab = tl.load(
-                    LT + lx[:, None] * slt + ly[None, :],
-                    mask=mask_m[:, None] & mask_n[None, :],
-                    other=0.0,
-                )
-                t = t - lab
+            t = _exponent(
+                X, Y, G, LY, LT, 0.0, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
+                False, HAS_LABELS, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+            )  # fmt: skip
             t = tl.where(mask_n[None, :], t * scale, -float("inf"))
-            new_max = tl.maximum(run_max, tl.max(t, axis=1))
-            safe = tl.where(new_max == -float("inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp2(run_max - safe) + tl.sum(tl.exp2(t - safe[:, None]), 1)
-            run_max = new_max
+            run_max, run_sum, _, _ = _online_lse_step(run_max, run_sum, t)
         lse2 = run_max + tl.log2(run_sum)
         tl.store(OUT + offs_m, -lse2 / scale, mask=mask_m)
 
@@ -191,6 +199,7 @@ if HAS_TRITON:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n
         fi = tl.load(F + offs_m, mask=mask_m, other=0.0)
+        lx = offs_m  # placeholder, read only with labels
         if HAS_LABELS:
             lx = tl.load(LX + offs_m, mask=mask_m, other=0)
         offs_k1 = pk * BLOCK_K1 + tl.arange(0, BLOCK_K1)
@@ -198,87 +207,38 @@ if HAS_TRITON:
         offs_k2 = tl.arange(0, BLOCK_K2)
         mk2 = offs_k2 < K2
         if W_VEC:
-            acc1v = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         else:
             acc1 = tl.zeros((BLOCK_M, BLOCK_K1), dtype=tl.float32)
         if HAS_Q:
             if U_VEC:
-                acc2v = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                acc2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             else:
                 acc2 = tl.zeros((BLOCK_M, BLOCK_K2), dtype=tl.float32)
         for n0 in range(0, m, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < m
-            s = _scores(
-                X, Y, offs_m, offs_n, n, m, D, sxm, sym, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
-            )
-            gj = tl.load(G + offs_n, mask=mask_n, other=0.0)
-            t = 2.0 * s + gj[None, :] + fi[:, None]
-            if HAS_LABELS:
-                ly = tl.load(LY + offs_n, mask=mask_n, other=0)
-                lab = tl.load(
-                    LT + lx[:, None] * slt + ly[None, :],
-                    mask=mask_m[:, None] & mask_n[None, :],
-                    other=0.0,
-                )
-                t = t - lab
+            t = _exponent(
+                X, Y, G, LY, LT, fi, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
+                True, HAS_LABELS, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+            )  # fmt: skip
             p = tl.exp2(t * scale)
             p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
-            if W_VEC:
-                wv = tl.load(W + offs_n * swm, mask=mask_n, other=0.0)
-                acc1v += tl.sum(p * wv[None, :], 1)
-            else:
-                wt = tl.load(
-                    W + offs_n[:, None] * swm + offs_k1[None, :],
-                    mask=mask_n[:, None] & mk1[None, :],
-                    other=0.0,
-                )
-                acc1 = tl.dot(p, wt, acc1, input_precision=PRECISION)
+            acc1 = _acc_product(acc1, p, W, offs_n, mask_n, swm, offs_k1, mk1, W_VEC, PRECISION)
             if HAS_Q:
+                # Q_ij = <A_i, B_j>: the second streamed dot product
                 q = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for e0 in range(0, E, BLOCK_E):
-                    offs_e = e0 + tl.arange(0, BLOCK_E)
-                    me = offs_e < E
-                    at = tl.load(
-                        A + offs_m[:, None] * sam + offs_e[None, :],
-                        mask=mask_m[:, None] & me[None, :],
-                        other=0.0,
-                    )
-                    bt = tl.load(
-                        B + offs_n[:, None] * sbm + offs_e[None, :],
-                        mask=mask_n[:, None] & me[None, :],
-                        other=0.0,
-                    )
-                    q = tl.dot(at, tl.trans(bt), q, input_precision=PRECISION)
-                pq = p * q
-                if U_VEC:
-                    uv = tl.load(U + offs_n * sum_, mask=mask_n, other=0.0)
-                    acc2v += tl.sum(pq * uv[None, :], 1)
-                else:
-                    ut = tl.load(
-                        U + offs_n[:, None] * sum_ + offs_k2[None, :],
-                        mask=mask_n[:, None] & mk2[None, :],
-                        other=0.0,
-                    )
-                    acc2 = tl.dot(pq, ut, acc2, input_precision=PRECISION)
-        if W_VEC:
-            tl.store(OUT1 + offs_m * so1, acc1v, mask=mask_m)
-        else:
-            tl.store(
-                OUT1 + offs_m[:, None] * so1 + offs_k1[None, :],
-                acc1,
-                mask=mask_m[:, None] & mk1[None, :],
-            )
+                q = _tile_dot(
+                    A, B, offs_m, offs_n, mask_m, mask_n, sam, sbm, E, q,
+                    tl.cdiv(E, BLOCK_E), False, BLOCK_E, PRECISION,
+                )  # fmt: skip
+                acc2 = _acc_product(
+                    acc2, p * q, U, offs_n, mask_n, sum_, offs_k2, mk2, U_VEC, PRECISION
+                )
+        _store_rows(OUT1, acc1, offs_m, mask_m, so1, offs_k1, mk1, W_VEC)
         if HAS_Q:
             if pk == 0:
-                if U_VEC:
-                    tl.store(OUT2 + offs_m * so2, acc2v, mask=mask_m)
-                else:
-                    tl.store(
-                        OUT2 + offs_m[:, None] * so2 + offs_k2[None, :],
-                        acc2,
-                        mask=mask_m[:, None] & mk2[None, :],
-                    )
+                _store_rows(OUT2, acc2, offs_m, mask_m, so2, offs_k2, mk2, U_VEC)
 
 
 def _blocks(n: int, m: int, d: int) -> tuple[int, int, int]:
@@ -288,19 +248,19 @@ def _blocks(n: int, m: int, d: int) -> tuple[int, int, int]:
     return 64, 64, bd
 
 
-def _labels_args(labels, device):
+def _launch_setup(x, y, labels):
+    """What both launchers share: fp32 contiguous clouds, label operands, tile sizes and
+    the launch options. Returns ``(x, y, (lx, ly, table, table_stride, has_labels),
+    (BLOCK_M, BLOCK_N, BLOCK_D), launch_kwargs)``."""
+    x = x.float().contiguous()
+    y = y.float().contiguous()
     if labels is None:
-        z = torch.zeros(1, dtype=torch.int32, device=device)
-        return z, z, torch.zeros(1, dtype=torch.float32, device=device), 1, False
-    lx, ly, table = labels
-    table = table.float().contiguous()
-    return (
-        lx.to(torch.int32).contiguous(),
-        ly.to(torch.int32).contiguous(),
-        table,
-        table.stride(0),
-        True,
-    )
+        z = torch.zeros(1, dtype=torch.int32, device=x.device)
+        lab = (z, z, torch.zeros(1, dtype=torch.float32, device=x.device), 1, False)
+    else:
+        lab = (*_label_operands(*labels), True)
+    opts = dict(num_warps=4, num_stages=2 if not _interpret() else 1)
+    return x, y, lab, _blocks(x.shape[0], y.shape[0], x.shape[1]), opts
 
 
 # ----------------------------------------------------------------------------------------
@@ -326,12 +286,9 @@ def row_lse(
         return _row_lse_torch(x, y, G, eps, labels)
     n, d = x.shape
     m = y.shape[0]
-    x = x.float().contiguous()
-    y = y.float().contiguous()
+    x, y, (lx, ly, lt, slt, has_l), (bm, bn, bd), opts = _launch_setup(x, y, labels)
     G = G.float().contiguous()
     out = torch.empty(n, dtype=torch.float32, device=x.device)
-    lx, ly, lt, slt, has_l = _labels_args(labels, x.device)
-    bm, bn, bd = _blocks(n, m, d)
     _row_lse_kernel[(triton.cdiv(n, bm),)](
         x,
         y,
@@ -352,8 +309,7 @@ def row_lse(
         BLOCK_N=bn,
         BLOCK_D=bd,
         PRECISION=precision,
-        num_warps=4,
-        num_stages=2 if not _interpret() else 1,
+        **opts,
     )
     return out
 
@@ -385,15 +341,13 @@ def row_apply(
         return _row_apply_torch(x, y, F, G, eps, W, A, B, U, labels)
     n, d = x.shape
     m = y.shape[0]
-    x = x.float().contiguous()
-    y = y.float().contiguous()
+    x, y, (lx, ly, lt, slt, has_l), (bm, bn, bd), opts = _launch_setup(x, y, labels)
     F = F.float().contiguous()
     G = G.float().contiguous()
     w_vec = W.dim() == 1
     W2 = W.float().reshape(m, -1).contiguous()
     K1 = W2.shape[1]
     out1 = torch.empty(n, K1, dtype=torch.float32, device=x.device)
-    bm, bn, bd = _blocks(n, m, d)
     if w_vec:
         bk1, nk = 16, 1
     else:
@@ -416,7 +370,6 @@ def row_apply(
         E = K2 = 1
         u_vec = True
         be_ = bk2 = 16
-    lx, ly, lt, slt, has_l = _labels_args(labels, x.device)
     _row_apply_kernel[(triton.cdiv(n, bm), nk)](
         x,
         y,
@@ -458,8 +411,7 @@ def row_apply(
         BLOCK_K1=bk1,
         BLOCK_K2=bk2,
         PRECISION=precision,
-        num_warps=4,
-        num_stages=2 if not _interpret() else 1,
+        **opts,
     )
     o1 = out1[:, 0] if w_vec else out1
     if not has_q:
@@ -470,13 +422,15 @@ def row_apply(
 # ----------------------------------------------------------------------------------------
 # Blockwise torch path (same math; any dtype)
 # ----------------------------------------------------------------------------------------
-def _block_rows(n: int, m: int) -> int:
-    return max(1, min(n, (1 << 22) // max(m, 1)))
-
-
-def _label_block(labels, i0, i1):
-    lx, ly, table = labels
-    return table[lx[i0:i1].long()][:, ly.long()]
+def _exponent_rows(x, y, G, F, labels, i0, i1):
+    """``[F_i +] G_j + 2<x_i, y_j> [- L[lx_i, ly_j]]`` for the rows i0:i1 (F None: omitted)."""
+    t = 2.0 * x[i0:i1] @ y.T + G[None, :]
+    if F is not None:
+        t = t + F[i0:i1, None]
+    if labels is not None:
+        lx, ly, table = labels
+        t = t - table[lx[i0:i1].long()][:, ly.long()].to(t.dtype)
+    return t
 
 
 def _row_lse_torch(x, y, G, eps, labels):
@@ -485,9 +439,7 @@ def _row_lse_torch(x, y, G, eps, labels):
     bs = _block_rows(n, y.shape[0])
     for i0 in range(0, n, bs):
         i1 = min(n, i0 + bs)
-        t = 2.0 * x[i0:i1] @ y.T + G[None, :]
-        if labels is not None:
-            t = t - _label_block(labels, i0, i1).to(t.dtype)
+        t = _exponent_rows(x, y, G, None, labels, i0, i1)
         out[i0:i1] = -eps * torch.logsumexp(t / eps, dim=1)
     return out
 
@@ -504,10 +456,7 @@ def _row_apply_torch(x, y, F, G, eps, W, A, B, U, labels):
         out2 = torch.empty((n,) + tuple(U.shape[1:]), dtype=x.dtype, device=x.device)
     for i0 in range(0, n, bs):
         i1 = min(n, i0 + bs)
-        t = 2.0 * x[i0:i1] @ y.T + G[None, :] + F[i0:i1, None]
-        if labels is not None:
-            t = t - _label_block(labels, i0, i1).to(t.dtype)
-        p = torch.exp(t / eps)
+        p = torch.exp(_exponent_rows(x, y, G, F, labels, i0, i1) / eps)
         out1[i0:i1] = p @ W
         if has_q:
             out2[i0:i1] = (p * (A[i0:i1] @ B.T)) @ U
@@ -516,11 +465,7 @@ def _row_apply_torch(x, y, F, G, eps, W, A, B, U, labels):
 
 def dense_plan(x, y, F, G, eps, labels=None):
     """The n x m plan (float64 helpers and tests only)."""
-    t = 2.0 * x @ y.T + G[None, :] + F[:, None]
-    if labels is not None:
-        lx, ly, table = labels
-        t = t - table[lx.long()][:, ly.long()].to(t.dtype)
-    return torch.exp(t / eps)
+    return torch.exp(_exponent_rows(x, y, G, F, labels, 0, x.shape[0]) / eps)
 
 
 __all__ = ["row_lse", "row_apply", "resolve_backend", "dense_plan", "PRECISIONS", "LN2", "LOG2E"]

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashsinkhorn.second_order._plan import Plan, solve_potentials
+from flashsinkhorn.second_order._plan import Plan, _phi, _split_reach, solve_potentials
 from flashsinkhorn.second_order.optim import CGInfo, conjugate_gradient
 
 
@@ -67,15 +67,58 @@ def _schur_solve(plan: Plan, r, c, rhs_f, rhs_g, *, tol, max_iter, tikhonov=0.0)
     return zg, info
 
 
+def _weighted(apply, w, pts):
+    """``(P w, P (w pts))`` in one streamed pass; ``apply`` is ``plan.rows`` (pts = y) or
+    ``plan.cols`` (P^T, pts = x). ``w=None`` means ones: the masses and ``P pts``."""
+    if w is None:
+        ones = torch.ones(pts.shape[0], 1, dtype=pts.dtype, device=pts.device)
+        R = apply(torch.cat([ones, pts], 1))
+    else:
+        R = apply(torch.cat([w[:, None], w[:, None] * pts], 1))
+    return R[:, 0], R[:, 1:]
+
+
+def _first_pass(apply, pts, s, v, need, A, B):
+    """Pass 1 of the HVP on one side, one streamed product: ``P 1``, ``P pts`` (if
+    ``need``), ``P s`` and ``P v`` (when the other side moves: s, v given; ``P v`` only if
+    ``need``), ``(P*Q) 1`` and ``(P*Q) pts`` (if ``need``), with ``Q = A B^T``.
+
+    Rows: ``apply=plan.rows, pts=y, s=beta, v=vy``; columns: ``plan.cols, x, alpha, vx``
+    with A and B swapped. Returns ``(P1, Ppts, Ps, Pv, PQ1, PQpts)``, None where skipped.
+    """
+    d = pts.shape[1]
+    ones = torch.ones(pts.shape[0], 1, dtype=pts.dtype, device=pts.device)
+    has = s is not None
+    W = [ones] + ([pts] if need else []) + ([s[:, None]] if has else [])
+    W += [v] if (has and need) else []
+    U = torch.cat([ones, pts], 1) if need else ones[:, 0]
+    R1, R2 = apply(torch.cat(W, 1), A=A, B=B, U=U)
+    Ppts = Ps = Pv = PQpts = None
+    k = 1
+    if need:
+        Ppts = R1[:, k : k + d]
+        k += d
+    if has:
+        Ps = R1[:, k]
+        k += 1
+        if need:
+            Pv = R1[:, k : k + d]
+    if need:
+        PQ1, PQpts = R2[:, 0], R2[:, 1:]
+    else:
+        PQ1 = R2
+    return R1[:, 0], Ppts, Ps, Pv, PQ1, PQpts
+
+
 def _grads(plan: Plan, need_x=True, need_y=True):
     """Envelope-theorem gradients ``(2 (r x - P y), 2 (c y - P^T x))`` (compute dtype)."""
     gx = gy = None
     if need_x:
-        R = plan.rows(torch.cat([torch.ones_like(plan.g)[:, None], plan.y], 1))
-        gx = 2.0 * (R[:, :1] * plan.x - R[:, 1:])
+        r, Py = _weighted(plan.rows, None, plan.y)
+        gx = 2.0 * (r[:, None] * plan.x - Py)
     if need_y:
-        C = plan.cols(torch.cat([torch.ones_like(plan.f)[:, None], plan.x], 1))
-        gy = 2.0 * (C[:, :1] * plan.y - C[:, 1:])
+        c, PTx = _weighted(plan.cols, None, plan.x)
+        gy = 2.0 * (c[:, None] * plan.y - PTx)
     return gx, gy
 
 
@@ -87,15 +130,11 @@ def _hvp_plan(plan: Plan, vx, vy, *, need_x=True, need_y=True, cg_tol=1e-6, cg_m
     """
     x, y, eps = plan.x, plan.y, plan.eps
     dt = x.dtype
-    n, d = x.shape
-    m = y.shape[0]
     hasx, hasy = vx is not None, vy is not None
     if not (hasx or hasy):
         raise ValueError("need at least one of vx, vy")
     vx = vx.to(dt) if hasx else None
     vy = vy.to(dt) if hasy else None
-    ones_m = torch.ones(m, 1, dtype=dt, device=x.device)
-    ones_n = torch.ones(n, 1, dtype=dt, device=x.device)
     alpha = (x * vx).sum(1) if hasx else None
     beta = (y * vy).sum(1) if hasy else None
     if hasx and hasy:
@@ -106,44 +145,9 @@ def _hvp_plan(plan: Plan, vx, vy, *, need_x=True, need_y=True, cg_tol=1e-6, cg_m
         A, B = x, vy
 
     # row pass 1: r, P y, P beta, P vy ; (P*Q) 1, (P*Q) y
-    Wr = [ones_m] + ([y] if need_x else []) + ([beta[:, None]] if hasy else [])
-    Wr += [vy] if (hasy and need_x) else []
-    Ur = torch.cat([ones_m, y], 1) if need_x else ones_m[:, 0]
-    R1, R2 = plan.rows(torch.cat(Wr, 1), A=A, B=B, U=Ur)
-    r = R1[:, 0]
-    k = 1
-    if need_x:
-        Py = R1[:, k : k + d]
-        k += d
-    if hasy:
-        Pbeta = R1[:, k]
-        k += 1
-        if need_x:
-            Pvy = R1[:, k : k + d]
-    if need_x:
-        Qr, QY = R2[:, 0], R2[:, 1:]
-    else:
-        Qr = R2
-
+    r, Py, Pbeta, Pvy, Qr, QY = _first_pass(plan.rows, y, beta, vy, need_x, A, B)
     # column pass 1: c, P^T x, P^T alpha, P^T vx ; (P*Q)^T 1, (P*Q)^T x
-    Wc = [ones_n] + ([x] if need_y else []) + ([alpha[:, None]] if hasx else [])
-    Wc += [vx] if (hasx and need_y) else []
-    Uc = torch.cat([ones_n, x], 1) if need_y else ones_n[:, 0]
-    C1, C2 = plan.cols(torch.cat(Wc, 1), A=B, B=A, U=Uc)
-    c = C1[:, 0]
-    k = 1
-    if need_y:
-        PTx = C1[:, k : k + d]
-        k += d
-    if hasx:
-        PTalpha = C1[:, k]
-        k += 1
-        if need_y:
-            PTvx = C1[:, k : k + d]
-    if need_y:
-        Qc, QX = C2[:, 0], C2[:, 1:]
-    else:
-        Qc = C2
+    c, PTx, PTalpha, PTvx, Qc, QX = _first_pass(plan.cols, x, alpha, vx, need_y, B, A)
 
     # linearized optimality conditions
     u = -2.0 * Qr
@@ -160,8 +164,7 @@ def _hvp_plan(plan: Plan, vx, vy, *, need_x=True, need_y=True, cg_tol=1e-6, cg_m
 
     # row pass 2: P psi, P (psi y)
     if need_x:
-        R = plan.rows(torch.cat([psi[:, None], psi[:, None] * y], 1))
-        Ppsi, PpsiY = R[:, 0], R[:, 1:]
+        Ppsi, PpsiY = _weighted(plan.rows, psi, y)
     else:
         Ppsi = plan.rows(psi)
     Pdg = Ppsi + 2.0 * Pbeta if hasy else Ppsi
@@ -177,8 +180,7 @@ def _hvp_plan(plan: Plan, vx, vy, *, need_x=True, need_y=True, cg_tol=1e-6, cg_m
         if hasy:
             hx = hx - 2.0 * Pvy
     if need_y:
-        Cc = plan.cols(torch.cat([phi[:, None], phi[:, None] * x], 1))
-        PTphi, PTphiX = Cc[:, 0], Cc[:, 1:]
+        PTphi, PTphiX = _weighted(plan.cols, phi, x)
         s = PTphi + psi * c + 2.0 * Qc
         hy = (2.0 / eps) * (y * s[:, None] - (PTphiX + psi[:, None] * PTx + 2.0 * QX))
         if hasy:
@@ -194,11 +196,6 @@ def _hvp_plan(plan: Plan, vx, vy, *, need_x=True, need_y=True, cg_tol=1e-6, cg_m
 class HvpInfo(NamedTuple):
     cg: list  # CGInfo of each Schur solve (one per OT term)
     sinkhorn: list  # solver info of each OT term
-
-
-def _solve_kw(kw):
-    keys = ("max_iter", "tol", "eps_schedule", "backend", "precision", "check_every")
-    return {k: kw[k] for k in keys if k in kw}
 
 
 def hvp(
@@ -266,9 +263,7 @@ def hvp(
                              cg_max_iter=cg_max_iter, tikhonov=tikhonov)  # fmt: skip
     cgs, sks = [info], [plan.info]
     if debias:
-        rx = ry = reach
-        if isinstance(reach, (tuple, list)):
-            rx, ry = reach[0], reach[1]
+        rx, ry = _split_reach(reach)
         for pts, w, vv, need, rr in ((x, a, vx, need_x, rx), (y, b, vy, need_y, ry)):
             if not need or vv is None:
                 continue
@@ -338,18 +333,12 @@ def implicit_grad(
     if plan.balanced:  # drop the gauge component (1, -1) of the right-hand side
         t = (gf.sum() - gg.sum()) / (n + m)
         gf, gg = gf - t, gg + t
-    ones_m = torch.ones(m, 1, dtype=dt, device=x.device)
-    ones_n = torch.ones(n, 1, dtype=dt, device=x.device)
-    R = plan.rows(torch.cat([ones_m, plan.y], 1))
-    r, Py = R[:, 0], R[:, 1:]
-    C = plan.cols(torch.cat([ones_n, plan.x], 1))
-    c, PTx = C[:, 0], C[:, 1:]
+    r, Py = _weighted(plan.rows, None, plan.y)
+    c, PTx = _weighted(plan.cols, None, plan.x)
     lg, info = _schur_solve(plan, r, c, gf, gg, tol=cg_tol, max_iter=cg_max_iter)
-    R2 = plan.rows(torch.cat([lg[:, None], lg[:, None] * plan.y], 1))
-    Plg, PlgY = R2[:, 0], R2[:, 1:]
+    Plg, PlgY = _weighted(plan.rows, lg, plan.y)
     lf = plan.kx * (gf - Plg) / r
-    C2 = plan.cols(torch.cat([lf[:, None], lf[:, None] * plan.x], 1))
-    PTlf, PTlfX = C2[:, 0], C2[:, 1:]
+    PTlf, PTlfX = _weighted(plan.cols, lf, plan.x)
     gx = 2.0 * (lf[:, None] * (r[:, None] * plan.x - Py) + plan.x * Plg[:, None] - PlgY)
     gy = 2.0 * (lg[:, None] * (c[:, None] * plan.y - PTx) + plan.y * PTlf[:, None] - PTlfX)
     ga = -plan.eps * Plg / plan.a
@@ -460,15 +449,11 @@ class _OTLossFn(torch.autograd.Function):
             gy = gout * gy
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             c = p.cols(torch.ones_like(p.f))
-            phi_f = _phi_grad(p.f, p.rho_x)
-            phi_g = _phi_grad(p.g, p.rho_y)
+            phi_f = _phi(p.f, p.rho_x)
+            phi_g = _phi(p.g, p.rho_y)
             ga = gout * (phi_f - p.eps * (ctx.r / p.a - p.b.sum())).to(x.dtype)
             gb = gout * (phi_g - p.eps * (c / p.b - p.a.sum())).to(x.dtype)
         return gx, gy, ga, gb, None
-
-
-def _phi_grad(f, rho):
-    return f if rho is None else -rho * torch.expm1(-f / rho)
 
 
 def ot_loss(
@@ -502,10 +487,7 @@ def ot_loss(
         a = torch.full((n,), 1.0 / n, dtype=dt, device=x.device)
     if b is None:
         b = torch.full((m,), 1.0 / m, dtype=dt, device=x.device)
-    if isinstance(reach, (tuple, list)):
-        rx, ry = reach
-    else:
-        rx = ry = reach
+    rx, ry = _split_reach(reach)
 
     def cfg(rr, sym):
         return {

@@ -14,6 +14,44 @@ def _phi(f, rho):
     return f if rho is None else -rho * torch.expm1(-f / rho)
 
 
+def _float64(x, y, a, b):
+    """Float64 copies of the clouds and the weights (uniform when None)."""
+    x = x.double()
+    y = y.double()
+    n, m = x.shape[0], y.shape[0]
+    a = torch.full((n,), 1.0 / n, dtype=torch.float64) if a is None else a.double()
+    b = torch.full((m,), 1.0 / m, dtype=torch.float64) if b is None else b.double()
+    return x, y, a, b
+
+
+def _rhos(reach):
+    """reach (None, a number or a pair) -> (rho_x, rho_y) = reach**2 (None: balanced)."""
+    if reach is None:
+        return None, None
+    if isinstance(reach, (tuple, list)):
+        rx = None if reach[0] is None else float(reach[0]) ** 2
+        ry = None if reach[1] is None else float(reach[1]) ** 2
+        return rx, ry
+    return float(reach) ** 2, float(reach) ** 2
+
+
+def _sinkhorn(x, y, a, b, eps, rx, ry, n_iter, labels=None):
+    """Dense alternating log-domain Sinkhorn; returns ``(C, f, g)`` after ``n_iter`` steps."""
+    kx = 1.0 if rx is None else 1.0 / (1.0 + eps / rx)
+    ky = 1.0 if ry is None else 1.0 / (1.0 + eps / ry)
+    C = ((x[:, None, :] - y[None, :, :]) ** 2).sum(-1)
+    if labels is not None:
+        lx, ly, table = labels
+        C = C + table.double()[lx.long()][:, ly.long()]
+    la, lb = torch.log(a), torch.log(b)
+    f = torch.zeros(x.shape[0], dtype=torch.float64)
+    g = torch.zeros(y.shape[0], dtype=torch.float64)
+    for _ in range(n_iter):
+        f = -kx * eps * torch.logsumexp((g[None, :] - C) / eps + lb[None, :], dim=1)
+        g = -ky * eps * torch.logsumexp((f[:, None] - C) / eps + la[:, None], dim=0)
+    return C, f, g
+
+
 def ot_loss_ref(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -33,11 +71,7 @@ def ot_loss_ref(
     ``debias=True``: ``OT(x, y) - OT(x, x) / 2 - OT(y, y) / 2``. Differentiable (to any
     order) by autograd through the unrolled loop.
     """
-    x = x.double()
-    y = y.double()
-    n, m = x.shape[0], y.shape[0]
-    a = torch.full((n,), 1.0 / n, dtype=torch.float64) if a is None else a.double()
-    b = torch.full((m,), 1.0 / m, dtype=torch.float64) if b is None else b.double()
+    x, y, a, b = _float64(x, y, a, b)
     if debias:
         lab_xx = lab_yy = None
         if labels is not None:
@@ -51,47 +85,18 @@ def ot_loss_ref(
             - 0.5 * ot_loss_ref(x, x, a, a, labels=lab_xx, **kw)
             - 0.5 * ot_loss_ref(y, y, b, b, labels=lab_yy, **kw)
         )
-    if reach is None:
-        rx = ry = None
-    elif isinstance(reach, (tuple, list)):
-        rx = None if reach[0] is None else float(reach[0]) ** 2
-        ry = None if reach[1] is None else float(reach[1]) ** 2
-    else:
-        rx = ry = float(reach) ** 2
-    kx = 1.0 if rx is None else 1.0 / (1.0 + eps / rx)
-    ky = 1.0 if ry is None else 1.0 / (1.0 + eps / ry)
-    C = ((x[:, None, :] - y[None, :, :]) ** 2).sum(-1)
-    if labels is not None:
-        lx, ly, table = labels
-        C = C + table.double()[lx.long()][:, ly.long()]
+    rx, ry = _rhos(reach)
+    C, f, g = _sinkhorn(x, y, a, b, eps, rx, ry, n_iter, labels)
     la, lb = torch.log(a), torch.log(b)
-    f = torch.zeros(n, dtype=torch.float64)
-    g = torch.zeros(m, dtype=torch.float64)
-    for _ in range(n_iter):
-        f = -kx * eps * torch.logsumexp((g[None, :] - C) / eps + lb[None, :], dim=1)
-        g = -ky * eps * torch.logsumexp((f[:, None] - C) / eps + la[:, None], dim=0)
     P = torch.exp((f[:, None] + g[None, :] - C) / eps + la[:, None] + lb[None, :])
     return _phi(f, rx) @ a + _phi(g, ry) @ b - eps * (P.sum() - a.sum() * b.sum())
 
 
 def potentials_ref(x, y, a=None, b=None, *, eps, reach=None, n_iter=2000):
     """Dense float64 potentials (f, g) after ``n_iter`` alternating iterations."""
-    x = x.double()
-    y = y.double()
-    n, m = x.shape[0], y.shape[0]
-    a = torch.full((n,), 1.0 / n, dtype=torch.float64) if a is None else a.double()
-    b = torch.full((m,), 1.0 / m, dtype=torch.float64) if b is None else b.double()
-    if reach is None:
-        kx = ky = 1.0
-    else:
-        kx = ky = 1.0 / (1.0 + eps / float(reach) ** 2)
-    C = ((x[:, None, :] - y[None, :, :]) ** 2).sum(-1)
-    la, lb = torch.log(a), torch.log(b)
-    f = torch.zeros(n, dtype=torch.float64)
-    g = torch.zeros(m, dtype=torch.float64)
-    for _ in range(n_iter):
-        f = -kx * eps * torch.logsumexp((g[None, :] - C) / eps + lb[None, :], dim=1)
-        g = -ky * eps * torch.logsumexp((f[:, None] - C) / eps + la[:, None], dim=0)
+    x, y, a, b = _float64(x, y, a, b)
+    rx, ry = _rhos(reach)
+    _, f, g = _sinkhorn(x, y, a, b, eps, rx, ry, n_iter)
     return f, g
 
 
