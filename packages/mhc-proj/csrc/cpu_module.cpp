@@ -83,16 +83,25 @@ void store(const S (&a)[N][N], S* dst) {
     for (int j = 0; j < N; ++j) dst[i * N + j] = a[i][j];
 }
 
+// Forward variants (the codes of the CUDA binding): 0 and 1 (CUDA: 16 lanes / thread per
+// matrix) run the iteration on the full state here; 2 runs the scaling form
+// (mhc::sinkhorn_fwd_scaling, the code of the CUDA scaling kernel).
+constexpr int kSkFwdScaling = 2;
+
 template <int N, typename S>
-void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps) {
+void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps, int variant) {
   constexpr int E = N * N;
   for (int64_t b = 0; b < B; ++b) {
     S a[N][N], p[N][N];
     load<N, S>(src + b * E, a);
-    mhc::softmax_rows<N, S>(a, p);
-    for (int i = 0; i < N; ++i)
-      for (int j = 0; j < N; ++j) p[i][j] += eps;
-    for (int k = 0; k < 2 * iters - 1; ++k) mhc::sinkhorn_step<N, S>(p, k % 2 == 0, eps);
+    if (variant == kSkFwdScaling) {
+      mhc::sinkhorn_fwd_scaling<N, S>(a, p, iters, eps);
+    } else {
+      mhc::softmax_rows<N, S>(a, p);
+      for (int i = 0; i < N; ++i)
+        for (int j = 0; j < N; ++j) p[i][j] += eps;
+      for (int k = 0; k < 2 * iters - 1; ++k) mhc::sinkhorn_step<N, S>(p, k % 2 == 0, eps);
+    }
     store<N, S>(p, dst + b * E);
   }
 }
@@ -140,11 +149,13 @@ struct BwdF {
 };
 template <int N>
 struct SkFwdF {
-  static void run(std::uintptr_t s, std::uintptr_t d, int64_t B, int iters, double eps, int dt) {
+  static void run(std::uintptr_t s, std::uintptr_t d, int64_t B, int iters, double eps, int dt,
+                  int variant) {
     if (dt == kF32)
-      sinkhorn_fwd_t<N, float>(ptr<const float>(s), ptr<float>(d), B, iters, float(eps));
+      sinkhorn_fwd_t<N, float>(ptr<const float>(s), ptr<float>(d), B, iters, float(eps),
+                               variant);
     else
-      sinkhorn_fwd_t<N, double>(ptr<const double>(s), ptr<double>(d), B, iters, eps);
+      sinkhorn_fwd_t<N, double>(ptr<const double>(s), ptr<double>(d), B, iters, eps, variant);
   }
 };
 template <int N>
@@ -193,12 +204,16 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "sinkhorn_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, int64_t B, int n, int iters, double eps,
-         int dtype) {
+         int dtype, int variant) {
+        if (variant < 0 || variant > kSkFwdScaling)
+          throw std::invalid_argument("sinkhorn_fwd: variant must be 0, 1 (full state) or 2 "
+                                      "(scaling form), got " +
+                                      std::to_string(variant));
         py::gil_scoped_release nogil;
-        dispatch_n<SkFwdF>(n, src, dst, B, iters, eps, dtype);
+        dispatch_n<SkFwdF>(n, src, dst, B, iters, eps, dtype, variant);
       },
       py::arg("src"), py::arg("dst"), py::arg("batch"), py::arg("n"), py::arg("iters"),
-      py::arg("eps"), py::arg("dtype"));
+      py::arg("eps"), py::arg("dtype"), py::arg("variant") = 1);
   m.def(
       "sinkhorn_bwd",
       [](std::uintptr_t src, std::uintptr_t g, std::uintptr_t dst, int64_t B, int n, int iters,

@@ -119,6 +119,33 @@ __global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restr
     reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(p[q][0], p[q][1], p[q][2], p[q][3]);
 }
 
+// Thread-per-matrix forward in the scaling form (mhc::sinkhorn_fwd_scaling; the CPU module
+// runs the same code with variant 2): P0 (16 floats) and the scaling vectors r, c (4 each)
+// in registers; a step is one 4 x 4 mat-vec and 4 MUFU.RCP (no full-state rescale, no
+// correctly rounded reciprocals), the same steps as sinkhorn4_bwd_thread's replay. ITERS > 0:
+// compile-time count, straight-line code; ITERS == 0: run-time count. Selected with
+// variant = 2 of sinkhorn_fwd (opt-in until measured, see NOTES.md).
+template <int ITERS>
+__global__ void __launch_bounds__(128) sinkhorn4_fwd_scaling(const float* __restrict__ src,
+                                                             float* __restrict__ dst,
+                                                             int64_t batch, int iters, float eps) {
+  const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (b >= batch) return;
+  float a[4][4], p[4][4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(src + b * 16) + q);
+    a[q][0] = v.x;
+    a[q][1] = v.y;
+    a[q][2] = v.z;
+    a[q][3] = v.w;
+  }
+  mhc::sinkhorn_fwd_scaling<4, float, ITERS>(a, p, iters, eps);
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(p[q][0], p[q][1], p[q][2], p[q][3]);
+}
+
 // Thread-per-matrix backward (exact, of the truncated iteration): the shared header's
 // recompute formulation, mhc::sinkhorn_vjp_scaling. It keeps the vector each step updates
 // (4 floats per step instead of the 16-float state): for ITERS = 20 that is 39 x 4 = 156
@@ -235,11 +262,24 @@ PYBIND11_MODULE(_cuda, m) {
         if (iters < 1 || iters > kMaxSinkhornIters)
           throw std::invalid_argument("iters must be in 1..64 on CUDA, got " +
                                       std::to_string(iters));
+        if (variant < 0 || variant > 2)
+          throw std::invalid_argument("sinkhorn_fwd: variant must be 0 (16 lanes per matrix), "
+                                      "1 (thread per matrix) or 2 (thread per matrix, scaling "
+                                      "form), got " +
+                                      std::to_string(variant));
         if (B == 0) return;
         const cudaStream_t s = as_stream(stream);
-        if (variant == 1) {
-          sinkhorn4_fwd_thread<<<unsigned((B + 127) / 128), 128, 0, s>>>(
-              ptr<const float>(src), ptr<float>(dst), B, iters, float(eps));
+        const unsigned tgrid = unsigned((B + 127) / 128);
+        if (variant == 2) {
+          if (iters == 20)
+            sinkhorn4_fwd_scaling<20><<<tgrid, 128, 0, s>>>(ptr<const float>(src),
+                                                            ptr<float>(dst), B, iters, float(eps));
+          else
+            sinkhorn4_fwd_scaling<0><<<tgrid, 128, 0, s>>>(ptr<const float>(src), ptr<float>(dst),
+                                                           B, iters, float(eps));
+        } else if (variant == 1) {
+          sinkhorn4_fwd_thread<<<tgrid, 128, 0, s>>>(ptr<const float>(src), ptr<float>(dst), B,
+                                                     iters, float(eps));
         } else {
           const unsigned grid = unsigned((B * 16 + 255) / 256);
           if (iters == 20)

@@ -605,6 +605,7 @@ MHC_HD void sk_matvec_acc(const S (&p0)[N][N], const S (&x)[N], S (&y)[N], bool 
 
 // One normalization step in the scaling form: out = in / (in (.) M other + eps), where M is
 // P0^T for a column step (other = r, in = c) and P0 for a row step (other = c, in = r).
+// out may be in (an in-place update).
 template <int N, typename S>
 MHC_HD void sk_scaling_step(const S (&p0)[N][N], const S (&other)[N], const S (&in)[N],
                             S (&out)[N], bool column, S eps) {
@@ -614,6 +615,47 @@ MHC_HD void sk_scaling_step(const S (&p0)[N][N], const S (&other)[N], const S (&
   sk_matvec_acc<N, S>(p0, other, u, column);
   MHC_UNROLL
   for (int j = 0; j < N; ++j) out[j] = in[j] * m_rcp_approx(in[j] * u[j] + eps);
+}
+
+// P0 = rowsoftmax(a) + eps, the fixed matrix of the scaling form; sm gets the softmax.
+template <int N, typename S>
+MHC_HD void sk_p0(const S (&a)[N][N], S eps, S (&sm)[N][N], S (&p0)[N][N]) {
+  softmax_rows<N, S>(a, sm);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) p0[i][j] = sm[i][j] + eps;
+  }
+}
+
+// Sinkhorn-k forward in the scaling form: P0 = rowsoftmax(a) + eps, the 2 iters - 1 vector
+// steps of sk_scaling_step (column steps update c, row steps r, from r = c = 1), then
+// P = P0 (.) r c^T. The steps are the calls sinkhorn_vjp_scaling's replay makes, in the
+// same order on the same operands, so the forward's r and c are bitwise those the backward
+// recomputes. The state is P0 and two N-vectors; a step costs one N x N mat-vec and N
+// reciprocals, and the N x N result is formed once at the end. ITERS > 0: compile-time
+// iteration count (iters is ignored, the loop unrolls); ITERS == 0: run-time count.
+template <int N, typename S, int ITERS = 0>
+MHC_HD void sinkhorn_fwd_scaling(const S (&a)[N][N], S (&p)[N][N], int iters, S eps) {
+  const int n_iters = ITERS > 0 ? ITERS : iters;
+  S sm[N][N], p0[N][N], r[N], c[N];
+  sk_p0<N, S>(a, eps, sm, p0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    r[i] = S(1);
+    c[i] = S(1);
+  }
+  sk_scaling_step<N, S>(p0, r, c, c, true, eps);  // step 0: columns
+  MHC_UNROLL
+  for (int it = 1; it < n_iters; ++it) {
+    sk_scaling_step<N, S>(p0, c, r, r, false, eps);  // step 2 it - 1: rows
+    sk_scaling_step<N, S>(p0, r, c, c, true, eps);   // step 2 it: columns
+  }
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) p[i][j] = (p0[i][j] * r[i]) * c[j];
+  }
 }
 
 // Adjoint of one normalization step q = p / (sum + eps) (sum along the step's axis), with
@@ -658,13 +700,9 @@ MHC_HD void sinkhorn_vjp_scaling(const S (&a)[N][N], S (&g)[N][N], int iters, S 
                                  S (*vec)[N]) {
   const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
   S sm[N][N], p0[N][N], one[N];
-  softmax_rows<N, S>(a, sm);
+  sk_p0<N, S>(a, eps, sm, p0);
   MHC_UNROLL
-  for (int i = 0; i < N; ++i) {
-    one[i] = S(1);
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) p0[i][j] = sm[i][j] + eps;
-  }
+  for (int i = 0; i < N; ++i) one[i] = S(1);
   // forward replay: vec[k] = the vector step k updated (c for even k, r for odd k)
   MHC_UNROLL
   for (int k = 0; k < steps; ++k) {

@@ -8,7 +8,9 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   ``MHC_PROJ_SINKHORN_BWD`` selects); ``ours-sinkhorn20-lane16``: the forward in the
   16-lanes-per-matrix layout (fwd only), for comparison; ``ours-sinkhorn20-lane-bwd``:
   the same op with the 16-lanes-per-matrix backward (bwd and fwd_bwd only; its forward is
-  ``ours-sinkhorn20``'s).
+  ``ours-sinkhorn20``'s); ``ours-sinkhorn20-scaling``: the same op with the forward in the
+  scaling form (``MHC_PROJ_SINKHORN_FWD=scaling``; thread per matrix, not yet measured),
+  backward as ``ours-sinkhorn20``.
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -44,6 +46,7 @@ PROVIDERS = [
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
+    "ours-sinkhorn20-scaling",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -93,6 +96,8 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=0) if x.is_cuda else None
     if provider == "ours-sinkhorn20-lane-bwd":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="lane")
+    if provider == "ours-sinkhorn20-scaling":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="scaling")
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":
@@ -258,11 +263,13 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
                 if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":
                     continue  # the same forward as ours-sinkhorn20
                 cases.append((p, mode, b, 1.0, False))
-    for p in ["ours", "ours-sinkhorn20", "ours-sinkhorn20-lane-bwd"]:
+    for p in ["ours", "ours-sinkhorn20", "ours-sinkhorn20-lane-bwd", "ours-sinkhorn20-scaling"]:
         if p in providers:
             # backward alone; for Sinkhorn-20 both kernels (16 lanes / thread per matrix)
-            # at every size
-            cases += [(p, "bwd", b, 1.0, False) for b in (sizes if p != "ours" else sizes[-1:])]
+            # at every size (the scaling provider's backward is ours-sinkhorn20's)
+            if p != "ours-sinkhorn20-scaling":
+                bwd_sizes = sizes if p != "ours" else sizes[-1:]
+                cases += [(p, "bwd", b, 1.0, False) for b in bwd_sizes]
             for b in [1048576, 16777216]:
                 for mode in ["fwd", "fwd_bwd"]:
                     if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":

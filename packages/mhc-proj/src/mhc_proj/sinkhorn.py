@@ -5,8 +5,20 @@ P /= rowsum(P) + eps; P /= colsum(P) + eps. The backward is the exact derivative
 this truncated iteration (not of the exact projection): for parity with checkpoints
 trained with Sinkhorn, and as the baseline of :func:`mhc_proj.birkhoff_project`.
 
-Kernels: C++ on CPU (n = 2..8, float32/float64); CUDA for n = 4 float32. Forward: one
-thread per matrix (default) or 16 lanes per matrix. Backward, two CUDA kernels:
+Kernels: C++ on CPU (n = 2..8, float32/float64); CUDA for n = 4 float32. Forward, three
+CUDA kernels:
+
+- ``thread`` (default): one thread per matrix, the iteration on the full 16-float state
+  with correctly rounded reciprocals (H200: 2.32 ms at B = 16M).
+- ``lane``: 16 lanes per matrix (the published layout), shuffles for the sums.
+- ``scaling``: one thread per matrix in the scaling form of ``csrc/mhc_math.h``
+  (``sinkhorn_fwd_scaling``: P = P0 ∘ r c^T, each step rescales one 4-float vector with
+  approximate reciprocals; the same steps the ``thread`` backward replays). Opt-in, not yet
+  measured on a GPU (prediction in packages/mhc-proj/NOTES.md).
+
+Selected with ``MHC_PROJ_SINKHORN_FWD`` (read at each forward call) or the ``variant``
+argument of :func:`sinkhorn_fwd`. On the CPU, ``scaling`` runs the same header code as the
+CUDA kernel and the other two names the full-state iteration. Backward, two CUDA kernels:
 
 - ``thread`` (default): one thread per matrix, the recompute formulation of
   ``csrc/mhc_math.h`` (``sinkhorn_vjp_scaling``: one forward replay keeping the 4-float
@@ -57,9 +69,36 @@ def _sinkhorn_bwd_torch(x: torch.Tensor, g: torch.Tensor, iters: int, eps: float
     return sm * (d - (d * sm).sum(-1, keepdim=True))
 
 
-def sinkhorn_fwd(x: torch.Tensor, iters: int, eps: float, variant: int = 1) -> torch.Tensor:
-    """Launches the forward on (B, n, n) contiguous ``x``. ``variant`` (CUDA, n = 4):
-    1 = one thread per matrix (default, measured faster), 0 = 16 lanes per matrix."""
+FWD_ENV = "MHC_PROJ_SINKHORN_FWD"
+_FWD_VARIANTS = {"lane": 0, "thread": 1, "scaling": 2}
+
+
+def fwd_variant_code(variant: str | int | None = None) -> int:
+    """Forward kernel code: ``variant`` if given (a name or its code), else the
+    ``MHC_PROJ_SINKHORN_FWD`` environment variable, else ``"thread"``. ``"lane"`` = 0
+    (16 lanes per matrix), ``"thread"`` = 1 (thread per matrix, full state; default),
+    ``"scaling"`` = 2 (thread per matrix, scaling form)."""
+    if variant is None:
+        variant = os.environ.get(FWD_ENV) or "thread"
+    if isinstance(variant, int) and not isinstance(variant, bool):
+        if variant in _FWD_VARIANTS.values():
+            return variant
+    elif variant in _FWD_VARIANTS:
+        return _FWD_VARIANTS[variant]
+    raise ValueError(
+        f"Sinkhorn forward variant must be one of {sorted(_FWD_VARIANTS)} "
+        f"(or codes {sorted(_FWD_VARIANTS.values())}); got {variant!r}"
+    )
+
+
+def sinkhorn_fwd(
+    x: torch.Tensor, iters: int, eps: float, variant: str | int | None = None
+) -> torch.Tensor:
+    """Launches the forward on (B, n, n) contiguous ``x``. ``variant``: ``"thread"`` (1,
+    default), ``"lane"`` (0) or ``"scaling"`` (2); None reads ``MHC_PROJ_SINKHORN_FWD``.
+    CUDA kernels for n = 4 float32; on the CPU ``"scaling"`` selects the scaling form and
+    the other two the full-state iteration."""
+    code = fwd_variant_code(variant)
     b, n = x.shape[0], x.shape[-1]
     if b == 0:
         return torch.empty_like(x)
@@ -70,11 +109,11 @@ def sinkhorn_fwd(x: torch.Tensor, iters: int, eps: float, variant: int = 1) -> t
     mod = _backend.for_tensor(x)
     if x.is_cuda:
         with _backend.on_device(x):
-            mod.sinkhorn_fwd(
-                x.data_ptr(), out.data_ptr(), b, iters, eps, variant, _backend.stream(x)
-            )
+            mod.sinkhorn_fwd(x.data_ptr(), out.data_ptr(), b, iters, eps, code, _backend.stream(x))
     else:
-        mod.sinkhorn_fwd(x.data_ptr(), out.data_ptr(), b, n, iters, eps, _backend.dtype_code(x))
+        mod.sinkhorn_fwd(
+            x.data_ptr(), out.data_ptr(), b, n, iters, eps, _backend.dtype_code(x), code
+        )
     return out
 
 
@@ -170,16 +209,16 @@ class _SinkhornFunction(torch.autograd.Function):
     """Eager fast path (no custom-op dispatch overhead); the op is used under compile."""
 
     @staticmethod
-    def forward(ctx, x, iters, eps, bwd_variant=None):
+    def forward(ctx, x, iters, eps, bwd_variant=None, fwd_variant=None):
         ctx.save_for_backward(x)
         ctx.iters, ctx.eps, ctx.bwd_variant = iters, eps, bwd_variant
-        return sinkhorn_fwd(x, iters, eps)
+        return sinkhorn_fwd(x, iters, eps, fwd_variant)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         g = grad.to(x.dtype).contiguous()
-        return sinkhorn_bwd(x, g, ctx.iters, ctx.eps, ctx.bwd_variant), None, None, None
+        return sinkhorn_bwd(x, g, ctx.iters, ctx.eps, ctx.bwd_variant), None, None, None, None
 
 
 def sinkhorn_project(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
@@ -187,16 +226,26 @@ def sinkhorn_project(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -
 
     float32/bfloat16/float16 computed in float32 (float32 output); float64 in float64.
     Differentiable (exact backward of the truncated iteration; saves the logits). The CUDA
-    backward kernel is chosen by ``MHC_PROJ_SINKHORN_BWD`` (``thread`` default, ``lane``).
+    backward kernel is chosen by ``MHC_PROJ_SINKHORN_BWD`` (``thread`` default, ``lane``),
+    the forward kernel by ``MHC_PROJ_SINKHORN_FWD`` (``thread`` default, ``lane``,
+    ``scaling``).
     """
     return _project(logits, iters, eps)
 
 
-def _project(logits: torch.Tensor, iters: int, eps: float, bwd_variant: str | None = None):
-    """:func:`sinkhorn_project` with an explicit CUDA backward kernel (eager path; under
-    ``torch.compile`` the environment variable decides). Used by the benchmark."""
+def _project(
+    logits: torch.Tensor,
+    iters: int,
+    eps: float,
+    bwd_variant: str | None = None,
+    fwd_variant: str | None = None,
+):
+    """:func:`sinkhorn_project` with explicit forward / backward kernels (eager path; under
+    ``torch.compile`` the environment variables decide). Used by the benchmark."""
     if bwd_variant is not None:
         bwd_variant_code(bwd_variant)  # validate before the forward runs
+    if fwd_variant is not None:
+        fwd_variant_code(fwd_variant)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor; got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -215,4 +264,6 @@ def _project(logits: torch.Tensor, iters: int, eps: float, bwd_variant: str | No
     x = x.reshape(-1, n, n).contiguous()
     if torch.compiler.is_compiling():
         return _fwd_op(x, int(iters), float(eps)).reshape(shape)
-    return _SinkhornFunction.apply(x, int(iters), float(eps), bwd_variant).reshape(shape)
+    return _SinkhornFunction.apply(x, int(iters), float(eps), bwd_variant, fwd_variant).reshape(
+        shape
+    )
