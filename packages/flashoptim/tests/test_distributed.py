@@ -41,14 +41,29 @@ def _spawn(worker, args, nprocs, done_dir):
                 raise
 
 
-def _mark_done(out_dir, rank):
-    with open(os.path.join(out_dir, f"done{rank}"), "w") as f:
+def _finish(rank, out, result):
+    """Rank 0 saves ``result`` to ``out``; every rank then marks itself done (``_spawn``)."""
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
+    with open(os.path.join(os.path.dirname(out), f"done{rank}"), "w") as f:
         f.write("ok")
 
 
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def _sharded(model):
+    """FSDP2: fully_shard every Linear layer, then the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
 
 
 def _batch(s):
@@ -78,12 +93,7 @@ def _worker(rank, world, init, mode, out):
         if mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         else:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+            model = _sharded(model)
         opt = fo.FlashAdamW(model.parameters(), lr=1e-2)
 
         def train(m, o, steps):
@@ -110,13 +120,7 @@ def _worker(rank, world, init, mode, out):
             }
             train(model, opt, range(STEPS // 2, STEPS))
             # resume into a fresh sharded model + optimizer (same world size)
-            from torch.distributed.fsdp import fully_shard
-
-            m2 = _model()
-            for layer in m2:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            fully_shard(m2)
+            m2 = _sharded(_model())
             m2.load_state_dict(msd)
             o2 = fo.FlashAdamW(m2.parameters(), lr=1e-2)
             o2.load_state_dict(osd)
@@ -131,10 +135,7 @@ def _worker(rank, world, init, mode, out):
             (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for p in model.parameters()
         ]
-        if rank == 0:
-            torch.save(params, out)
-        dist.barrier()  # no rank tears gloo down while another is still in a collective
-        _mark_done(os.path.dirname(out), rank)
+        _finish(rank, out, params)
     finally:
         dist.destroy_process_group()
 
@@ -159,14 +160,7 @@ def test_two_process_gloo_matches_single_process(mode):
 
 
 def _fsdp_model():
-    from torch.distributed.fsdp import fully_shard
-
-    m = _model().bfloat16()  # bf16 weights: the int8 corrections travel too
-    for layer in m:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(m)
-    return m
+    return _sharded(_model().bfloat16())  # bf16 weights: the int8 corrections travel too
 
 
 def _full_state(model, opt):
@@ -218,10 +212,7 @@ def _dcp_worker(rank, world, init, ckpt, out, phase):
             set_model_state_dict(model, sd["model"])
             set_optimizer_state_dict(model, opt, sd["optim"])
             full = _full_state(model, opt)
-        if rank == 0:
-            torch.save(full, out)
-        dist.barrier()  # no rank tears gloo down while another is still in a collective
-        _mark_done(os.path.dirname(out), rank)
+        _finish(rank, out, full)
     finally:
         dist.destroy_process_group()
 
