@@ -17,7 +17,8 @@ Semantics follow ``geomloss.SamplesLoss`` 0.3.1 exactly for p = 2:
   ``potentials=True`` returns ``(F, G)`` (not differentiable here).
 
 Gradients are computed in the forward pass by the same streaming kernel (the softmax
-average of the last step), so backward is elementwise.
+average of the last step), so backward is elementwise. Under torch.compile the forward runs
+as the custom op ``flashsinkhorn::sinkhorn_divergence`` (no graph break).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flashsinkhorn.solver import (
     Problem,
     _damp,
     centered_sqnorm,
+    check_values,
     common_center,
     eps_schedule,
     prepare_inputs,
@@ -170,6 +172,35 @@ def _sinkhorn_forward(
     return out
 
 
+def _loss_grads(needs, ga, gx, gb, gy, gout):
+    """Backward of the loss: the forward's gradient pieces times ``gout`` (B,), for the
+    inputs ``(a, x, b, y)`` whose ``needs`` flag is set (None for the others)."""
+    go = gout[:, None]
+    pieces = (ga, gx, gb, gy)
+    return [
+        (p * (go if i % 2 == 0 else go[..., None])).to(gout.dtype) if needs[i] else None
+        for i, p in enumerate(pieces)
+    ]
+
+
+def _warn(value, err, warn_tol, stacklevel):
+    """The loss's warnings: a non-finite value; a marginal error above ``warn_tol``."""
+    if not torch.isfinite(value).all():
+        warnings.warn(
+            "flashsinkhorn.SamplesLoss: non-finite loss value",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+    if warn_tol is not None and err is not None and float(err.max()) > warn_tol:
+        warnings.warn(
+            f"flashsinkhorn.SamplesLoss: the eps-scaling schedule ended with L1 marginal error "
+            f"{float(err.max()):.3g} > warn_tol={warn_tol}; use a larger scaling (more "
+            "iterations) or a larger blur",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
 class _SinkhornLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, x, b, y, opts, info):
@@ -189,18 +220,92 @@ class _SinkhornLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gout):
-        ga, gx, gb, gy = ctx.saved_tensors
-        go = gout[:, None]
-        r = [None] * 6
-        if ctx.needs_input_grad[0]:
-            r[0] = (ga * go).to(gout.dtype)
-        if ctx.needs_input_grad[1]:
-            r[1] = (gx * go[..., None]).to(gout.dtype)
-        if ctx.needs_input_grad[2]:
-            r[2] = (gb * go).to(gout.dtype)
-        if ctx.needs_input_grad[3]:
-            r[3] = (gy * go[..., None]).to(gout.dtype)
-        return tuple(r)
+        grads = _loss_grads(ctx.needs_input_grad, *ctx.saved_tensors, gout)
+        return (*grads, None, None)
+
+
+# ----------------------------------------------------------------------------------------
+# torch.compile: the whole forward as one custom op (fake impl, registered autograd)
+# ----------------------------------------------------------------------------------------
+#
+# The schedule's length depends on the data (the diameter) and the kernels are Triton
+# launches: under torch.compile the forward is one opaque op and the backward (elementwise)
+# is traced. Eager calls keep the autograd.Function above.
+
+
+def _compute_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op(
+    "flashsinkhorn::sinkhorn_divergence",
+    mutates_args=(),
+    schema="(Tensor a, Tensor x, Tensor b, Tensor y, float blur, float? reach, "
+    "float? diameter, float scaling, bool debias, str precision, str backend, "
+    "bool need_grad_x, bool need_grad_y, bool warn, float? warn_tol) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _divergence_op(a, x, b, y, blur, reach, diameter, scaling, debias, precision, backend,
+                   need_grad_x, need_grad_y, warn, warn_tol):  # fmt: skip
+    """:func:`sinkhorn_divergence`'s forward on batched inputs (a (B, N), x (B, N, D), ...).
+
+    Returns ``(value (B,)`` in x's dtype, then in the compute dtype (float64 for float64
+    x, else float32): ``ga (B, N), gx (B, N, D), gb (B, M), gy (B, M, D)`` (gx, gy empty
+    when not needed), ``marginal_error (B,)`` and the potentials ``F (B, N), G (B, M)``
+    (debiased when ``debias``). Runs the data-dependent input checks first and, with
+    ``warn``, warns as the eager path does.
+    """
+    check_values(x, y, a, b)
+    opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias,
+                precision=precision, backend=backend)  # fmt: skip
+    with torch.no_grad():
+        out = _sinkhorn_forward(
+            a, x, b, y, need_grad_x=need_grad_x, need_grad_y=need_grad_y, **opts
+        )
+    value = out["value"].to(x.dtype)
+    if warn:
+        _warn(value, out["marginal_error"], warn_tol, stacklevel=2)
+    F, G = out["f_ba"], out["g_ab"]
+    if debias:
+        F, G = F - out["f_aa"], G - out["g_bb"]
+    cdt = _compute_dtype(x)
+    empty = x.new_empty(0, dtype=cdt)
+    gx = out["gx"].to(cdt) if need_grad_x else empty
+    gy = out["gy"].to(cdt) if need_grad_y else empty.clone()
+    # copies: outputs must not alias each other (balanced, no debias: ga is F)
+    return (
+        value, out["ga"].to(cdt), gx, out["gb"].to(cdt), gy,
+        out["marginal_error"].to(cdt), F.to(cdt, copy=True), G.to(cdt, copy=True),
+    )  # fmt: skip
+
+
+@_divergence_op.register_fake
+def _(a, x, b, y, blur, reach, diameter, scaling, debias, precision, backend, need_grad_x,
+      need_grad_y, warn, warn_tol):  # fmt: skip
+    (B, N, D), M = x.shape, y.shape[1]
+    cdt = _compute_dtype(x)
+    return (
+        x.new_empty(B),
+        x.new_empty((B, N), dtype=cdt),
+        x.new_empty((B, N, D) if need_grad_x else 0, dtype=cdt),
+        x.new_empty((B, M), dtype=cdt),
+        x.new_empty((B, M, D) if need_grad_y else 0, dtype=cdt),
+        x.new_empty(B, dtype=cdt),
+        x.new_empty((B, N), dtype=cdt),
+        x.new_empty((B, M), dtype=cdt),
+    )
+
+
+def _divergence_setup(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:5])  # ga, gx, gb, gy
+
+
+def _divergence_bwd(ctx, gout, *unused):
+    grads = _loss_grads(ctx.needs_input_grad, *ctx.saved_tensors, gout)
+    return (*grads,) + (None,) * 11
+
+
+_divergence_op.register_autograd(_divergence_bwd, setup_context=_divergence_setup)
 
 
 def sinkhorn_divergence(
@@ -231,7 +336,9 @@ def sinkhorn_divergence(
         raise ValueError(f"reach must be positive or None; got {reach}")
     if not (0 < scaling < 1):
         raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
-    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
+    # under torch.compile the data-dependent checks run inside the custom op
+    compiling = torch.compiler.is_compiling()
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
     opts = dict(
         blur=float(blur),
         reach=None if reach is None else float(reach),
@@ -241,29 +348,31 @@ def sinkhorn_divergence(
         precision=precision,
         backend=backend,
     )
-    if potentials:
+    info = {} if info is None else info
+    if compiling:
+        grad = torch.is_grad_enabled() and not potentials
+        need_x, need_y = grad and x3.requires_grad, grad and y3.requires_grad
+        if diameter is not None:
+            opts["diameter"] = float(diameter)
+        value, *_, err, F, G = _divergence_op(
+            a2, x3, b2, y3, **opts, need_grad_x=need_x, need_grad_y=need_y,
+            warn=not potentials, warn_tol=warn_tol,
+        )  # fmt: skip
+        if not potentials:
+            info["marginal_error"] = err
+    elif potentials:
         with torch.no_grad():
             out = _sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
         F, G = out["f_ba"], out["g_ab"]
         if debias:
             F, G = F - out["f_aa"], G - out["g_bb"]
+    else:
+        value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
+        _warn(value, info.get("marginal_error"), warn_tol, stacklevel=2)
+    if potentials:
         F, G = F.to(x.dtype), G.to(x.dtype)
         return (F, G) if batched else (F[0], G[0])
-    info = {} if info is None else info
-    value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
-    if not torch.isfinite(value).all():
-        warnings.warn(
-            "flashsinkhorn.SamplesLoss: non-finite loss value", RuntimeWarning, stacklevel=2
-        )
     err = info.get("marginal_error")
-    if warn_tol is not None and err is not None and float(err.max()) > warn_tol:
-        warnings.warn(
-            f"flashsinkhorn.SamplesLoss: the eps-scaling schedule ended with L1 marginal error "
-            f"{float(err.max()):.3g} > warn_tol={warn_tol}; use a larger scaling (more "
-            "iterations) or a larger blur",
-            RuntimeWarning,
-            stacklevel=2,
-        )
     if not batched and err is not None:
         info["marginal_error"] = err[0]
     return value if batched else value[0]

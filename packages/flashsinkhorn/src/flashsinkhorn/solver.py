@@ -47,7 +47,7 @@ COSTS = ("sqeuclidean", "cosine", "dot")
 # ----------------------------------------------------------------------------------------
 
 
-def _as_weights(w, name, B, n, like):
+def _as_weights(w, name, B, n, like, check_values=True):
     if w is None:
         return torch.full((B, n), 1.0 / max(n, 1), dtype=like.dtype, device=like.device)
     if not isinstance(w, torch.Tensor):
@@ -62,15 +62,38 @@ def _as_weights(w, name, B, n, like):
         w = w.unsqueeze(0).expand(B, -1) if B > 1 else w.unsqueeze(0)
     if w.shape != (B, n):
         raise ValueError(f"{name} must have shape ({n},) or ({B}, {n}); got {tuple(w.shape)}")
+    if check_values:
+        _check_weight_values(w, name)
+    return w
+
+
+def _check_weight_values(w, name):
     if not bool(torch.isfinite(w).all()):
         raise ValueError(f"{name} contains non-finite values")
     if bool((w < 0).any()):
         raise ValueError(f"{name} must be nonnegative")
-    return w
 
 
-def prepare_inputs(x, y, a=None, b=None):
-    """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``."""
+def _check_point_values(x, y):
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains non-finite values")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("y contains non-finite values")
+
+
+def check_values(x, y, a, b):
+    """The data-dependent checks of :func:`prepare_inputs` (finite points, finite
+    nonnegative weights), in its order. Under torch.compile they run inside the custom ops
+    (a host sync each; the compiled graph only checks shapes, dtypes and devices)."""
+    _check_point_values(x, y)
+    _check_weight_values(a, "a")
+    _check_weight_values(b, "b")
+
+
+def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
+    """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``.
+
+    ``check_values=False`` skips the data-dependent checks (see :func:`check_values`)."""
     for name, t in (("x", x), ("y", y)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -97,18 +120,27 @@ def prepare_inputs(x, y, a=None, b=None):
         raise ValueError(f"empty point cloud: x has {x.shape[1]} points, y has {y.shape[1]}")
     if x.shape[-1] == 0:
         raise ValueError("points must have dimension D >= 1")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains non-finite values")
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError("y contains non-finite values")
+    if check_values:
+        _check_point_values(x, y)
     B, N, M = x.shape[0], x.shape[1], y.shape[1]
     if a is not None and a.dim() == 2 and not batched:
         raise ValueError(f"a must be ({N},) for unbatched x; got {tuple(a.shape)}")
     if b is not None and b.dim() == 2 and not batched:
         raise ValueError(f"b must be ({M},) for unbatched y; got {tuple(b.shape)}")
-    a = _as_weights(a, "a", B, N, x)
-    b = _as_weights(b, "b", B, M, x)
+    a = _as_weights(a, "a", B, N, x, check_values)
+    b = _as_weights(b, "b", B, M, x, check_values)
     return x, y, a, b, batched
+
+
+def _check_masses(a, b, rx, ry):
+    if rx is None and ry is None:
+        ma, mb = a.sum(-1), b.sum(-1)
+        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
+            raise ValueError(
+                "balanced OT needs a.sum() == b.sum() for every problem; got "
+                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights or pass "
+                "reach= for unbalanced OT"
+            )
 
 
 def _check_eps(eps):
@@ -296,7 +328,7 @@ def cost_features(x, y, cost, cost_scale, center=True):
     return X, Y, k * (Xd * Xd).sum(-1), k * (Yd * Yd).sum(-1), c2, None
 
 
-def _label_tuple(label_cost, B, N, M, device, label_scale=1.0):
+def _label_tuple(label_cost, B, N, M, device, label_scale=1.0, check_range=True):
     if label_cost is None:
         return None
     try:
@@ -313,10 +345,15 @@ def _label_tuple(label_cost, B, N, M, device, label_scale=1.0):
             raise ValueError(f"{name} must be ({n},) or ({B}, {n}); got {tuple(l.shape)}")
         if l.dtype.is_floating_point:
             raise ValueError(f"{name} must be an integer tensor; got {l.dtype}")
-        if l.numel() and (int(l.min()) < 0 or int(l.max()) >= K):
-            raise ValueError(f"{name} must lie in [0, {K}); W is {tuple(W.shape)}")
+        if check_range:
+            _check_label_range(name, l, W, K)
         out.append(l.to(device))
     return (out[0], out[1], W.to(device), float(label_scale))
+
+
+def _check_label_range(name, l, W, K):
+    if l.numel() and (int(l.min()) < 0 or int(l.max()) >= K):
+        raise ValueError(f"{name} must lie in [0, {K}); W is {tuple(W.shape)}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -403,6 +440,33 @@ def eps_schedule(diameter2: float, eps: float, scaling: float) -> list[float]:
     )
 
 
+def _eps_list(prob: Problem, eps, eps_scaling, diameter):
+    """The annealing temperatures before ``eps`` (None without eps-scaling)."""
+    if eps_scaling is None:
+        return None
+    if diameter is None:
+        X, Y = prob.X.detach(), prob.Y.detach()
+        lo = torch.minimum(X.amin(dim=(0, 1)), Y.amin(dim=(0, 1)))
+        hi = torch.maximum(X.amax(dim=(0, 1)), Y.amax(dim=(0, 1)))
+        diameter = float((hi - lo).norm())
+    d2 = max(float(prob.cost_scale) * diameter**2, eps)
+    return eps_schedule(d2, eps, eps_scaling)[:-1]
+
+
+def _report(converged, n_iter, err, tol, warn):
+    """``converged`` as reported (False without a tolerance); warns when not converged."""
+    if tol is None or tol <= 0:
+        return False
+    if not converged and warn:
+        warnings.warn(
+            f"flashsinkhorn.solve: not converged after {n_iter} iterations "
+            f"(marginal error {float(err.max()):.3g} > tol {tol}); increase max_iter or eps",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return converged
+
+
 def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_list):
     B, N = prob.cx.shape
     M = prob.cy.shape[1]
@@ -463,22 +527,47 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
 # ----------------------------------------------------------------------------------------
 
 
+def _ot_value(prob, a, b, f, g, eps, rx, ry):
+    """The dual value (B,) of the potentials (f, g) (no graph)."""
+    if rx is None and ry is None:
+        return (a * f).sum(-1) + (b * g).sum(-1)
+    _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
+    rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
+    mass = rows.sum(-1)
+    return _dual_terms(f, a, rx) + _dual_terms(g, b, ry) - eps * (mass - a.sum(-1) * b.sum(-1))
+
+
+def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
+    """``gout``-weighted gradients ``(gX, gY, ga, gb)`` of the value (None where ``need``,
+    four bools, is False): envelope theorem, two streaming passes."""
+    gX = gY = ga = gb = None
+    go = gout[:, None]
+    need_x, need_y, need_a, need_b = need
+    # P @ Y and row sums; P^T @ X and column sums (streaming)
+    _, lse2x, Ybar = prob.sm_x(g, eps, 1.0, v=prob.Y if need_x else None, want_lse=True)
+    rows = prob.a * torch.exp((f - prob.cx) / eps + LN2 * lse2x)
+    _, lse2y, Xbar = prob.sm_y(f, eps, 1.0, v=prob.X if need_y else None, want_lse=True)
+    cols = prob.b * torch.exp((g - prob.cy) / eps + LN2 * lse2y)
+    if need_x:
+        gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
+    if need_y:
+        gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
+    bsum = prob.b.sum(-1, keepdim=True)
+    asum = prob.a.sum(-1, keepdim=True)
+    if need_a:
+        base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
+        ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
+    if need_b:
+        base = g if ry is None else ry * (1.0 - torch.exp(-g / ry))
+        gb = (base - eps * (cols / prob.b.clamp_min(1e-38) - asum)) * go
+    return gX, gY, ga, gb
+
+
 class _OTValue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, Y, a, b, f, g, prob, eps, rx, ry):
         with torch.no_grad():
-            if rx is None and ry is None:
-                value = (a * f).sum(-1) + (b * g).sum(-1)
-                mass = None
-            else:
-                _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
-                rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
-                mass = rows.sum(-1)
-                value = (
-                    _dual_terms(f, a, rx)
-                    + _dual_terms(g, b, ry)
-                    - eps * (mass - a.sum(-1) * b.sum(-1))
-                )
+            value = _ot_value(prob, a, b, f, g, eps, rx, ry)
         ctx.prob, ctx.eps, ctx.rx, ctx.ry = prob, eps, rx, ry
         ctx.save_for_backward(f, g)
         return value
@@ -486,29 +575,11 @@ class _OTValue(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout):
         f, g = ctx.saved_tensors
-        prob, eps, rx, ry = ctx.prob, ctx.eps, ctx.rx, ctx.ry
-        gX = gY = ga = gb = None
-        go = gout[:, None]
-        need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.no_grad():
-            # P @ Y and row sums; P^T @ X and column sums (streaming)
-            _, lse2x, Ybar = prob.sm_x(g, eps, 1.0, v=prob.Y if need_x else None, want_lse=True)
-            rows = prob.a * torch.exp((f - prob.cx) / eps + LN2 * lse2x)
-            _, lse2y, Xbar = prob.sm_y(f, eps, 1.0, v=prob.X if need_y else None, want_lse=True)
-            cols = prob.b * torch.exp((g - prob.cy) / eps + LN2 * lse2y)
-            if need_x:
-                gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
-            if need_y:
-                gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
-            bsum = prob.b.sum(-1, keepdim=True)
-            asum = prob.a.sum(-1, keepdim=True)
-            if ctx.needs_input_grad[2]:
-                base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
-                ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
-            if ctx.needs_input_grad[3]:
-                base = g if ry is None else ry * (1.0 - torch.exp(-g / ry))
-                gb = (base - eps * (cols / prob.b.clamp_min(1e-38) - asum)) * go
-        return gX, gY, ga, gb, None, None, None, None, None, None
+            grads = _ot_value_grads(
+                ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, gout, ctx.needs_input_grad[:4]
+            )
+        return (*grads, None, None, None, None, None, None)
 
 
 def _feature_grad(X, rows, Ybar, prob):
@@ -517,6 +588,163 @@ def _feature_grad(X, rows, Ybar, prob):
         return -prob.c2 * rows[..., None] * Ybar
     # sqeuclidean and cosine (on the sphere): cx = (c2 / 2) |X|^2
     return prob.c2 * rows[..., None] * (X - Ybar)
+
+
+# ----------------------------------------------------------------------------------------
+# torch.compile: the loop and the value as custom ops (fake impls, registered autograd)
+# ----------------------------------------------------------------------------------------
+#
+# The loop has host syncs (convergence checks, eps-scaling diameter) and a data-dependent
+# length, and the kernels are Triton launches: under torch.compile each piece below is one
+# opaque op, so the compiled graph has no break. Eager calls do not go through them.
+# A problem travels as its tensors ``X, Y, a, b`` (features and weights), ``Xk, Yk``
+# (kernel operands), ``cx, cy``, optional labels ``lx, ly, W``, then its scalars.
+
+# The ops' leading arguments: one problem, as in _op_problem_args
+_PROBLEM = (
+    "Tensor X, Tensor Y, Tensor a, Tensor b, Tensor Xk, Tensor Yk, Tensor cx, Tensor cy, "
+    "Tensor? lx, Tensor? ly, Tensor? W, float label_scale, float c2, str cost, "
+    "str precision, str backend"
+)
+_NP = 16  # how many
+
+
+def _op_problem_args(prob: Problem, X=None, Y=None, a=None, b=None):
+    """A Problem as the ops' leading arguments; ``X, Y, a, b`` replace the problem's
+    (detached) ones where given (the value op takes them with their graph)."""
+    lx, ly, W, label_scale = prob.labels if prob.labels is not None else (None,) * 3 + (1.0,)
+    X, Y = prob.X if X is None else X, prob.Y if Y is None else Y
+    a, b = prob.a if a is None else a, prob.b if b is None else b
+    return (X, Y, a, b, prob.Xk, prob.Yk, prob.cx, prob.cy, lx, ly, W, label_scale, prob.c2,
+            prob.cost, prob.precision, prob.backend)  # fmt: skip
+
+
+def _op_problem(args, cost_scale=1.0):
+    """The Problem of the ops' leading arguments (inverse of :func:`_op_problem_args`)."""
+    X, Y, a, b, Xk, Yk, cx, cy, lx, ly, W, label_scale, c2, cost, precision, backend = args
+    labels = None if W is None else (lx, ly, W, label_scale)
+    return Problem(X, Y, a, b, cx, cy, c2, cost, cost_scale, labels, precision, backend,
+                   None, Xk=Xk, Yk=Yk)  # fmt: skip
+
+
+def _potential_dtype(X, backend):
+    return torch.float64 if (X.dtype == torch.float64 and backend == "torch") else torch.float32
+
+
+@torch.library.custom_op(
+    "flashsinkhorn::sinkhorn_potentials",
+    mutates_args=(),
+    schema=f"({_PROBLEM}, float cost_scale, float eps, float? rx, float? ry, int max_iter, "
+    "float? tol, str schedule, int check_every, float? eps_scaling, float? diameter, "
+    "bool warn) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _potentials_op(*args):
+    """solve's loop: ``(f (B, N), g (B, M), marginal_error (B,), n_iter (), converged ())``.
+
+    First runs the data-dependent input checks that the compiled graph skips."""
+    cost_scale, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter, warn = (
+        args[_NP:]
+    )  # fmt: skip
+    prob = _op_problem(args[:_NP], cost_scale)
+    check_values(prob.X, prob.Y, prob.a, prob.b)
+    _check_masses(prob.a, prob.b, rx, ry)
+    if prob.labels is not None:
+        lx, ly, W, _ = prob.labels
+        _check_label_range("labels_x", lx, W, W.shape[0])
+        _check_label_range("labels_y", ly, W, W.shape[1])
+    eps_list = _eps_list(prob, eps, eps_scaling, diameter)
+    with torch.no_grad():
+        f, g, err, n_iter, converged = _run(
+            prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_list
+        )
+    converged = _report(converged, n_iter, err, tol, warn)
+    dt = _potential_dtype(prob.X, prob.backend)
+    err = err.to(torch.promote_types(prob.a.dtype, dt))
+    dev = prob.X.device
+    n_iter = torch.tensor(n_iter, dtype=torch.int64, device=dev)
+    return f.to(dt), g.to(dt), err, n_iter, torch.tensor(converged, device=dev)
+
+
+@_potentials_op.register_fake
+def _(*args):
+    X, a, cx, cy, backend = args[0], args[2], args[6], args[7], args[15]
+    dt = _potential_dtype(X, backend)
+    return (
+        cx.new_empty(cx.shape, dtype=dt),
+        cy.new_empty(cy.shape, dtype=dt),
+        cx.new_empty(cx.shape[:1], dtype=torch.promote_types(a.dtype, dt)),
+        cx.new_empty((), dtype=torch.int64),
+        cx.new_empty((), dtype=torch.bool),
+    )
+
+
+_VALUE = "Tensor f, Tensor g, float eps, float? rx, float? ry"  # after the problem
+
+
+@torch.library.custom_op(
+    "flashsinkhorn::ot_value", mutates_args=(), schema=f"({_PROBLEM}, {_VALUE}) -> Tensor"
+)
+def _ot_value_op(*args):
+    """solve's differentiable value (B,) (:class:`_OTValue` as a custom op); ``X, Y, a, b``
+    are the differentiable inputs."""
+    prob, (f, g, eps, rx, ry) = _op_problem(args[:_NP]), args[_NP:]
+    with torch.no_grad():
+        value = _ot_value(prob, prob.a, prob.b, f, g, eps, rx, ry)
+    return value.to(torch.promote_types(prob.a.dtype, f.dtype))
+
+
+@_ot_value_op.register_fake
+def _(*args):
+    a, f = args[2], args[_NP]
+    return f.new_empty(f.shape[:1], dtype=torch.promote_types(a.dtype, f.dtype))
+
+
+@torch.library.custom_op(
+    "flashsinkhorn::ot_value_backward",
+    mutates_args=(),
+    schema=f"(Tensor gout, {_PROBLEM}, {_VALUE}, bool need_x, bool need_y, bool need_a, "
+    "bool need_b) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _ot_value_backward_op(gout, *args):
+    """``gout``-weighted ``(gX, gY, ga, gb)`` of :func:`_ot_value_op` (an empty tensor
+    where not needed)."""
+    prob, (f, g, eps, rx, ry), need = _op_problem(args[:_NP]), args[_NP:-4], args[-4:]
+    with torch.no_grad():
+        grads = _ot_value_grads(prob, f, g, eps, rx, ry, gout, need)
+    return tuple(gr.to(t.dtype) if n else t.new_empty(0) for gr, t, n in zip(grads, args[:4], need))
+
+
+@_ot_value_backward_op.register_fake
+def _(gout, *args):
+    return tuple(t.new_empty(t.shape if n else 0) for t, n in zip(args[:4], args[-4:]))
+
+
+def _ot_value_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:11], *inputs[_NP : _NP + 2])  # X .. W, f, g
+    ctx.scalars = inputs[11:_NP], inputs[_NP + 2 :]  # label_scale .. backend; eps, rx, ry
+
+
+def _ot_value_bwd(ctx, gout):
+    *tensors, f, g = ctx.saved_tensors
+    problem_scalars, value_scalars = ctx.scalars
+    need = tuple(ctx.needs_input_grad[:4])
+    grads = _ot_value_backward_op(gout, *tensors, *problem_scalars, f, g, *value_scalars, *need)
+    return (*(gr if n else None for gr, n in zip(grads, need)),) + (None,) * (_NP + 1)
+
+
+_ot_value_op.register_autograd(_ot_value_bwd, setup_context=_ot_value_setup)
+
+
+def _solve_compiled(prob, X, Y, a, b, loop, eps_scaling, diameter, warn):
+    """solve's loop and value through the custom ops (``X, Y, a, b`` carry the graph).
+    Returns ``(f, g, err, n_iter, converged, value)`` (n_iter, converged: 0-dim tensors)."""
+    eps, rx, ry, max_iter, tol, schedule, check_every = loop
+    f, g, err, n_iter, converged = _potentials_op(
+        *_op_problem_args(prob), prob.cost_scale, eps, rx, ry, max_iter, tol, schedule,
+        check_every, eps_scaling, diameter, warn,
+    )  # fmt: skip
+    value = _ot_value_op(*_op_problem_args(prob, X, Y, a, b), f, g, eps, rx, ry)
+    return f, g, err, n_iter, converged, value
 
 
 # ----------------------------------------------------------------------------------------
@@ -665,7 +893,8 @@ def solve(
         :class:`SinkhornResult` with ``f``, ``g``, ``value``, ``marginal_error``, ``n_iter``,
         ``converged`` and streaming ``apply``, ``apply_transpose``, ``barycentric_map``.
         A non-converged run is reported (``converged=False``) and warned about when
-        ``warn`` is true.
+        ``warn`` is true. Under torch.compile the loop and the value run as custom ops
+        (no graph break) and ``n_iter``, ``converged`` are 0-dim tensors.
     """
     eps = _check_eps(eps)
     rx, ry = _rhos(reach)
@@ -679,21 +908,17 @@ def solve(
         raise ValueError(f"max_iter must be >= 1; got {max_iter}")
     if int(check_every) < 1:
         raise ValueError(f"check_every must be >= 1; got {check_every}")
-    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
-    if rx is None and ry is None:
-        ma, mb = a2.sum(-1), b2.sum(-1)
-        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
-            raise ValueError(
-                "balanced OT needs a.sum() == b.sum() for every problem; got "
-                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights or pass "
-                "reach= for unbalanced OT"
-            )
+    # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
+    compiling = torch.compiler.is_compiling()
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
+    if not compiling:
+        _check_masses(a2, b2, rx, ry)
     be = resolve_backend(backend, x3.device)
     if backend == "auto" and x3.dtype == torch.float64:
         be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
-    labels = _label_tuple(label_cost, B, N, M, X.device)
+    labels = _label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
     prob = Problem(
         X.detach(),
         Y.detach(),
@@ -709,36 +934,25 @@ def solve(
         be,
         center,
     )
-    eps_list = None
-    if eps_scaling is not None:
-        if diameter is None:
-            lo = torch.minimum(X.detach().amin(dim=(0, 1)), Y.detach().amin(dim=(0, 1)))
-            hi = torch.maximum(X.detach().amax(dim=(0, 1)), Y.detach().amax(dim=(0, 1)))
-            diameter = float((hi - lo).norm())
-        d2 = max(float(cost_scale) * diameter**2, eps)
-        eps_list = eps_schedule(d2, eps, eps_scaling)[:-1]
-    with torch.no_grad():
-        f, g, err, n_iter, converged = _run(
-            prob, eps, rx, ry, int(max_iter), tol, schedule, int(check_every), eps_list
+    loop = (eps, rx, ry, int(max_iter), tol, schedule, int(check_every))
+    if compiling:
+        f, g, err, n_iter, converged, value = _solve_compiled(
+            prob, X, Y, a2, b2, loop, eps_scaling, diameter, warn
         )
-    if tol is None or tol <= 0:
-        converged = False
-    elif not converged and warn:
-        warnings.warn(
-            f"flashsinkhorn.solve: not converged after {n_iter} iterations "
-            f"(marginal error {float(err.max()):.3g} > tol {tol}); increase max_iter or eps",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    # the differentiable value: graph to x, y (through the features) and a, b
-    prob_g = Problem(
-        X, Y, a2, b2, cx, cy, c2, cost, cost_scale, labels, precision, be, center,
-        Xk=prob.Xk, Yk=prob.Yk,
-    )  # fmt: skip
-    prob_g.X, prob_g.Y = X.detach(), Y.detach()
-    prob_g.cx, prob_g.cy = cx.detach(), cy.detach()
-    prob_g.a, prob_g.b = a2.detach(), b2.detach()
-    value = _OTValue.apply(X, Y, a2, b2, f, g, prob_g, eps, rx, ry)
+    else:
+        eps_list = _eps_list(prob, eps, eps_scaling, diameter)
+        with torch.no_grad():
+            f, g, err, n_iter, converged = _run(prob, *loop, eps_list)
+        converged = _report(converged, n_iter, err, tol, warn)
+        # the differentiable value: graph to x, y (through the features) and a, b
+        prob_g = Problem(
+            X, Y, a2, b2, cx, cy, c2, cost, cost_scale, labels, precision, be, center,
+            Xk=prob.Xk, Yk=prob.Yk,
+        )  # fmt: skip
+        prob_g.X, prob_g.Y = X.detach(), Y.detach()
+        prob_g.cx, prob_g.cy = cx.detach(), cy.detach()
+        prob_g.a, prob_g.b = a2.detach(), b2.detach()
+        value = _OTValue.apply(X, Y, a2, b2, f, g, prob_g, eps, rx, ry)
     res = SinkhornResult(
         f=f if batched else f[0],
         g=g if batched else g[0],

@@ -1,0 +1,116 @@
+"""torch.compile: SamplesLoss and solve(...).value compile without graph breaks
+(fullgraph=True) through the custom ops, and give the eager values and gradients."""
+
+import pytest
+import torch
+from _helpers import clouds
+
+import flashsinkhorn as fs
+from flashsinkhorn import solver
+
+TOL = dict(rtol=1e-6, atol=1e-7)  # the same kernels run: equal up to float32 rounding
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _eager_and_compiled(fn, inputs):
+    """``[(value, grads), (value, grads)]`` of ``fn(*inputs).sum()``, eager then compiled."""
+    out = []
+    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+        ts = [t.clone().requires_grad_() for t in inputs]
+        v = f(*ts)
+        v.sum().backward()
+        out.append((v.detach(), [t.grad for t in ts]))
+    return out
+
+
+def _assert_same(out):
+    (ve, ge), (vc, gc) = out
+    torch.testing.assert_close(vc, ve, **TOL)
+    for u, w in zip(gc, ge):
+        torch.testing.assert_close(u, w, **TOL)
+
+
+@pytest.mark.parametrize("debias", [True, False])
+@pytest.mark.parametrize("batch", [None, 2])
+@pytest.mark.parametrize("weights", [False, True])
+def test_samples_loss_compiles_fullgraph(debias, batch, weights):
+    x, y, a, b = clouds(7, 5, 3, batch=batch, dtype=torch.float32, seed=1)
+    loss = fs.SamplesLoss(blur=0.3, debias=debias)
+    inputs = (a, x, b, y) if weights else (x, y)
+    _assert_same(_eager_and_compiled(lambda *t: loss(*t), inputs))
+    assert loss.last_marginal_error is not None
+
+
+def test_samples_loss_compiled_unbalanced_potentials_and_info():
+    x, y, a, b = clouds(7, 5, 2, dtype=torch.float32, seed=2)
+    loss = fs.SamplesLoss(blur=0.3, reach=0.5, diameter=2)
+    _assert_same(_eager_and_compiled(lambda *t: loss(*t), (a, x, b, y)))
+    pot = fs.SamplesLoss(blur=0.3, potentials=True)
+    fe, ge = pot(a, x, b, y)
+    fc, gc = torch.compile(lambda *t: pot(*t), backend="aot_eager", fullgraph=True)(a, x, b, y)
+    torch.testing.assert_close(fc, fe, **TOL)
+    torch.testing.assert_close(gc, ge, **TOL)
+
+
+@pytest.mark.parametrize(
+    "batch,kw",
+    [
+        (2, dict()),
+        (None, dict(reach=(0.5, None), cost="cosine", eps_scaling=0.5)),
+        (None, dict(schedule="symmetric", label_cost=True)),
+    ],
+)
+def test_solve_value_compiles_fullgraph(batch, kw):
+    x, y, a, b = clouds(7, 5, 3, batch=batch, dtype=torch.float32, seed=3)
+    if kw.pop("label_cost", False):
+        gen = torch.Generator().manual_seed(0)
+        kw["label_cost"] = (
+            torch.randint(0, 2, (7,), generator=gen),
+            torch.randint(0, 3, (5,), generator=gen),
+            torch.rand(2, 3, generator=gen),
+        )
+
+    def fn(x, y, a, b):
+        return fs.solve(x, y, a, b, eps=0.2, max_iter=40, tol=1e-4, warn=False, **kw).value
+
+    _assert_same(_eager_and_compiled(fn, (x, y, a, b)))
+
+
+def test_compiled_input_checks_run_inside_the_ops():
+    x, y, _, _ = clouds(6, 5, 2, dtype=torch.float32)
+    x[0, 0] = float("nan")
+    for fn in (lambda x, y: fs.solve(x, y, eps=0.1).value, lambda x, y: fs.SamplesLoss()(x, y)):
+        torch._dynamo.reset()
+        with pytest.raises(ValueError, match="x contains non-finite values"):
+            torch.compile(fn, backend="aot_eager", fullgraph=True)(x, y)
+
+
+def test_opcheck_custom_ops():
+    x, y, a, b = clouds(6, 5, 3, batch=2, dtype=torch.float32, seed=4)
+    xg = x.clone().requires_grad_()
+    torch.library.opcheck(
+        torch.ops.flashsinkhorn.sinkhorn_divergence.default,
+        (a, xg, b, y, 0.3, None, None, 0.5, True, "tf32", "auto", True, False, True, None),
+    )
+    X, Y, cx, cy, c2, center = solver.cost_features(x, y, "sqeuclidean", 1.0)
+    prob = solver.Problem(X, Y, a, b, cx, cy, c2, "sqeuclidean", 1.0, None, "tf32", "torch", center)
+    problem = solver._op_problem_args(prob)
+    loop = (0.2, None, None, 30, 1e-4, "alternating", 10, None, None, False)
+    pot = (*problem, 1.0, *loop)
+    torch.library.opcheck(torch.ops.flashsinkhorn.sinkhorn_potentials.default, pot)
+    f, g, *_ = torch.ops.flashsinkhorn.sinkhorn_potentials(*pot)
+    Xg, ag = X.clone().requires_grad_(), a.clone().requires_grad_()
+    graph_problem = solver._op_problem_args(prob, Xg, Y, ag, b)
+    torch.library.opcheck(
+        torch.ops.flashsinkhorn.ot_value.default, (*graph_problem, f, g, 0.2, None, None)
+    )
+    torch.library.opcheck(
+        torch.ops.flashsinkhorn.ot_value_backward.default,
+        (torch.ones(2), *problem, f, g, 0.2, None, None, True, False, True, False),
+    )
