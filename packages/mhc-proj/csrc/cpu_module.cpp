@@ -94,14 +94,10 @@ void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps, int varia
   for (int64_t b = 0; b < B; ++b) {
     S a[N][N], p[N][N];
     load<N, S>(src + b * E, a);
-    if (variant == kSkFwdScaling) {
+    if (variant == kSkFwdScaling)
       mhc::sinkhorn_fwd_scaling<N, S>(a, p, iters, eps);
-    } else {
-      mhc::softmax_rows<N, S>(a, p);
-      for (int i = 0; i < N; ++i)
-        for (int j = 0; j < N; ++j) p[i][j] += eps;
-      for (int k = 0; k < 2 * iters - 1; ++k) mhc::sinkhorn_step<N, S>(p, k % 2 == 0, eps);
-    }
+    else
+      mhc::sinkhorn_fwd_state<N, S>(a, p, iters, eps);
     store<N, S>(p, dst + b * E);
   }
 }

@@ -26,6 +26,19 @@ struct FwdArgs {
   double pivot_min;
 };
 
+// 16-byte accesses of 4 consecutive floats (src, dst 16-byte aligned; the Python layer
+// passes aligned tensors): the thread-per-matrix kernels move a matrix as E / 4 of them.
+__device__ __forceinline__ void ldg_f4(const float* __restrict__ src, float* v) {
+  const float4 q = __ldg(reinterpret_cast<const float4*>(src));
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+}
+__device__ __forceinline__ void st_f4(float* dst, const float* v) {
+  *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
 // ---------------------------------------------------------------- thread per matrix
 // Stage 1 (fp32): one thread solves one matrix (16-byte loads and stores for n = 4).
 // Matrices that did not converge (or are ill-conditioned) are appended to a work list.
@@ -38,13 +51,7 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   const float* src = static_cast<const float*>(a.src) + b * E;
   if constexpr (E % 4 == 0) {
 #pragma unroll
-    for (int q = 0; q < E / 4; ++q) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(src) + q);
-      in[4 * q] = v.x;
-      in[4 * q + 1] = v.y;
-      in[4 * q + 2] = v.z;
-      in[4 * q + 3] = v.w;
-    }
+    for (int q = 0; q < E / 4; ++q) ldg_f4(src + 4 * q, in + 4 * q);
   } else {
 #pragma unroll
     for (int e = 0; e < E; ++e) in[e] = __ldg(src + e);
@@ -56,9 +63,7 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   float* dst = static_cast<float*>(a.dst) + b * E;
   if constexpr (E % 4 == 0) {
 #pragma unroll
-    for (int q = 0; q < E / 4; ++q)
-      reinterpret_cast<float4*>(dst)[q] =
-          make_float4(out[4 * q], out[4 * q + 1], out[4 * q + 2], out[4 * q + 3]);
+    for (int q = 0; q < E / 4; ++q) st_f4(dst + 4 * q, out + 4 * q);
   } else {
 #pragma unroll
     for (int e = 0; e < E; ++e) dst[e] = out[e];
@@ -119,22 +124,12 @@ __global__ void __launch_bounds__(kThreads)
     float tt[E], gg[E], out[E];
 #pragma unroll
     for (int q = 0; q < E / 4; ++q) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(t + b * E) + q);
-      const float4 w = __ldg(reinterpret_cast<const float4*>(g + b * E) + q);
-      tt[4 * q] = v.x;
-      tt[4 * q + 1] = v.y;
-      tt[4 * q + 2] = v.z;
-      tt[4 * q + 3] = v.w;
-      gg[4 * q] = w.x;
-      gg[4 * q + 1] = w.y;
-      gg[4 * q + 2] = w.z;
-      gg[4 * q + 3] = w.w;
+      ldg_f4(t + b * E + 4 * q, tt + 4 * q);
+      ldg_f4(g + b * E + 4 * q, gg + 4 * q);
     }
     mhc::vjp_matrix<N, float>(tt, gg, out);
 #pragma unroll
-    for (int q = 0; q < E / 4; ++q)
-      reinterpret_cast<float4*>(da + b * E)[q] =
-          make_float4(out[4 * q], out[4 * q + 1], out[4 * q + 2], out[4 * q + 3]);
+    for (int q = 0; q < E / 4; ++q) st_f4(da + b * E + 4 * q, out + 4 * q);
   } else {
     mhc::vjp_matrix<N, S>(t + b * E, g + b * E, da + b * E);
   }

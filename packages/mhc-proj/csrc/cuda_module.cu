@@ -92,58 +92,38 @@ __global__ void __launch_bounds__(256) sinkhorn4_bwd_lane(const float* __restric
   if (valid) dst[gid] = sm * (d - dot);
 }
 
-// The alternative layout for comparison: one thread per matrix, 16-byte loads, the
-// shared header's scalar code (forward only).
+// One 4 x 4 matrix as four 16-byte loads / stores (thread-per-matrix kernels).
+__device__ __forceinline__ void ldg_4x4(const float* __restrict__ src, float (&m)[4][4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) ldg_f4(src + 4 * q, m[q]);
+}
+__device__ __forceinline__ void st_4x4(float* dst, const float (&m)[4][4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) st_f4(dst + 4 * q, m[q]);
+}
+
+// One thread per matrix, 16-byte loads and stores, the shared header's scalar code.
+// SCALING = false: the iteration on the full 16-float state (mhc::sinkhorn_fwd_state,
+// correctly rounded reciprocals, run-time loop; ITERS unused): variant 1 of sinkhorn_fwd,
+// the default. SCALING = true: the scaling form (mhc::sinkhorn_fwd_scaling; the CPU module
+// runs the same code with variant 2): P0 (16 floats) and the scaling vectors r, c (4 each)
+// in registers; a step is one 4 x 4 mat-vec and 4 MUFU.RCP (no full-state rescale, no
+// correctly rounded reciprocals), the same steps as sinkhorn4_bwd_thread's replay. ITERS > 0:
+// compile-time count, straight-line code; ITERS == 0: run-time count. Variant 2 (opt-in
+// until measured, see NOTES.md).
+template <bool SCALING, int ITERS>
 __global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restrict__ src,
                                                             float* __restrict__ dst,
                                                             int64_t batch, int iters, float eps) {
   const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (b >= batch) return;
   float a[4][4], p[4][4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(src + b * 16) + q);
-    a[q][0] = v.x;
-    a[q][1] = v.y;
-    a[q][2] = v.z;
-    a[q][3] = v.w;
-  }
-  mhc::softmax_rows<4, float>(a, p);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[i][j] += eps;
-  for (int k = 0; k < 2 * iters - 1; ++k) mhc::sinkhorn_step<4, float>(p, (k & 1) == 0, eps);
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-    reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(p[q][0], p[q][1], p[q][2], p[q][3]);
-}
-
-// Thread-per-matrix forward in the scaling form (mhc::sinkhorn_fwd_scaling; the CPU module
-// runs the same code with variant 2): P0 (16 floats) and the scaling vectors r, c (4 each)
-// in registers; a step is one 4 x 4 mat-vec and 4 MUFU.RCP (no full-state rescale, no
-// correctly rounded reciprocals), the same steps as sinkhorn4_bwd_thread's replay. ITERS > 0:
-// compile-time count, straight-line code; ITERS == 0: run-time count. Selected with
-// variant = 2 of sinkhorn_fwd (opt-in until measured, see NOTES.md).
-template <int ITERS>
-__global__ void __launch_bounds__(128) sinkhorn4_fwd_scaling(const float* __restrict__ src,
-                                                             float* __restrict__ dst,
-                                                             int64_t batch, int iters, float eps) {
-  const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (b >= batch) return;
-  float a[4][4], p[4][4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(src + b * 16) + q);
-    a[q][0] = v.x;
-    a[q][1] = v.y;
-    a[q][2] = v.z;
-    a[q][3] = v.w;
-  }
-  mhc::sinkhorn_fwd_scaling<4, float, ITERS>(a, p, iters, eps);
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-    reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(p[q][0], p[q][1], p[q][2], p[q][3]);
+  ldg_4x4(src + b * 16, a);
+  if constexpr (SCALING)
+    mhc::sinkhorn_fwd_scaling<4, float, ITERS>(a, p, iters, eps);
+  else
+    mhc::sinkhorn_fwd_state<4, float>(a, p, iters, eps);
+  st_4x4(dst + b * 16, p);
 }
 
 // Thread-per-matrix backward (exact, of the truncated iteration): the shared header's
@@ -160,25 +140,12 @@ __global__ void __launch_bounds__(128) sinkhorn4_bwd_thread(const float* __restr
   const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (b >= batch) return;
   float a[4][4], g[4][4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(src + b * 16) + q);
-    const float4 w = __ldg(reinterpret_cast<const float4*>(grad + b * 16) + q);
-    a[q][0] = v.x;
-    a[q][1] = v.y;
-    a[q][2] = v.z;
-    a[q][3] = v.w;
-    g[q][0] = w.x;
-    g[q][1] = w.y;
-    g[q][2] = w.z;
-    g[q][3] = w.w;
-  }
+  ldg_4x4(src + b * 16, a);
+  ldg_4x4(grad + b * 16, g);
   constexpr int kSlots = ITERS > 0 ? 2 * ITERS - 1 : 2 * kMaxSinkhornIters - 1;
   float vec[kSlots][4];
   mhc::sinkhorn_vjp_scaling<4, float, ITERS>(a, g, iters, eps, vec);
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-    reinterpret_cast<float4*>(dst + b * 16)[q] = make_float4(g[q][0], g[q][1], g[q][2], g[q][3]);
+  st_4x4(dst + b * 16, g);
 }
 
 // ---------------------------------------------------------------- smoke
@@ -272,14 +239,15 @@ PYBIND11_MODULE(_cuda, m) {
         const unsigned tgrid = unsigned((B + 127) / 128);
         if (variant == 2) {
           if (iters == 20)
-            sinkhorn4_fwd_scaling<20><<<tgrid, 128, 0, s>>>(ptr<const float>(src),
-                                                            ptr<float>(dst), B, iters, float(eps));
+            sinkhorn4_fwd_thread<true, 20><<<tgrid, 128, 0, s>>>(
+                ptr<const float>(src), ptr<float>(dst), B, iters, float(eps));
           else
-            sinkhorn4_fwd_scaling<0><<<tgrid, 128, 0, s>>>(ptr<const float>(src), ptr<float>(dst),
-                                                           B, iters, float(eps));
+            sinkhorn4_fwd_thread<true, 0><<<tgrid, 128, 0, s>>>(
+                ptr<const float>(src), ptr<float>(dst), B, iters, float(eps));
         } else if (variant == 1) {
-          sinkhorn4_fwd_thread<<<tgrid, 128, 0, s>>>(ptr<const float>(src), ptr<float>(dst), B,
-                                                     iters, float(eps));
+          sinkhorn4_fwd_thread<false, 0><<<tgrid, 128, 0, s>>>(ptr<const float>(src),
+                                                               ptr<float>(dst), B, iters,
+                                                               float(eps));
         } else {
           const unsigned grid = unsigned((B * 16 + 255) / 256);
           if (iters == 20)

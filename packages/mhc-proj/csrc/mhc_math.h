@@ -205,6 +205,34 @@ MHC_HD void laplacian_weights(const S (&t)[N][N], S (&w)[N][N]) {
   }
 }
 
+// Pivot p of the grounded-Laplacian elimination of w: the sum of node p's weights to the
+// nodes not yet eliminated (ground, node N-1, included).
+template <int N, typename S>
+MHC_HD S gth_pivot(const S (&w)[N][N], int p) {
+  S d = S(0);
+  MHC_UNROLL
+  for (int k = p + 1; k < N; ++k) d += w[p][k];
+  return d;
+}
+
+// Eliminates node p (inv = 1 / its pivot): the remaining weights become their Schur
+// complement, w_ij += w_ip w_pj / pivot (symmetric; only additions of positive terms).
+// b: right-hand side updated alongside (b_i += w_ip / pivot b_p), or null.
+template <int N, typename S>
+MHC_HD void gth_eliminate(S (&w)[N][N], int p, S inv, S* b) {
+  MHC_UNROLL
+  for (int i = p + 1; i < N; ++i) {
+    const S wip = w[i][p] * inv;
+    MHC_UNROLL
+    for (int j = i + 1; j < N; ++j) {
+      const S v = w[i][j] + wip * w[p][j];
+      w[i][j] = v;
+      w[j][i] = v;
+    }
+    if (b && i < N - 1) b[i] += wip * b[p];
+  }
+}
+
 // Solves L x = b for the Laplacian L = diag(W 1) - W grounded at node N-1 (x_{N-1} = 0)
 // by Gaussian elimination in the Grassmann-Taufer-Heyman arrangement: every pivot is a
 // sum of positive off-diagonal weights (including the edge to ground), and the Schur
@@ -228,9 +256,7 @@ MHC_HD bool grounded_laplacian_solve(S (&w)[N][N], S (&b)[N], S (&x)[N]) {
   const S zero_piv = Limits<S>::eps * maxdeg;
   MHC_UNROLL
   for (int p = 0; p < N - 1; ++p) {
-    S d = S(0);
-    MHC_UNROLL
-    for (int k = p + 1; k < N; ++k) d += w[p][k];
+    const S d = gth_pivot<N, S>(w, p);
     // A pivot below eps times the largest degree is zero to working precision: node p's
     // component is cut off from ground (e.g. the ground column is isolated).
     if (!(d > zero_piv) || !(d > S(0)) || !m_finite(d)) {
@@ -239,18 +265,7 @@ MHC_HD bool grounded_laplacian_solve(S (&w)[N][N], S (&b)[N], S (&x)[N]) {
       continue;  // no edges from p to the remaining nodes: nothing to eliminate
     }
     piv[p] = d;
-    const S inv = m_rcp(d);
-    MHC_UNROLL
-    for (int i = p + 1; i < N; ++i) {
-      const S wip = w[i][p] * inv;
-      MHC_UNROLL
-      for (int j = i + 1; j < N; ++j) {
-        const S v = w[i][j] + wip * w[p][j];
-        w[i][j] = v;
-        w[j][i] = v;
-      }
-      if (i < N - 1) b[i] += wip * b[p];
-    }
+    gth_eliminate<N, S>(w, p, m_rcp(d), b);
   }
   x[N - 1] = S(0);
   MHC_UNROLL
@@ -273,22 +288,10 @@ MHC_HD S min_pivot(const S (&t)[N][N]) {
   S mp = Limits<S>::huge;
   MHC_UNROLL
   for (int p = 0; p < N - 1; ++p) {
-    S d = S(0);
-    MHC_UNROLL
-    for (int k = p + 1; k < N; ++k) d += w[p][k];
+    const S d = gth_pivot<N, S>(w, p);
     mp = d < mp ? d : mp;
     if (!(d > S(0))) return S(0);
-    const S inv = m_rcp(d);
-    MHC_UNROLL
-    for (int i = p + 1; i < N; ++i) {
-      const S wip = w[i][p] * inv;
-      MHC_UNROLL
-      for (int j = i + 1; j < N; ++j) {
-        const S v = w[i][j] + wip * w[p][j];
-        w[i][j] = v;
-        w[j][i] = v;
-      }
-    }
+    gth_eliminate<N, S>(w, p, m_rcp(d), static_cast<S*>(nullptr));
   }
   return mp;
 }
@@ -506,27 +509,75 @@ MHC_HD void softmax_rows(const S (&a)[N][N], S (&p)[N][N]) {
   }
 }
 
+// Entry e of line l of p along a normalization step's axis: column l (e runs over rows)
+// for a column step, row l (e over columns) for a row step. COLUMN is a compile-time
+// constant, so this is a plain index (registers on the GPU after unrolling). S may be
+// const-qualified (read-only access).
+template <bool COLUMN, int N, typename S>
+MHC_HD S& at_axis(S (&p)[N][N], int l, int e) {
+  return COLUMN ? p[e][l] : p[l][e];
+}
+
+// A normalization step's factor for line l: 1 / (sum of the line + eps).
+template <bool COLUMN, int N, typename S>
+MHC_HD S line_inv(const S (&p)[N][N], int l, S eps) {
+  S s = S(0);
+  MHC_UNROLL
+  for (int e = 0; e < N; ++e) s += at_axis<COLUMN>(p, l, e);
+  return m_rcp(s + eps);
+}
+
+template <bool COLUMN, int N, typename S>
+MHC_HD void sinkhorn_step_axis(S (&p)[N][N], S eps) {
+  MHC_UNROLL
+  for (int l = 0; l < N; ++l) {
+    const S inv = line_inv<COLUMN>(p, l, eps);
+    MHC_UNROLL
+    for (int e = 0; e < N; ++e) at_axis<COLUMN>(p, l, e) *= inv;
+  }
+}
+
 template <int N, typename S>
 MHC_HD void sinkhorn_step(S (&p)[N][N], bool column, S eps) {
-  if (column) {
+  if (column)
+    sinkhorn_step_axis<true>(p, eps);
+  else
+    sinkhorn_step_axis<false>(p, eps);
+}
+
+// P0 = rowsoftmax(a) + eps: the first state of the iteration (and the fixed matrix of the
+// scaling form below); sm gets the softmax.
+template <int N, typename S>
+MHC_HD void sk_p0(const S (&a)[N][N], S eps, S (&sm)[N][N], S (&p0)[N][N]) {
+  softmax_rows<N, S>(a, sm);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
     MHC_UNROLL
-    for (int j = 0; j < N; ++j) {
-      S s = S(0);
-      MHC_UNROLL
-      for (int i = 0; i < N; ++i) s += p[i][j];
-      const S inv = m_rcp(s + eps);
-      MHC_UNROLL
-      for (int i = 0; i < N; ++i) p[i][j] *= inv;
-    }
-  } else {
+    for (int j = 0; j < N; ++j) p0[i][j] = sm[i][j] + eps;
+  }
+}
+
+// Sinkhorn-k forward on the full N x N state: P0, then the 2 iters - 1 steps of
+// sinkhorn_step (run-time loop; the CPU module's variants 0 and 1, the CUDA default).
+template <int N, typename S>
+MHC_HD void sinkhorn_fwd_state(const S (&a)[N][N], S (&p)[N][N], int iters, S eps) {
+  S sm[N][N];
+  sk_p0<N, S>(a, eps, sm, p);
+  for (int k = 0; k < 2 * iters - 1; ++k) sinkhorn_step<N, S>(p, (k & 1) == 0, eps);
+}
+
+template <bool COLUMN, int N, typename S>
+MHC_HD void sinkhorn_step_bwd_axis(const S (&p)[N][N], S (&dq)[N][N], S eps) {
+  MHC_UNROLL
+  for (int l = 0; l < N; ++l) {
+    const S inv = line_inv<COLUMN>(p, l, eps);
+    S dot = S(0);
     MHC_UNROLL
-    for (int i = 0; i < N; ++i) {
-      S s = S(0);
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) s += p[i][j];
-      const S inv = m_rcp(s + eps);
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) p[i][j] *= inv;
+    for (int e = 0; e < N; ++e) dot += at_axis<COLUMN>(dq, l, e) * (at_axis<COLUMN>(p, l, e) * inv);
+    MHC_UNROLL
+    for (int e = 0; e < N; ++e) {
+      S& d = at_axis<COLUMN>(dq, l, e);
+      d = (d - dot) * inv;
     }
   }
 }
@@ -535,33 +586,10 @@ MHC_HD void sinkhorn_step(S (&p)[N][N], bool column, S eps) {
 // overwrites dq with dp.
 template <int N, typename S>
 MHC_HD void sinkhorn_step_bwd(const S (&p)[N][N], S (&dq)[N][N], bool column, S eps) {
-  if (column) {
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) {
-      S s = S(0);
-      MHC_UNROLL
-      for (int i = 0; i < N; ++i) s += p[i][j];
-      const S inv = m_rcp(s + eps);
-      S dot = S(0);
-      MHC_UNROLL
-      for (int i = 0; i < N; ++i) dot += dq[i][j] * (p[i][j] * inv);
-      MHC_UNROLL
-      for (int i = 0; i < N; ++i) dq[i][j] = (dq[i][j] - dot) * inv;
-    }
-  } else {
-    MHC_UNROLL
-    for (int i = 0; i < N; ++i) {
-      S s = S(0);
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) s += p[i][j];
-      const S inv = m_rcp(s + eps);
-      S dot = S(0);
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) dot += dq[i][j] * (p[i][j] * inv);
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) dq[i][j] = (dq[i][j] - dot) * inv;
-    }
-  }
+  if (column)
+    sinkhorn_step_bwd_axis<true>(p, dq, eps);
+  else
+    sinkhorn_step_bwd_axis<false>(p, dq, eps);
 }
 
 template <int N, typename S>
@@ -615,17 +643,6 @@ MHC_HD void sk_scaling_step(const S (&p0)[N][N], const S (&other)[N], const S (&
   sk_matvec_acc<N, S>(p0, other, u, column);
   MHC_UNROLL
   for (int j = 0; j < N; ++j) out[j] = in[j] * m_rcp_approx(in[j] * u[j] + eps);
-}
-
-// P0 = rowsoftmax(a) + eps, the fixed matrix of the scaling form; sm gets the softmax.
-template <int N, typename S>
-MHC_HD void sk_p0(const S (&a)[N][N], S eps, S (&sm)[N][N], S (&p0)[N][N]) {
-  softmax_rows<N, S>(a, sm);
-  MHC_UNROLL
-  for (int i = 0; i < N; ++i) {
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) p0[i][j] = sm[i][j] + eps;
-  }
 }
 
 // Sinkhorn-k forward in the scaling form: P0 = rowsoftmax(a) + eps, the 2 iters - 1 vector
