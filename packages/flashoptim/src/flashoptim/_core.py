@@ -382,7 +382,11 @@ def f32_c(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
-# ------------------------------------------------------------------------ Triton kernel
+# ----------------------------------------------------------------------- Triton kernels
+#
+# Two step kernels (v1: block table, v2: unit table) share the arithmetic of one tile
+# (``_step_tile``) and differ only in their indexing. Triton inlines the helpers, so each
+# kernel compiles as if the tile were written out in it.
 
 
 @triton.jit
@@ -396,6 +400,223 @@ def _ceil_scale(amax, SCALE_F32: tl.constexpr):
         return amax
     b = amax.to(tl.uint32, bitcast=True)
     return ((b + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _correction_exp(p, P_DTYPE: tl.constexpr, ECC: tl.constexpr):
+    """k with ``q = 2**k`` the value of one correction code at the narrow values ``p``: the
+    spacing of p's format (from its exponent field) over 2**ECC; bf16 keeps q a normal fp32."""
+    pbits = p.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    if P_DTYPE == 1:
+        k = tl.maximum(tl.maximum((pbits >> 7) & 0xFF, 1) - 134 - ECC, -126)
+    else:
+        k = tl.maximum((pbits >> 10) & 0x1F, 1) - 25 - ECC
+    return k
+
+
+@triton.jit
+def _array_ptr(base, row, COL: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer to one array of a tensor: ``base`` plus the element offset that column COL of
+    the tensor's table row holds (ALIGNED: a multiple of 16, so accesses can vectorize)."""
+    o = tl.load(row + COL)
+    if ALIGNED:
+        o = tl.multiple_of(o, 16)
+    return base + o
+
+
+@triton.jit
+def _tensor_arrays(
+    row,
+    p_base,
+    g_base,
+    c_base,
+    m_base,
+    ms_base,
+    v_base,
+    vs_base,
+    KIND: tl.constexpr,
+    ECC: tl.constexpr,
+    QUANT: tl.constexpr,
+    HAS_MOM: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """Pointers to the arrays of the tensor whose table row is ``row``: parameter, gradient,
+    correction, momentum codes and scales, variance codes and scales. An array the mode does
+    not use (and so the table does not locate) stays at its base pointer."""
+    pp = _array_ptr(p_base, row, 0, ALIGNED)
+    gp = _array_ptr(g_base, row, 1, ALIGNED)
+    cp, mp, msp, vp, vsp = c_base, m_base, ms_base, v_base, vs_base
+    if ECC > 0:
+        cp = _array_ptr(c_base, row, 2, ALIGNED)
+    if HAS_MOM:
+        mp = _array_ptr(m_base, row, 3, ALIGNED)
+        if QUANT:
+            msp = _array_ptr(ms_base, row, 4, False)
+    if KIND == 0:
+        vp = _array_ptr(v_base, row, 5, ALIGNED)
+        if QUANT:
+            vsp = _array_ptr(vs_base, row, 6, False)
+    return pp, gp, cp, mp, msp, vp, vsp
+
+
+@triton.jit
+def _rounding_stream(row, step_mix, ECC: tl.constexpr, SR: tl.constexpr):
+    """(key, index base) of the stochastic rounding draws of the tensor whose table row is
+    ``row``: the key mixes its seed with the step, the base is its global index of element 0
+    (mod 2**32). Both stay 0 where nothing is rounded stochastically."""
+    key = 0
+    ib = 0
+    if ECC > 0:
+        if SR:
+            key = _mix32(tl.load(row + 8).to(tl.uint32) + step_mix.to(tl.uint32))
+            ib = tl.load(row + 9).to(tl.uint32)  # idx base mod 2**32
+    return key, ib
+
+
+@triton.jit
+def _step_tile(
+    pp,  # pointers to the tensor's arrays (_tensor_arrays)
+    gp,
+    cp,
+    mp,
+    msp,
+    vp,
+    vsp,
+    off,  # element offsets within the tensor, a 2-D tile [groups, 32]
+    mask,
+    goff,  # group offsets within the tensor [groups]
+    gmask,
+    key,  # stochastic rounding stream (_rounding_stream)
+    ib,
+    lr,
+    b1,
+    one_m_b1,
+    b2,
+    one_m_b2,
+    eps,
+    wd,
+    decay_mult,
+    step_size,
+    inv_sqrt_bc2,
+    one_m_damp,
+    first,
+    KIND: tl.constexpr,
+    ECC: tl.constexpr,
+    QUANT: tl.constexpr,
+    SR: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_MOM: tl.constexpr,
+    SCALE_F32: tl.constexpr,
+):
+    """One tile of the step, in place: decode the master weight and the states, update,
+    requantize the states, split the master weight. The kernels bring the indexing."""
+    p = tl.load(pp + off, mask=mask, other=0.0)
+    g = tl.load(gp + off, mask=mask, other=0.0).to(tl.float32)
+    if ECC > 0:
+        c = tl.load(cp + off, mask=mask, other=0)
+        k = _correction_exp(p, P_DTYPE, ECC)
+        th = p.to(tl.float32) + c.to(tl.float32) * _pow2(k)
+    else:
+        th = p.to(tl.float32)
+
+    if HAS_MOM:
+        if QUANT:
+            mc = tl.load(mp + off, mask=mask, other=0).to(tl.float32)
+            msc = tl.load(msp + goff, mask=gmask, other=0.0).to(tl.float32)
+            y = mc * 0.007874015718698502  # fp32(1/127)
+            x = y / (2.0 - tl.abs(y))
+            m = x * msc[:, None]
+        else:
+            m = tl.load(mp + off, mask=mask, other=0.0)
+
+    if KIND == 0:  # Adam / AdamW
+        if QUANT:
+            vc = tl.load(vp + off, mask=mask, other=0).to(tl.float32)
+            vsc = tl.load(vsp + goff, mask=gmask, other=0.0).to(tl.float32)
+            sv = vc * vsc[:, None] * 0.003921568859368563  # fp32(1/255)
+            v = sv * sv
+        else:
+            v = tl.load(vp + off, mask=mask, other=0.0)
+        if DECOUPLED:
+            th = th * decay_mult
+        else:
+            g = g + wd * th
+        m = m + (g - m) * one_m_b1
+        v = v * b2 + one_m_b2 * (g * g)
+        svg = tl.sqrt(v)  # once: the denominator and the variance code
+        th = th - step_size * (m / (svg * inv_sqrt_bc2 + eps))
+    elif KIND == 1:  # SGD
+        if DECOUPLED:
+            th = th * decay_mult
+        else:
+            g = g + wd * th
+        if HAS_MOM:
+            m = tl.where(first != 0, g, m * b1 + one_m_damp * g)
+            if NESTEROV:
+                d = g + b1 * m
+            else:
+                d = m
+        else:
+            d = g
+        th = th - lr * d
+    else:  # Lion
+        th = th * decay_mult
+        cc = m * b1 + one_m_b1 * g
+        sgn = tl.where(cc > 0, 1.0, tl.where(cc < 0, -1.0, 0.0))
+        th = th - lr * sgn
+        m = m * b2 + one_m_b2 * g
+
+    # requantize the states
+    if HAS_MOM:
+        if QUANT:
+            ms_new = _ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32)
+            inv = tl.where(ms_new > 0, 1.0 / tl.where(ms_new > 0, ms_new, 1.0), 0.0)
+            x = m * inv[:, None]
+            phi = 2.0 * x / (1.0 + tl.abs(x))
+            code = tl.minimum(tl.maximum(tl.floor(phi * 127.0 + 0.5), -127.0), 127.0)
+            tl.store(mp + off, code.to(tl.int8), mask=mask)
+            tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
+        else:
+            tl.store(mp + off, m, mask=mask)
+    if KIND == 0:
+        if QUANT:
+            vs_new = _ceil_scale(tl.max(svg, axis=1), SCALE_F32)
+            inv = tl.where(vs_new > 0, 255.0 / tl.where(vs_new > 0, vs_new, 1.0), 0.0)
+            code = tl.minimum(tl.maximum(tl.floor(svg * inv[:, None] + 0.5), 0.0), 255.0)
+            code = tl.where(svg > 0, tl.maximum(code, 1.0), code)
+            tl.store(vp + off, code.to(tl.uint8), mask=mask)
+            tl.store(vsp + goff, vs_new.to(vsp.dtype.element_ty), mask=gmask)
+        else:
+            tl.store(vp + off, v, mask=mask)
+
+    # split the master weight
+    if P_DTYPE == 0:
+        tl.store(pp + off, th, mask=mask)
+    else:
+        if P_DTYPE == 1:
+            b = th.to(tl.uint32, bitcast=True)
+            nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+            pn = nb.to(tl.bfloat16, bitcast=True)
+        else:
+            pn = th.to(tl.float16)
+        tl.store(pp + off, pn, mask=mask)
+        if ECC > 0:
+            k = _correction_exp(pn, P_DTYPE, ECC)
+            r = (th - pn.to(tl.float32)) * _pow2(-k)
+            if SR:
+                h = _mix32((off.to(tl.uint32) + ib) ^ key)
+                u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+                code = tl.floor(r + u)
+            else:
+                code = tl.floor(r + 0.5)
+            LIM: tl.constexpr = 1 << (ECC - 1)
+            code = tl.minimum(tl.maximum(code, -LIM), LIM - 1)
+            tl.store(cp + off, code.to(cp.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------- kernel v1 (block table)
 
 
 @triton.jit(do_not_specialize=["first", "step_mix"])
@@ -454,138 +675,58 @@ def _step_kernel(
     mask = off < n
     goff = start // GROUP_SIZE + tl.arange(0, NG)
     gmask = goff < (n + GROUP_SIZE - 1) // GROUP_SIZE
-
-    po = tl.load(row + 0)
-    go = tl.load(row + 1)
-    if ALIGNED:
-        po = tl.multiple_of(po, 16)
-        go = tl.multiple_of(go, 16)
-    p = tl.load(p_base + po + off, mask=mask, other=0.0)
-    g = tl.load(g_base + go + off, mask=mask, other=0.0).to(tl.float32)
-    if ECC > 0:
-        co = tl.load(row + 2)
-        if ALIGNED:
-            co = tl.multiple_of(co, 16)
-        c = tl.load(c_base + co + off, mask=mask, other=0)
-        pbits = p.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        if P_DTYPE == 1:
-            k = tl.maximum(tl.maximum((pbits >> 7) & 0xFF, 1) - 134 - ECC, -126)
-        else:
-            k = tl.maximum((pbits >> 10) & 0x1F, 1) - 25 - ECC
-        th = p.to(tl.float32) + c.to(tl.float32) * _pow2(k)
-    else:
-        th = p.to(tl.float32)
-
-    if HAS_MOM:
-        mo = tl.load(row + 3)
-        if ALIGNED:
-            mo = tl.multiple_of(mo, 16)
-        if QUANT:
-            mso = tl.load(row + 4)
-            mc = tl.load(m_base + mo + off, mask=mask, other=0).to(tl.float32)
-            msc = tl.load(ms_base + mso + goff, mask=gmask, other=0.0).to(tl.float32)
-            y = mc * 0.007874015718698502  # fp32(1/127)
-            x = y / (2.0 - tl.abs(y))
-            m = x * msc[:, None]
-        else:
-            m = tl.load(m_base + mo + off, mask=mask, other=0.0)
-
-    if KIND == 0:  # Adam / AdamW
-        vo = tl.load(row + 5)
-        if ALIGNED:
-            vo = tl.multiple_of(vo, 16)
-        if QUANT:
-            vso = tl.load(row + 6)
-            vc = tl.load(v_base + vo + off, mask=mask, other=0).to(tl.float32)
-            vsc = tl.load(vs_base + vso + goff, mask=gmask, other=0.0).to(tl.float32)
-            sv = vc * vsc[:, None] * 0.003921568859368563
-            v = sv * sv
-        else:
-            v = tl.load(v_base + vo + off, mask=mask, other=0.0)
-        if DECOUPLED:
-            th = th * decay_mult
-        else:
-            g = g + wd * th
-        m = m + (g - m) * one_m_b1
-        v = v * b2 + one_m_b2 * (g * g)
-        denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
-        th = th - step_size * (m / denom)
-    elif KIND == 1:  # SGD
-        if DECOUPLED:
-            th = th * decay_mult
-        else:
-            g = g + wd * th
-        if HAS_MOM:
-            m = tl.where(first != 0, g, m * b1 + one_m_damp * g)
-            if NESTEROV:
-                d = g + b1 * m
-            else:
-                d = m
-        else:
-            d = g
-        th = th - lr * d
-    else:  # Lion
-        th = th * decay_mult
-        cc = m * b1 + one_m_b1 * g
-        sgn = tl.where(cc > 0, 1.0, tl.where(cc < 0, -1.0, 0.0))
-        th = th - lr * sgn
-        m = m * b2 + one_m_b2 * g
-
-    # requantize the states
-    if HAS_MOM:
-        if QUANT:
-            mg = m
-            ms_new = _ceil_scale(tl.max(tl.abs(mg), axis=1), SCALE_F32)
-            inv = tl.where(ms_new > 0, 1.0 / tl.where(ms_new > 0, ms_new, 1.0), 0.0)
-            x = mg * inv[:, None]
-            phi = 2.0 * x / (1.0 + tl.abs(x))
-            code = tl.minimum(tl.maximum(tl.floor(phi * 127.0 + 0.5), -127.0), 127.0)
-            tl.store(m_base + mo + off, code.to(tl.int8), mask=mask)
-            tl.store(ms_base + mso + goff, ms_new.to(ms_base.dtype.element_ty), mask=gmask)
-        else:
-            tl.store(m_base + mo + off, m, mask=mask)
-    if KIND == 0:
-        if QUANT:
-            svg = tl.sqrt(v)
-            vs_new = _ceil_scale(tl.max(svg, axis=1), SCALE_F32)
-            inv = tl.where(vs_new > 0, 255.0 / tl.where(vs_new > 0, vs_new, 1.0), 0.0)
-            code = tl.minimum(tl.maximum(tl.floor(svg * inv[:, None] + 0.5), 0.0), 255.0)
-            code = tl.where(svg > 0, tl.maximum(code, 1.0), code)
-            tl.store(v_base + vo + off, code.to(tl.uint8), mask=mask)
-            tl.store(vs_base + vso + goff, vs_new.to(vs_base.dtype.element_ty), mask=gmask)
-        else:
-            tl.store(v_base + vo + off, v, mask=mask)
-
-    # split the master weight
-    if P_DTYPE == 0:
-        tl.store(p_base + po + off, th, mask=mask)
-    else:
-        if P_DTYPE == 1:
-            b = th.to(tl.uint32, bitcast=True)
-            nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
-            pn = nb.to(tl.bfloat16, bitcast=True)
-        else:
-            pn = th.to(tl.float16)
-        tl.store(p_base + po + off, pn, mask=mask)
-        if ECC > 0:
-            pnb = pn.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            if P_DTYPE == 1:
-                k = tl.maximum(tl.maximum((pnb >> 7) & 0xFF, 1) - 134 - ECC, -126)
-            else:
-                k = tl.maximum((pnb >> 10) & 0x1F, 1) - 25 - ECC
-            r = (th - pn.to(tl.float32)) * _pow2(-k)
-            if SR:
-                seed = tl.load(row + 8).to(tl.uint32)
-                ib = tl.load(row + 9)
-                key = _mix32(seed + step_mix.to(tl.uint32))
-                h = _mix32((off + ib).to(tl.uint32) ^ key)
-                u = (h >> 8).to(tl.float32) * 5.960464477539063e-08
-                code = tl.floor(r + u)
-            else:
-                code = tl.floor(r + 0.5)
-            LIM: tl.constexpr = 1 << (ECC - 1)
-            code = tl.minimum(tl.maximum(code, -LIM), LIM - 1)
-            tl.store(c_base + co + off, code.to(c_base.dtype.element_ty), mask=mask)
+    pp, gp, cp, mp, msp, vp, vsp = _tensor_arrays(
+        row,
+        p_base,
+        g_base,
+        c_base,
+        m_base,
+        ms_base,
+        v_base,
+        vs_base,
+        KIND,
+        ECC,
+        QUANT,
+        HAS_MOM,
+        ALIGNED,
+    )
+    key, ib = _rounding_stream(row, step_mix, ECC, SR)
+    _step_tile(
+        pp,
+        gp,
+        cp,
+        mp,
+        msp,
+        vp,
+        vsp,
+        off,
+        mask,
+        goff,
+        gmask,
+        key,
+        ib,
+        lr,
+        b1,
+        one_m_b1,
+        b2,
+        one_m_b2,
+        eps,
+        wd,
+        decay_mult,
+        step_size,
+        inv_sqrt_bc2,
+        one_m_damp,
+        first,
+        KIND,
+        ECC,
+        QUANT,
+        SR,
+        P_DTYPE,
+        DECOUPLED,
+        NESTEROV,
+        HAS_MOM,
+        SCALE_F32,
+    )
 
 
 @triton.jit
@@ -689,33 +830,22 @@ def _step_kernel_v2(
         if N16:
             n = tl.multiple_of(n, 16)
         ng = (n + GROUP_SIZE - 1) // GROUP_SIZE
-        po = tl.load(row + 0)
-        go = tl.load(row + 1)
-        if ALIGNED:
-            po = tl.multiple_of(po, 16)
-            go = tl.multiple_of(go, 16)
-        pp = p_base + po
-        gp = g_base + go
-        if ECC > 0:
-            co = tl.load(row + 2)
-            if ALIGNED:
-                co = tl.multiple_of(co, 16)
-            cp = c_base + co
-        if HAS_MOM:
-            mo = tl.load(row + 3)
-            if ALIGNED:
-                mo = tl.multiple_of(mo, 16)
-            mp = m_base + mo
-            msp = ms_base + tl.load(row + 4)
-        if KIND == 0:
-            vo = tl.load(row + 5)
-            if ALIGNED:
-                vo = tl.multiple_of(vo, 16)
-            vp = v_base + vo
-            vsp = vs_base + tl.load(row + 6)
-        if SR:
-            key = _mix32(tl.load(row + 8).to(tl.uint32) + step_mix.to(tl.uint32))
-            ib = tl.load(row + 9).to(tl.uint32)  # idx base mod 2**32
+        pp, gp, cp, mp, msp, vp, vsp = _tensor_arrays(
+            row,
+            p_base,
+            g_base,
+            c_base,
+            m_base,
+            ms_base,
+            v_base,
+            vs_base,
+            KIND,
+            ECC,
+            QUANT,
+            HAS_MOM,
+            ALIGNED,
+        )
+        key, ib = _rounding_stream(row, step_mix, ECC, SR)
         for s in range(0, UNIT // BLOCK):  # a loop, not unrolled: one copy of the body
             start = lu * UNIT + s * BLOCK  # int32, a provable multiple of BLOCK
             if start < n:
@@ -723,112 +853,42 @@ def _step_kernel_v2(
                 mask = off < n
                 goff = start // GROUP_SIZE + rows
                 gmask = goff < ng
-                p = tl.load(pp + off, mask=mask, other=0.0)
-                g = tl.load(gp + off, mask=mask, other=0.0).to(tl.float32)
-                if ECC > 0:
-                    c = tl.load(cp + off, mask=mask, other=0)
-                    pbits = p.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                    if P_DTYPE == 1:
-                        k = tl.maximum(tl.maximum((pbits >> 7) & 0xFF, 1) - 134 - ECC, -126)
-                    else:
-                        k = tl.maximum((pbits >> 10) & 0x1F, 1) - 25 - ECC
-                    th = p.to(tl.float32) + c.to(tl.float32) * _pow2(k)
-                else:
-                    th = p.to(tl.float32)
-                if HAS_MOM:
-                    if QUANT:
-                        mc = tl.load(mp + off, mask=mask, other=0).to(tl.float32)
-                        msc = tl.load(msp + goff, mask=gmask, other=0.0).to(tl.float32)
-                        y = mc * 0.007874015718698502  # fp32(1/127)
-                        x = y / (2.0 - tl.abs(y))
-                        m = x * msc[:, None]
-                    else:
-                        m = tl.load(mp + off, mask=mask, other=0.0)
-                if KIND == 0:
-                    if QUANT:
-                        vc = tl.load(vp + off, mask=mask, other=0).to(tl.float32)
-                        vsc = tl.load(vsp + goff, mask=gmask, other=0.0).to(tl.float32)
-                        sv = vc * vsc[:, None] * 0.003921568859368563
-                        v = sv * sv
-                    else:
-                        v = tl.load(vp + off, mask=mask, other=0.0)
-                    if DECOUPLED:
-                        th = th * decay_mult
-                    else:
-                        g = g + wd * th
-                    m = m + (g - m) * one_m_b1
-                    v = v * b2 + one_m_b2 * (g * g)
-                    svg = tl.sqrt(v)  # once: the denominator and the variance code
-                    th = th - step_size * (m / (svg * inv_sqrt_bc2 + eps))
-                elif KIND == 1:
-                    if DECOUPLED:
-                        th = th * decay_mult
-                    else:
-                        g = g + wd * th
-                    if HAS_MOM:
-                        m = tl.where(first != 0, g, m * b1 + one_m_damp * g)
-                        if NESTEROV:
-                            d = g + b1 * m
-                        else:
-                            d = m
-                    else:
-                        d = g
-                    th = th - lr * d
-                else:
-                    th = th * decay_mult
-                    cc = m * b1 + one_m_b1 * g
-                    sgn = tl.where(cc > 0, 1.0, tl.where(cc < 0, -1.0, 0.0))
-                    th = th - lr * sgn
-                    m = m * b2 + one_m_b2 * g
-                if HAS_MOM:
-                    if QUANT:
-                        ms_new = _ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32)
-                        inv = tl.where(ms_new > 0, 1.0 / tl.where(ms_new > 0, ms_new, 1.0), 0.0)
-                        x = m * inv[:, None]
-                        phi = 2.0 * x / (1.0 + tl.abs(x))
-                        code = tl.minimum(tl.maximum(tl.floor(phi * 127.0 + 0.5), -127.0), 127.0)
-                        tl.store(mp + off, code.to(tl.int8), mask=mask)
-                        tl.store(msp + goff, ms_new.to(ms_base.dtype.element_ty), mask=gmask)
-                    else:
-                        tl.store(mp + off, m, mask=mask)
-                if KIND == 0:
-                    if QUANT:
-                        vs_new = _ceil_scale(tl.max(svg, axis=1), SCALE_F32)
-                        inv = tl.where(vs_new > 0, 255.0 / tl.where(vs_new > 0, vs_new, 1.0), 0.0)
-                        code = tl.minimum(
-                            tl.maximum(tl.floor(svg * inv[:, None] + 0.5), 0.0), 255.0
-                        )
-                        code = tl.where(svg > 0, tl.maximum(code, 1.0), code)
-                        tl.store(vp + off, code.to(tl.uint8), mask=mask)
-                        tl.store(vsp + goff, vs_new.to(vs_base.dtype.element_ty), mask=gmask)
-                    else:
-                        tl.store(vp + off, v, mask=mask)
-                if P_DTYPE == 0:
-                    tl.store(pp + off, th, mask=mask)
-                else:
-                    if P_DTYPE == 1:
-                        b = th.to(tl.uint32, bitcast=True)
-                        nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
-                        pn = nb.to(tl.bfloat16, bitcast=True)
-                    else:
-                        pn = th.to(tl.float16)
-                    tl.store(pp + off, pn, mask=mask)
-                    if ECC > 0:
-                        pnb = pn.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                        if P_DTYPE == 1:
-                            k = tl.maximum(tl.maximum((pnb >> 7) & 0xFF, 1) - 134 - ECC, -126)
-                        else:
-                            k = tl.maximum((pnb >> 10) & 0x1F, 1) - 25 - ECC
-                        r = (th - pn.to(tl.float32)) * _pow2(-k)
-                        if SR:
-                            h = _mix32((off.to(tl.uint32) + ib) ^ key)
-                            u01 = (h >> 8).to(tl.float32) * 5.960464477539063e-08
-                            code = tl.floor(r + u01)
-                        else:
-                            code = tl.floor(r + 0.5)
-                        LIM: tl.constexpr = 1 << (ECC - 1)
-                        code = tl.minimum(tl.maximum(code, -LIM), LIM - 1)
-                        tl.store(cp + off, code.to(c_base.dtype.element_ty), mask=mask)
+                _step_tile(
+                    pp,
+                    gp,
+                    cp,
+                    mp,
+                    msp,
+                    vp,
+                    vsp,
+                    off,
+                    mask,
+                    goff,
+                    gmask,
+                    key,
+                    ib,
+                    lr,
+                    b1,
+                    one_m_b1,
+                    b2,
+                    one_m_b2,
+                    eps,
+                    wd,
+                    decay_mult,
+                    step_size,
+                    inv_sqrt_bc2,
+                    one_m_damp,
+                    first,
+                    KIND,
+                    ECC,
+                    QUANT,
+                    SR,
+                    P_DTYPE,
+                    DECOUPLED,
+                    NESTEROV,
+                    HAS_MOM,
+                    SCALE_F32,
+                )
 
 
 @triton.jit(do_not_specialize=["nunits"])
