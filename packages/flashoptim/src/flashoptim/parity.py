@@ -87,6 +87,17 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+def lr_schedule(opt, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
+    warm = max(1, steps // 20)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        ),
+    )
+
+
 def run(opt_name, seed, cfg, data, device) -> dict:
     torch.manual_seed(seed)
     model = GPT(cfg["d"], cfg["layers"], cfg["heads"], cfg["ctx"]).to(device)
@@ -105,13 +116,8 @@ def run(opt_name, seed, cfg, data, device) -> dict:
             if device.type == "cuda"
             else contextlib.nullcontext()
         )
-    steps, warm = cfg["steps"], max(1, cfg["steps"] // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
-        ),
-    )
+    steps = cfg["steps"]
+    sched = lr_schedule(opt, steps)
     train, val = data
     g = torch.Generator().manual_seed(1000 + seed)  # same data order for both optimizers
     B, T = cfg["batch"], cfg["ctx"]
