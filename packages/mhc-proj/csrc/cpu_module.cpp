@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "mhc_lane16_host.h"
 #include "mhc_math.h"
 
 namespace py = pybind11;
@@ -22,8 +23,27 @@ T* ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
+// The float64 stage of the fp32 path for one matrix, after the fp32 stage returned status
+// st (project_matrix's codes) in iters iterations with potentials beta: the info word.
+template <int N>
+int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, double fb_tol,
+                int fb_max_iter) {
+  int word = iters;
+  if (st == 1) {
+    word |= mhc::kInfoConverged;
+  } else if (st == 0 || st == 2) {
+    int it2 = 0;
+    st = st == 2 ? mhc::polish_matrix<N, double>(s, d, beta, fb_tol, fb_max_iter, it2)
+                 : mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
+    word = (iters + it2 > 0xffff ? 0xffff : iters + it2) | mhc::kInfoFallback;
+    if (st == 1) word |= mhc::kInfoConverged;
+  }
+  return word;
+}
+
 // fp32: Newton in float, then a float64 re-solve of only the matrices that did not
-// converge. fp64: Newton in double.
+// converge. fp64: Newton in double. There is one layout on the CPU (a matrix per loop
+// iteration): the CUDA binding's layout argument has no CPU counterpart.
 template <int N>
 void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B,
                     int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
@@ -36,18 +56,9 @@ void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info,
       const float* s = ptr<const float>(src) + b * E;
       float* d = ptr<float>(dst) + b * E;
       float beta[N];
-      int st = mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters,
-                                             float(pivot_min), beta);
-      word = iters;
-      if (st == 1) {
-        word |= mhc::kInfoConverged;
-      } else if (st == 0 || st == 2) {
-        int it2 = 0;
-        st = st == 2 ? mhc::polish_matrix<N, double>(s, d, beta, fb_tol, fb_max_iter, it2)
-                     : mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
-        word = (iters + it2 > 0xffff ? 0xffff : iters + it2) | mhc::kInfoFallback;
-        if (st == 1) word |= mhc::kInfoConverged;
-      }
+      const int st = mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters,
+                                                   float(pivot_min), beta);
+      word = fp32_finish<N>(st, iters, s, d, beta, fb_tol, fb_max_iter);
     } else {
       const double* s = ptr<const double>(src) + b * E;
       double* d = ptr<double>(dst) + b * E;
@@ -70,6 +81,41 @@ void birkhoff_bwd_n(std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64
                                  ptr<double>(da) + b * E);
     }
   }
+}
+
+// Host emulation of the CUDA 16-lane n = 4 kernels (mhc_lane16.h run by HostLanes), for
+// the tests: the same algorithm as birkhoff4_fwd_f32_lane / birkhoff4_bwd_lane, without a
+// GPU. fp32 only; the forward's flagged matrices go through the same float64 stage as
+// birkhoff_fwd_n. Returns the number of uniformity violations (values a branch depends on
+// that differed between the 16 lanes of a matrix; must be 0).
+int64_t lane16_fwd_f32(const float* src, float* dst, int* info, int64_t B, double tol,
+                       int max_iter, double fb_tol, int fb_max_iter, double pivot_min) {
+  mhc::lane16::HostLanes l;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* s = src + b * 16;
+    float* d = dst + b * 16;
+    mhc::lane16::V16 x, t, beta;
+    std::memcpy(x.v, s, sizeof(x.v));
+    int iters = 0;
+    const int st = mhc::lane16::project_matrix(l, x, t, beta, float(tol), max_iter, iters,
+                                               float(pivot_min));
+    std::memcpy(d, t.v, sizeof(t.v));
+    const int word = fp32_finish<4>(st, iters, s, d, beta.v, fb_tol, fb_max_iter);  // lanes (0, j)
+    if (info) info[b] = word;
+  }
+  return l.violations;
+}
+
+int64_t lane16_bwd_f32(const float* t, const float* g, float* da, int64_t B) {
+  mhc::lane16::HostLanes l;
+  for (int64_t b = 0; b < B; ++b) {
+    mhc::lane16::V16 tv, gv;
+    std::memcpy(tv.v, t + b * 16, sizeof(tv.v));
+    std::memcpy(gv.v, g + b * 16, sizeof(gv.v));
+    const mhc::lane16::V16 d = mhc::lane16::implicit_vjp(l, tv, gv);
+    std::memcpy(da + b * 16, d.v, sizeof(d.v));
+  }
+  return l.violations;
 }
 
 template <int N, typename S>
@@ -197,6 +243,29 @@ PYBIND11_MODULE(_cpu, m) {
       },
       py::arg("t"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
       py::arg("dtype"));
+  m.def(
+      "lane16_fwd_emulated",
+      [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B, double tol,
+         int max_iter, double fb_tol, int fb_max_iter, double pivot_min) {
+        py::gil_scoped_release nogil;
+        return lane16_fwd_f32(ptr<const float>(src), ptr<float>(dst),
+                              info ? ptr<int>(info) : nullptr, B, tol, max_iter, fb_tol,
+                              fb_max_iter, pivot_min);
+      },
+      "Host emulation of the CUDA 16-lane n = 4 fp32 forward (tests); returns the count of "
+      "lane-uniformity violations",
+      py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("tol"),
+      py::arg("max_iter"), py::arg("fallback_tol"), py::arg("fallback_max_iter"),
+      py::arg("pivot_min"));
+  m.def(
+      "lane16_bwd_emulated",
+      [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B) {
+        py::gil_scoped_release nogil;
+        return lane16_bwd_f32(ptr<const float>(t), ptr<const float>(g), ptr<float>(da), B);
+      },
+      "Host emulation of the CUDA 16-lane n = 4 fp32 backward (tests); returns the count of "
+      "lane-uniformity violations",
+      py::arg("t"), py::arg("grad"), py::arg("out"), py::arg("batch"));
   m.def(
       "sinkhorn_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, int64_t B, int n, int iters, double eps,

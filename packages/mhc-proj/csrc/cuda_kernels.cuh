@@ -139,6 +139,14 @@ inline unsigned blocks_for(int64_t work, int per_block) {
   return unsigned((work + per_block - 1) / per_block);
 }
 
+// Stage 2 after an fp32 stage 1 of either layout (which started from a zeroed count).
+template <int N>
+void launch_fallback(const FwdArgs& a, cudaStream_t stream) {
+  const unsigned grid = blocks_for(a.batch, kThreads);
+  const unsigned fb_grid = grid < 528u ? grid : 528u;
+  birkhoff_fwd_fallback<N><<<fb_grid, kThreads, 0, stream>>>(a);
+}
+
 template <int N>
 void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   if (a.batch == 0) return;
@@ -149,8 +157,7 @@ void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   }
   cudaMemsetAsync(a.work, 0, sizeof(int), stream);
   birkhoff_fwd_f32_thread<N><<<grid, kThreads, 0, stream>>>(a);
-  const unsigned fb_grid = grid < 528u ? grid : 528u;
-  birkhoff_fwd_fallback<N><<<fb_grid, kThreads, 0, stream>>>(a);
+  launch_fallback<N>(a, stream);
 }
 
 template <int N>

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda_kernels.cuh"
+#include "mhc_lane16.h"
 
 namespace py = pybind11;
 
@@ -148,6 +149,111 @@ __global__ void __launch_bounds__(128) sinkhorn4_bwd_thread(const float* __restr
   st_4x4(dst + b * 16, g);
 }
 
+// ---------------------------------------------------------------- Birkhoff, n = 4, 16 lanes
+// The published layout for the Newton forward and the implicit backward (layout code 0,
+// opt-in until measured; see NOTES.md): mhc_lane16.h's algorithm with this policy. Lane
+// l = 4 i + j of each half-warp holds entry (i, j) of one matrix (coalesced 4-byte loads
+// and stores, 64 B per matrix); every shuffle, vote and reduction uses the half-warp's own
+// mask and stays inside it, and all lanes of a matrix take the same branches (the values
+// they branch on are bitwise equal), so the two matrices of a warp may diverge from each
+// other but never a matrix from itself. Intermediates live in registers only.
+constexpr int kLaneThreads = 256;
+
+struct WarpHalf {
+  using V = float;
+  int lane;       // lane in the warp
+  unsigned mask;  // the 16 lanes of this lane's matrix
+  __device__ __forceinline__ WarpHalf()
+      : lane(int(threadIdx.x & 31)), mask(0xffffu << (threadIdx.x & 16)) {}
+
+  // v + partner's v, rounded as written (never contracted into an FMA: every lane must
+  // compute the bitwise same sum)
+  __device__ __forceinline__ float bfly_sum(float v, int m) const {
+    return __fadd_rn(v, __shfl_xor_sync(mask, v, m));
+  }
+  __device__ __forceinline__ float bfly_max(float v, int m) const {
+    return fmaxf(v, __shfl_xor_sync(mask, v, m));
+  }
+  __device__ __forceinline__ float row_sum(float v) const { return bfly_sum(bfly_sum(v, 1), 2); }
+  __device__ __forceinline__ float col_sum(float v) const { return bfly_sum(bfly_sum(v, 4), 8); }
+  __device__ __forceinline__ float row_max(float v) const { return bfly_max(bfly_max(v, 1), 2); }
+  __device__ __forceinline__ float col_max(float v) const { return bfly_max(bfly_max(v, 4), 8); }
+  __device__ __forceinline__ float all_max(float v) const { return col_max(row_max(v)); }
+  __device__ __forceinline__ float row_xor(float v, int k) const {
+    return __shfl_xor_sync(mask, v, k);
+  }
+  __device__ __forceinline__ float from_col(float v, int k) const {
+    return __shfl_sync(mask, v, (lane & ~3) | k);
+  }
+  __device__ __forceinline__ float by_col(const float (&x)[4]) const {
+    const int j = lane & 3;  // selects, not a register-array index (no local memory)
+    float r = x[0];
+    r = j == 1 ? x[1] : r;
+    r = j == 2 ? x[2] : r;
+    return j == 3 ? x[3] : r;
+  }
+  __device__ __forceinline__ float sel_col(float a, float b, int cols) const {
+    return (cols >> (lane & 3)) & 1 ? a : b;
+  }
+  __device__ __forceinline__ float uni(float v) const { return v; }
+  __device__ __forceinline__ bool all_finite(float v) const {
+    return __all_sync(mask, mhc::m_finite(v)) != 0;
+  }
+};
+
+// Stage 1 (fp32) in the 16-lane layout; the same outputs, info words and work-list entries
+// as birkhoff_fwd_f32_thread<4>, so stage 2 (birkhoff_fwd_fallback<4>) is shared.
+__global__ void __launch_bounds__(kLaneThreads) birkhoff4_fwd_f32_lane(FwdArgs a) {
+  const int64_t gid = blockIdx.x * int64_t(kLaneThreads) + threadIdx.x;
+  const int64_t b = gid >> 4;
+  if (b >= a.batch) return;  // whole half-warps (16 divides the block): no shuffle partner leaves
+  const WarpHalf l;
+  const float x = __ldg(static_cast<const float*>(a.src) + gid);
+  float t, beta;
+  int iters = 0;
+  const int st = mhc::lane16::project_matrix(l, x, t, beta, float(a.tol), a.max_iter, iters,
+                                             float(a.pivot_min));
+  static_cast<float*>(a.dst)[gid] = t;
+  const int e = int(threadIdx.x & 15);  // 4 i + j
+  if (st == 0 || st == 2) {             // uniform over the matrix's lanes
+    int k = 0;
+    if (e == 0) k = atomicAdd(a.work, 1);
+    k = __shfl_sync(l.mask, k, l.lane & 16);
+    if (e == 0) a.work[1 + k] = int(b);
+    // lanes (0, j) hold beta_j: the potentials for the warm-started float64 polish
+    float* wb = reinterpret_cast<float*>(a.work + 1 + a.batch) + int64_t(k) * 4;
+    if (e < 4) wb[e] = st == 2 ? beta : NAN;
+  }
+  if (a.info && e == 0) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
+}
+
+__global__ void __launch_bounds__(kLaneThreads)
+    birkhoff4_bwd_lane(const float* __restrict__ t, const float* __restrict__ g,
+                       float* __restrict__ da, int64_t batch) {
+  const int64_t gid = blockIdx.x * int64_t(kLaneThreads) + threadIdx.x;
+  if ((gid >> 4) >= batch) return;
+  const WarpHalf l;
+  da[gid] = mhc::lane16::implicit_vjp(l, __ldg(t + gid), __ldg(g + gid));
+}
+
+// Layout codes of the bindings (Python: birkhoff.layout_code).
+constexpr int kLayoutLane = 0;
+constexpr int kLayoutThread = 1;
+
+void check_layout(int layout) {
+  if (layout != kLayoutLane && layout != kLayoutThread)
+    throw std::invalid_argument("birkhoff: layout must be 0 (16 lanes per matrix) or 1 (thread "
+                                "per matrix), got " +
+                                std::to_string(layout));
+}
+
+void launch_fwd4_lane(const FwdArgs& a, cudaStream_t stream) {
+  if (a.batch == 0) return;
+  cudaMemsetAsync(a.work, 0, sizeof(int), stream);
+  birkhoff4_fwd_f32_lane<<<blocks_for(a.batch * 16, kLaneThreads), kLaneThreads, 0, stream>>>(a);
+  launch_fallback<4>(a, stream);
+}
+
 // ---------------------------------------------------------------- smoke
 __global__ void copy_kernel(const float* src, float* dst, int64_t count) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -195,10 +301,14 @@ PYBIND11_MODULE(_cuda, m) {
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, std::uintptr_t work,
          int64_t B, int n, int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
-         double pivot_min, std::uintptr_t stream) {
+         double pivot_min, std::uintptr_t stream, int layout) {
+        check_layout(layout);
         FwdArgs a{ptr<const void>(src), ptr<void>(dst), ptr<int>(info), ptr<int>(work), B,
                   tol, max_iter, fb_tol, fb_max_iter, pivot_min};
-        if (n == 4)
+        // the 16-lane layout exists for n = 4 fp32; other cases run the thread kernels
+        if (n == 4 && dtype == 0 && layout == kLayoutLane)
+          launch_fwd4_lane(a, as_stream(stream));
+        else if (n == 4)
           launch_fwd<4>(a, dtype, as_stream(stream));
         else
           generic_fwd(n, a, dtype, as_stream(stream));
@@ -207,12 +317,18 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("work"), py::arg("batch"),
       py::arg("n"), py::arg("dtype"), py::arg("tol"), py::arg("max_iter"),
       py::arg("fallback_tol"), py::arg("fallback_max_iter"), py::arg("pivot_min"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("layout") = kLayoutThread);
   m.def(
       "birkhoff_bwd",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype,
-         std::uintptr_t stream) {
-        if (n == 4)
+         std::uintptr_t stream, int layout) {
+        check_layout(layout);
+        if (n == 4 && dtype == 0 && layout == kLayoutLane) {
+          if (B > 0)
+            birkhoff4_bwd_lane<<<blocks_for(B * 16, kLaneThreads), kLaneThreads, 0,
+                                 as_stream(stream)>>>(ptr<const float>(t), ptr<const float>(g),
+                                                      ptr<float>(da), B);
+        } else if (n == 4)
           launch_bwd<4>(ptr<const void>(t), ptr<const void>(g), ptr<void>(da), B, dtype,
                         as_stream(stream));
         else
@@ -221,7 +337,7 @@ PYBIND11_MODULE(_cuda, m) {
         check_launch("birkhoff_bwd");
       },
       py::arg("t"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
-      py::arg("dtype"), py::arg("stream"));
+      py::arg("dtype"), py::arg("stream"), py::arg("layout") = kLayoutThread);
   m.def(
       "sinkhorn_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, int64_t B, int iters, double eps, int variant,

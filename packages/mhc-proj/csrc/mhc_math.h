@@ -281,10 +281,10 @@ MHC_HD bool grounded_laplacian_solve(S (&w)[N][N], S (&b)[N], S (&x)[N]) {
 // Smallest pivot of the grounded-Laplacian elimination of W (the Hessian's conditioning
 // in the semi-dual): small values mean nearly disconnected supports, where T and its
 // VJP are most sensitive to rounding in T.
+// min_pivot_w: the same from the weights W (overwritten), for callers that form them
+// another way (the 16-lane kernel).
 template <int N, typename S>
-MHC_HD S min_pivot(const S (&t)[N][N]) {
-  S w[N][N];
-  laplacian_weights<N, S>(t, w);
+MHC_HD S min_pivot_w(S (&w)[N][N]) {
   S mp = Limits<S>::huge;
   MHC_UNROLL
   for (int p = 0; p < N - 1; ++p) {
@@ -295,6 +295,62 @@ MHC_HD S min_pivot(const S (&t)[N][N]) {
   }
   return mp;
 }
+template <int N, typename S>
+MHC_HD S min_pivot(const S (&t)[N][N]) {
+  S w[N][N];
+  laplacian_weights<N, S>(t, w);
+  return min_pivot_w<N, S>(w);
+}
+
+// ---------------------------------------------------------------- Newton's scalar decisions
+// Shared by newton_core and the 16-lane kernel (mhc_lane16.h), which must take the same
+// decisions from the same scalars.
+
+// Stagnation: true when the error has not dropped below 0.9 x the best one for
+// Limits::stall consecutive iterations (best and stall carry the state).
+template <typename S>
+MHC_HD bool newton_stalled(S err, S& best, int& stall) {
+  if (err < S(0.9) * best) {
+    best = err;
+    stall = 0;
+    return false;
+  }
+  return ++stall >= Limits<S>::stall;
+}
+
+// Before the line search along the Newton direction d (c: column sums, the gradient is
+// c - 1): max |d|, the slope (c - 1)^T d and sum d. Returns false when d is not a finite
+// descent direction (no search); otherwise step gets the first trial, capped so that
+// max |step d| <= Limits::step_cap.
+template <int N, typename S>
+MHC_HD bool line_search_start(const S (&c)[N], const S (&d)[N], S& dmax, S& slope, S& sumd,
+                              S& step) {
+  dmax = S(0);
+  slope = S(0);
+  sumd = S(0);
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) {
+    dmax = m_max(dmax, m_abs(d[j]));
+    slope += (c[j] - S(1)) * d[j];
+    sumd += d[j];
+  }
+  if (!(m_finite(dmax) && m_finite(slope) && slope < S(0))) return false;
+  step = dmax > Limits<S>::step_cap ? Limits<S>::step_cap / dmax : S(1);
+  return true;
+}
+
+// Armijo with a rounding allowance: the decrease delta is computed to about
+// N * eps * |step * d|, below which it cannot be resolved.
+template <int N, typename S>
+MHC_HD bool armijo_accepts(S delta, S step, S slope, S dmax) {
+  const S thr = S(1e-4) * step * slope + S(4 * N) * Limits<S>::eps * step * dmax;
+  return m_finite(delta) && delta <= thr;
+}
+
+// Continuation schedule (newton_project): intermediate stages stop at this tolerance and
+// the logit scale grows by this factor per stage.
+constexpr double kContStageTol = 1e-2;
+constexpr int kContGrowth = 8;
 
 // Newton's method on the semi-dual over beta (beta_{N-1} = 0) with a backtracking line
 // search on the exact objective decrease, written cancellation-free as
@@ -320,12 +376,7 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
       break;
     }
     if (!m_finite(err) || it >= max_iter) break;
-    if (err < S(0.9) * best) {
-      best = err;
-      stall = 0;
-    } else if (++stall >= Limits<S>::stall) {
-      break;
-    }
+    if (newton_stalled(err, best, stall)) break;
     ++it;
     S w[N][N], b[N], d[N];
     laplacian_weights<N, S>(t, w);
@@ -334,15 +385,8 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
     bool accepted = false;
     const bool connected = grounded_laplacian_solve<N, S>(w, b, d);
     {
-      S dmax = S(0), slope = S(0), sumd = S(0);
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) {
-        dmax = m_max(dmax, m_abs(d[j]));
-        slope += (c[j] - S(1)) * d[j];
-        sumd += d[j];
-      }
-      if (m_finite(dmax) && m_finite(slope) && slope < S(0)) {
-        S step = dmax > Limits<S>::step_cap ? Limits<S>::step_cap / dmax : S(1);
+      S dmax, slope, sumd, step;
+      if (line_search_start<N, S>(c, d, dmax, slope, sumd, step)) {
         for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {
           S em[N];
           MHC_UNROLL
@@ -355,10 +399,7 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
             for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
             delta += m_log1p(y);
           }
-          // Armijo with a rounding allowance: the decrease is computed to about
-          // N * eps * |step * d|, below which it cannot be resolved.
-          const S thr = S(1e-4) * step * slope + S(4 * N) * Limits<S>::eps * step * dmax;
-          if (m_finite(delta) && delta <= thr) {
+          if (armijo_accepts<N, S>(delta, step, slope, dmax)) {
             accepted = true;
             break;
           }
@@ -413,12 +454,12 @@ MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter
     MHC_UNROLL
     for (int j = 0; j < N; ++j) beta[j] = phi[j] * f;
     int it = 0;
-    ok = newton_core<N, S>(as, beta, t, last ? tol : S(1e-2), max_iter, it);
+    ok = newton_core<N, S>(as, beta, t, last ? tol : S(kContStageTol), max_iter, it);
     total += it;
     if (last) break;
     MHC_UNROLL
     for (int j = 0; j < N; ++j) phi[j] = beta[j] / f;
-    f *= S(8);
+    f *= S(kContGrowth);
   }
   iters = total;
   return ok;

@@ -3,6 +3,9 @@
 Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 
 - ``ours``: :func:`mhc_proj.birkhoff_project` (exact projection).
+- ``ours-lane16``: the same projection with the n = 4 CUDA kernels in the 16-lanes-per-matrix
+  layout (``MHC_PROJ_BIRKHOFF_LAYOUT=lane``: forward stage 1 and backward; the float64
+  stage is shared), for comparison with ``ours`` (thread per matrix); not yet measured.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20: forward one
   thread per matrix, backward by default thread per matrix (recompute), or whatever
   ``MHC_PROJ_SINKHORN_BWD`` selects); ``ours-sinkhorn20-lane16``: the forward in the
@@ -36,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 import mhc_proj
+from mhc_proj.birkhoff import _project as birkhoff_project_layout
 from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.reference import birkhoff_project_ref, marginal_error, sinkhorn_project_ref
 from mhc_proj.sinkhorn import _project as sinkhorn_project_variant
@@ -43,6 +47,7 @@ from mhc_proj.sinkhorn import sinkhorn_fwd
 
 PROVIDERS = [
     "ours",
+    "ours-lane16",
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
@@ -52,6 +57,8 @@ PROVIDERS = [
     "tile-kernels-sinkhorn",
 ]
 MODES = ["fwd", "bwd", "fwd_bwd"]
+# Birkhoff providers -> their CUDA kernel layout (bwd-only and graph modes call the launchers)
+_BIRKHOFF_LAYOUT = {"ours": "thread", "ours-lane16": "lane"}
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
 SAMPLE = 16384
 
@@ -90,6 +97,8 @@ def _tile_kernels_fn() -> Callable | None:
 def _fn_for(provider: str) -> Callable | None:
     if provider == "ours":
         return mhc_proj.birkhoff_project
+    if provider == "ours-lane16":
+        return lambda x: birkhoff_project_layout(x, layout="lane")
     if provider == "ours-sinkhorn20":
         return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
     if provider == "ours-sinkhorn20-lane16":
@@ -189,10 +198,12 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
                 call = _graphed(lambda: fn(x), device)
         elif mode == "fwd_bwd":
             if graph:
-                if provider != "ours":
-                    raise NotImplementedError("graph mode is measured for ours only")
+                if provider not in _BIRKHOFF_LAYOUT:
+                    raise NotImplementedError("graph mode is measured for ours (any layout) only")
+                lay = _BIRKHOFF_LAYOUT[provider]
                 call = _graphed(
-                    lambda: birkhoff_bwd(birkhoff_fwd(x, 4e-6, 30, False)[0], gr), device
+                    lambda: birkhoff_bwd(birkhoff_fwd(x, 4e-6, 30, False, layout=lay)[0], gr, lay),
+                    device,
                 )
             else:
                 xg = x.clone().requires_grad_(True)
@@ -204,9 +215,9 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
         else:  # bwd only
             xg = x.clone().requires_grad_(True)
             y = fn(xg)
-            if provider == "ours":
+            if provider in _BIRKHOFF_LAYOUT:
                 t = y.detach()
-                call = lambda: birkhoff_bwd(t, gr)
+                call = lambda: birkhoff_bwd(t, gr, layout=_BIRKHOFF_LAYOUT[provider])
             else:
                 call = lambda: torch.autograd.grad(y, xg, gr, retain_graph=True)
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
@@ -263,22 +274,29 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
                 if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":
                     continue  # the same forward as ours-sinkhorn20
                 cases.append((p, mode, b, 1.0, False))
-    for p in ["ours", "ours-sinkhorn20", "ours-sinkhorn20-lane-bwd", "ours-sinkhorn20-scaling"]:
+    for p in [
+        "ours",
+        "ours-lane16",
+        "ours-sinkhorn20",
+        "ours-sinkhorn20-lane-bwd",
+        "ours-sinkhorn20-scaling",
+    ]:
         if p in providers:
             # backward alone; for Sinkhorn-20 both kernels (16 lanes / thread per matrix)
             # at every size (the scaling provider's backward is ours-sinkhorn20's)
             if p != "ours-sinkhorn20-scaling":
-                bwd_sizes = sizes if p != "ours" else sizes[-1:]
+                bwd_sizes = sizes if p not in _BIRKHOFF_LAYOUT else sizes[-1:]
                 cases += [(p, "bwd", b, 1.0, False) for b in bwd_sizes]
             for b in [1048576, 16777216]:
                 for mode in ["fwd", "fwd_bwd"]:
                     if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":
                         continue
                     cases.append((p, mode, b, 10.0, False))
-    if "ours" in providers:
-        cases.append(("ours", "fwd", 1048576, 100.0, False))
-        cases.append(("ours", "fwd", 131072, 1.0, True))
-        cases.append(("ours", "fwd_bwd", 131072, 1.0, True))
+    for p in _BIRKHOFF_LAYOUT:
+        if p in providers:
+            cases.append((p, "fwd", 1048576, 100.0, False))
+            cases.append((p, "fwd", 131072, 1.0, True))
+            cases.append((p, "fwd_bwd", 131072, 1.0, True))
     return cases
 
 
@@ -361,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.graph and device.type == "cuda":
             cases += [
-                ("ours", m, b, s, True)
+                (p, m, b, s, True)
+                for p in _BIRKHOFF_LAYOUT
+                if p in providers
                 for b in batches
                 for s in sigmas
                 for m in modes

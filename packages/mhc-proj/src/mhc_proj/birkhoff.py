@@ -4,10 +4,24 @@ Read top to bottom: reference (float64, in :mod:`mhc_proj.reference`), launchers
 ``birkhoff_fwd`` / ``birkhoff_bwd`` around the C++ / CUDA kernels, the ``torch.library``
 custom ops with fake implementations and the autograd formula (implicit backward, only T
 saved), the public :func:`birkhoff_project`, and the :class:`BirkhoffProjection` module.
+
+CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call with
+``MHC_PROJ_BIRKHOFF_LAYOUT`` (or the ``layout`` argument of the launchers):
+
+- ``thread`` (default): one thread per matrix, 16-byte loads (H200: forward 2.03 ms,
+  backward 0.959 ms at B = 16M).
+- ``lane``: 16 lanes per matrix, two matrices per warp, register shuffles
+  (``csrc/mhc_lane16.h``, the published layout). Same algorithm, tolerances, info words and
+  float64 stage; opt-in, not yet measured on a GPU (prediction in
+  packages/mhc-proj/NOTES.md).
+
+Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is
+still validated, so a misspelt value fails everywhere).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,6 +58,29 @@ class ProjectionInfo(NamedTuple):
     fallback: torch.Tensor
 
 
+# ---------------------------------------------------------------- layouts
+LAYOUT_ENV = "MHC_PROJ_BIRKHOFF_LAYOUT"
+_LAYOUTS = {"lane": 0, "thread": 1}
+
+
+def layout_code(layout: str | int | None = None) -> int:
+    """CUDA kernel layout code: ``layout`` if given (a name or its code), else the
+    ``MHC_PROJ_BIRKHOFF_LAYOUT`` environment variable (read at each call), else
+    ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per
+    matrix; default). Used for n = 4 float32 on CUDA; the CPU has no lane layout."""
+    if layout is None:
+        layout = os.environ.get(LAYOUT_ENV) or "thread"
+    if isinstance(layout, int) and not isinstance(layout, bool):
+        if layout in _LAYOUTS.values():
+            return layout
+    elif layout in _LAYOUTS:
+        return _LAYOUTS[layout]
+    raise ValueError(
+        f"Birkhoff layout must be one of {sorted(_LAYOUTS)} "
+        f"(or codes {sorted(_LAYOUTS.values())}); got {layout!r}"
+    )
+
+
 # ---------------------------------------------------------------- launchers
 def birkhoff_fwd(
     x: torch.Tensor,
@@ -53,11 +90,14 @@ def birkhoff_fwd(
     fallback_tol: float = FALLBACK_TOL,
     fallback_max_iter: int = FALLBACK_MAX_ITER,
     pivot_min: float = PIVOT_MIN,
+    layout: str | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward on (B, n, n) contiguous float32/float64 ``x``.
 
     Returns T (same dtype) and the int32 info words (B,) (empty when not wanted).
+    ``layout``: see :func:`layout_code` (CUDA n = 4 float32 only; ignored elsewhere).
     """
+    code = layout_code(layout)
     b, n = x.shape[0], x.shape[-1]
     x = _backend.aligned(x)
     out = torch.empty_like(x)
@@ -73,9 +113,9 @@ def birkhoff_fwd(
             mod.birkhoff_fwd(
                 x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n,
                 _backend.dtype_code(x), tol, max_iter, fallback_tol, fallback_max_iter,
-                pivot_min, _backend.stream(x),
+                pivot_min, _backend.stream(x), code,
             )  # fmt: skip
-    else:
+    else:  # one layout on the CPU: code is validated above and not used
         mod.birkhoff_fwd(
             x.data_ptr(), out.data_ptr(), info_ptr, b, n, _backend.dtype_code(x), tol,
             max_iter, fallback_tol, fallback_max_iter, pivot_min,
@@ -83,8 +123,12 @@ def birkhoff_fwd(
     return out, info
 
 
-def birkhoff_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Implicit VJP on (B, n, n) contiguous ``t`` and ``grad`` of the same dtype."""
+def birkhoff_bwd(
+    t: torch.Tensor, grad: torch.Tensor, layout: str | int | None = None
+) -> torch.Tensor:
+    """Implicit VJP on (B, n, n) contiguous ``t`` and ``grad`` of the same dtype.
+    ``layout``: see :func:`layout_code` (CUDA n = 4 float32 only; ignored elsewhere)."""
+    code = layout_code(layout)
     b, n = t.shape[0], t.shape[-1]
     t, grad = _backend.aligned(t), _backend.aligned(grad)
     out = torch.empty_like(t)
@@ -95,9 +139,9 @@ def birkhoff_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         with _backend.on_device(t):
             mod.birkhoff_bwd(
                 t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, _backend.dtype_code(t),
-                _backend.stream(t),
+                _backend.stream(t), code,
             )  # fmt: skip
-    else:
+    else:  # one layout on the CPU
         mod.birkhoff_bwd(
             t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, _backend.dtype_code(t)
         )
@@ -148,16 +192,18 @@ class _BirkhoffFunction(torch.autograd.Function):
     ``torch.compile`` the custom op above is used instead."""
 
     @staticmethod
-    def forward(ctx, x, tol, max_iter, want_info):
-        t, info = birkhoff_fwd(x, tol, max_iter, want_info)
+    def forward(ctx, x, tol, max_iter, want_info, layout=None):
+        t, info = birkhoff_fwd(x, tol, max_iter, want_info, layout=layout)
         ctx.save_for_backward(t)
         ctx.mark_non_differentiable(info)
+        ctx.layout = layout  # None: the environment at backward time decides
         return t, info
 
     @staticmethod
     def backward(ctx, grad_t, grad_info):
         (t,) = ctx.saved_tensors
-        return birkhoff_bwd(t, grad_t.to(t.dtype).contiguous()), None, None, None
+        g = grad_t.to(t.dtype).contiguous()
+        return birkhoff_bwd(t, g, ctx.layout), None, None, None, None
 
 
 # ---------------------------------------------------------------- public API
@@ -201,7 +247,26 @@ def birkhoff_project(
     Returns:
         T of shape (..., n, n), float32 (float64 for float64 input); differentiable
         (implicit backward, only T saved). With ``return_info``: ``(T, info)``.
+
+    The CUDA kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at
+    each call (``thread`` default, ``lane``); see the module docstring.
     """
+    return _project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
+
+
+def _project(
+    logits: torch.Tensor,
+    *,
+    tol: float | None = None,
+    max_iter: int | None = None,
+    return_info: bool = False,
+    layout: str | None = None,
+):
+    """:func:`birkhoff_project` with an explicit CUDA layout for the forward and the
+    backward (eager path; under ``torch.compile`` the environment variable decides). Used
+    by the benchmark."""
+    if layout is not None:
+        layout_code(layout)  # validate before the forward runs
     logits = _check(logits)
     shape = logits.shape
     n = shape[-1]
@@ -221,7 +286,7 @@ def birkhoff_project(
     if torch.compiler.is_compiling():
         t, info = _fwd_op(x, tol, max_iter, return_info)
     else:
-        t, info = _BirkhoffFunction.apply(x, tol, max_iter, return_info)
+        t, info = _BirkhoffFunction.apply(x, tol, max_iter, return_info, layout)
     t = t.reshape(shape)
     if not return_info:
         return t
