@@ -2,9 +2,10 @@
 
 1. ``*_ref`` functions: float64 reference of the same quantized algorithm (oracle for tests).
 2. ``cpu_step``: plain torch, float32, op for op what the kernel does (runs anywhere).
-3. ``_step_kernel`` + ``triton_step``: one fused Triton kernel per bucket of tensors
-   (dequantize, update, requantize, split), launched over a block table so one launch
-   covers any number of parameters (offset tables relative to one base tensor per array).
+3. ``_step_tile`` (dequantize, update, requantize, split one tile) inside the fused Triton
+   step kernels ``_step_kernel`` (v1, block table) and ``_step_kernel_v2`` (v2, unit table):
+   one launch per bucket of tensors covers any number of parameters (offset tables relative
+   to one base tensor per array).
 
 Storage formats (all per element unless noted):
 
@@ -616,7 +617,31 @@ def _step_tile(
             tl.store(cp + off, code.to(cp.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _nonfinite(gp, off, mask):
+    """int32 tile: 1 where the gradient is inf or NaN, else 0."""
+    g = tl.load(gp + off, mask=mask, other=0.0).to(tl.float32)
+    return ((g - g) != 0.0).to(tl.int32)  # inf - inf and NaN - NaN are NaN
+
+
 # ---------------------------------------------------------- kernel v1 (block table)
+
+
+@triton.jit
+def _v1_block(blocks, tab, N16: tl.constexpr, BLOCK: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """v1 indexing of this program's block: (table row of its tensor, first element, the
+    tensor's numel, the block's element offsets as a 2-D tile [groups, 32], int64)."""
+    pid = tl.program_id(0)
+    t = tl.load(blocks + 2 * pid)
+    start = tl.load(blocks + 2 * pid + 1).to(tl.int64)
+    row = tab + t.to(tl.int64) * 10
+    n = tl.load(row + 7)
+    if N16:  # every numel in the bucket is a multiple of 16: masks stay vectorizable
+        n = tl.multiple_of(n, 16)
+    # 2-D tiles [groups, 32]: group reductions along axis 1, no reshapes (layout shuffles)
+    NG: tl.constexpr = BLOCK // GROUP_SIZE
+    off = start + tl.arange(0, NG)[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    return row, start, n, off
 
 
 @triton.jit(do_not_specialize=["first", "step_mix"])
@@ -662,18 +687,9 @@ def _step_kernel(
     if CHECK_SKIP:
         if tl.load(skip_flag) != 0:
             return
-    pid = tl.program_id(0)
-    t = tl.load(blocks + 2 * pid)
-    start = tl.load(blocks + 2 * pid + 1).to(tl.int64)
-    row = tab + t.to(tl.int64) * 10
-    n = tl.load(row + 7)
-    if N16:  # every numel in the bucket is a multiple of 16: masks stay vectorizable
-        n = tl.multiple_of(n, 16)
-    # 2-D tiles [groups, 32]: group reductions along axis 1, no reshapes (layout shuffles)
-    NG: tl.constexpr = BLOCK // GROUP_SIZE
-    off = start + tl.arange(0, NG)[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    row, start, n, off = _v1_block(blocks, tab, N16, BLOCK, GROUP_SIZE)
     mask = off < n
-    goff = start // GROUP_SIZE + tl.arange(0, NG)
+    goff = start // GROUP_SIZE + tl.arange(0, BLOCK // GROUP_SIZE)
     gmask = goff < (n + GROUP_SIZE - 1) // GROUP_SIZE
     pp, gp, cp, mp, msp, vp, vsp = _tensor_arrays(
         row,
@@ -741,20 +757,8 @@ def _nonfinite_kernel(
     GROUP_SIZE: tl.constexpr,
 ):
     """Pre-pass over the gradients of a bucket (same block table as the step kernel)."""
-    pid = tl.program_id(0)
-    t = tl.load(blocks + 2 * pid)
-    start = tl.load(blocks + 2 * pid + 1).to(tl.int64)
-    row = tab + t.to(tl.int64) * 10
-    n = tl.load(row + 7)
-    if N16:
-        n = tl.multiple_of(n, 16)
-    NG: tl.constexpr = BLOCK // GROUP_SIZE
-    off = start + tl.arange(0, NG)[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
-    go = tl.load(row + 1)
-    if ALIGNED:
-        go = tl.multiple_of(go, 16)
-    g = tl.load(g_base + go + off, mask=off < n, other=0.0).to(tl.float32)
-    bad = ((g - g) != 0.0).to(tl.int32)  # inf - inf and NaN - NaN are NaN
+    row, start, n, off = _v1_block(blocks, tab, N16, BLOCK, GROUP_SIZE)
+    bad = _nonfinite(_array_ptr(g_base, row, 1, ALIGNED), off, off < n)
     nbad = tl.sum(tl.sum(bad, axis=1), axis=0)
     if nbad > 0:
         tl.atomic_max(flag, 1)
@@ -774,6 +778,19 @@ def _nonfinite_kernel(
 V2_UNIT = 2048  # elements per table entry; every BLOCK of v2 divides it
 V2_DEFAULT = dict(BLOCK=1024, WAVES=8)  # the one config without autotuning
 V2_DEFAULT_WARPS = 4
+
+
+@triton.jit
+def _v2_unit(units, u, tab, N16: tl.constexpr):
+    """v2 indexing of unit ``u``: (table row of its tensor, unit index within the tensor,
+    the tensor's numel as int32)."""
+    t = tl.load(units + 2 * u)
+    lu = tl.load(units + 2 * u + 1)
+    row = tab + t * 10
+    n = tl.load(row + 7).to(tl.int32)
+    if N16:
+        n = tl.multiple_of(n, 16)
+    return row, lu, n
 
 
 @triton.jit(do_not_specialize=["nunits", "first", "step_mix"])
@@ -823,12 +840,7 @@ def _step_kernel_v2(
     rows = tl.arange(0, NG)
     tile = rows[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # int32 [NG, 32]
     for u in range(pid, nunits, nprog):
-        t = tl.load(units + 2 * u)
-        lu = tl.load(units + 2 * u + 1)
-        row = tab + t * 10
-        n = tl.load(row + 7).to(tl.int32)
-        if N16:
-            n = tl.multiple_of(n, 16)
+        row, lu, n = _v2_unit(units, u, tab, N16)
         ng = (n + GROUP_SIZE - 1) // GROUP_SIZE
         pp, gp, cp, mp, msp, vp, vsp = _tensor_arrays(
             row,
@@ -904,22 +916,12 @@ def _nonfinite_kernel_v2(
     BLOCK: tl.constexpr,
 ):
     """Finiteness pre-pass over a bucket's gradients with v2's unit table (one unit each)."""
-    u = tl.program_id(0)
-    t = tl.load(units + 2 * u)
-    lu = tl.load(units + 2 * u + 1)
-    row = tab + t * 10
-    n = tl.load(row + 7).to(tl.int32)
-    if N16:
-        n = tl.multiple_of(n, 16)
-    go = tl.load(row + 1)
-    if ALIGNED:
-        go = tl.multiple_of(go, 16)
-    gp = g_base + go
+    row, lu, n = _v2_unit(units, tl.program_id(0), tab, N16)
+    gp = _array_ptr(g_base, row, 1, ALIGNED)
     nbad = 0
     for s in tl.static_range(UNIT // BLOCK):
         off = lu * UNIT + s * BLOCK + tl.arange(0, BLOCK)
-        g = tl.load(gp + off, mask=off < n, other=0.0).to(tl.float32)
-        nbad += tl.sum(((g - g) != 0.0).to(tl.int32), axis=0)
+        nbad += tl.sum(_nonfinite(gp, off, off < n), axis=0)
     if nbad > 0:
         tl.atomic_max(flag, 1)
 
