@@ -16,8 +16,10 @@ one iteration); backward: per-matrix relative difference p99 <= 1.8e-6, max 2.0e
 ill-conditioned matrices, where both are 5e-3 from the float64 VJP). The tests allow
 max |dT| 1e-5 (the accuracy suite's bound on the distance to the float64 projection: two
 solutions within it of the same exact one), median 5e-7, flags differing on at most 1 in
-1000 matrices, the marginal error <= 5e-6 (the 4e-6 default tolerance plus the rounding of
-the float64 recomputation: the thread kernel measured 4.35e-6 on the H200).
+1000 matrices, the float64 marginal error of T <= 5.5e-6: the kernels stop at an fp32 error
+<= 4e-6 (the default tolerance), and each of their 8 fp32 row / column sums is off by at most
+1.8e-7 (3 roundings near 1), so the recomputed error is <= 4e-6 + 1.4e-6 (the thread kernel
+measured 4.35e-6 on the H200, the emulation 4.35e-6).
 """
 
 import pytest
@@ -46,7 +48,7 @@ DISTS = {
 }
 SMALL = {"N(0,1)", "N(0,10^2)", "U(-10,10)"}  # the float64 reference has no continuation
 BATCHES = [1, 2, 3, 31, 1000, 100003]
-MAX_DT, MED_DT, MAX_MARGINAL = 1e-5, 5e-7, 5e-6
+MAX_DT, MED_DT, MAX_MARGINAL = 1e-5, 5e-7, 5.5e-6
 
 
 def _flags(info):
@@ -220,6 +222,9 @@ def test_cuda_lane_backward(sigma, batch):
     d_emu, v = emulated_bwd(t.cpu(), gr)
     assert v == 0 and torch.isfinite(d_lane).all()
     for other in (d_thread, d_emu):
+        if sigma > 10:  # T a permutation up to underflow: dA ~ 0, compare absolutely
+            assert float((d_lane - other).abs().max()) <= 1e-5
+            continue
         rel = _bwd_rel(d_lane, other.double())
         assert float(rel.max()) <= 1e-3
         if batch >= 1000:
