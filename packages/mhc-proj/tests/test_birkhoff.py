@@ -49,6 +49,25 @@ def test_shapes_strides_dtypes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_gradient_leading_dims_strides_dtypes(device, dtype):
+    """The eager path casts and reshapes inside one autograd node: the gradient comes back
+    in the input's dtype and shape, for non-contiguous inputs with leading dims."""
+    x = torch.randn(2, 4, 4, 3, generator=_gen(3), dtype=torch.float64) * 2
+    xt = x.permute(0, 3, 1, 2).to(device=device, dtype=dtype)  # (2, 3, 4, 4), strided
+    assert not xt.is_contiguous()
+    xt.requires_grad_(True)
+    gr = torch.randn(2, 3, 4, 4, generator=_gen(4), dtype=torch.float64)
+    t = birkhoff_project(xt)
+    (da,) = torch.autograd.grad(t, xt, gr.to(device=device, dtype=t.dtype))
+    assert da.dtype == dtype and da.shape == xt.shape
+    ref_t = birkhoff_project_ref(xt.detach().cpu().double())
+    ref = birkhoff_vjp_ref(ref_t, gr)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float64: 1e-10}[dtype]
+    assert (da.cpu().double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch(device):
     x = torch.randn(0, 3, 4, 4, device=device, requires_grad=True)
     t = birkhoff_project(x)
