@@ -133,11 +133,14 @@ __global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restr
 // floats, in registers (every index is a compile-time constant after unrolling). One forward
 // replay plus the reverse sweep; no shuffles. ITERS == 0: run-time count (<= 64), the vectors
 // in local memory. Selected with variant = 1 of sinkhorn_bwd (see NOTES.md).
-template <int ITERS>
-__global__ void __launch_bounds__(128) sinkhorn4_bwd_thread(const float* __restrict__ src,
-                                                            const float* __restrict__ grad,
-                                                            float* __restrict__ dst,
-                                                            int64_t batch, int iters, float eps) {
+// MIN_BLOCKS: __launch_bounds__'s resident-blocks hint, 0 for none (variant 1: ptxas keeps
+// all 156 floats in registers, 255 per thread, no spills; 2 blocks = 8 warps per SM, little
+// latency hiding). 3 (variant 2, opt-in until measured): at most 168 registers, 360 B of
+// spill stores per thread to L1-resident local memory, 12 warps per SM.
+template <int ITERS, int MIN_BLOCKS = 0>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
+    sinkhorn4_bwd_thread(const float* __restrict__ src, const float* __restrict__ grad,
+                         float* __restrict__ dst, int64_t batch, int iters, float eps) {
   const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (b >= batch) return;
   float a[4][4], g[4][4];
@@ -386,22 +389,23 @@ PYBIND11_MODULE(_cuda, m) {
                                       std::to_string(iters));
         if (B == 0) return;
         const cudaStream_t s = as_stream(stream);
-        if (variant == 1) {
+        if (variant == 1 || variant == 2) {
           const unsigned tgrid = unsigned((B + 127) / 128);
-          if (iters == 20)
-            sinkhorn4_bwd_thread<20><<<tgrid, 128, 0, s>>>(ptr<const float>(src),
-                                                           ptr<const float>(g), ptr<float>(dst),
-                                                           B, iters, float(eps));
+          const float* xs = ptr<const float>(src);
+          const float* gs = ptr<const float>(g);
+          float* out = ptr<float>(dst);
+          if (iters != 20)
+            sinkhorn4_bwd_thread<0><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters, float(eps));
+          else if (variant == 1)
+            sinkhorn4_bwd_thread<20, 0><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters, float(eps));
           else
-            sinkhorn4_bwd_thread<0><<<tgrid, 128, 0, s>>>(ptr<const float>(src),
-                                                          ptr<const float>(g), ptr<float>(dst), B,
-                                                          iters, float(eps));
+            sinkhorn4_bwd_thread<20, 3><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters, float(eps));
           check_launch("sinkhorn_bwd");
           return;
         }
         if (variant != 0)
-          throw std::invalid_argument("sinkhorn_bwd: variant must be 0 (16 lanes per matrix) "
-                                      "or 1 (thread per matrix), got " +
+          throw std::invalid_argument("sinkhorn_bwd: variant must be 0 (16 lanes per matrix), "
+                                      "1 (thread per matrix) or 2 (thread, 3 blocks/SM), got " +
                                       std::to_string(variant));
         const unsigned grid = unsigned((B * 16 + 255) / 256);
         if (iters == 20)

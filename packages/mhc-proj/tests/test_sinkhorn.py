@@ -113,6 +113,7 @@ def test_bwd_variant_selection(monkeypatch):
     monkeypatch.setenv(BWD_ENV, "thread")
     assert bwd_variant_code() == 1
     assert bwd_variant_code("lane") == 0
+    assert bwd_variant_code("thread-occ3") == 2
     monkeypatch.setenv(BWD_ENV, "warp")
     x = torch.randn(3, 4, 4)
     with pytest.raises(ValueError, match="backward variant"):
@@ -164,7 +165,7 @@ def test_cuda_bwd_kernels_vs_reference(batch, iters, sigma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["lane", "thread"])
+@pytest.mark.parametrize("variant", ["lane", "thread", "thread-occ3"])
 def test_cuda_bwd_variant_through_autograd(monkeypatch, variant):
     """MHC_PROJ_SINKHORN_BWD selects the kernel for sinkhorn_project's backward (eager and
     the custom op), and the benchmark's explicit selection gives the same gradient."""
@@ -185,6 +186,21 @@ def test_cuda_bwd_variant_through_autograd(monkeypatch, variant):
     for d in (xd.grad, op, xe.grad):
         assert float((d.cpu().double() - ref).abs().max() / scale) < 2e-5
     assert torch.equal(xd.grad, xe.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("iters", [3, 20])
+def test_cuda_thread_occ3_bwd_equals_thread(iters):
+    """thread-occ3 is the thread kernel under another register budget: same arithmetic,
+    bitwise the same gradient (iters != 20 runs the shared run-time-count kernel)."""
+    from mhc_proj.sinkhorn import sinkhorn_bwd
+
+    g = torch.Generator(device="cuda").manual_seed(iters)
+    x = torch.randn(100003, 4, 4, device="cuda", generator=g) * 3
+    gr = torch.randn(100003, 4, 4, device="cuda", generator=g)
+    a = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread")
+    b = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-occ3")
+    assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

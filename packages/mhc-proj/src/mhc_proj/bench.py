@@ -13,7 +13,8 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   the same op with the 16-lanes-per-matrix backward (bwd and fwd_bwd only; its forward is
   ``ours-sinkhorn20``'s); ``ours-sinkhorn20-scaling``: the same op with the forward in the
   scaling form (``MHC_PROJ_SINKHORN_FWD=scaling``; thread per matrix, not yet measured),
-  backward as ``ours-sinkhorn20``.
+  backward as ``ours-sinkhorn20``; ``ours-sinkhorn20-scaling-occ3``: that forward with the
+  backward compiled for 3 resident blocks per SM (``thread-occ3``).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -52,6 +53,7 @@ PROVIDERS = [
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
     "ours-sinkhorn20-scaling",
+    "ours-sinkhorn20-scaling-occ3",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -107,6 +109,10 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="lane")
     if provider == "ours-sinkhorn20-scaling":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="scaling")
+    if provider == "ours-sinkhorn20-scaling-occ3":
+        return lambda x: sinkhorn_project_variant(
+            x, 20, 1e-6, fwd_variant="scaling", bwd_variant="thread-occ3"
+        )
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":
@@ -280,6 +286,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-scaling",
+        "ours-sinkhorn20-scaling-occ3",
     ]:
         if p in providers:
             # backward alone; for Sinkhorn-20 both kernels (16 lanes / thread per matrix)

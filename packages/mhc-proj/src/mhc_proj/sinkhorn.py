@@ -18,7 +18,7 @@ CUDA kernels:
 
 Selected with ``MHC_PROJ_SINKHORN_FWD`` (read at each forward call) or the ``variant``
 argument of :func:`sinkhorn_fwd`. On the CPU, ``scaling`` runs the same header code as the
-CUDA kernel and the other two names the full-state iteration. Backward, two CUDA kernels:
+CUDA kernel and the other two names the full-state iteration. Backward, CUDA kernels:
 
 - ``thread`` (default): one thread per matrix, the recompute formulation of
   ``csrc/mhc_math.h`` (``sinkhorn_vjp_scaling``: one forward replay keeping the 4-float
@@ -30,6 +30,9 @@ CUDA kernel and the other two names the full-state iteration. Backward, two CUDA
   where the thread kernel's flushed subnormal denominators can give inf.
   Selected with ``MHC_PROJ_SINKHORN_BWD=lane`` (read at each backward call) or
   ``variant="lane"`` of :func:`sinkhorn_bwd`.
+- ``thread-occ3`` (opt-in until measured): the ``thread`` kernel compiled for 3 resident
+  blocks per SM instead of 2 (iters = 20: 168 registers with L1-resident spills instead of
+  255 without); the same arithmetic, so the same results.
 
 Other CUDA cases run the plain torch reference inside the op.
 """
@@ -118,7 +121,7 @@ def sinkhorn_fwd(
 
 
 BWD_ENV = "MHC_PROJ_SINKHORN_BWD"
-_BWD_VARIANTS = {"lane": 0, "thread": 1}
+_BWD_VARIANTS = {"lane": 0, "thread": 1, "thread-occ3": 2}
 
 
 def bwd_variant_code(variant: str | None = None) -> int:
@@ -140,7 +143,8 @@ def sinkhorn_bwd(
 ) -> torch.Tensor:
     """Exact VJP of the truncated iteration (recomputes the forward from ``x``).
 
-    ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"`` or ``"thread"``; None reads
+    ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"``, ``"thread"`` or
+    ``"thread-occ3"``; None reads
     ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread"``). The CPU path has one implementation
     (the recompute formulation the ``thread`` kernel shares)."""
     code = bwd_variant_code(variant)
