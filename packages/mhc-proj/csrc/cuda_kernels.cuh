@@ -40,6 +40,31 @@ __device__ __forceinline__ void st_f4(float* dst, const float* v) {
 }
 
 // ---------------------------------------------------------------- thread per matrix
+// The end of stage 1 for matrix b (status st as mhc::project_matrix): T, the work-list entry
+// of a matrix for the float64 stage (st 0 or 2, with its fp32 potentials for st 2) and the
+// info word. Shared by the thread-per-matrix and the persistent kernels.
+template <int N>
+__device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, int iters,
+                                         const float* out, const float* beta) {
+  constexpr int E = N * N;
+  float* dst = static_cast<float*>(a.dst) + b * E;
+  if constexpr (E % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < E / 4; ++q) st_f4(dst + 4 * q, out + 4 * q);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = out[e];
+  }
+  if (st == 0 || st == 2) {
+    const int k = atomicAdd(a.work, 1);
+    a.work[1 + k] = int(b);
+    float* wb = reinterpret_cast<float*>(a.work + 1 + a.batch) + int64_t(k) * N;
+#pragma unroll
+    for (int j = 0; j < N; ++j) wb[j] = st == 2 ? beta[j] : NAN;
+  }
+  if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
+}
+
 // Stage 1 (fp32): one thread solves one matrix (16-byte loads and stores for n = 4).
 // Matrices that did not converge (or are ill-conditioned) are appended to a work list.
 template <int N>
@@ -60,22 +85,7 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   float beta[N];
   const int st = mhc::project_matrix<N, float>(in, out, float(a.tol), a.max_iter, iters,
                                                 float(a.pivot_min), beta);
-  float* dst = static_cast<float*>(a.dst) + b * E;
-  if constexpr (E % 4 == 0) {
-#pragma unroll
-    for (int q = 0; q < E / 4; ++q) st_f4(dst + 4 * q, out + 4 * q);
-  } else {
-#pragma unroll
-    for (int e = 0; e < E; ++e) dst[e] = out[e];
-  }
-  if (st == 0 || st == 2) {
-    const int k = atomicAdd(a.work, 1);
-    a.work[1 + k] = int(b);
-    float* wb = reinterpret_cast<float*>(a.work + 1 + a.batch) + int64_t(k) * N;
-#pragma unroll
-    for (int j = 0; j < N; ++j) wb[j] = st == 2 ? beta[j] : NAN;
-  }
-  if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
+  fwd_emit<N>(a, b, st, iters, out, beta);
 }
 
 // Stage 2 (fp64): the matrices on the work list, re-solved in double from the input.

@@ -352,11 +352,87 @@ MHC_HD bool armijo_accepts(S delta, S step, S slope, S dmax) {
 constexpr double kContStageTol = 1e-2;
 constexpr int kContGrowth = 8;
 
-// Newton's method on the semi-dual over beta (beta_{N-1} = 0) with a backtracking line
-// search on the exact objective decrease, written cancellation-free as
+// ---------------------------------------------------------------- Newton as a state machine
+// One Newton iteration is newton_iterate over an explicit state (NewtonIter: the
+// stagnation tracker and the iteration count; the caller owns beta, T and the column sums).
+// newton_core loops it for one matrix (the CPU module and the thread-per-matrix CUDA
+// kernels); the persistent CUDA kernel and its CPU emulation (persistent_trip below) run one
+// call per trip, so all of them take the same decisions with the same arithmetic.
+template <typename S>
+struct NewtonIter {
+  S best;
+  int stall;
+  int it;
+};
+template <typename S>
+MHC_HD void newton_iter_init(NewtonIter<S>& s) {
+  s.best = Limits<S>::huge;
+  s.stall = 0;
+  s.it = 0;
+}
+
+// newton_iterate's outcomes. kNewtonStep / kNewtonColStep: an iteration was taken (beta
+// moved by the Newton step; kNewtonColStep: the caller must now run log_col_step on beta,
+// the fallback when Newton could not make progress); kNewtonConverged / kNewtonFailed: the
+// stage ended at the current beta (t is its plan).
+constexpr int kNewtonStep = 0;
+constexpr int kNewtonColStep = 1;
+constexpr int kNewtonConverged = 2;
+constexpr int kNewtonFailed = 3;
+
+// One iteration of Newton's method on the semi-dual over beta (beta_{N-1} = 0), after the
+// plan (t, c, err = plan(a, beta)): the convergence / limit / stagnation decisions, then the
+// Newton direction from the grounded Laplacian solve and a backtracking line search on the
+// exact objective decrease, written cancellation-free as
 //   f(beta + s d) - f(beta) = sum_i log1p(sum_j T_ij expm1(s d_j)) - s sum_j d_j,
-// a step cap, a log-domain Sinkhorn step whenever Newton cannot make progress, and a
-// stagnation exit. Stops when the L1 marginal error of the T it returns is <= tol.
+// with a step cap. Returns one of the kNewton* codes above.
+template <int N, typename S>
+MHC_HD int newton_iterate(const S (&t)[N][N], const S (&c)[N], S err, S (&beta)[N], S tol,
+                          int max_iter, NewtonIter<S>& s) {
+  if (err <= tol) return kNewtonConverged;
+  if (!m_finite(err) || s.it >= max_iter) return kNewtonFailed;
+  if (newton_stalled(err, s.best, s.stall)) return kNewtonFailed;
+  ++s.it;
+  S w[N][N], b[N], d[N];
+  laplacian_weights<N, S>(t, w);
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) b[j] = S(1) - c[j];
+  bool accepted = false;
+  const bool connected = grounded_laplacian_solve<N, S>(w, b, d);
+  {
+    S dmax, slope, sumd, step;
+    if (line_search_start<N, S>(c, d, dmax, slope, sumd, step)) {
+      for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {
+        S em[N];
+        MHC_UNROLL
+        for (int j = 0; j < N; ++j) em[j] = m_expm1(step * d[j]);
+        S delta = -step * sumd;
+        MHC_UNROLL
+        for (int i = 0; i < N; ++i) {
+          S y = S(0);
+          MHC_UNROLL
+          for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
+          delta += m_log1p(y);
+        }
+        if (armijo_accepts<N, S>(delta, step, slope, dmax)) {
+          accepted = true;
+          break;
+        }
+        step *= S(0.5);
+      }
+      if (accepted) {
+        MHC_UNROLL
+        for (int j = 0; j < N; ++j) beta[j] += step * d[j];
+      }
+    }
+  }
+  // Newton cannot move mass between components that are disconnected to working
+  // precision; the log-domain column step can (it is exact block-coordinate descent).
+  return (!accepted || !connected) ? kNewtonColStep : kNewtonStep;
+}
+
+// Newton's method for one matrix: log-domain column step (unless warm), then newton_iterate
+// until it ends the solve. Stops when the L1 marginal error of the T it returns is <= tol.
 // a must have row maxima 0 (the caller subtracts them). Returns converged; iters gets
 // the number of iterations used; t holds rowsoftmax(a + beta) at the final beta.
 template <int N, typename S>
@@ -364,69 +440,35 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
                         int& iters, bool warm = false) {
   if (!warm) log_col_step<N, S>(a, beta);
   S c[N];
-  S best = Limits<S>::huge;
-  int stall = 0;
-  int it = 0;
-  bool ok = false;
-  S err = S(0);
+  NewtonIter<S> s;
+  newton_iter_init(s);
+  int r;
   for (;;) {
-    err = plan<N, S>(a, beta, t, c);
-    if (err <= tol) {
-      ok = true;
-      break;
-    }
-    if (!m_finite(err) || it >= max_iter) break;
-    if (newton_stalled(err, best, stall)) break;
-    ++it;
-    S w[N][N], b[N], d[N];
-    laplacian_weights<N, S>(t, w);
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) b[j] = S(1) - c[j];
-    bool accepted = false;
-    const bool connected = grounded_laplacian_solve<N, S>(w, b, d);
-    {
-      S dmax, slope, sumd, step;
-      if (line_search_start<N, S>(c, d, dmax, slope, sumd, step)) {
-        for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {
-          S em[N];
-          MHC_UNROLL
-          for (int j = 0; j < N; ++j) em[j] = m_expm1(step * d[j]);
-          S delta = -step * sumd;
-          MHC_UNROLL
-          for (int i = 0; i < N; ++i) {
-            S y = S(0);
-            MHC_UNROLL
-            for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
-            delta += m_log1p(y);
-          }
-          if (armijo_accepts<N, S>(delta, step, slope, dmax)) {
-            accepted = true;
-            break;
-          }
-          step *= S(0.5);
-        }
-        if (accepted) {
-          MHC_UNROLL
-          for (int j = 0; j < N; ++j) beta[j] += step * d[j];
-        }
-      }
-    }
-    // Newton cannot move mass between components that are disconnected to working
-    // precision; the log-domain column step can (it is exact block-coordinate descent).
-    if (!accepted || !connected) log_col_step<N, S>(a, beta);
+    const S err = plan<N, S>(a, beta, t, c);
+    r = newton_iterate<N, S>(t, c, err, beta, tol, max_iter, s);
+    if (r >= kNewtonConverged) break;
+    if (r == kNewtonColStep) log_col_step<N, S>(a, beta);
   }
-  iters = it;
-  return ok;
+  iters = s.it;
+  return r == kNewtonConverged;
 }
 
-// The projection of one matrix. Small logit ranges: one Newton solve. Large ranges:
-// continuation in the logit scale (epsilon-scaling): solve for f * a with f growing by
-// 4x up to 1, keeping the potentials in logit units (phi = beta / f) as the warm start;
-// intermediate stages stop at a loose tolerance. This keeps every stage well conditioned
-// and makes logits of magnitude 1e4 converge in tens of iterations.
+// Continuation in the logit scale (epsilon-scaling) for large logit ranges: stages solve
+// for f * a with f growing by kContGrowth up to 1, keeping the potentials in logit units
+// (phi = beta / f) as the warm start; intermediate stages stop at kContStageTol. plain:
+// range <= cont_range, one stage on a itself (f = 1). total: iterations of ended stages.
 template <int N, typename S>
-MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters,
-                           S (&beta)[N]) {
+struct ContState {
+  S f;
+  S phi[N];
+  bool plain;
+  bool last;
+  int total;
+};
+
+// Starts the continuation for a (row maxima 0): beta = 0, the schedule's first f.
+template <int N, typename S>
+MHC_HD void cont_begin(const S (&a)[N][N], ContState<N, S>& cs, S (&beta)[N]) {
   S range = S(0);
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
@@ -435,33 +477,65 @@ MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter
   }
   MHC_UNROLL
   for (int j = 0; j < N; ++j) beta[j] = S(0);
-  if (!(range > Limits<S>::cont_range)) return newton_core<N, S>(a, beta, t, tol, max_iter, iters);
-  S phi[N];
+  cs.total = 0;
+  cs.plain = !(range > Limits<S>::cont_range);
+  cs.last = cs.plain;
+  if (cs.plain) return;
   MHC_UNROLL
-  for (int j = 0; j < N; ++j) phi[j] = S(0);
-  S f = Limits<S>::cont_range / range;
-  int total = 0;
+  for (int j = 0; j < N; ++j) cs.phi[j] = S(0);
+  cs.f = Limits<S>::cont_range / range;
+}
+
+// Sets up the current stage of a continuation (not plain): as = f a, beta = f phi.
+template <int N, typename S>
+MHC_HD void cont_stage(const S (&a)[N][N], ContState<N, S>& cs, S (&as)[N][N], S (&beta)[N]) {
+  cs.last = !(cs.f < S(1));
+  if (cs.last) cs.f = S(1);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) as[i][j] = a[i][j] * cs.f;
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) beta[j] = cs.phi[j] * cs.f;
+}
+
+// The tolerance of the current stage.
+template <int N, typename S>
+MHC_HD S cont_tol(const ContState<N, S>& cs, S tol) {
+  return cs.last ? tol : S(kContStageTol);
+}
+
+// After a stage of it iterations ended at beta: true when another stage follows (then
+// phi and f are advanced; call cont_stage next).
+template <int N, typename S>
+MHC_HD bool cont_next(ContState<N, S>& cs, const S (&beta)[N], int it) {
+  cs.total += it;
+  if (cs.last) return false;
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) cs.phi[j] = beta[j] / cs.f;
+  cs.f *= S(kContGrowth);
+  return true;
+}
+
+// The projection of one matrix. Small logit ranges: one Newton solve. Large ranges:
+// continuation (ContState above); this keeps every stage well conditioned and makes
+// logits of magnitude 1e4 converge in tens of iterations.
+template <int N, typename S>
+MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters,
+                           S (&beta)[N]) {
+  ContState<N, S> cs;
+  cont_begin<N, S>(a, cs, beta);
+  if (cs.plain) return newton_core<N, S>(a, beta, t, tol, max_iter, iters);
   bool ok = false;
   for (;;) {
-    const bool last = !(f < S(1));
-    if (last) f = S(1);
     S as[N][N];
-    MHC_UNROLL
-    for (int i = 0; i < N; ++i) {
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) as[i][j] = a[i][j] * f;
-    }
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) beta[j] = phi[j] * f;
+    cont_stage<N, S>(a, cs, as, beta);
     int it = 0;
-    ok = newton_core<N, S>(as, beta, t, last ? tol : S(kContStageTol), max_iter, it);
-    total += it;
-    if (last) break;
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) phi[j] = beta[j] / f;
-    f *= S(kContGrowth);
+    ok = newton_core<N, S>(as, beta, t, cont_tol(cs, tol), max_iter, it);
+    if (!cont_next<N, S>(cs, beta, it)) break;
   }
-  iters = total;
+  iters = cs.total;
   return ok;
 }
 
@@ -781,6 +855,16 @@ MHC_HD void sinkhorn_vjp_scaling(const S (&a)[N][N], S (&g)[N][N], int iters, S 
 
 
 // ---------------------------------------------------------------- per-matrix drivers
+// project_matrix's status from the solve's outcome and the final T. Ill-conditioned (nearly
+// disconnected) matrices are flagged so the caller polishes them in float64: there fp32
+// rounding of the potentials shows up in T and, amplified, in its VJP.
+template <int N, typename S>
+MHC_HD int projection_status(bool ok, const S (&t)[N][N], S pivot_min) {
+  if (!ok) return 0;
+  if (pivot_min > S(0) && min_pivot<N, S>(t) < pivot_min) return 2;
+  return 1;
+}
+
 // Status of one projection: 1 converged, 0 not converged, 2 converged but
 // ill-conditioned (min pivot < pivot_min; its potentials go to beta_out for a warm-started
 // float64 polish), -1 non-finite input (the output is NaN; no other matrix is affected).
@@ -801,18 +885,12 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
     MHC_UNROLL
     for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
   }
-  if (!ok) return 0;
-  // Ill-conditioned (nearly disconnected) matrices are flagged so the caller polishes
-  // them in float64: there fp32 rounding of the potentials shows up in T and, amplified,
-  // in its VJP.
-  if (pivot_min > S(0) && min_pivot<N, S>(t) < pivot_min) {
-    if (beta_out) {
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) beta_out[j] = float(beta[j]);
-    }
-    return 2;
+  const int st = projection_status<N, S>(ok, t, pivot_min);
+  if (st == 2 && beta_out) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) beta_out[j] = float(beta[j]);
   }
-  return 1;
+  return st;
 }
 
 // Float64 polish: Newton warm-started from potentials of the fp32 stage (1-2 iterations
@@ -837,6 +915,110 @@ MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, i
     for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
   }
   return ok ? 1 : 0;
+}
+
+// ---------------------------------------------------------------- persistent schedule
+// A lane (GPU thread) that loops over matrices, one Newton iteration per trip, so that a
+// warp runs about the mean number of iterations per matrix instead of the slowest of its 32
+// matrices. A trip has two phases with a warp-wide decision between them:
+//   persistent_iterate: plan and one newton_iterate. A lane whose stage ended waits (wait =
+//     the outcome); a waiting lane only recomputes its plan (bitwise its final T).
+//   refill = (lanes waiting >= a threshold) or (no lane running): taken by the warp.
+//   persistent_refill: if refill, the waiting lanes move to their next continuation stage or
+//     finish their matrix (status, output) and load the next one; then the trip's one
+//     log_col_step, shared by a rejected Newton step, a new stage and a new matrix.
+// Waiting for a refill makes the per-matrix work (finish, load, initial column step, ~45% of
+// a trip) run once per several finished matrices instead of in nearly every trip.
+// The per-matrix arithmetic is newton_iterate / cont_* / projection_status, with the same
+// operands in the same order as project_matrix, so every T, status and iteration count is
+// bitwise project_matrix's whatever the schedule. The CUDA kernel birkhoff_fwd_f32_persistent
+// and the CPU module's emulation (32 lanes in lockstep) run this code with their own IO:
+//   int64_t io.next()                    next matrix index of this lane, or -1
+//   bool io.load(b, S (&a)[N][N])        load_shifted of matrix b (false: not finite)
+//   void io.finish(b, st, iters, t, beta, trips)  store T and the outcome (st as
+//                                        project_matrix; st = -1: non-finite, t unused)
+template <int N, typename S>
+struct PersistentLane {
+  S as[N][N];  // the current stage's logits (f * a; a itself without continuation)
+  S beta[N];
+  ContState<N, S> cs;
+  NewtonIter<S> ni;
+  int64_t b;  // current matrix; -1: the lane is done
+  int wait;   // 0 running; kNewtonConverged / kNewtonFailed: stage ended, waiting
+  bool col;   // log_col_step due at the end of this trip (a rejected Newton step)
+  int trips;  // trips on the current matrix (statistics of the emulation)
+};
+
+// Loads the lane's next finite matrix (non-finite ones are finished on the spot) and sets
+// up its first stage. Returns true when a matrix was loaded: its initial log_col_step is due.
+template <int N, typename S, class IO>
+MHC_HD bool persistent_load(PersistentLane<N, S>& L, IO& io) {
+  for (;;) {
+    L.b = io.next();
+    if (L.b < 0) return false;
+    S a[N][N];
+    if (io.load(L.b, a)) {
+      cont_begin<N, S>(a, L.cs, L.beta);
+      if (L.cs.plain) {
+        MHC_UNROLL
+        for (int i = 0; i < N; ++i) {
+          MHC_UNROLL
+          for (int j = 0; j < N; ++j) L.as[i][j] = a[i][j];
+        }
+      } else {
+        cont_stage<N, S>(a, L.cs, L.as, L.beta);
+      }
+      newton_iter_init(L.ni);
+      L.trips = 0;
+      return true;
+    }
+    io.finish(L.b, -1, 0, L.as, L.beta, 0);
+  }
+}
+
+// Start of a lane: its first matrix and that matrix's initial column step.
+template <int N, typename S, class IO>
+MHC_HD void persistent_start(PersistentLane<N, S>& L, IO& io) {
+  L.wait = 0;
+  L.col = false;
+  if (persistent_load<N, S>(L, io)) log_col_step<N, S>(L.as, L.beta);
+}
+
+// Phase 1 of a trip of an active lane (L.b >= 0): t gets the plan.
+template <int N, typename S>
+MHC_HD void persistent_iterate(PersistentLane<N, S>& L, S (&t)[N][N], S tol, int max_iter) {
+  S c[N];
+  const S err = plan<N, S>(L.as, L.beta, t, c);
+  L.col = false;
+  if (L.wait) return;
+  ++L.trips;
+  const int r = newton_iterate<N, S>(t, c, err, L.beta, cont_tol(L.cs, tol), max_iter, L.ni);
+  if (r >= kNewtonConverged) L.wait = r;
+  L.col = r == kNewtonColStep;
+}
+
+// Phase 2 of a trip of an active lane (t from phase 1; refill: the warp's decision).
+// Returns whether the lane is still active.
+template <int N, typename S, class IO>
+MHC_HD bool persistent_refill(PersistentLane<N, S>& L, IO& io, const S (&t)[N][N], bool refill,
+                              S pivot_min) {
+  bool col = L.col;
+  if (refill && L.wait) {
+    if (cont_next<N, S>(L.cs, L.beta, L.ni.it)) {
+      S a[N][N];
+      io.load(L.b, a);  // a is not kept in the lane: re-loaded (same values) per stage
+      cont_stage<N, S>(a, L.cs, L.as, L.beta);
+      newton_iter_init(L.ni);
+      col = true;
+    } else {
+      const int st = projection_status<N, S>(L.wait == kNewtonConverged, t, pivot_min);
+      io.finish(L.b, st, L.cs.total, t, L.beta, L.trips);
+      col = persistent_load<N, S>(L, io);
+    }
+    L.wait = 0;
+  }
+  if (col) log_col_step<N, S>(L.as, L.beta);
+  return L.b >= 0;
 }
 
 template <int N, typename S, typename In, typename Out>

@@ -17,6 +17,18 @@ CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call
 
 Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is
 still validated, so a misspelt value fails everywhere).
+
+Scheduling of the n = 4 float32 CUDA forward (stage 1, thread layout), selected per call
+with ``MHC_PROJ_BIRKHOFF_SCHED`` (or the ``sched`` argument of :func:`birkhoff_fwd`):
+
+- ``thread`` (default): one matrix per thread; a warp runs until its slowest matrix is done.
+- ``persistent``: a fixed grid whose threads loop over matrices, one Newton iteration per
+  trip, loading the next matrix when one is done (``birkhoff_fwd_f32_persistent``). Bitwise
+  the same T and info words; opt-in, not yet measured on a GPU (prediction in
+  packages/mhc-proj/NOTES.md). ``MHC_PROJ_BIRKHOFF_REFILL`` (1..32, default 24): lanes of a
+  warp that wait before they finish and load together.
+
+The CPU, n != 4, float64 and the ``lane`` layout ignore the schedule (it is validated).
 """
 
 from __future__ import annotations
@@ -81,6 +93,45 @@ def layout_code(layout: str | int | None = None) -> int:
     )
 
 
+SCHED_ENV = "MHC_PROJ_BIRKHOFF_SCHED"
+REFILL_ENV = "MHC_PROJ_BIRKHOFF_REFILL"
+_SCHEDS = {"thread": 0, "persistent": 1}
+REFILL_DEFAULT = 24
+
+
+def sched_code(sched: str | int | None = None) -> int:
+    """CUDA forward schedule code: ``sched`` if given (a name or its code), else the
+    ``MHC_PROJ_BIRKHOFF_SCHED`` environment variable (read at each call), else
+    ``"thread"``. ``"thread"`` = 0 (a matrix per thread; default), ``"persistent"`` = 1
+    (threads loop over matrices). Used for n = 4 float32 on CUDA (thread layout)."""
+    if sched is None:
+        sched = os.environ.get(SCHED_ENV) or "thread"
+    if isinstance(sched, int) and not isinstance(sched, bool):
+        if sched in _SCHEDS.values():
+            return sched
+    elif sched in _SCHEDS:
+        return _SCHEDS[sched]
+    raise ValueError(
+        f"Birkhoff schedule must be one of {sorted(_SCHEDS)} "
+        f"(or codes {sorted(_SCHEDS.values())}); got {sched!r}"
+    )
+
+
+def refill_min() -> int:
+    """The persistent kernel's refill threshold: ``MHC_PROJ_BIRKHOFF_REFILL`` (read at each
+    call, 1..32), default 24."""
+    raw = os.environ.get(REFILL_ENV)
+    if not raw:
+        return REFILL_DEFAULT
+    try:
+        r = int(raw)
+    except ValueError:
+        r = 0
+    if not 1 <= r <= 32:
+        raise ValueError(f"{REFILL_ENV} must be an integer in 1..32; got {raw!r}")
+    return r
+
+
 # ---------------------------------------------------------------- launchers
 def birkhoff_fwd(
     x: torch.Tensor,
@@ -91,13 +142,16 @@ def birkhoff_fwd(
     fallback_max_iter: int = FALLBACK_MAX_ITER,
     pivot_min: float = PIVOT_MIN,
     layout: str | int | None = None,
+    sched: str | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward on (B, n, n) contiguous float32/float64 ``x``.
 
     Returns T (same dtype) and the int32 info words (B,) (empty when not wanted).
-    ``layout``: see :func:`layout_code` (CUDA n = 4 float32 only; ignored elsewhere).
+    ``layout``: see :func:`layout_code`; ``sched``: see :func:`sched_code` (CUDA n = 4
+    float32 only; ignored elsewhere).
     """
     code = layout_code(layout)
+    sched = sched_code(sched)
     b, n = x.shape[0], x.shape[-1]
     x = _backend.aligned(x)
     out = torch.empty_like(x)
@@ -113,9 +167,9 @@ def birkhoff_fwd(
             mod.birkhoff_fwd(
                 x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n,
                 _backend.dtype_code(x), tol, max_iter, fallback_tol, fallback_max_iter,
-                pivot_min, _backend.stream(x), code,
+                pivot_min, _backend.stream(x), code, sched, refill_min(),
             )  # fmt: skip
-    else:  # one layout on the CPU: code is validated above and not used
+    else:  # one layout and schedule on the CPU: the codes are validated above, not used
         mod.birkhoff_fwd(
             x.data_ptr(), out.data_ptr(), info_ptr, b, n, _backend.dtype_code(x), tol,
             max_iter, fallback_tol, fallback_max_iter, pivot_min,
@@ -192,8 +246,8 @@ class _BirkhoffFunction(torch.autograd.Function):
     ``torch.compile`` the custom op above is used instead."""
 
     @staticmethod
-    def forward(ctx, x, tol, max_iter, want_info, layout=None):
-        t, info = birkhoff_fwd(x, tol, max_iter, want_info, layout=layout)
+    def forward(ctx, x, tol, max_iter, want_info, layout=None, sched=None):
+        t, info = birkhoff_fwd(x, tol, max_iter, want_info, layout=layout, sched=sched)
         ctx.save_for_backward(t)
         ctx.mark_non_differentiable(info)
         ctx.layout = layout  # None: the environment at backward time decides
@@ -203,7 +257,7 @@ class _BirkhoffFunction(torch.autograd.Function):
     def backward(ctx, grad_t, grad_info):
         (t,) = ctx.saved_tensors
         g = grad_t.to(t.dtype).contiguous()
-        return birkhoff_bwd(t, g, ctx.layout), None, None, None, None
+        return birkhoff_bwd(t, g, ctx.layout), None, None, None, None, None
 
 
 class _BirkhoffProject(torch.autograd.Function):
@@ -213,10 +267,10 @@ class _BirkhoffProject(torch.autograd.Function):
     time per call, which is what eager calls at small batches measure)."""
 
     @staticmethod
-    def forward(ctx, logits, compute_dtype, tol, max_iter, layout):
+    def forward(ctx, logits, compute_dtype, tol, max_iter, layout, sched=None):
         n = logits.shape[-1]
         x = logits.to(compute_dtype).reshape(-1, n, n).contiguous()
-        t, _ = birkhoff_fwd(x, tol, max_iter, False, layout=layout)
+        t, _ = birkhoff_fwd(x, tol, max_iter, False, layout=layout, sched=sched)
         ctx.save_for_backward(t)
         ctx.layout = layout  # None: the environment at backward time decides
         ctx.in_dtype = logits.dtype
@@ -227,7 +281,7 @@ class _BirkhoffProject(torch.autograd.Function):
         (t,) = ctx.saved_tensors
         g = grad_t.reshape(t.shape).to(t.dtype).contiguous()
         da = birkhoff_bwd(t, g, ctx.layout).view(grad_t.shape).to(ctx.in_dtype)
-        return da, None, None, None, None
+        return da, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- public API
@@ -273,7 +327,9 @@ def birkhoff_project(
         (implicit backward, only T saved). With ``return_info``: ``(T, info)``.
 
     The CUDA kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at
-    each call (``thread`` default, ``lane``); see the module docstring.
+    each call (``thread`` default, ``lane``), the forward's schedule from
+    ``MHC_PROJ_BIRKHOFF_SCHED`` (``thread`` default, ``persistent``); see the module
+    docstring.
     """
     return _project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
 
@@ -285,12 +341,15 @@ def _project(
     max_iter: int | None = None,
     return_info: bool = False,
     layout: str | None = None,
+    sched: str | None = None,
 ):
     """:func:`birkhoff_project` with an explicit CUDA layout for the forward and the
-    backward (eager path; under ``torch.compile`` the environment variable decides). Used
-    by the benchmark."""
+    backward and an explicit forward schedule (eager path; under ``torch.compile`` the
+    environment variables decide). Used by the benchmark."""
     if layout is not None:
         layout_code(layout)  # validate before the forward runs
+    if sched is not None:
+        sched_code(sched)
     logits = _check(logits)
     shape = logits.shape
     n = shape[-1]
@@ -308,12 +367,12 @@ def _project(
         raise ValueError(f"max_iter must be >= 0; got {max_iter}")
     compiling = torch.compiler.is_compiling()
     if not return_info and not compiling:
-        return _BirkhoffProject.apply(logits, dtype, tol, max_iter, layout)
+        return _BirkhoffProject.apply(logits, dtype, tol, max_iter, layout, sched)
     x = logits.to(dtype).reshape(-1, n, n).contiguous()
     if compiling:
         t, info = _fwd_op(x, tol, max_iter, return_info)
     else:
-        t, info = _BirkhoffFunction.apply(x, tol, max_iter, return_info, layout)
+        t, info = _BirkhoffFunction.apply(x, tol, max_iter, return_info, layout, sched)
     t = t.reshape(shape)
     if not return_info:
         return t
