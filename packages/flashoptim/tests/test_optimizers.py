@@ -273,3 +273,37 @@ def test_digits_mlp_parity():
     mean_f, mean_t = sum(fl) / 3, sum(tl) / 3
     assert max(tl) < 0.2  # it trained
     assert abs(mean_f - mean_t) <= max(spread, 0.1 * mean_t), (tl, fl)
+
+
+@pytest.mark.parametrize("first", [torch.float32, torch.bfloat16])
+def test_mixed_dtype_group_cached_plan(first):
+    """One group with fp32 and bf16 parameters and static gradients (the cached-plan fast
+    path from step 2): each bucket's mode (correction bits) follows its own dtype, as with
+    one group per parameter. Regression: the fast path took the first parameter's."""
+    if not _can_run_kernel():
+        pytest.skip("needs TRITON_INTERPRET=1 or CUDA")
+    dts = [first, torch.bfloat16 if first == torch.float32 else torch.float32]
+
+    def mk():
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(64, generator=g) * 0.1).to(dt).requires_grad_() for dt in dts]
+
+    pa, pb = mk(), mk()
+    a = fo.FlashAdamW(pa, lr=1e-2, backend="triton")
+    b = fo.FlashAdamW([dict(params=[p]) for p in pb], lr=1e-2, backend="triton")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for x, y in zip(pa, pb):
+            gr = torch.randn(x.shape, generator=g).to(x.dtype)
+            if x.grad is None:
+                x.grad, y.grad = gr.clone(), gr.clone()
+            else:
+                x.grad.copy_(gr)
+                y.grad.copy_(gr)
+        a.step()
+        b.step()
+        for x, y in zip(pa, pb):
+            assert torch.equal(x, y)
+            for k, v in a.state[x].items():
+                if torch.is_tensor(v):
+                    assert torch.equal(v, b.state[y][k]), k

@@ -618,6 +618,41 @@ def _step_tile(
 
 
 @triton.jit
+def _device_scalars(sp):
+    """The step's run-time scalars read from a device buffer (capturable mode): int32 [14]
+    holding lr, b1, 1-b1, b2, 1-b2, eps, wd, decay_mult, step_size, inv_sqrt_bc2, 1-damp as
+    fp32 bit patterns, then first, step_mix (uint32 bits) and the skip flag."""
+    lr = tl.load(sp + 0).to(tl.float32, bitcast=True)
+    b1 = tl.load(sp + 1).to(tl.float32, bitcast=True)
+    one_m_b1 = tl.load(sp + 2).to(tl.float32, bitcast=True)
+    b2 = tl.load(sp + 3).to(tl.float32, bitcast=True)
+    one_m_b2 = tl.load(sp + 4).to(tl.float32, bitcast=True)
+    eps = tl.load(sp + 5).to(tl.float32, bitcast=True)
+    wd = tl.load(sp + 6).to(tl.float32, bitcast=True)
+    decay_mult = tl.load(sp + 7).to(tl.float32, bitcast=True)
+    step_size = tl.load(sp + 8).to(tl.float32, bitcast=True)
+    inv_sqrt_bc2 = tl.load(sp + 9).to(tl.float32, bitcast=True)
+    one_m_damp = tl.load(sp + 10).to(tl.float32, bitcast=True)
+    first = tl.load(sp + 11)
+    step_mix = tl.load(sp + 12).to(tl.uint32, bitcast=True)
+    return (
+        lr,
+        b1,
+        one_m_b1,
+        b2,
+        one_m_b2,
+        eps,
+        wd,
+        decay_mult,
+        step_size,
+        inv_sqrt_bc2,
+        one_m_damp,
+        first,
+        step_mix,
+    )
+
+
+@triton.jit
 def _nonfinite(gp, off, mask):
     """int32 tile: 1 where the gradient is inf or NaN, else 0."""
     g = tl.load(gp + off, mask=mask, other=0.0).to(tl.float32)
@@ -683,10 +718,30 @@ def _step_kernel(
     N16: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
+    SCALARS_ON_DEVICE: tl.constexpr,  # capturable: ``lr`` is a pointer to _device_scalars
 ):
     if CHECK_SKIP:
         if tl.load(skip_flag) != 0:
             return
+    if SCALARS_ON_DEVICE:
+        sp = lr
+        if tl.load(sp + 13) != 0:
+            return
+        (
+            lr,
+            b1,
+            one_m_b1,
+            b2,
+            one_m_b2,
+            eps,
+            wd,
+            decay_mult,
+            step_size,
+            inv_sqrt_bc2,
+            one_m_damp,
+            first,
+            step_mix,
+        ) = _device_scalars(sp)
     row, start, n, off = _v1_block(blocks, tab, N16, BLOCK, GROUP_SIZE)
     mask = off < n
     goff = start // GROUP_SIZE + tl.arange(0, BLOCK // GROUP_SIZE)
@@ -833,7 +888,27 @@ def _step_kernel_v2(
     BLOCK: tl.constexpr,
     WAVES: tl.constexpr,  # programs per SM (used by the grid only; 0: one unit per program)
     GROUP_SIZE: tl.constexpr,
+    SCALARS_ON_DEVICE: tl.constexpr,  # capturable: ``lr`` is a pointer to _device_scalars
 ):
+    if SCALARS_ON_DEVICE:
+        sp = lr
+        if tl.load(sp + 13) != 0:  # non-finite gradients found on device: skip the step
+            return
+        (
+            lr,
+            b1,
+            one_m_b1,
+            b2,
+            one_m_b2,
+            eps,
+            wd,
+            decay_mult,
+            step_size,
+            inv_sqrt_bc2,
+            one_m_damp,
+            first,
+            step_mix,
+        ) = _device_scalars(sp)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NG: tl.constexpr = BLOCK // GROUP_SIZE

@@ -32,6 +32,7 @@ GPU_PROVIDERS = [
     "ours_v1",  # the first (v1) kernel, same options as the row above; "ours" is v2
     "ours_nocheck",
     "ours_v1_nocheck",
+    "ours_graph",  # capturable=True, the step captured in a CUDA graph and replayed
     "torch_fused_fp32",
     "torch_fused_bf16",
     "flashoptim_0.1.4",
@@ -58,6 +59,7 @@ MOVED = {
     "flashoptim_0.1.4_sgd": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
     "ours_lion": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
 }
+MOVED["ours_graph"] = MOVED["ours"]  # same kernels (+ a few scalar ops), no host time
 for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion"):
     MOVED[_k.replace("ours", "ours_v1")] = MOVED[_k]
 
@@ -135,6 +137,9 @@ def _make_ours(provider, params, lr, kw):
         return fo.FlashAdamW(params, lr=lr, **kw)
     if provider == "ours_nocheck":
         return fo.FlashAdamW(params, lr=lr, check_finite=False, **kw)
+    if provider == "ours_graph":  # a tensor lr on device, as an LR schedule would need
+        lr_t = torch.tensor(lr, dtype=torch.float64, device=params[0].device)
+        return fo.FlashAdamW(params, lr=lr_t, capturable=True, **kw)
     if provider == "ours_sgd":
         return fo.FlashSGD(params, lr=lr, momentum=0.9, check_finite=False, **kw)
     if provider == "ours_lion":
@@ -179,6 +184,27 @@ def _timeit(fn, device, warmup, reps):
     return q(0.5), q(0.2), q(0.8)
 
 
+class _Skip(Exception):
+    pass
+
+
+def _captured_step(opt):
+    """Capture ``opt.step()`` (capturable, tables built by an eager step) in a CUDA graph
+    after warm-up steps on a side stream (autotuning happens there); returns its replay.
+    The timed replays keep stepping the same static gradients, as the eager rows do."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    opt._bench_graph = graph  # keep it (and its memory pool) alive with the optimizer
+    return graph.replay
+
+
 def bench_one(provider, layout, device, warmup, reps, peer_path=None) -> dict:
     shapes = layout_shapes(layout)
     dtype = param_dtype(provider)
@@ -208,13 +234,18 @@ def bench_one(provider, layout, device, warmup, reps, peer_path=None) -> dict:
         ]
         for p in params:
             p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
+        if provider == "ours_graph" and device.type != "cuda":
+            raise _Skip("CUDA graphs: GPU only")
         opt = make_optimizer(provider, params, peer_path)
         opt.step()  # allocates the states
+        fn = opt.step
+        if provider == "ours_graph":
+            fn = _captured_step(opt)
         if device.type == "cuda":
             torch.cuda.synchronize()
             held = torch.cuda.memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()
-        med, p20, p80 = _timeit(opt.step, device, warmup, reps)
+        med, p20, p80 = _timeit(fn, device, warmup, reps)
         res.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80)
         moved = MOVED.get(provider)
         m = {"bytes_moved_per_param": moved}
@@ -232,6 +263,8 @@ def bench_one(provider, layout, device, warmup, reps, peer_path=None) -> dict:
         res["metrics"] = m
     except ImportError as e:
         res.update(status="skipped", error=f"not importable: {e}")
+    except _Skip as e:
+        res.update(status="skipped", error=str(e))
     except Exception as e:  # report, keep going
         res.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
     finally:

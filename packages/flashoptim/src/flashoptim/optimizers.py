@@ -45,6 +45,11 @@ def _num_sms(dev: torch.device) -> int:
     return _SMS[i]
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph capture is in progress on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class NonFiniteGradError(RuntimeError):
     """Raised by ``step()`` when a gradient holds inf/NaN and ``on_nonfinite='raise'``."""
 
@@ -89,6 +94,17 @@ class FlashOptimizer(torch.optim.Optimizer):
             params on the H200) or "v1"; default from the environment variable
             FLASHOPTIM_KERNEL. Both compute the same codes, scales and rounding.
             FLASHOPTIM_NO_AUTOTUNE=1 runs v2 with its single default config.
+        capturable: ``step()`` makes no host sync and no host decision on device data, so it
+            can be captured in a ``torch.cuda.CUDAGraph`` after one eager warm-up step. The
+            step counts live on device (one per bucket, incremented there), the step's
+            scalars (bias corrections, step size, decay, first flag, rounding key) are
+            computed on device in float64 and read by the kernels through a pointer, and a
+            non-finite gradient skips the step on device (``skipped_steps_device`` counts
+            it; the host int ``skipped_steps`` is not updated). ``lr`` may be a 0-dim tensor
+            on the parameters' device (LR schedulers fill it in place; a float lr is baked
+            into a captured graph). Needs the Triton path, ``on_nonfinite='skip'``, static
+            parameters and gradient tensors (no ``zero_grad(set_to_none=True)`` between
+            replays). ``state_dict()`` reads the device step counts (one sync).
     """
 
     _kind = ADAM
@@ -109,6 +125,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         seed: int = 0,
         kernel: str | None = None,
+        capturable: bool = False,
     ):
         if defaults.get("lr", 0.0) < 0:
             raise ValueError(f"lr must be >= 0; got {defaults['lr']}")
@@ -126,6 +143,13 @@ class FlashOptimizer(torch.optim.Optimizer):
             raise ValueError(f"kernel must be 'v1' or 'v2'; got {kernel!r}")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise'; got {on_nonfinite!r}")
+        if capturable and on_nonfinite == "raise":
+            raise ValueError(
+                "capturable=True cannot raise on non-finite gradients (that needs a host sync);"
+                " use on_nonfinite='skip' and read skipped_steps_device"
+            )
+        if capturable and backend == "torch":
+            raise ValueError("capturable=True needs the Triton kernels (backend 'auto'/'triton')")
         defaults = dict(
             defaults,
             master_weight_bits=master_weight_bits,
@@ -139,6 +163,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.on_nonfinite = on_nonfinite
         self.seed = int(seed)
         self.skipped_steps = 0
+        self.capturable = bool(capturable)
+        self._dskip: dict = {}  # capturable: device -> int64 [1] count of skipped steps
+        self._dflag: dict = {}  # capturable: device -> int32 [1] non-finite flag of the step
         self._plans: dict = {}
         self._release_enabled = False
         super().__init__(params, defaults)
@@ -216,10 +243,12 @@ class FlashOptimizer(torch.optim.Optimizer):
             bad = bad or not bool(torch.isfinite(g).all())
         return bad
 
-    def _nonfinite(self, preps) -> bool:
+    def _nonfinite(self, preps, flags: dict | None = None) -> bool:
         """One check for the whole step: a Triton pre-pass per bucket writing one flag per
-        device, then a single host sync; torch.isfinite for CPU-path tensors."""
-        flags = {}
+        device, then a single host sync; torch.isfinite for CPU-path tensors. With ``flags``
+        (capturable: zeroed persistent device flags) only the pre-passes run, no sync."""
+        on_device = flags is not None
+        flags = {} if flags is None else flags
         cpu_ps = []
         for prep in preps:
             for b in prep["buckets"]:
@@ -256,6 +285,8 @@ class FlashOptimizer(torch.optim.Optimizer):
                         GROUP_SIZE=GROUP,
                         num_warps=NUM_WARPS,
                     )
+        if on_device:
+            return False
         if cpu_ps and self._found_nonfinite_torch(cpu_ps):
             return True
         if not flags:
@@ -270,6 +301,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         preps = [self._prepare(g, ps) for g in self.param_groups if (ps := self._grads(g))]
+        if self.capturable:
+            self._step_on_device(preps)
+            return loss
         if self.check_finite and self._nonfinite(preps):
             if self.on_nonfinite == "raise":
                 raise NonFiniteGradError("non-finite gradient: step not taken")
@@ -284,6 +318,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         """Step one parameter (used by gradient release); honours check_finite."""
         if p.grad is None:
             return
+        if self.capturable:
+            raise ValueError("gradient release (step_param) is not supported with capturable=True")
         for group in self.param_groups:
             if any(q is p for q in group["params"]):
                 prep = self._prepare(group, [p], cache=False)
@@ -308,6 +344,16 @@ class FlashOptimizer(torch.optim.Optimizer):
                 gptrs = tuple([p.grad.data_ptr() for p in ps])
             if gptrs == plan["gptrs"]:
                 return dict(group=group, plan=plan, buckets=plan["buckets"], cache=cache)
+        if self.capturable:
+            if _capturing():
+                raise RuntimeError(
+                    "flashoptim: the offset tables would need rebuilding during CUDA graph"
+                    " capture (parameters with gradients or gradient tensors changed since the"
+                    " warm-up step); run an eager step first and keep .grad tensors static"
+                )
+            old = self._plans.pop(id(group), None)
+            if old is not None:
+                self._flush_steps(old)
         buckets: dict = {}
         for p in ps:
             if p.grad.is_sparse:
@@ -327,7 +373,134 @@ class FlashOptimizer(torch.optim.Optimizer):
         for key, bps in buckets.items():
             ent = self._build_table(group, bps) if key[4] else None
             out.append(dict(ps=bps, ent=ent, step=key[0]))
+        if self.capturable:
+            return self._device_plan(group, ps, out, cache)
         return dict(group=group, plan=None, buckets=out, cache=cache, ps=ps)
+
+    # ------------------------------------------------------------------ capturable mode
+    def _device_plan(self, group, ps, out, cache) -> dict:
+        """Capturable mode: the plan of a group with one device step count per bucket and
+        the buffer of the buckets' device scalars (built eagerly, reused by every step)."""
+        if any(b["ent"] is None for b in out):
+            raise ValueError("capturable=True needs the Triton path for every parameter")
+        devs = {b["ent"]["tab"].device for b in out}
+        if len(devs) != 1:
+            raise ValueError("capturable=True needs all parameters of a group on one device")
+        dev = devs.pop()
+        if dev not in self._dflag:
+            self._dflag[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+            self._dskip[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
+        plan = dict(
+            n=len(ps),
+            ps=list(ps),
+            dt=any(hasattr(p, "_local_tensor") for p in ps),
+            gptrs=tuple(_local(p.grad).data_ptr() for p in ps),
+            states=[self.state[p] for p in ps],
+            step=None,
+            buckets=out,
+            dstep=torch.tensor([b["step"] for b in out], dtype=torch.int64, device=dev),
+            scal=torch.zeros(len(out), 14, dtype=torch.int32, device=dev),
+            consts=None,
+            ckey=None,
+        )
+        if cache:
+            self._plans[id(group)] = plan
+        return dict(group=group, plan=plan, buckets=out, cache=cache, ps=ps)
+
+    def _flush_steps(self, plan) -> None:
+        """Copy a plan's device step counts into the host ``state["step"]`` (one sync)."""
+        if plan.get("dstep") is None:
+            return
+        for b, v in zip(plan["buckets"], plan["dstep"].tolist(), strict=True):
+            b["step"] = int(v)
+            for p in b["ps"]:
+                self.state[p]["step"] = int(v)
+
+    def sync_steps(self) -> None:
+        """Capturable mode: bring every ``state[p]["step"]`` up to date from the device step
+        counts (one host sync; not during a capture). ``state_dict()`` calls it."""
+        if _capturing():
+            raise RuntimeError("sync_steps() syncs with the host: not allowed during capture")
+        for plan in self._plans.values():
+            self._flush_steps(plan)
+
+    @property
+    def skipped_steps_device(self) -> torch.Tensor | None:
+        """Capturable mode: int64 [1] device count of steps skipped for non-finite gradients
+        since construction or the last load_state_dict (``skipped_steps`` stays a host int
+        that only eager mode updates). None before the first capturable step."""
+        if not self._dskip:
+            return None
+        ts = list(self._dskip.values())
+        return ts[0] if len(ts) == 1 else sum(t.to(ts[0].device) for t in ts)
+
+    def _step_on_device(self, preps) -> None:
+        """Capturable step: the finiteness pre-pass writes device flags, the step counts
+        advance on device where the flag is clear, the scalars are computed on device, and
+        the kernels skip the update where the flag is set. No host sync."""
+        devs = {prep["plan"]["dstep"].device for prep in preps}
+        flags = {d: self._dflag[d] for d in devs}
+        for f in flags.values():
+            f.zero_()
+        if self.check_finite:
+            self._nonfinite(preps, flags)
+        for prep in preps:
+            group, plan = prep["group"], prep["plan"]
+            flag = flags[plan["dstep"].device]
+            plan["dstep"].add_((flag == 0).to(torch.int64))
+            self._device_scalars(plan, self._hp(group, plan["ps"][0]), flag)
+            for i, b in enumerate(plan["buckets"]):  # hp per bucket (ecc: parameter dtype)
+                hpb = self._hp(group, b["ps"][0])
+                self._run_kernel(b["ent"], group, hpb, None, scal=plan["scal"][i])
+        for d, f in flags.items():
+            self._dskip[d].add_(f.to(torch.int64))
+
+    def _device_scalars(self, plan, hp, flag) -> None:
+        """``_scalar_args`` for every bucket of the plan from its device step count, with
+        torch float64 ops (same formulas), rounded to fp32 into ``plan["scal"]``."""
+        dev = plan["dstep"].device
+        lr = hp["lr"]
+        lr_t = torch.is_tensor(lr)
+        b1, b2 = hp.get("b1", 0.0), hp.get("b2", 0.0)
+        eps, wd, damp = hp.get("eps", 0.0), hp["wd"], hp.get("dampening", 0.0)
+        key = (None if lr_t else lr, b1, b2, eps, wd, damp)
+        if plan["ckey"] != key:
+            if _capturing():
+                raise RuntimeError(
+                    "flashoptim: hyperparameters other than a tensor lr changed during CUDA"
+                    " graph capture; change them before the warm-up step, or use a tensor lr"
+                )
+            vals = [0.0 if lr_t else lr, b1, 1 - b1, b2, 1 - b2, eps, wd, 1 - damp]
+            plan["consts"] = torch.tensor(vals, dtype=torch.float64, device=dev)
+            plan["ckey"] = key
+        c = plan["consts"]
+        if lr_t:
+            if lr.numel() != 1:
+                raise ValueError("a tensor lr must hold one element")
+            if lr.device != dev:
+                raise ValueError("capturable=True needs a tensor lr on the parameters' device")
+            lr64 = lr.detach().reshape(1).to(torch.float64)
+        else:
+            lr64 = c[0:1]
+        s = plan["dstep"]
+        nb = s.shape[0]
+        if self._kind == ADAM:
+            pw = torch.pow(c[1:4:2][:, None], s.to(torch.float64)[None, :])  # [b1, b2] ** step
+            bc = 1 - pw
+            step_size = lr64 / bc[0]
+            isb = torch.sqrt(bc[1]).reciprocal()
+        else:
+            step_size = lr64.expand(nb)
+            isb = torch.ones(nb, dtype=torch.float64, device=dev)
+        decay = 1 - lr64 * c[6]
+        cols = [lr64.expand(nb)] + [c[j].expand(nb) for j in range(1, 7)]
+        cols += [decay.expand(nb), step_size, isb, c[7].expand(nb)]
+        f32 = torch.stack(cols, 1).to(torch.float32).view(torch.int32)
+        first = (s == 1).to(torch.int64)
+        mix = (s * _core._GOLDEN) & _core._M32
+        mix = torch.where(mix >= 2**31, mix - 2**32, mix)  # uint32 bits as int32
+        ints = torch.stack([first, mix, flag.to(torch.int64).expand(nb)], 1).to(torch.int32)
+        plan["scal"].copy_(torch.cat([f32, ints], 1))
 
     def _commit(self, prep) -> None:
         group = prep["group"]
@@ -336,9 +509,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             for st in plan["states"]:
                 st["step"] += 1
             plan["step"] += 1
-            hp = self._hp(group, plan["ps"][0])
-            for b in plan["buckets"]:
-                self._run_kernel(b["ent"], group, hp, plan["step"])
+            for b in plan["buckets"]:  # hp per bucket: ecc depends on the parameter dtype
+                self._run_kernel(b["ent"], group, self._hp(group, b["ps"][0]), plan["step"])
             return
         for b in prep["buckets"]:
             step = b["step"] + 1
@@ -445,12 +617,17 @@ class FlashOptimizer(torch.optim.Optimizer):
             n16=all(r[7] % 16 == 0 for r in rows),
         )
 
-    def _run_kernel(self, ent, group, hp, step) -> None:
+    def _run_kernel(self, ent, group, hp, step, scal=None) -> None:
+        """Launch the bucket's step kernel; ``scal`` (capturable): the device scalars."""
         nblocks = ent["work"].shape[0]
         if nblocks == 0:
             return
-        scalars = self._scalar_args(hp, step)
+        if scal is None:
+            scalars = self._scalar_args(hp, step)
+        else:  # the kernel reads them through ``lr``, a pointer; the rest are placeholders
+            scalars = (scal,) + (0.0,) * 10 + (0, 0)
         flags = self._flags(ent, group, hp)
+        flags["SCALARS_ON_DEVICE"] = scal is not None
         if ent["use_v2"]:
             self._run_kernel_v2(ent, scalars, flags)
             return
@@ -543,7 +720,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             quant=bool(group["quantize"]),
             sr=bool(group["stochastic_rounding"]),
             scale_dtype=group["scale_dtype"],
-            lr=float(group["lr"]),
+            lr=group["lr"]
+            if self.capturable and torch.is_tensor(group["lr"])
+            else float(group["lr"]),
             wd=float(group["weight_decay"]),
         )
 
@@ -583,6 +762,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.state.clear()
         extra = state_dict.get("flashoptim", {})
         self.skipped_steps = extra.get("skipped_steps", 0)
+        for t in self._dskip.values():  # the saved total is in the host count now
+            t.zero_()
         self._plans.clear()
         for pid, st_old in saved.items():
             p, group = id_map[pid]
@@ -647,6 +828,11 @@ class FlashOptimizer(torch.optim.Optimizer):
         DTensor with the parameter's placements, and each group scale is repeated per element
         (``<state>_scale_per_element``), so torch.distributed.checkpoint can save, load and
         reshard it; plain parameters keep the compact layout."""
+        skipped = self.skipped_steps
+        if self.capturable:
+            self.sync_steps()
+            if self._dskip:
+                skipped += int(self.skipped_steps_device.item())
         sd = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, st in list(sd["state"].items()):
@@ -677,7 +863,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                 else:
                     new[k] = wrap(v)
             sd["state"][idx] = new
-        sd["flashoptim"] = {"skipped_steps": self.skipped_steps}
+        sd["flashoptim"] = {"skipped_steps": skipped}
         return sd
 
 
