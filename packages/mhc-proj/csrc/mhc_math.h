@@ -380,61 +380,83 @@ constexpr int kNewtonColStep = 1;
 constexpr int kNewtonConverged = 2;
 constexpr int kNewtonFailed = 3;
 
-// One iteration of Newton's method on the semi-dual over beta (beta_{N-1} = 0), after the
-// plan (t, c, err = plan(a, beta)): the convergence / limit / stagnation decisions, then the
-// Newton direction from the grounded Laplacian solve and a backtracking line search on the
-// exact objective decrease, written cancellation-free as
-//   f(beta + s d) - f(beta) = sum_i log1p(sum_j T_ij expm1(s d_j)) - s sum_j d_j,
-// with a step cap. Returns one of the kNewton* codes above.
-template <int N, typename S>
-MHC_HD int newton_iterate(const S (&t)[N][N], const S (&c)[N], S err, S (&beta)[N], S tol,
-                          int max_iter, NewtonIter<S>& s) {
+// The decisions of one Newton iteration from the plan's error: kNewtonConverged (err <=
+// tol), kNewtonFailed (not finite, iteration limit, stagnation), else kNewtonStep with the
+// iteration counted.
+template <typename S>
+MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
   if (err <= tol) return kNewtonConverged;
   if (!m_finite(err) || s.it >= max_iter) return kNewtonFailed;
   if (newton_stalled(err, s.best, s.stall)) return kNewtonFailed;
   ++s.it;
-  S w[N][N], b[N], d[N];
-  laplacian_weights<N, S>(t, w);
-  MHC_UNROLL
-  for (int j = 0; j < N; ++j) b[j] = S(1) - c[j];
-  bool accepted = false;
-  const bool connected = grounded_laplacian_solve<N, S>(w, b, d);
-  {
-    S dmax, slope, sumd, step;
-    if (line_search_start<N, S>(c, d, dmax, slope, sumd, step)) {
-      for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {
-        S em[N];
-        MHC_UNROLL
-        for (int j = 0; j < N; ++j) em[j] = m_expm1(step * d[j]);
-        S delta = -step * sumd;
-        MHC_UNROLL
-        for (int i = 0; i < N; ++i) {
-          S y = S(0);
-          MHC_UNROLL
-          for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
-          delta += m_log1p(y);
-        }
-        if (armijo_accepts<N, S>(delta, step, slope, dmax)) {
-          accepted = true;
-          break;
-        }
-        step *= S(0.5);
-      }
-      if (accepted) {
-        MHC_UNROLL
-        for (int j = 0; j < N; ++j) beta[j] += step * d[j];
-      }
-    }
-  }
-  // Newton cannot move mass between components that are disconnected to working
-  // precision; the log-domain column step can (it is exact block-coordinate descent).
-  return (!accepted || !connected) ? kNewtonColStep : kNewtonStep;
+  return kNewtonStep;
 }
 
-// Newton's method for one matrix: log-domain column step (unless warm), then newton_iterate
-// until it ends the solve. Stops when the L1 marginal error of the T it returns is <= tol.
-// a must have row maxima 0 (the caller subtracts them). Returns converged; iters gets
-// the number of iterations used; t holds rowsoftmax(a + beta) at the final beta.
+// The Newton step at the plan (t, c): the direction from the grounded Laplacian solve and a
+// backtracking line search on the exact objective decrease, written cancellation-free as
+//   f(beta + s d) - f(beta) = sum_i log1p(sum_j T_ij expm1(s d_j)) - s sum_j d_j,
+// with a step cap; COL (a bool lvalue) becomes true when the caller must run log_col_step on
+// beta (no acceptable step, or a disconnected support: Newton cannot move mass between
+// components that are disconnected to working precision; the log-domain column step can,
+// it is exact block-coordinate descent). A macro, not a function, on purpose: expanded in
+// newton_core's loop it compiles as the loop body always did (as an inlined function it
+// costs the generic n = 8 fp32 kernel 100 B of register spills, nvcc 13.0); newton_iterate
+// expands the same text.
+#define MHC_NEWTON_STEP(N, S, t, c, beta, COL)                                    \
+  do {                                                                            \
+    S w_[N][N], b_[N], d_[N];                                                     \
+    laplacian_weights<N, S>(t, w_);                                               \
+    MHC_UNROLL                                                                    \
+    for (int j = 0; j < N; ++j) b_[j] = S(1) - c[j];                              \
+    bool accepted_ = false;                                                       \
+    const bool connected_ = grounded_laplacian_solve<N, S>(w_, b_, d_);           \
+    S dmax_, slope_, sumd_, step_;                                                \
+    if (line_search_start<N, S>(c, d_, dmax_, slope_, sumd_, step_)) {            \
+      for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {                      \
+        S em_[N];                                                                 \
+        MHC_UNROLL                                                                \
+        for (int j = 0; j < N; ++j) em_[j] = m_expm1(step_ * d_[j]);              \
+        S delta_ = -step_ * sumd_;                                                \
+        MHC_UNROLL                                                                \
+        for (int i = 0; i < N; ++i) {                                             \
+          S y_ = S(0);                                                            \
+          MHC_UNROLL                                                              \
+          for (int j = 0; j < N; ++j) y_ += t[i][j] * em_[j];                     \
+          delta_ += m_log1p(y_);                                                  \
+        }                                                                         \
+        if (armijo_accepts<N, S>(delta_, step_, slope_, dmax_)) {                 \
+          accepted_ = true;                                                       \
+          break;                                                                  \
+        }                                                                         \
+        step_ *= S(0.5);                                                          \
+      }                                                                           \
+      if (accepted_) {                                                            \
+        MHC_UNROLL                                                                \
+        for (int j = 0; j < N; ++j) beta[j] += step_ * d_[j];                     \
+      }                                                                           \
+    }                                                                             \
+    COL = !accepted_ || !connected_;                                              \
+  } while (0)
+
+// One iteration of Newton's method on the semi-dual over beta (beta_{N-1} = 0), after the
+// plan (t, c, err = plan(a, beta)): newton_decide, then newton_step. Returns one of the
+// kNewton* codes above.
+template <int N, typename S>
+MHC_HD int newton_iterate(const S (&t)[N][N], const S (&c)[N], S err, S (&beta)[N], S tol,
+                          int max_iter, NewtonIter<S>& s) {
+  const int r = newton_decide<S>(err, tol, max_iter, s);
+  if (r != kNewtonStep) return r;
+  bool col = false;
+  MHC_NEWTON_STEP(N, S, t, c, beta, col);
+  return col ? kNewtonColStep : kNewtonStep;
+}
+
+// Newton's method for one matrix: log-domain column step (unless warm), then the
+// iterations of newton_iterate (its two parts, newton_decide and newton_step, inlined in the
+// loop in the shape the compiler allocates best) until the solve ends. Stops when the L1
+// marginal error of the T it returns is <= tol. a must have row maxima 0 (the caller
+// subtracts them). Returns converged; iters gets the number of iterations used; t holds
+// rowsoftmax(a + beta) at the final beta.
 template <int N, typename S>
 MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, int max_iter,
                         int& iters, bool warm = false) {
@@ -442,15 +464,21 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
   S c[N];
   NewtonIter<S> s;
   newton_iter_init(s);
-  int r;
+  bool ok = false;
   for (;;) {
     const S err = plan<N, S>(a, beta, t, c);
-    r = newton_iterate<N, S>(t, c, err, beta, tol, max_iter, s);
-    if (r >= kNewtonConverged) break;
-    if (r == kNewtonColStep) log_col_step<N, S>(a, beta);
+    const int r = newton_decide<S>(err, tol, max_iter, s);
+    if (r == kNewtonConverged) {
+      ok = true;
+      break;
+    }
+    if (r == kNewtonFailed) break;
+    bool col = false;
+    MHC_NEWTON_STEP(N, S, t, c, beta, col);
+    if (col) log_col_step<N, S>(a, beta);
   }
   iters = s.it;
-  return r == kNewtonConverged;
+  return ok;
 }
 
 // Continuation in the logit scale (epsilon-scaling) for large logit ranges: stages solve
