@@ -80,17 +80,7 @@ def layout_code(layout: str | int | None = None) -> int:
     ``MHC_PROJ_BIRKHOFF_LAYOUT`` environment variable (read at each call), else
     ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per
     matrix; default). Used for n = 4 float32 on CUDA; the CPU has no lane layout."""
-    if layout is None:
-        layout = os.environ.get(LAYOUT_ENV) or "thread"
-    if isinstance(layout, int) and not isinstance(layout, bool):
-        if layout in _LAYOUTS.values():
-            return layout
-    elif layout in _LAYOUTS:
-        return _LAYOUTS[layout]
-    raise ValueError(
-        f"Birkhoff layout must be one of {sorted(_LAYOUTS)} "
-        f"(or codes {sorted(_LAYOUTS.values())}); got {layout!r}"
-    )
+    return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout")
 
 
 SCHED_ENV = "MHC_PROJ_BIRKHOFF_SCHED"
@@ -104,17 +94,7 @@ def sched_code(sched: str | int | None = None) -> int:
     ``MHC_PROJ_BIRKHOFF_SCHED`` environment variable (read at each call), else
     ``"thread"``. ``"thread"`` = 0 (a matrix per thread; default), ``"persistent"`` = 1
     (threads loop over matrices). Used for n = 4 float32 on CUDA (thread layout)."""
-    if sched is None:
-        sched = os.environ.get(SCHED_ENV) or "thread"
-    if isinstance(sched, int) and not isinstance(sched, bool):
-        if sched in _SCHEDS.values():
-            return sched
-    elif sched in _SCHEDS:
-        return _SCHEDS[sched]
-    raise ValueError(
-        f"Birkhoff schedule must be one of {sorted(_SCHEDS)} "
-        f"(or codes {sorted(_SCHEDS.values())}); got {sched!r}"
-    )
+    return _backend.choice_code(sched, SCHED_ENV, _SCHEDS, "Birkhoff schedule")
 
 
 def refill_min() -> int:

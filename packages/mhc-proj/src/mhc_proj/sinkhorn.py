@@ -39,8 +39,6 @@ Other CUDA cases run the plain torch reference inside the op.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mhc_proj import _backend
@@ -81,17 +79,7 @@ def fwd_variant_code(variant: str | int | None = None) -> int:
     ``MHC_PROJ_SINKHORN_FWD`` environment variable, else ``"thread"``. ``"lane"`` = 0
     (16 lanes per matrix), ``"thread"`` = 1 (thread per matrix, full state; default),
     ``"scaling"`` = 2 (thread per matrix, scaling form)."""
-    if variant is None:
-        variant = os.environ.get(FWD_ENV) or "thread"
-    if isinstance(variant, int) and not isinstance(variant, bool):
-        if variant in _FWD_VARIANTS.values():
-            return variant
-    elif variant in _FWD_VARIANTS:
-        return _FWD_VARIANTS[variant]
-    raise ValueError(
-        f"Sinkhorn forward variant must be one of {sorted(_FWD_VARIANTS)} "
-        f"(or codes {sorted(_FWD_VARIANTS.values())}); got {variant!r}"
-    )
+    return _backend.choice_code(variant, FWD_ENV, _FWD_VARIANTS, "Sinkhorn forward variant")
 
 
 def sinkhorn_fwd(
@@ -124,18 +112,12 @@ BWD_ENV = "MHC_PROJ_SINKHORN_BWD"
 _BWD_VARIANTS = {"lane": 0, "thread": 1, "thread-occ3": 2}
 
 
-def bwd_variant_code(variant: str | None = None) -> int:
+def bwd_variant_code(variant: str | int | None = None) -> int:
     """CUDA backward kernel code: ``variant`` if given, else the ``MHC_PROJ_SINKHORN_BWD``
     environment variable, else ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix),
-    ``"thread"`` = 1 (thread per matrix, recompute from scaling vectors; default)."""
-    if variant is None:
-        variant = os.environ.get(BWD_ENV) or "thread"
-    try:
-        return _BWD_VARIANTS[variant]
-    except KeyError:
-        raise ValueError(
-            f"Sinkhorn backward variant must be one of {sorted(_BWD_VARIANTS)}; got {variant!r}"
-        ) from None
+    ``"thread"`` = 1 (thread per matrix, recompute from scaling vectors; default),
+    ``"thread-occ3"`` = 2 (the same kernel compiled for 3 resident blocks per SM)."""
+    return _backend.choice_code(variant, BWD_ENV, _BWD_VARIANTS, "Sinkhorn backward variant")
 
 
 def sinkhorn_bwd(
