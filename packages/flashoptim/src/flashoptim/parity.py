@@ -174,6 +174,28 @@ def run(opt_name, seed, cfg, data, device) -> dict:
     )
 
 
+def summarize(runs: list[dict], peak_key: str) -> dict:
+    """Per optimizer, the lists over seeds of the final losses, peak memory (``peak_key``)
+    and tokens/s; and the verdict: is FlashAdamW's mean validation loss inside torch
+    AdamW's seed range."""
+    summary = {}
+    for name in ("torch_adamw", "flash_adamw"):
+        rs = [r for r in runs if r["optimizer"] == name]
+        summary[name] = {
+            k: [r[k] for r in rs]
+            for k in ("final_train_loss", "val_loss", peak_key, "tokens_per_s")
+        }
+    ta, fa = summary["torch_adamw"]["val_loss"], summary["flash_adamw"]["val_loss"]
+    mean = lambda x: sum(x) / len(x)
+    summary["verdict"] = {
+        "torch_val_range": [min(ta), max(ta)],
+        "flash_val_mean": mean(fa),
+        "flash_mean_within_torch_range": min(ta) <= mean(fa) <= max(ta),
+        "flash_minus_torch_val_mean": mean(fa) - mean(ta),
+    }
+    return summary
+
+
 def plot(result, path):
     import matplotlib
 
@@ -255,21 +277,7 @@ def main(argv=None) -> int:
     env = {"torch": torch.__version__, "corpus_bytes": corpus.numel()}
     if cuda:
         env["gpu"] = torch.cuda.get_device_name(0)
-    summary = {}
-    for name in ("torch_adamw", "flash_adamw"):
-        rs = [r for r in runs if r["optimizer"] == name]
-        summary[name] = {
-            k: [r[k] for r in rs]
-            for k in ("final_train_loss", "val_loss", "peak_mem_mib", "tokens_per_s")
-        }
-    ta, fa = summary["torch_adamw"]["val_loss"], summary["flash_adamw"]["val_loss"]
-    mean = lambda x: sum(x) / len(x)
-    summary["verdict"] = {
-        "torch_val_range": [min(ta), max(ta)],
-        "flash_val_mean": mean(fa),
-        "flash_mean_within_torch_range": min(ta) <= mean(fa) <= max(ta),
-        "flash_minus_torch_val_mean": mean(fa) - mean(ta),
-    }
+    summary = summarize(runs, "peak_mem_mib")
     result = {"config": cfg, "env": env, "summary": summary, "runs": runs}
     with open(os.path.join(a.out, "parity.json"), "w") as f:
         json.dump(result, f)

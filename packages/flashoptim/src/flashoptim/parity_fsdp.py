@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashoptim as fo
-from flashoptim.parity import GPT, load_corpus, lr_schedule
+from flashoptim.parity import GPT, load_corpus, lr_schedule, summarize
 
 
 def _configs(cuda: bool) -> dict:
@@ -342,22 +342,11 @@ def main(argv=None) -> int:
     resume["max_abs_loss_diff_vs_uninterrupted"] = max(
         abs(x - y) for x, y in zip(resume["losses_after_resume"], tail)
     )
-    summary = {}
-    for name in ("torch_adamw", "flash_adamw"):
-        rs = [r for r in runs if r["optimizer"] == name]
-        summary[name] = {
-            k: [r[k] for r in rs]
-            for k in ("final_train_loss", "val_loss", "peak_mem_mib_per_rank", "tokens_per_s")
-        }
-    ta, fa = summary["torch_adamw"]["val_loss"], summary["flash_adamw"]["val_loss"]
-    mean = sum(fa) / len(fa)
-    summary["verdict"] = {
-        "torch_val_range": [min(ta), max(ta)],
-        "flash_val_mean": mean,
-        "flash_mean_within_torch_range": min(ta) <= mean <= max(ta),
-        "resume_state_ok": resume["state_check"]["ok"],
-        "resume_max_abs_loss_diff": resume["max_abs_loss_diff_vs_uninterrupted"],
-    }
+    summary = summarize(runs, "peak_mem_mib_per_rank")
+    summary["verdict"].update(
+        resume_state_ok=resume["state_check"]["ok"],
+        resume_max_abs_loss_diff=resume["max_abs_loss_diff_vs_uninterrupted"],
+    )
     env = {"torch": torch.__version__, "world": world, "backend": "nccl" if cuda else "gloo"}
     if cuda:
         env["gpu"] = torch.cuda.get_device_name(0)
