@@ -4,6 +4,8 @@
     python -m flashsinkhorn.bench --smoke         # tiny CPU run (CI)
     python -m flashsinkhorn.bench --n 20000 --d 64 128 --mode fwd fwd_bwd iter
     python -m flashsinkhorn.bench --json out.json --providers ours geomloss
+    python -m flashsinkhorn.bench --only iter:1024,large --budget 80 --json rest.json
+    python -m flashsinkhorn.bench --skip-done first.json --json rest.json  # what was cut
 
 Benches (``bench`` field):
 - ``sinkhorn_iteration``: one symmetric fixed-eps iteration (both potentials), C = |x-y|^2,
@@ -118,7 +120,10 @@ def _row(bench, provider, mode, params, **kw):
     return r
 
 
-def _run_case(bench, provider, mode, params, fn, device, warmup, reps, floor_ms=None, extra=None):
+def _run_case(
+    bench, provider, mode, params, fn, device, warmup, reps, floor_ms=None, extra=None,
+    accuracy=None,
+):  # fmt: skip
     try:
         med, p20, p80, peak = _timeit(fn, device, warmup, reps)
     except Exception as e:  # a failing peer must not kill the suite
@@ -142,6 +147,7 @@ def _run_case(bench, provider, mode, params, fn, device, warmup, reps, floor_ms=
         time_ms_p20=p20,
         time_ms_p80=p80,
         metrics=metrics,
+        accuracy=accuracy or {},  # in the row itself: the JSON is written when a row is made
     )
 
 
@@ -247,10 +253,12 @@ def bench_iteration(n, d, device, providers, peers, precisions, warmup, reps, k1
         per = (t2[0] - t1[0]) / (k2 - k1)
         p20 = (t2[1] - t1[1]) / (k2 - k1)
         p80 = (t2[2] - t1[2]) / (k2 - k1)
+        # the label, not the provider: the H200 runs of 2026-11-29 logged the bf16 rows as
+        # "ours" too, and the faster bf16 time was read as the tf32 one
         rows.append(
             _row(
                 "sinkhorn_iteration",
-                prov,
+                label,
                 "fwd",
                 params,
                 time_ms=per,
@@ -353,9 +361,8 @@ def bench_samples_loss(
                 except Exception:
                     acc = {}
             floor = passes * _pass_floor_ms(n, n, d, prec if prov == "ours" else "tf32", batch or 1)
-            r = _run_case("samples_loss", label, mode, params, fn, device, warmup, reps, floor)
-            r["accuracy"] = acc
-            rows.append(r)
+            rows.append(_run_case("samples_loss", label, mode, params, fn, device, warmup, reps,
+                                  floor, accuracy=acc))  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -510,6 +517,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--quick", action="store_true", help="GPU suite: the headline cases only")
+    ap.add_argument("--only", metavar="CASE[,CASE]",
+                    help="GPU suite: run only these cases, KIND, KIND:D or KIND:N:D "
+                         "(KIND: " + " ".join(SUITE_KINDS) + "), e.g. iter:1024,large")  # fmt: skip
+    ap.add_argument("--skip-done", metavar="JSON",
+                    help="GPU suite: skip the cases that this earlier --json finished")  # fmt: skip
     ap.add_argument("--budget", type=float, default=190.0,
                     help="GPU suite: start no case after this many seconds")  # fmt: skip
     ap.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
@@ -523,6 +535,15 @@ def main(argv=None):
     t0 = time.time()
     custom = args.n is not None or args.d is not None
     run_suite = args.force_suite or not (args.smoke or custom or device.type != "cuda")
+    suite = QUICK_SUITE if args.quick else FULL_SUITE
+    if args.only or args.skip_done:
+        if not run_suite:
+            ap.error("--only / --skip-done select cases of the GPU suite (CUDA, no --smoke)")
+        try:
+            suite = select_cases(suite, args.only, args.skip_done)
+        except ValueError as e:
+            ap.error(str(e))
+        print("suite cases: " + (", ".join(_case_name(c) for c in suite) or "none"), flush=True)
     if run_suite:
         pass
     elif args.smoke or (device.type != "cuda" and not custom):  # tiny CPU run
@@ -570,7 +591,6 @@ def main(argv=None):
 
     if run_suite:
         _LIVE["dump"] = dump  # the JSON is rewritten after every measured row
-        suite = QUICK_SUITE if args.quick else FULL_SUITE
         rows += gpu_suite(device, providers, peers, dump, suite=suite, scale=args.scale,
                           budget_s=args.budget)  # fmt: skip
     dump(rows)
@@ -596,6 +616,69 @@ FULL_SUITE = [  # priority order: what a time limit cuts comes last
     ("passes", 50000, 512, {}),
 ]
 QUICK_SUITE = FULL_SUITE[:5]
+SUITE_KINDS = ("loss", "passes", "iter", "loss_debias", "loss_batched", "loss_ref", "large",
+               "hvp")  # fmt: skip
+
+
+def _case_name(case):
+    kind, n, d, _ = case
+    return f"{kind}:{n}:{d}"
+
+
+def _case_of_row(row, suite):
+    """Index in ``suite`` of the case that wrote ``row`` (None: not one of its rows)."""
+    bench, p = row.get("bench", ""), row.get("params", {})
+    n, d = p.get("n"), p.get("d")
+    if bench == "samples_loss":
+        if p.get("batch", 1) != 1:
+            kinds = ("loss_batched",)
+        elif p.get("debias"):
+            kinds = ("loss_debias",)
+        else:  # these three differ by n in the suite
+            kinds = ("loss", "loss_ref", "large")
+    else:
+        kinds = {"sinkhorn_iteration": ("iter",), "softmin_pass": ("passes",),
+                 "hvp": ("hvp",)}.get(bench, ())  # fmt: skip
+    for i, (kind, cn, cd, _) in enumerate(suite):
+        if kind in kinds and cn == n and cd == d:
+            return i
+    return None
+
+
+def select_cases(suite, only=None, skip_done=None):
+    """The suite cases to run: in suite order, or in the order of ``only``.
+
+    ``only``: comma-separated ``KIND``, ``KIND:D`` or ``KIND:N:D``. ``skip_done``: the JSON of
+    an earlier suite run; the suite runs its cases in order and writes the JSON after every
+    row, so every case before the last one that wrote a row has finished (the last one may
+    have been cut by a time limit and is run again).
+    """
+    keep = list(suite)
+    if only:
+        specs = []
+        for spec in only.split(","):
+            parts = spec.strip().split(":")
+            if parts[0] not in SUITE_KINDS or len(parts) > 3:
+                raise ValueError(f"--only: unknown case {spec!r}; KIND[:D] or KIND:N:D with "
+                                 f"KIND one of {', '.join(SUITE_KINDS)}")  # fmt: skip
+            try:
+                nums = [int(v) for v in parts[1:]]
+            except ValueError:
+                raise ValueError(f"--only: N and D must be integers; got {spec!r}") from None
+            n, d = ([None, None] + nums)[-2:]  # KIND:D gives D, KIND:N:D both
+            specs.append((parts[0], n, d))
+        # in the order given: a second call runs what matters most first
+        picked = [i for k, n, d in specs for i, c in enumerate(suite)
+                  if k == c[0] and n in (None, c[1]) and d in (None, c[2])]  # fmt: skip
+        keep = [suite[i] for i in dict.fromkeys(picked)]  # each case once
+    if skip_done:
+        with open(skip_done) as fh:
+            rows = json.load(fh).get("results", [])
+        seen = {_case_of_row(r, suite) for r in rows} - {None}
+        if seen:
+            finished = {_case_name(c) for c in suite[: max(seen)]}
+            keep = [c for c in keep if _case_name(c) not in finished]
+    return keep
 
 
 def gpu_suite(
@@ -635,8 +718,8 @@ def gpu_suite(
                                        debias=True)  # fmt: skip
         elif kind == "loss_batched":
             rows += bench_samples_loss(n, d, device, P, peers, ["fwd", "fwd_bwd"], 1, 3, batch=64)
-        elif kind == "large":
-            rows += bench_samples_loss(n, d, device, P & {"ours"}, peers, ["fwd_bwd"], 0, 1)
+        elif kind == "large":  # one warm-up call: the timed call must not include autotuning
+            rows += bench_samples_loss(n, d, device, P & {"ours"}, peers, ["fwd_bwd"], 1, 1)
         elif kind == "passes":
             rows += bench_pass_variants(n, d, device)
         elif kind == "hvp":

@@ -1,0 +1,29 @@
+"""The GPU second-order script runs end to end at its smoke size on the CPU and writes its
+results case by case (the H200 run keeps whatever finished before a time limit)."""
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "gpu_second_order.py")
+
+
+def test_gpu_second_order_smoke(tmp_path):
+    out = tmp_path / "so"
+    cases = "hvp,hvp_peer,otdd,hvp_accuracy"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--out", str(out), "--smoke", "--cases", cases],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    events = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    ends = {e["case"]: e["status"] for e in events if e["event"] == "case_end"}
+    assert ends == dict.fromkeys(cases.split(","), "ok")
+    rows = json.loads((out / "bench-second-order.json").read_text())["results"]
+    hvp_row = next(r for r in rows if r["bench"] == "hvp" and r["provider"] == "ours")
+    assert hvp_row["time_ms"] > 0 and hvp_row["metrics"]["cg_iters"] > 0
+    acc = next(r for r in rows if r["bench"] == "hvp_accuracy")["accuracy"]
+    assert acc["rel_err_tf32x3"] < 1e-4  # torch path on the CPU: float32 vs float64
+    # one summary line per row, written as the rows came
+    assert len((out / "summary.md").read_text().splitlines()) == 2 + len(rows)
