@@ -106,88 +106,6 @@ int64_t lane16_fwd_f32(const float* src, float* dst, int* info, int64_t B, doubl
   return l.violations;
 }
 
-// Host emulation of the CUDA persistent n = 4 fp32 forward (birkhoff_fwd_f32_persistent):
-// `lanes` lanes (a multiple of 32; the kernel's grid x block), lane g takes matrices g,
-// g + lanes, g + 2 lanes, ... (the kernel's static stride), and each warp of 32 lanes runs
-// the two phases of mhc::persistent_iterate / persistent_refill in lockstep with the
-// kernel's refill vote (refill_min waiting lanes, or none running) until all its lanes are
-// done. The flagged matrices go through the same float64 stage as birkhoff_fwd_n (here at
-// once, in the kernel through the work list). trips (may be null): per matrix, the trips
-// it was iterated (= its Newton iterations plus one plan per stage). stats (may be null):
-// warp trips, trips with a Newton step in some lane, trips with a refill, trips with a
-// log_col_step in some lane, all summed over the warps.
-struct EmuIO {
-  const float* src;
-  float* dst;
-  int* info;
-  int* trips;
-  int64_t batch, next_b, stride;
-  double fb_tol;
-  int fb_max_iter;
-  int64_t next() {
-    const int64_t b = next_b;
-    next_b += stride;
-    return b < batch ? b : -1;
-  }
-  bool load(int64_t b, float (&a)[4][4]) { return mhc::load_shifted<4, float>(src + b * 16, a); }
-  void finish(int64_t b, int st, int iters, const float (&t)[4][4], const float (&beta)[4],
-              int tr) {
-    const float* s = src + b * 16;
-    float* d = dst + b * 16;
-    for (int e = 0; e < 16; ++e) d[e] = st == -1 ? float(NAN) : t[e / 4][e % 4];
-    const int word = fp32_finish<4>(st, iters, s, d, beta, fb_tol, fb_max_iter);
-    if (info) info[b] = word;
-    if (trips) trips[b] = tr;
-  }
-};
-
-void persistent_fwd_f32(const float* src, float* dst, int* info, int* trips, int64_t* stats,
-                        int64_t B, double tol, int max_iter, double fb_tol, int fb_max_iter,
-                        double pivot_min, int64_t lanes, int refill_min) {
-  int64_t n_trips = 0, n_step = 0, n_refill = 0, n_col = 0;
-  for (int64_t w0 = 0; w0 < lanes; w0 += 32) {
-    EmuIO io[32];
-    mhc::PersistentLane<4, float> L[32];
-    for (int l = 0; l < 32; ++l) {
-      io[l] = EmuIO{src, dst, info, trips, B, w0 + l, lanes, fb_tol, fb_max_iter};
-      mhc::persistent_start<4, float>(L[l], io[l]);
-    }
-    for (;;) {
-      bool any = false;
-      for (int l = 0; l < 32; ++l) any = any || L[l].b >= 0;
-      if (!any) break;
-      ++n_trips;
-      float t[32][4][4];
-      int waiting = 0, running = 0, stepping = 0;
-      for (int l = 0; l < 32; ++l) {
-        if (L[l].b < 0) continue;
-        const bool was_running = L[l].wait == 0;
-        const int it0 = L[l].ni.it;
-        mhc::persistent_iterate<4, float>(L[l], t[l], float(tol), max_iter);
-        stepping += was_running && L[l].ni.it > it0;
-        waiting += L[l].wait != 0;
-        running += L[l].wait == 0;
-      }
-      const bool refill = waiting >= refill_min || running == 0;
-      bool col = false;
-      for (int l = 0; l < 32; ++l) {
-        if (L[l].b < 0) continue;
-        col = col || L[l].col || (refill && L[l].wait);
-        mhc::persistent_refill<4, float>(L[l], io[l], t[l], refill, float(pivot_min));
-      }
-      n_step += stepping > 0;
-      n_refill += refill && waiting > 0;
-      n_col += col;
-    }
-  }
-  if (stats) {
-    stats[0] = n_trips;
-    stats[1] = n_step;
-    stats[2] = n_refill;
-    stats[3] = n_col;
-  }
-}
-
 int64_t lane16_bwd_f32(const float* t, const float* g, float* da, int64_t B) {
   mhc::lane16::HostLanes l;
   for (int64_t b = 0; b < B; ++b) {
@@ -339,26 +257,6 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("tol"),
       py::arg("max_iter"), py::arg("fallback_tol"), py::arg("fallback_max_iter"),
       py::arg("pivot_min"));
-  m.def(
-      "persistent_fwd_emulated",
-      [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, std::uintptr_t trips,
-         std::uintptr_t stats, int64_t B, double tol, int max_iter, double fb_tol,
-         int fb_max_iter, double pivot_min, int64_t lanes, int refill_min) {
-        if (lanes < 32 || lanes % 32 != 0)
-          throw std::invalid_argument("persistent_fwd_emulated: lanes must be a positive "
-                                      "multiple of 32, got " +
-                                      std::to_string(lanes));
-        py::gil_scoped_release nogil;
-        persistent_fwd_f32(ptr<const float>(src), ptr<float>(dst),
-                           info ? ptr<int>(info) : nullptr, trips ? ptr<int>(trips) : nullptr,
-                           stats ? ptr<int64_t>(stats) : nullptr, B, tol, max_iter, fb_tol,
-                           fb_max_iter, pivot_min, lanes, refill_min);
-      },
-      "Host emulation of the CUDA persistent n = 4 fp32 forward (tests, trip statistics)",
-      py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("trips"), py::arg("stats"),
-      py::arg("batch"), py::arg("tol"), py::arg("max_iter"), py::arg("fallback_tol"),
-      py::arg("fallback_max_iter"), py::arg("pivot_min"), py::arg("lanes"),
-      py::arg("refill_min"));
   m.def(
       "lane16_bwd_emulated",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B) {

@@ -42,7 +42,7 @@ __device__ __forceinline__ void st_f4(float* dst, const float* v) {
 // ---------------------------------------------------------------- thread per matrix
 // The end of stage 1 for matrix b (status st as mhc::project_matrix): T, the work-list entry
 // of a matrix for the float64 stage (st 0 or 2, with its fp32 potentials for st 2) and the
-// info word. Shared by the thread-per-matrix and the persistent kernels.
+// info word.
 template <int N>
 __device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, int iters,
                                          const float* out, const float* beta) {

@@ -239,84 +239,6 @@ __global__ void __launch_bounds__(kLaneThreads)
   da[gid] = mhc::lane16::implicit_vjp(l, __ldg(t + gid), __ldg(g + gid));
 }
 
-// ---------------------------------------------------------------- persistent, n = 4
-// Stage 1 (fp32) with a persistent schedule (opt-in until measured, see NOTES.md): a fixed
-// grid (a few blocks per SM) whose lanes loop over matrices with a static stride (lane g:
-// g, g + G, g + 2G, ...; G = grid x block): no atomics on a shared counter (one per matrix
-// would serialize at one address) and the same assignment as the CPU emulation. Each trip is
-// one Newton iteration per lane (mhc::persistent_iterate / persistent_refill, the same
-// per-matrix arithmetic as mhc::project_matrix, so T, info and the work list are bitwise
-// birkhoff_fwd_f32_thread<4>'s); lanes whose matrix is done wait until refill_min lanes of
-// the warp wait (or none runs), then finish and load together.
-struct PersistentIO4 {
-  const FwdArgs& a;
-  int64_t next_b, stride;
-  __device__ __forceinline__ int64_t next() {
-    const int64_t b = next_b;
-    next_b += stride;
-    return b < a.batch ? b : -1;
-  }
-  __device__ __forceinline__ bool load(int64_t b, float (&m)[4][4]) {
-    float in[16];
-    const float* src = static_cast<const float*>(a.src) + b * 16;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) ldg_f4(src + 4 * q, in + 4 * q);
-    return mhc::load_shifted<4, float>(in, m);
-  }
-  __device__ __forceinline__ void finish(int64_t b, int st, int iters, const float (&t)[4][4],
-                                         const float (&beta)[4], int) {
-    float out[16];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) out[e] = st == -1 ? NAN : t[e / 4][e % 4];
-    fwd_emit<4>(a, b, st, iters, out, beta);
-  }
-};
-
-__global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_persistent(FwdArgs a,
-                                                                        int refill_min) {
-  PersistentIO4 io{a, blockIdx.x * int64_t(kThreads) + threadIdx.x,
-                   int64_t(gridDim.x) * kThreads};
-  mhc::PersistentLane<4, float> L;
-  mhc::persistent_start<4, float>(L, io);
-  const float tol = float(a.tol), pivot_min = float(a.pivot_min);
-  // every lane of the warp stays in the loop (full-mask votes); a lane without matrices idles
-  while (__any_sync(0xffffffffu, L.b >= 0)) {
-    const bool active = L.b >= 0;
-    float t[4][4];
-    if (active) mhc::persistent_iterate<4, float>(L, t, tol, a.max_iter);
-    const unsigned waiting = __ballot_sync(0xffffffffu, active && L.wait != 0);
-    const unsigned running = __ballot_sync(0xffffffffu, active && L.wait == 0);
-    const bool refill = __popc(waiting) >= refill_min || running == 0u;
-    if (active) mhc::persistent_refill<4, float>(L, io, t, refill, pivot_min);
-  }
-}
-
-// Grid of the persistent kernel: resident blocks per SM (occupancy query) x SMs, queried
-// once per device and cached (host attribute queries, no synchronization); at most one
-// block per 128 matrices.
-inline unsigned persistent_grid(int64_t batch) {
-  static int cached[64] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  int& g = cached[dev & 63];
-  if (g == 0) {
-    int sms = 0, per_sm = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, birkhoff_fwd_f32_persistent, kThreads,
-                                                  0);
-    g = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
-  }
-  const unsigned need = blocks_for(batch, kThreads);
-  return need < unsigned(g) ? need : unsigned(g);
-}
-
-inline void launch_fwd4_persistent(const FwdArgs& a, int refill_min, cudaStream_t stream) {
-  if (a.batch == 0) return;
-  cudaMemsetAsync(a.work, 0, sizeof(int), stream);
-  birkhoff_fwd_f32_persistent<<<persistent_grid(a.batch), kThreads, 0, stream>>>(a, refill_min);
-  launch_fallback<4>(a, stream);
-}
-
 // Layout codes of the bindings (Python: birkhoff.layout_code).
 constexpr int kLayoutLane = 0;
 constexpr int kLayoutThread = 1;
@@ -326,21 +248,6 @@ void check_layout(int layout) {
     throw std::invalid_argument("birkhoff: layout must be 0 (16 lanes per matrix) or 1 (thread "
                                 "per matrix), got " +
                                 std::to_string(layout));
-}
-
-// Schedule codes of the forward binding (Python: birkhoff.sched_code): 0 a thread per
-// matrix (default), 1 persistent (n = 4 fp32, thread layout; others ignore it). The
-// persistent kernel's refill threshold: lanes of a warp waiting before they finish and load
-// together (32: the warp refills only when no lane runs).
-constexpr int kSchedThread = 0;
-constexpr int kSchedPersistent = 1;
-constexpr int kPersistentRefillMin = 24;
-
-void check_sched(int sched) {
-  if (sched != kSchedThread && sched != kSchedPersistent)
-    throw std::invalid_argument("birkhoff: sched must be 0 (thread per matrix) or 1 "
-                                "(persistent), got " +
-                                std::to_string(sched));
 }
 
 void launch_fwd4_lane(const FwdArgs& a, cudaStream_t stream) {
@@ -397,17 +304,13 @@ PYBIND11_MODULE(_cuda, m) {
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, std::uintptr_t work,
          int64_t B, int n, int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
-         double pivot_min, std::uintptr_t stream, int layout, int sched, int refill_min) {
+         double pivot_min, std::uintptr_t stream, int layout) {
         check_layout(layout);
-        check_sched(sched);
         FwdArgs a{ptr<const void>(src), ptr<void>(dst), ptr<int>(info), ptr<int>(work), B,
                   tol, max_iter, fb_tol, fb_max_iter, pivot_min};
         // the 16-lane layout exists for n = 4 fp32; other cases run the thread kernels.
-        // The persistent schedule: n = 4 fp32 in the thread layout.
         if (n == 4 && dtype == 0 && layout == kLayoutLane)
           launch_fwd4_lane(a, as_stream(stream));
-        else if (n == 4 && dtype == 0 && sched == kSchedPersistent)
-          launch_fwd4_persistent(a, refill_min, as_stream(stream));
         else if (n == 4)
           launch_fwd<4>(a, dtype, as_stream(stream));
         else
@@ -417,8 +320,7 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("work"), py::arg("batch"),
       py::arg("n"), py::arg("dtype"), py::arg("tol"), py::arg("max_iter"),
       py::arg("fallback_tol"), py::arg("fallback_max_iter"), py::arg("pivot_min"),
-      py::arg("stream"), py::arg("layout") = kLayoutThread, py::arg("sched") = kSchedThread,
-      py::arg("refill_min") = kPersistentRefillMin);
+      py::arg("stream"), py::arg("layout") = kLayoutThread);
   m.def(
       "birkhoff_bwd",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype,

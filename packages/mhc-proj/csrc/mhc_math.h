@@ -352,12 +352,9 @@ MHC_HD bool armijo_accepts(S delta, S step, S slope, S dmax) {
 constexpr double kContStageTol = 1e-2;
 constexpr int kContGrowth = 8;
 
-// ---------------------------------------------------------------- Newton as a state machine
-// One Newton iteration is newton_iterate over an explicit state (NewtonIter: the
-// stagnation tracker and the iteration count; the caller owns beta, T and the column sums).
-// newton_core loops it for one matrix (the CPU module and the thread-per-matrix CUDA
-// kernels); the persistent CUDA kernel and its CPU emulation (persistent_trip below) run one
-// call per trip, so all of them take the same decisions with the same arithmetic.
+// ---------------------------------------------------------------- Newton iteration state
+// The stagnation tracker and the iteration count of one Newton solve (the caller owns beta,
+// T and the column sums).
 template <typename S>
 struct NewtonIter {
   S best;
@@ -371,14 +368,11 @@ MHC_HD void newton_iter_init(NewtonIter<S>& s) {
   s.it = 0;
 }
 
-// newton_iterate's outcomes. kNewtonStep / kNewtonColStep: an iteration was taken (beta
-// moved by the Newton step; kNewtonColStep: the caller must now run log_col_step on beta,
-// the fallback when Newton could not make progress); kNewtonConverged / kNewtonFailed: the
-// stage ended at the current beta (t is its plan).
+// newton_decide's outcomes. kNewtonStep: take an iteration; kNewtonConverged /
+// kNewtonFailed: the solve ended at the current beta (t is its plan).
 constexpr int kNewtonStep = 0;
-constexpr int kNewtonColStep = 1;
-constexpr int kNewtonConverged = 2;
-constexpr int kNewtonFailed = 3;
+constexpr int kNewtonConverged = 1;
+constexpr int kNewtonFailed = 2;
 
 // The decisions of one Newton iteration from the plan's error: kNewtonConverged (err <=
 // tol), kNewtonFailed (not finite, iteration limit, stagnation), else kNewtonStep with the
@@ -400,8 +394,7 @@ MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
 // components that are disconnected to working precision; the log-domain column step can,
 // it is exact block-coordinate descent). A macro, not a function, on purpose: expanded in
 // newton_core's loop it compiles as the loop body always did (as an inlined function it
-// costs the generic n = 8 fp32 kernel 100 B of register spills, nvcc 13.0); newton_iterate
-// expands the same text.
+// costs the generic n = 8 fp32 kernel 100 B of register spills, nvcc 13.0).
 #define MHC_NEWTON_STEP(N, S, t, c, beta, COL)                                    \
   do {                                                                            \
     S w_[N][N], b_[N], d_[N];                                                     \
@@ -438,22 +431,8 @@ MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
     COL = !accepted_ || !connected_;                                              \
   } while (0)
 
-// One iteration of Newton's method on the semi-dual over beta (beta_{N-1} = 0), after the
-// plan (t, c, err = plan(a, beta)): newton_decide, then newton_step. Returns one of the
-// kNewton* codes above.
-template <int N, typename S>
-MHC_HD int newton_iterate(const S (&t)[N][N], const S (&c)[N], S err, S (&beta)[N], S tol,
-                          int max_iter, NewtonIter<S>& s) {
-  const int r = newton_decide<S>(err, tol, max_iter, s);
-  if (r != kNewtonStep) return r;
-  bool col = false;
-  MHC_NEWTON_STEP(N, S, t, c, beta, col);
-  return col ? kNewtonColStep : kNewtonStep;
-}
-
-// Newton's method for one matrix: log-domain column step (unless warm), then the
-// iterations of newton_iterate (its two parts, newton_decide and newton_step, inlined in the
-// loop in the shape the compiler allocates best) until the solve ends. Stops when the L1
+// Newton's method for one matrix: log-domain column step (unless warm), then iterations
+// (newton_decide, MHC_NEWTON_STEP) until the solve ends. Stops when the L1
 // marginal error of the T it returns is <= tol. a must have row maxima 0 (the caller
 // subtracts them). Returns converged; iters gets the number of iterations used; t holds
 // rowsoftmax(a + beta) at the final beta.
@@ -943,110 +922,6 @@ MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, i
     for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
   }
   return ok ? 1 : 0;
-}
-
-// ---------------------------------------------------------------- persistent schedule
-// A lane (GPU thread) that loops over matrices, one Newton iteration per trip, so that a
-// warp runs about the mean number of iterations per matrix instead of the slowest of its 32
-// matrices. A trip has two phases with a warp-wide decision between them:
-//   persistent_iterate: plan and one newton_iterate. A lane whose stage ended waits (wait =
-//     the outcome); a waiting lane only recomputes its plan (bitwise its final T).
-//   refill = (lanes waiting >= a threshold) or (no lane running): taken by the warp.
-//   persistent_refill: if refill, the waiting lanes move to their next continuation stage or
-//     finish their matrix (status, output) and load the next one; then the trip's one
-//     log_col_step, shared by a rejected Newton step, a new stage and a new matrix.
-// Waiting for a refill makes the per-matrix work (finish, load, initial column step, ~45% of
-// a trip) run once per several finished matrices instead of in nearly every trip.
-// The per-matrix arithmetic is newton_iterate / cont_* / projection_status, with the same
-// operands in the same order as project_matrix, so every T, status and iteration count is
-// bitwise project_matrix's whatever the schedule. The CUDA kernel birkhoff_fwd_f32_persistent
-// and the CPU module's emulation (32 lanes in lockstep) run this code with their own IO:
-//   int64_t io.next()                    next matrix index of this lane, or -1
-//   bool io.load(b, S (&a)[N][N])        load_shifted of matrix b (false: not finite)
-//   void io.finish(b, st, iters, t, beta, trips)  store T and the outcome (st as
-//                                        project_matrix; st = -1: non-finite, t unused)
-template <int N, typename S>
-struct PersistentLane {
-  S as[N][N];  // the current stage's logits (f * a; a itself without continuation)
-  S beta[N];
-  ContState<N, S> cs;
-  NewtonIter<S> ni;
-  int64_t b;  // current matrix; -1: the lane is done
-  int wait;   // 0 running; kNewtonConverged / kNewtonFailed: stage ended, waiting
-  bool col;   // log_col_step due at the end of this trip (a rejected Newton step)
-  int trips;  // trips on the current matrix (statistics of the emulation)
-};
-
-// Loads the lane's next finite matrix (non-finite ones are finished on the spot) and sets
-// up its first stage. Returns true when a matrix was loaded: its initial log_col_step is due.
-template <int N, typename S, class IO>
-MHC_HD bool persistent_load(PersistentLane<N, S>& L, IO& io) {
-  for (;;) {
-    L.b = io.next();
-    if (L.b < 0) return false;
-    S a[N][N];
-    if (io.load(L.b, a)) {
-      cont_begin<N, S>(a, L.cs, L.beta);
-      if (L.cs.plain) {
-        MHC_UNROLL
-        for (int i = 0; i < N; ++i) {
-          MHC_UNROLL
-          for (int j = 0; j < N; ++j) L.as[i][j] = a[i][j];
-        }
-      } else {
-        cont_stage<N, S>(a, L.cs, L.as, L.beta);
-      }
-      newton_iter_init(L.ni);
-      L.trips = 0;
-      return true;
-    }
-    io.finish(L.b, -1, 0, L.as, L.beta, 0);
-  }
-}
-
-// Start of a lane: its first matrix and that matrix's initial column step.
-template <int N, typename S, class IO>
-MHC_HD void persistent_start(PersistentLane<N, S>& L, IO& io) {
-  L.wait = 0;
-  L.col = false;
-  if (persistent_load<N, S>(L, io)) log_col_step<N, S>(L.as, L.beta);
-}
-
-// Phase 1 of a trip of an active lane (L.b >= 0): t gets the plan.
-template <int N, typename S>
-MHC_HD void persistent_iterate(PersistentLane<N, S>& L, S (&t)[N][N], S tol, int max_iter) {
-  S c[N];
-  const S err = plan<N, S>(L.as, L.beta, t, c);
-  L.col = false;
-  if (L.wait) return;
-  ++L.trips;
-  const int r = newton_iterate<N, S>(t, c, err, L.beta, cont_tol(L.cs, tol), max_iter, L.ni);
-  if (r >= kNewtonConverged) L.wait = r;
-  L.col = r == kNewtonColStep;
-}
-
-// Phase 2 of a trip of an active lane (t from phase 1; refill: the warp's decision).
-// Returns whether the lane is still active.
-template <int N, typename S, class IO>
-MHC_HD bool persistent_refill(PersistentLane<N, S>& L, IO& io, const S (&t)[N][N], bool refill,
-                              S pivot_min) {
-  bool col = L.col;
-  if (refill && L.wait) {
-    if (cont_next<N, S>(L.cs, L.beta, L.ni.it)) {
-      S a[N][N];
-      io.load(L.b, a);  // a is not kept in the lane: re-loaded (same values) per stage
-      cont_stage<N, S>(a, L.cs, L.as, L.beta);
-      newton_iter_init(L.ni);
-      col = true;
-    } else {
-      const int st = projection_status<N, S>(L.wait == kNewtonConverged, t, pivot_min);
-      io.finish(L.b, st, L.cs.total, t, L.beta, L.trips);
-      col = persistent_load<N, S>(L, io);
-    }
-    L.wait = 0;
-  }
-  if (col) log_col_step<N, S>(L.as, L.beta);
-  return L.b >= 0;
 }
 
 template <int N, typename S, typename In, typename Out>

@@ -6,9 +6,6 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 - ``ours-lane16``: the same projection with the n = 4 CUDA kernels in the 16-lanes-per-matrix
   layout (``MHC_PROJ_BIRKHOFF_LAYOUT=lane``: forward stage 1 and backward; the float64
   stage is shared), for comparison with ``ours`` (thread per matrix); not yet measured.
-- ``ours-persistent``: the same projection with the persistent n = 4 forward
-  (``MHC_PROJ_BIRKHOFF_SCHED=persistent``: threads loop over matrices, one Newton iteration
-  per trip; backward and float64 stage as ``ours``); fwd and fwd_bwd; not yet measured.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20: forward one
   thread per matrix, backward by default thread per matrix (recompute), or whatever
   ``MHC_PROJ_SINKHORN_BWD`` selects); ``ours-sinkhorn20-lane16``: the forward in the
@@ -52,7 +49,6 @@ from mhc_proj.sinkhorn import sinkhorn_fwd
 PROVIDERS = [
     "ours",
     "ours-lane16",
-    "ours-persistent",
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
@@ -105,8 +101,6 @@ def _fn_for(provider: str) -> Callable | None:
         return mhc_proj.birkhoff_project
     if provider == "ours-lane16":
         return lambda x: birkhoff_project_layout(x, layout="lane")
-    if provider == "ours-persistent":
-        return lambda x: birkhoff_project_layout(x, sched="persistent")
     if provider == "ours-sinkhorn20":
         return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
     if provider == "ours-sinkhorn20-lane16":
@@ -193,7 +187,6 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
         fn is None
         or (provider == "ours-sinkhorn20-lane16" and (mode != "fwd" or device.type != "cuda"))
         or (provider == "ours-sinkhorn20-lane-bwd" and mode == "fwd")
-        or (provider == "ours-persistent" and mode == "bwd")  # the backward is ours'
     ):
         row["status"] = "skipped"
         row["error"] = "provider not importable or not applicable here"
@@ -290,7 +283,6 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
     for p in [
         "ours",
         "ours-lane16",
-        "ours-persistent",
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-scaling",
@@ -299,7 +291,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         if p in providers:
             # backward alone; for Sinkhorn-20 both kernels (16 lanes / thread per matrix)
             # at every size (the scaling provider's backward is ours-sinkhorn20's)
-            if p not in ("ours-sinkhorn20-scaling", "ours-persistent"):
+            if p != "ours-sinkhorn20-scaling":
                 bwd_sizes = sizes if p not in _BIRKHOFF_LAYOUT else sizes[-1:]
                 cases += [(p, "bwd", b, 1.0, False) for b in bwd_sizes]
             for b in [1048576, 16777216]:

@@ -8,32 +8,19 @@ saved), the public :func:`birkhoff_project`, and the :class:`BirkhoffProjection`
 CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call with
 ``MHC_PROJ_BIRKHOFF_LAYOUT`` (or the ``layout`` argument of the launchers):
 
-- ``thread`` (default): one thread per matrix, 16-byte loads (H200: forward 2.03 ms,
-  backward 0.959 ms at B = 16M).
+- ``thread`` (default): one thread per matrix, 16-byte loads (H200: forward 2.05 ms,
+  backward 0.911 ms at B = 16M).
 - ``lane``: 16 lanes per matrix, two matrices per warp, register shuffles
   (``csrc/mhc_lane16.h``, the published layout). Same algorithm, tolerances, info words and
-  float64 stage; opt-in, not yet measured on a GPU (prediction in
-  packages/mhc-proj/NOTES.md).
+  float64 stage; opt-in: measured slower on the H200 (forward 12.1 ms, backward 2.39 ms at
+  B = 16M; packages/mhc-proj/NOTES.md).
 
 Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is
 still validated, so a misspelt value fails everywhere).
-
-Scheduling of the n = 4 float32 CUDA forward (stage 1, thread layout), selected per call
-with ``MHC_PROJ_BIRKHOFF_SCHED`` (or the ``sched`` argument of :func:`birkhoff_fwd`):
-
-- ``thread`` (default): one matrix per thread; a warp runs until its slowest matrix is done.
-- ``persistent``: a fixed grid whose threads loop over matrices, one Newton iteration per
-  trip, loading the next matrix when one is done (``birkhoff_fwd_f32_persistent``). Bitwise
-  the same T and info words; opt-in, not yet measured on a GPU (prediction in
-  packages/mhc-proj/NOTES.md). ``MHC_PROJ_BIRKHOFF_REFILL`` (1..32, default 24): lanes of a
-  warp that wait before they finish and load together.
-
-The CPU, n != 4, float64 and the ``lane`` layout ignore the schedule (it is validated).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -83,35 +70,6 @@ def layout_code(layout: str | int | None = None) -> int:
     return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout")
 
 
-SCHED_ENV = "MHC_PROJ_BIRKHOFF_SCHED"
-REFILL_ENV = "MHC_PROJ_BIRKHOFF_REFILL"
-_SCHEDS = {"thread": 0, "persistent": 1}
-REFILL_DEFAULT = 24
-
-
-def sched_code(sched: str | int | None = None) -> int:
-    """CUDA forward schedule code: ``sched`` if given (a name or its code), else the
-    ``MHC_PROJ_BIRKHOFF_SCHED`` environment variable (read at each call), else
-    ``"thread"``. ``"thread"`` = 0 (a matrix per thread; default), ``"persistent"`` = 1
-    (threads loop over matrices). Used for n = 4 float32 on CUDA (thread layout)."""
-    return _backend.choice_code(sched, SCHED_ENV, _SCHEDS, "Birkhoff schedule")
-
-
-def refill_min() -> int:
-    """The persistent kernel's refill threshold: ``MHC_PROJ_BIRKHOFF_REFILL`` (read at each
-    call, 1..32), default 24."""
-    raw = os.environ.get(REFILL_ENV)
-    if not raw:
-        return REFILL_DEFAULT
-    try:
-        r = int(raw)
-    except ValueError:
-        r = 0
-    if not 1 <= r <= 32:
-        raise ValueError(f"{REFILL_ENV} must be an integer in 1..32; got {raw!r}")
-    return r
-
-
 # ---------------------------------------------------------------- launchers
 def birkhoff_fwd(
     x: torch.Tensor,
@@ -122,16 +80,13 @@ def birkhoff_fwd(
     fallback_max_iter: int = FALLBACK_MAX_ITER,
     pivot_min: float = PIVOT_MIN,
     layout: str | int | None = None,
-    sched: str | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward on (B, n, n) contiguous float32/float64 ``x``.
 
     Returns T (same dtype) and the int32 info words (B,) (empty when not wanted).
-    ``layout``: see :func:`layout_code`; ``sched``: see :func:`sched_code` (CUDA n = 4
-    float32 only; ignored elsewhere).
+    ``layout``: see :func:`layout_code` (CUDA n = 4 float32 only; ignored elsewhere).
     """
     code = layout_code(layout)
-    sched = sched_code(sched)
     b, n = x.shape[0], x.shape[-1]
     x = _backend.aligned(x)
     out = torch.empty_like(x)
@@ -147,9 +102,9 @@ def birkhoff_fwd(
             mod.birkhoff_fwd(
                 x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n,
                 _backend.dtype_code(x), tol, max_iter, fallback_tol, fallback_max_iter,
-                pivot_min, _backend.stream(x), code, sched, refill_min(),
+                pivot_min, _backend.stream(x), code,
             )  # fmt: skip
-    else:  # one layout and schedule on the CPU: the codes are validated above, not used
+    else:  # one layout on the CPU: the code is validated above, not used
         mod.birkhoff_fwd(
             x.data_ptr(), out.data_ptr(), info_ptr, b, n, _backend.dtype_code(x), tol,
             max_iter, fallback_tol, fallback_max_iter, pivot_min,
@@ -226,8 +181,8 @@ class _BirkhoffFunction(torch.autograd.Function):
     ``torch.compile`` the custom op above is used instead."""
 
     @staticmethod
-    def forward(ctx, x, tol, max_iter, want_info, layout=None, sched=None):
-        t, info = birkhoff_fwd(x, tol, max_iter, want_info, layout=layout, sched=sched)
+    def forward(ctx, x, tol, max_iter, want_info, layout=None):
+        t, info = birkhoff_fwd(x, tol, max_iter, want_info, layout=layout)
         ctx.save_for_backward(t)
         ctx.mark_non_differentiable(info)
         ctx.layout = layout  # None: the environment at backward time decides
@@ -237,7 +192,7 @@ class _BirkhoffFunction(torch.autograd.Function):
     def backward(ctx, grad_t, grad_info):
         (t,) = ctx.saved_tensors
         g = grad_t.to(t.dtype).contiguous()
-        return birkhoff_bwd(t, g, ctx.layout), None, None, None, None, None
+        return birkhoff_bwd(t, g, ctx.layout), None, None, None, None
 
 
 class _BirkhoffProject(torch.autograd.Function):
@@ -247,10 +202,10 @@ class _BirkhoffProject(torch.autograd.Function):
     time per call, which is what eager calls at small batches measure)."""
 
     @staticmethod
-    def forward(ctx, logits, compute_dtype, tol, max_iter, layout, sched=None):
+    def forward(ctx, logits, compute_dtype, tol, max_iter, layout):
         n = logits.shape[-1]
         x = logits.to(compute_dtype).reshape(-1, n, n).contiguous()
-        t, _ = birkhoff_fwd(x, tol, max_iter, False, layout=layout, sched=sched)
+        t, _ = birkhoff_fwd(x, tol, max_iter, False, layout=layout)
         ctx.save_for_backward(t)
         ctx.layout = layout  # None: the environment at backward time decides
         ctx.in_dtype = logits.dtype
@@ -261,7 +216,7 @@ class _BirkhoffProject(torch.autograd.Function):
         (t,) = ctx.saved_tensors
         g = grad_t.reshape(t.shape).to(t.dtype).contiguous()
         da = birkhoff_bwd(t, g, ctx.layout).view(grad_t.shape).to(ctx.in_dtype)
-        return da, None, None, None, None, None
+        return da, None, None, None, None
 
 
 # ---------------------------------------------------------------- public API
@@ -307,9 +262,7 @@ def birkhoff_project(
         (implicit backward, only T saved). With ``return_info``: ``(T, info)``.
 
     The CUDA kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at
-    each call (``thread`` default, ``lane``), the forward's schedule from
-    ``MHC_PROJ_BIRKHOFF_SCHED`` (``thread`` default, ``persistent``); see the module
-    docstring.
+    each call (``thread`` default, ``lane``); see the module docstring.
     """
     return _project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
 
@@ -321,15 +274,12 @@ def _project(
     max_iter: int | None = None,
     return_info: bool = False,
     layout: str | None = None,
-    sched: str | None = None,
 ):
     """:func:`birkhoff_project` with an explicit CUDA layout for the forward and the
-    backward and an explicit forward schedule (eager path; under ``torch.compile`` the
-    environment variables decide). Used by the benchmark."""
+    backward (eager path; under ``torch.compile`` the environment variable decides). Used
+    by the benchmark."""
     if layout is not None:
         layout_code(layout)  # validate before the forward runs
-    if sched is not None:
-        sched_code(sched)
     logits = _check(logits)
     shape = logits.shape
     n = shape[-1]
@@ -347,12 +297,12 @@ def _project(
         raise ValueError(f"max_iter must be >= 0; got {max_iter}")
     compiling = torch.compiler.is_compiling()
     if not return_info and not compiling:
-        return _BirkhoffProject.apply(logits, dtype, tol, max_iter, layout, sched)
+        return _BirkhoffProject.apply(logits, dtype, tol, max_iter, layout)
     x = logits.to(dtype).reshape(-1, n, n).contiguous()
     if compiling:
         t, info = _fwd_op(x, tol, max_iter, return_info)
     else:
-        t, info = _BirkhoffFunction.apply(x, tol, max_iter, return_info, layout, sched)
+        t, info = _BirkhoffFunction.apply(x, tol, max_iter, return_info, layout)
     t = t.reshape(shape)
     if not return_info:
         return t
