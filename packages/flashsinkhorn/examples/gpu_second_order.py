@@ -11,14 +11,16 @@ Cases, in this order (each under its own time limit, all under ``--budget`` seco
 2. ``hvp_peer``: flash-sinkhorn 0.4.1's ``hvp_x_sqeuclid`` on the same problem;
 3. ``otdd``: debiased OTDD between two synthetic MNIST-shaped datasets of 60k points
    (d = 784, Gaussian label distances), one direction;
-4. ``hvp_accuracy``: ours (tf32x3, tf32) and flash-sinkhorn against a float64 run of the
+4. ``newton_step``: one damped Newton direction at the HVP's size, (H + damping I) z = grad
+   by CG on the streaming HVP (at most 20 HVPs);
+5. ``hvp_accuracy``: ours (tf32x3, tf32) and flash-sinkhorn against a float64 run of the
    same algorithm at n = m = 10k;
-5. ``newton``: shuffled regression (at most 100 Adam steps, then Newton-CG on the HVP) at
+6. ``newton``: shuffled regression (at most 100 Adam steps, then Newton-CG on the HVP) at
    n = 4000; tiny kernels, so launch bound (90 Adam steps with their Lanczos checks and 4
    Newton steps took 54 s on the CPU at n = 60): it may stop at its limit, and its
    progress lines in the log then say how far it got;
-6. ``otdd_more``: the other direction and the self distance at 60k;
-7. ``otdd_flow``: 6 steps of the OTDD gradient flow at n = 10k.
+7. ``otdd_more``: the other direction and the self distance at 60k;
+8. ``otdd_flow``: 6 steps of the OTDD gradient flow at n = 10k.
 
 A case past its limit is stopped (SIGALRM between Python statements) and recorded as
 ``timeout``; cases that would start after the budget are recorded as ``skipped``. Every
@@ -46,10 +48,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from flashsinkhorn.second_order import hvp, otdd  # noqa: E402
+from flashsinkhorn.second_order import hvp, inverse_hvp, otdd  # noqa: E402
 from flashsinkhorn.second_order._plan import solve_potentials  # noqa: E402
 from flashsinkhorn.second_order.bench import _problem  # noqa: E402
-from flashsinkhorn.second_order.hvp import _hvp_plan  # noqa: E402
+from flashsinkhorn.second_order.hvp import _grads, _hvp_plan  # noqa: E402
 from flashsinkhorn.second_order.otdd import otdd_gradient_flow  # noqa: E402
 
 TARGET_HVP_MS = 200.0  # issue #6: HVP at n = m = 20k, d = 64, after 100 iterations
@@ -340,6 +342,32 @@ def case_otdd(run):
     _otdd_row(run, "otdd", "D1-D2", (x1, l1), (x2, l2), first)
 
 
+def case_newton_step(run):
+    """One damped Newton direction at the HVP's size: solve (H + damping I) z = grad by CG
+    on the streaming HVP (each product runs the inner Schur CG), capped at 20 products."""
+    dev, n, d = run.dev, run.sz["hvp_n"], run.sz["hvp_d"]
+    x, y, _ = run.state.get("hvp_problem") or _problem(n, n, d, dev)
+    gx, _ = _grads(solve_potentials(x, y, eps=EPS, max_iter=ITERS), need_y=False)
+    # H is indefinite away from a minimizer (CG stops at the first negative curvature);
+    # on this problem on the CPU (n = 300 and 1000) damping 2/n met negative curvature and
+    # 20/n did not, so 20/n: H + damping I positive definite, CG to a tight tolerance
+    damping, outer, tol = 20.0 / n, 20, 1e-6
+
+    def step():
+        return inverse_hvp(x, y, gx, eps=EPS, damping=damping, tol=tol, max_cg_iter=outer,
+                           inner_cg_tol=1e-6, max_iter=ITERS, return_info=True)  # fmt: skip
+
+    t, _, _, peak, (z, info) = timed(dev, step, 1)
+    params = {"n": n, "m": n, "d": d, "eps": EPS, "sinkhorn_iters": ITERS, "damping": damping,
+              "outer_cg_cap": outer, "outer_tol": tol, "inner_cg_tol": 1e-6}  # fmt: skip
+    run.row("newton_step", "newton_step", "ours", params, t, metrics={
+        "outer_cg_iters": info.iterations, "converged": info.converged,
+        "rel_residual": info.residual / max(info.initial_residual, 1e-30),
+        "negative_curvature": info.negative_curvature, "peak_mem_mib": peak,
+        "ms_per_hvp": t / max(info.iterations, 1),
+    })  # fmt: skip
+
+
 def case_newton(run):
     """Shuffled regression: Adam until the saddle is left, then Newton-CG (double backward)."""
     from flashsinkhorn.second_order.shuffled_regression import shuffled_regression
@@ -447,6 +475,7 @@ CASES = [
     ("hvp", case_hvp, 45),
     ("hvp_peer", case_hvp_peer, 30),
     ("otdd", case_otdd, 45),
+    ("newton_step", case_newton_step, 25),
     ("hvp_accuracy", case_hvp_accuracy, 25),
     ("newton", case_newton, 45),
     ("otdd_more", case_otdd_more, 35),

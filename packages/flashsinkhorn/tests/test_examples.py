@@ -11,7 +11,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "gpu_second_o
 
 def test_gpu_second_order_smoke(tmp_path):
     out = tmp_path / "so"
-    cases = "hvp,hvp_peer,otdd,hvp_accuracy"
+    cases = "hvp,hvp_peer,otdd,newton_step,hvp_accuracy"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--out", str(out), "--smoke", "--cases", cases],
         capture_output=True, text=True, timeout=600,
