@@ -99,12 +99,14 @@ def smoke(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def choice_code(value: str | int | None, env: str, codes: dict[str, int], what: str) -> int:
+def choice_code(
+    value: str | int | None, env: str, codes: dict[str, int], what: str, default: str = "thread"
+) -> int:
     """Kernel selection code: ``value`` if given (a name of ``codes`` or one of its codes),
-    else the environment variable ``env`` (read at each call), else ``"thread"``. A bad
+    else the environment variable ``env`` (read at each call), else ``default``. A bad
     value raises naming ``what`` and the choices."""
     if value is None:
-        value = os.environ.get(env) or "thread"
+        value = os.environ.get(env) or default
     if isinstance(value, int) and not isinstance(value, bool):
         if value in codes.values():
             return value

@@ -5,16 +5,16 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 - ``ours``: :func:`mhc_proj.birkhoff_project` (exact projection).
 - ``ours-lane16``: the same projection with the n = 4 CUDA kernels in the 16-lanes-per-matrix
   layout (``MHC_PROJ_BIRKHOFF_LAYOUT=lane``: forward stage 1 and backward; the float64
-  stage is shared), for comparison with ``ours`` (thread per matrix); not yet measured.
-- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20: forward one
-  thread per matrix, backward by default thread per matrix (recompute), or whatever
-  ``MHC_PROJ_SINKHORN_BWD`` selects); ``ours-sinkhorn20-lane16``: the forward in the
-  16-lanes-per-matrix layout (fwd only), for comparison; ``ours-sinkhorn20-lane-bwd``:
-  the same op with the 16-lanes-per-matrix backward (bwd and fwd_bwd only; its forward is
-  ``ours-sinkhorn20``'s); ``ours-sinkhorn20-scaling``: the same op with the forward in the
-  scaling form (``MHC_PROJ_SINKHORN_FWD=scaling``; thread per matrix, not yet measured),
-  backward as ``ours-sinkhorn20``; ``ours-sinkhorn20-scaling-occ3``: that forward with the
-  backward compiled for 3 resident blocks per SM (``thread-occ3``).
+  stage is shared), for comparison with ``ours`` (thread per matrix).
+- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
+  Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
+  matrix recomputing from the scaling vectors; or whatever ``MHC_PROJ_SINKHORN_FWD`` /
+  ``MHC_PROJ_SINKHORN_BWD`` select). Explicit variants of the same op:
+  ``ours-sinkhorn20-fullstate``: the forward on the full 16-float state (``thread``;
+  default backward); ``ours-sinkhorn20-lane16``: the forward in the 16-lanes-per-matrix
+  layout (fwd only); ``ours-sinkhorn20-lane-bwd``: the 16-lanes-per-matrix backward (bwd
+  and fwd_bwd only; default forward); ``ours-sinkhorn20-occ3``: the backward compiled for
+  3 resident blocks per SM (``thread-occ3``; default forward).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -52,8 +52,8 @@ PROVIDERS = [
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
-    "ours-sinkhorn20-scaling",
-    "ours-sinkhorn20-scaling-occ3",
+    "ours-sinkhorn20-fullstate",
+    "ours-sinkhorn20-occ3",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -107,12 +107,10 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=0) if x.is_cuda else None
     if provider == "ours-sinkhorn20-lane-bwd":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="lane")
-    if provider == "ours-sinkhorn20-scaling":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="scaling")
-    if provider == "ours-sinkhorn20-scaling-occ3":
-        return lambda x: sinkhorn_project_variant(
-            x, 20, 1e-6, fwd_variant="scaling", bwd_variant="thread-occ3"
-        )
+    if provider == "ours-sinkhorn20-fullstate":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="thread")
+    if provider == "ours-sinkhorn20-occ3":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-occ3")
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":
@@ -123,8 +121,19 @@ def _fn_for(provider: str) -> Callable | None:
 
 
 # ---------------------------------------------------------------- timing
-def _timeit(fn: Callable[[], object], device: torch.device, budget_s: float = 0.4):
-    """Median / p20 / p80 in ms of ``fn``: CUDA events on GPU, wall clock on CPU."""
+def _timeit(
+    fn: Callable[[], object],
+    device: torch.device,
+    budget_s: float = 0.4,
+    host_ms: list[float] | None = None,
+):
+    """Median / p20 / p80 in ms of ``fn``: CUDA events on GPU, wall clock on CPU.
+
+    Each CUDA repetition starts on an idle GPU (the previous one was synchronized), so the
+    event time of a call whose kernels are short includes the host time up to its last
+    launch. ``host_ms`` (CUDA): gets the host time of each repetition, from before ``fn``
+    to its return (without the final synchronize): equal to the event time when the call
+    is host-bound or blocks on the GPU inside, smaller when the GPU is the bottleneck."""
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -141,10 +150,14 @@ def _timeit(fn: Callable[[], object], device: torch.device, budget_s: float = 0.
         if device.type == "cuda":
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
+            h0 = time.perf_counter()
             fn()
+            h1 = time.perf_counter()
             e.record()
             e.synchronize()
             times.append(s.elapsed_time(e))
+            if host_ms is not None:
+                host_ms.append((h1 - h0) * 1e3)
         else:
             t0 = time.perf_counter()
             fn()
@@ -226,14 +239,31 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
                 call = lambda: birkhoff_bwd(t, gr, layout=_BIRKHOFF_LAYOUT[provider])
             else:
                 call = lambda: torch.autograd.grad(y, xg, gr, retain_graph=True)
+        # Diagnostics of the eager rows (the fwd_bwd time at B = 128K measured above both
+        # 4K and 1M on the H200, see NOTES.md): the host time per call and the device
+        # allocations (cudaMalloc / cudaFree) the caching allocator made per call.
+        host: list[float] = []
+        calls = [0]
+
+        def counted():
+            calls[0] += 1
+            return call()
+
+        cuda = device.type == "cuda"
+        stats0 = torch.cuda.memory_stats(device) if cuda else {}
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
-            ms, p20, p80 = _timeit(call, device)
+            ms, p20, p80 = _timeit(counted, device, host_ms=host)
+        stats1 = torch.cuda.memory_stats(device) if cuda else {}
         row.update(time_ms=ms, time_ms_p20=p20, time_ms_p80=p80)
         gbps = BYTES[mode] * batch / (ms * 1e-3) / 1e9
         row["metrics"] = {
             "gbps": gbps,
             "frac_ceiling": gbps / ceiling if ceiling else None,
+            "host_ms": statistics.median(host) if host else None,
         }
+        for key in ("num_device_alloc", "num_device_free"):
+            if key in stats0 and key in stats1:
+                row["metrics"][key + "_per_call"] = (stats1[key] - stats0[key]) / calls[0]
         if out is not None:
             err = marginal_error(out.detach().float())
             k = min(batch, SAMPLE)
@@ -285,13 +315,13 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         "ours-lane16",
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
-        "ours-sinkhorn20-scaling",
-        "ours-sinkhorn20-scaling-occ3",
+        "ours-sinkhorn20-fullstate",
+        "ours-sinkhorn20-occ3",
     ]:
         if p in providers:
-            # backward alone; for Sinkhorn-20 both kernels (16 lanes / thread per matrix)
-            # at every size (the scaling provider's backward is ours-sinkhorn20's)
-            if p != "ours-sinkhorn20-scaling":
+            # backward alone; for Sinkhorn-20 every backward kernel at every size (the
+            # full-state provider's backward is ours-sinkhorn20's)
+            if p != "ours-sinkhorn20-fullstate":
                 bwd_sizes = sizes if p not in _BIRKHOFF_LAYOUT else sizes[-1:]
                 cases += [(p, "bwd", b, 1.0, False) for b in bwd_sizes]
             for b in [1048576, 16777216]:
