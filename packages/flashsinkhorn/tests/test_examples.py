@@ -25,5 +25,6 @@ def test_gpu_second_order_smoke(tmp_path):
     assert hvp_row["time_ms"] > 0 and hvp_row["metrics"]["cg_iters"] > 0
     acc = next(r for r in rows if r["bench"] == "hvp_accuracy")["accuracy"]
     assert acc["rel_err_tf32x3"] < 1e-4  # torch path on the CPU: float32 vs float64
-    # one summary line per row, written as the rows came
-    assert len((out / "summary.md").read_text().splitlines()) == 2 + len(rows)
+    # one summary line per row (and one for our first HVP call), written as they came
+    assert len((out / "summary.md").read_text().splitlines()) == 3 + len(rows)
+    assert any(e["event"] == "first_call" and e["case"] == "hvp" for e in events)
