@@ -253,7 +253,11 @@ def case_hvp(run):
     first, _ = first_call(dev, full)
     # kept at once: if the timed calls below run past the case's limit, this stays
     run.event("hvp", "first_call", wall_s=round(first, 3), cg_iters=info["cg"].iterations)
-    run.note("hvp", "first call", f"{first:.1f} s with the compiles, {info['cg'].iterations} CG iterations")
+    run.note(
+        "hvp",
+        "first call",
+        f"{first:.1f} s with the compiles, {info['cg'].iterations} CG iterations",
+    )
     reps = run.sz["reps"] if first < 10 else 1  # a slow first call: time one more only
     run.log(f"hvp: first call (compiles + run) {first:.1f} s; timing {reps} call(s)")
     t, t20, t80, peak, hx = timed(dev, full, reps)
