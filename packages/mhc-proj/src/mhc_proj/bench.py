@@ -243,17 +243,12 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
         # 4K and 1M on the H200, see NOTES.md): the host time per call and the device
         # allocations (cudaMalloc / cudaFree) the caching allocator made per call.
         host: list[float] = []
-        calls = [0]
-
-        def counted():
-            calls[0] += 1
-            return call()
-
         cuda = device.type == "cuda"
         stats0 = torch.cuda.memory_stats(device) if cuda else {}
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
-            ms, p20, p80 = _timeit(counted, device, host_ms=host)
+            ms, p20, p80 = _timeit(call, device, host_ms=host)
         stats1 = torch.cuda.memory_stats(device) if cuda else {}
+        calls = len(host) + 2  # the timed repetitions, the warm-up and the estimate
         row.update(time_ms=ms, time_ms_p20=p20, time_ms_p80=p80)
         gbps = BYTES[mode] * batch / (ms * 1e-3) / 1e9
         row["metrics"] = {
@@ -263,7 +258,7 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
         }
         for key in ("num_device_alloc", "num_device_free"):
             if key in stats0 and key in stats1:
-                row["metrics"][key + "_per_call"] = (stats1[key] - stats0[key]) / calls[0]
+                row["metrics"][key + "_per_call"] = (stats1[key] - stats0[key]) / calls
         if out is not None:
             err = marginal_error(out.detach().float())
             k = min(batch, SAMPLE)
