@@ -344,6 +344,9 @@ class FlashOptimizer(torch.optim.Optimizer):
                 gptrs = tuple([p.grad.data_ptr() for p in ps])
             if gptrs == plan["gptrs"]:
                 return dict(group=group, plan=plan, buckets=plan["buckets"], cache=cache)
+            if not self.capturable and self._rebase_grads(plan, ps):
+                plan["gptrs"] = gptrs
+                return dict(group=group, plan=plan, buckets=plan["buckets"], cache=cache)
         if self.capturable:
             if _capturing():
                 raise RuntimeError(
@@ -546,6 +549,41 @@ class FlashOptimizer(torch.optim.Optimizer):
                 buckets=bs,
             )
 
+    def _rebase_grads(self, plan, ps) -> bool:
+        """New gradient tensors, same parameters (FSDP2 and ``zero_grad(set_to_none=True)``
+        hand out fresh ``.grad`` storage every step): rewrite only the gradient column of each
+        bucket's offset table instead of rebuilding the plan. False: rebuild (a gradient
+        changed dtype, device or layout)."""
+        updates = []
+        for b in plan["buckets"]:
+            ent = b["ent"]
+            gs = [_local(p.grad) for p in b["ps"]]
+            base = gs[0]
+            old = ent["bases"][1]
+            if any(
+                g.dtype != old.dtype or g.device != old.device or not g.is_contiguous() for g in gs
+            ):
+                return False
+            es = base.element_size()
+            offs, aligned = [], True
+            for g in gs:
+                d = g.data_ptr() - base.data_ptr()
+                if d % es:
+                    return False
+                offs.append(d // es)
+                aligned = aligned and (d // es) % 16 == 0 and g.data_ptr() % 16 == 0
+            updates.append((ent, base, offs, aligned))
+        for ent, base, offs, aligned in updates:
+            col = torch.tensor(offs, dtype=torch.int64)
+            if ent["tab"].is_cuda:
+                # pinned + non_blocking: no host sync; the caching host allocator keeps the
+                # buffer alive until the copy has run on the stream
+                col = col.pin_memory()
+            ent["tab"][:, 1].copy_(col, non_blocking=True)
+            ent["bases"][1] = base
+            ent["aligned"] = ent["aligned_other"] and aligned
+        return True
+
     def _state_view(self, st, group) -> dict:
         sd = {}
         if self._m_key in st:
@@ -572,7 +610,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             [s.get("vs") for s in sts],
         ]
         bases = [col[0] if col[0] is not None else p0 for col in cols]
-        rows, aligned = [], True
+        rows, aligned, aligned_other = [], True, True
         for i, p in enumerate(ps):
             row = []
             for j, col in enumerate(cols):
@@ -589,7 +627,10 @@ class FlashOptimizer(torch.optim.Optimizer):
                 if d % es:
                     raise ValueError("tensor storage is not aligned to its element size")
                 o = d // es
-                aligned = aligned and o % 16 == 0 and t.data_ptr() % 16 == 0
+                ok = o % 16 == 0 and t.data_ptr() % 16 == 0
+                aligned = aligned and ok
+                if j != 1:  # every column but the gradients' (see _rebase_grads)
+                    aligned_other = aligned_other and ok
                 row.append(o)
             st = self.state[p]
             row += [cols[0][i].numel(), st["seed"], _global_index_base(p)]
@@ -612,6 +653,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             tab=tab,
             bases=bases,
             aligned=aligned,
+            aligned_other=aligned_other,
             skip=torch.zeros(1, dtype=torch.int32, device=p0.device),
             dtype=p0.dtype,
             n16=all(r[7] % 16 == 0 for r in rows),

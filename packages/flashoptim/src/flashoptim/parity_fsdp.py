@@ -11,7 +11,11 @@ The byte-level GPT of :mod:`flashoptim.parity`, every block and the root sharded
   through ``MixedPrecisionPolicy`` (the FSDP2 form of the single-GPU run's autocast),
   fused torch AdamW on the local shards;
 - ``flash_adamw``: bf16 sharded parameters, FlashAdamW on the local shards (int8
-  correction, companded 8-bit states of each shard).
+  correction, companded 8-bit states of each shard); FSDP2 reduces the gradients in the
+  parameters' dtype, bf16;
+- ``flash_adamw_fp32_reduce`` (optional, ``--optimizers``): the same with the gradient
+  reduction in fp32 (``MixedPrecisionPolicy(reduce_dtype=float32)``; the reduced gradient is
+  cast back to bf16), which isolates the effect of the bf16 reduction.
 
 Per run: the loss curve (mean over ranks), validation loss, peak memory of every rank and
 tokens/s. The first FlashAdamW run also saves a ``torch.distributed.checkpoint`` at half
@@ -55,6 +59,9 @@ def _sharded_model(cfg, seed, name, device):
     if name == "flash_adamw":
         model = model.to(torch.bfloat16)
         kw = {}
+    elif name == "flash_adamw_fp32_reduce":
+        model = model.to(torch.bfloat16)
+        kw = dict(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     else:
         kw = dict(
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -65,8 +72,11 @@ def _sharded_model(cfg, seed, name, device):
     return model
 
 
+OPTIMIZERS = ("torch_adamw", "flash_adamw", "flash_adamw_fp32_reduce")
+
+
 def _optimizer(model, cfg, name, device):
-    if name == "flash_adamw":
+    if name.startswith("flash_adamw"):
         return fo.FlashAdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     kw = {"fused": True} if device.type == "cuda" else {}
     return torch.optim.AdamW(
@@ -172,7 +182,7 @@ def _decode(k, codes, scale):
     return y / (2 - y.abs()) * s
 
 
-def _worker(rank, world, init, cfg, seeds, out, ckpt, data):
+def _worker(rank, world, init, cfg, seeds, names, out, ckpt, data):
     cuda = torch.cuda.is_available() and cfg.get("cuda", False)
     if cuda:
         torch.cuda.set_device(rank)
@@ -184,7 +194,7 @@ def _worker(rank, world, init, cfg, seeds, out, ckpt, data):
     runs = []
     try:
         for seed in seeds:
-            for name in ("torch_adamw", "flash_adamw"):
+            for name in names:
                 model = _sharded_model(cfg, seed, name, device)
                 opt = _optimizer(model, cfg, name, device)
                 sched = lr_schedule(opt, cfg["steps"])
@@ -310,7 +320,19 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=None, help="default 3 on GPUs, 1 on CPU")
+    ap.add_argument(
+        "--optimizers",
+        default="torch_adamw,flash_adamw",
+        help=f"comma-separated runs per seed, from {', '.join(OPTIMIZERS)}",
+    )
     a = ap.parse_args(argv)
+    names = [n.strip() for n in a.optimizers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown or not {"torch_adamw", "flash_adamw"} <= set(names):
+        raise SystemExit(
+            f"--optimizers must include torch_adamw and flash_adamw and name only"
+            f" {', '.join(OPTIMIZERS)}; got {a.optimizers!r}"
+        )
     cuda = torch.cuda.is_available() and not a.smoke
     world = a.world or (torch.cuda.device_count() if cuda else 2)
     if world < 2:
@@ -330,7 +352,7 @@ def main(argv=None) -> int:
         ckpt = os.path.join(d, "ckpt")
         runs_path, resume_path = os.path.join(d, "runs.json"), os.path.join(d, "resume.json")
         init = "file://" + os.path.join(d, "store")
-        _spawn(_worker, (world, init, cfg, seeds, runs_path, ckpt, data), world, runs_path)
+        _spawn(_worker, (world, init, cfg, seeds, names, runs_path, ckpt, data), world, runs_path)
         init1 = "file://" + os.path.join(d, "store1")
         _spawn(_resume_worker, (init1, cfg, seeds[0], resume_path, ckpt, data), 1, resume_path)
         with open(runs_path) as f:
@@ -343,6 +365,13 @@ def main(argv=None) -> int:
         abs(x - y) for x, y in zip(resume["losses_after_resume"], tail)
     )
     summary = summarize(runs, "peak_mem_mib_per_rank")
+    for name in names:
+        if name not in summary:  # the optional variants: the same lists, no verdict
+            rs = [r for r in runs if r["optimizer"] == name]
+            summary[name] = {
+                k: [r[k] for r in rs]
+                for k in ("final_train_loss", "val_loss", "peak_mem_mib_per_rank", "tokens_per_s")
+            }
     summary["verdict"].update(
         resume_state_ok=resume["state_check"]["ok"],
         resume_max_abs_loss_diff=resume["max_abs_loss_diff_vs_uninterrupted"],
