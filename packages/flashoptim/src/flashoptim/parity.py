@@ -98,13 +98,31 @@ def lr_schedule(opt, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     )
 
 
+# FlashAdamW runs: the defaults, and variants that each change one thing (diagnostics:
+# which part of the method a loss difference comes from)
+FLASH_VARIANTS = {
+    "flash_adamw": {},
+    "flash_adamw_v1": {"kernel": "v1"},  # the first Triton kernel instead of v2
+    "flash_adamw_torch": {"backend": "torch"},  # the plain-torch path (same arithmetic)
+    "flash_adamw_fp32_states": {"quantize": False},  # fp32 moments instead of 8-bit codes
+    "flash_adamw_bits32": {"master_weight_bits": 32},  # int16 correction (lossless fp32)
+}
+OPTIMIZERS = ("torch_adamw", *FLASH_VARIANTS)
+
+
 def run(opt_name, seed, cfg, data, device) -> dict:
     torch.manual_seed(seed)
     model = GPT(cfg["d"], cfg["layers"], cfg["heads"], cfg["ctx"]).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    if opt_name == "flash_adamw":
+    if opt_name.startswith("flash_adamw"):
         model = model.to(torch.bfloat16)
-        opt = fo.FlashAdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
+        opt = fo.FlashAdamW(
+            model.parameters(),
+            lr=cfg["lr"],
+            weight_decay=0.1,
+            betas=(0.9, 0.95),
+            **FLASH_VARIANTS[opt_name],
+        )
         autocast = contextlib.nullcontext()
     else:
         kw = {"fused": True} if device.type == "cuda" else {}
@@ -211,7 +229,7 @@ def plot(result, path):
         ax.plot(
             [i * k for i in range(len(sm))],
             sm,
-            color=colors[r["optimizer"]],
+            color=colors.get(r["optimizer"]),  # None: matplotlib's next color
             alpha=0.7,
             label=f"{r['optimizer']} seed {r['seed']}",
         )
@@ -247,7 +265,19 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument(
+        "--optimizers",
+        default="torch_adamw,flash_adamw",
+        help=f"comma-separated runs per seed, from {', '.join(OPTIMIZERS)}",
+    )
     a = ap.parse_args(argv)
+    names = [n.strip() for n in a.optimizers.split(",") if n.strip()]
+    if any(n not in OPTIMIZERS for n in names) or not {"torch_adamw", "flash_adamw"} <= set(names):
+        raise SystemExit(
+            f"--optimizers must include torch_adamw and flash_adamw and name only"
+            f" {', '.join(OPTIMIZERS)}; got {a.optimizers!r}"
+        )
     cuda = torch.cuda.is_available() and not a.smoke
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
@@ -262,8 +292,8 @@ def main(argv=None) -> int:
     data = (corpus[:cut], corpus[cut:])
     os.makedirs(a.out, exist_ok=True)
     runs = []
-    for seed in range(a.seeds):
-        for name in ("torch_adamw", "flash_adamw"):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
+        for name in names:
             t0 = time.perf_counter()
             r = run(name, seed, cfg, data, device)
             runs.append(r)
@@ -278,6 +308,13 @@ def main(argv=None) -> int:
     if cuda:
         env["gpu"] = torch.cuda.get_device_name(0)
     summary = summarize(runs, "peak_mem_mib")
+    for name in names:
+        if name not in summary:  # the diagnostic variants: the same lists, no verdict
+            rs = [r for r in runs if r["optimizer"] == name]
+            summary[name] = {
+                k: [r[k] for r in rs]
+                for k in ("final_train_loss", "val_loss", "peak_mem_mib", "tokens_per_s")
+            }
     result = {"config": cfg, "env": env, "summary": summary, "runs": runs}
     with open(os.path.join(a.out, "parity.json"), "w") as f:
         json.dump(result, f)
