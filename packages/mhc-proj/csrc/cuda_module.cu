@@ -136,8 +136,9 @@ __global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restr
 // MIN_BLOCKS: __launch_bounds__'s resident-blocks hint, 0 for none (variant 1: ptxas keeps
 // all 156 floats in registers, 255 per thread, no spills; 2 blocks = 8 warps per SM, little
 // latency hiding). 3 (variant 2, opt-in): at most 168 registers, 360 B of spill stores per
-// thread to L1-resident local memory, 12 warps per SM; measured slower at B = 16M (4.24 vs
-// 3.91 ms on the H200), faster at 1M (0.354 vs 0.422 ms).
+// thread to L1-resident local memory, 12 warps per SM; measured slower at B = 16M (4.31 vs
+// 3.85 ms on the H200, run 4); at 1M faster in run 3 only (0.354 vs 0.422 ms; run 4: 0.342
+// vs 0.330).
 template <int ITERS, int MIN_BLOCKS = 0>
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
     sinkhorn4_bwd_thread(const float* __restrict__ src, const float* __restrict__ grad,

@@ -8,11 +8,11 @@ saved), the public :func:`birkhoff_project`, and the :class:`BirkhoffProjection`
 CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call with
 ``MHC_PROJ_BIRKHOFF_LAYOUT`` (or the ``layout`` argument of the launchers):
 
-- ``thread`` (default): one thread per matrix, 16-byte loads (H200: forward 2.05 ms,
-  backward 0.911 ms at B = 16M).
+- ``thread`` (default): one thread per matrix, 16-byte loads (H200: forward 1.92 ms,
+  backward 0.913 ms at B = 16M, run 4).
 - ``lane``: 16 lanes per matrix, two matrices per warp, register shuffles
   (``csrc/mhc_lane16.h``, the published layout). Same algorithm, tolerances, info words and
-  float64 stage; opt-in: measured slower on the H200 (forward 12.1 ms, backward 2.39 ms at
+  float64 stage; opt-in: measured slower on the H200 (forward 12.0 ms, backward 2.39 ms at
   B = 16M; packages/mhc-proj/NOTES.md).
 
 Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is

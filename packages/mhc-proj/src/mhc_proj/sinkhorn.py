@@ -10,10 +10,10 @@ CUDA kernels:
 
 - ``scaling`` (default): one thread per matrix in the scaling form of ``csrc/mhc_math.h``
   (``sinkhorn_fwd_scaling``: P = P0 ∘ r c^T, each step rescales one 4-float vector with
-  approximate reciprocals; the same steps the ``thread`` backward replays). H200: 1.05 ms
-  at B = 16M (2.2x faster than ``thread``).
+  approximate reciprocals; the same steps the ``thread`` backward replays). H200: 0.963 ms
+  at B = 16M (2.3x faster than ``thread``; run 4, packages/mhc-proj/NOTES.md).
 - ``thread``: one thread per matrix, the iteration on the full 16-float state with
-  correctly rounded reciprocals (H200: 2.34 ms at B = 16M). The same accuracy against the
+  correctly rounded reciprocals (H200: 2.23 ms at B = 16M). The same accuracy against the
   float64 reference for eps from 1e-30 to 1e-2 (CPU, sigma 1 to 1e4); with eps = 0 and logits
   large enough that float32 softmax entries underflow to 0, both forms give NaN for the
   matrices with an all-zero line, the scaling form for somewhat more of them.
@@ -36,8 +36,9 @@ iteration. Backward, CUDA kernels:
   ``variant="lane"`` of :func:`sinkhorn_bwd`.
 - ``thread-occ3`` (opt-in): the ``thread`` kernel compiled for 3 resident blocks per SM
   instead of 2 (iters = 20: 168 registers with L1-resident spills instead of 255 without);
-  the same arithmetic, so the same results. H200: faster at B = 1M (0.354 vs 0.422 ms),
-  slower at 16M (4.24 vs 3.91 ms).
+  the same arithmetic, so the same results. H200: slower at B = 16M (4.31 vs 3.85 ms in
+  run 4, 4.24 vs 3.91 in run 3); at 1M faster in run 3 only (0.354 vs 0.422 ms; run 4:
+  0.342 vs 0.330).
 
 Other CUDA cases run the plain torch reference inside the op.
 """
