@@ -780,6 +780,58 @@ class FlashOptimizer(torch.optim.Optimizer):
                 out[p] = master_weight(p, self)
         return out
 
+    @torch.no_grad()
+    def load_master_weights(self, masters) -> None:
+        """Start from fp32 weights: set every parameter to the nearest narrow (bf16/fp16)
+        value of its fp32 master and keep the rest in its correction.
+
+        ``masters``: one tensor per parameter, in ``param_groups`` order, each of the
+        parameter's shape (for FSDP2, DTensors sharded like the parameters, or their local
+        shards). Call it after building the optimizer, typically with the weights the model had
+        before ``model.to(torch.bfloat16)``::
+
+            masters = [p.detach().clone() for p in model.parameters()]
+            model.to(torch.bfloat16)
+            opt = FlashAdamW(model.parameters(), lr=1e-3)
+            opt.load_master_weights(masters)
+
+        Why it matters: a model cast to bf16 has every master weight exactly on a bf16 value
+        (correction 0), so an update smaller than half a bf16 ulp leaves the visible weight
+        unchanged, for every weight at once; early in training (warm-up, updates of about the
+        learning rate against an ulp of 1.2e-4 at |w| = 0.02) whole steps are lost. An fp32
+        master sits at a random place inside its bf16 interval and the visible weights follow
+        the updates on average, as with torch's fp32 master weights (packages/flashoptim
+        NOTES.md, "Parity at 400 steps"). fp32 parameters are set to their master; with
+        ``master_weight_bits=None`` only the narrow value is kept."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        masters = list(masters)
+        if len(masters) != len(params):
+            raise ValueError(
+                f"load_master_weights: got {len(masters)} tensors for {len(params)} parameters"
+            )
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                t, lp = masters[i], _local(p)
+                lt = _local(t) if hasattr(t, "_local_tensor") else t
+                if not torch.is_tensor(lt) or not lt.is_floating_point():
+                    raise TypeError(f"load_master_weights: masters[{i}] must be a float tensor")
+                if lt.shape != lp.shape:
+                    raise ValueError(
+                        f"load_master_weights: masters[{i}] has shape {tuple(lt.shape)}, the"
+                        f" parameter (local shard) has {tuple(lp.shape)}"
+                    )
+                lt = lt.to(device=lp.device, dtype=torch.float32)
+                bits = self._bits(group, p)
+                if not bits:
+                    lp.copy_(lt.to(lp.dtype))
+                else:
+                    st = self._init_state(p, group)
+                    narrow, code = _core.split_ref(lt.reshape(-1), lp.dtype, bits)
+                    lp.copy_(narrow.view_as(lp))
+                    st["correction"].copy_(code.view_as(st["correction"]))
+                i += 1
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own state dict, or a plain torch.optim one (quantized on load).
 

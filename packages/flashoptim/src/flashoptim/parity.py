@@ -106,6 +106,9 @@ FLASH_VARIANTS = {
     "flash_adamw_torch": {"backend": "torch"},  # the plain-torch path (same arithmetic)
     "flash_adamw_fp32_states": {"quantize": False},  # fp32 moments instead of 8-bit codes
     "flash_adamw_bits32": {"master_weight_bits": 32},  # int16 correction (lossless fp32)
+    # the fp32 init rounded to bf16 with zero corrections (before load_master_weights): every
+    # master starts on a bf16 value and updates under half an ulp stay invisible
+    "flash_adamw_bf16_init": {"bf16_init": True},
 }
 OPTIMIZERS = ("torch_adamw", *FLASH_VARIANTS)
 
@@ -115,14 +118,16 @@ def run(opt_name, seed, cfg, data, device) -> dict:
     model = GPT(cfg["d"], cfg["layers"], cfg["heads"], cfg["ctx"]).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     if opt_name.startswith("flash_adamw"):
+        masters = [p.detach().clone() for p in model.parameters()]
         model = model.to(torch.bfloat16)
+        kw = dict(FLASH_VARIANTS[opt_name])
+        bf16_init = kw.pop("bf16_init", False)
         opt = fo.FlashAdamW(
-            model.parameters(),
-            lr=cfg["lr"],
-            weight_decay=0.1,
-            betas=(0.9, 0.95),
-            **FLASH_VARIANTS[opt_name],
+            model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95), **kw
         )
+        if not bf16_init:  # the fp32 init stays the master weights (see load_master_weights)
+            opt.load_master_weights(masters)
+        del masters
         autocast = contextlib.nullcontext()
     else:
         kw = {"fused": True} if device.type == "cuda" else {}
@@ -245,7 +250,7 @@ def plot(result, path):
     ax.text(
         0.02,
         0.03,
-        "val loss (3 seeds): torch AdamW "
+        f"val loss ({len(v['torch_adamw']['val_loss'])} seeds): torch AdamW "
         + ", ".join(f"{x:.3f}" for x in v["torch_adamw"]["val_loss"])
         + " | FlashAdamW "
         + ", ".join(f"{x:.3f}" for x in v["flash_adamw"]["val_loss"]),

@@ -51,16 +51,16 @@ def _configs(cuda: bool) -> dict:
     return dict(d=32, layers=2, heads=2, ctx=32, batch=8, steps=8, lr=3e-3, val_batches=2)
 
 
-def _sharded_model(cfg, seed, name, device):
+def _sharded_model(cfg, seed, name, device, dtype=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)  # same initial weights on every rank and as the 1-GPU run
     model = GPT(cfg["d"], cfg["layers"], cfg["heads"], cfg["ctx"]).to(device)
     if name == "flash_adamw":
-        model = model.to(torch.bfloat16)
+        model = model.to(dtype or torch.bfloat16)
         kw = {}
     elif name == "flash_adamw_fp32_reduce":
-        model = model.to(torch.bfloat16)
+        model = model.to(dtype or torch.bfloat16)
         kw = dict(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     else:
         kw = dict(
@@ -70,6 +70,13 @@ def _sharded_model(cfg, seed, name, device):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def _fp32_masters(cfg, seed, name, device) -> list:
+    """The fp32 init of the FlashAdamW model, sharded like its bf16 parameters (the same
+    model built in fp32 and sharded the same way): load_master_weights keeps it as the master
+    weights, as the 1-GPU run does."""
+    return [p.detach() for p in _sharded_model(cfg, seed, name, device, torch.float32).parameters()]
 
 
 OPTIMIZERS = ("torch_adamw", "flash_adamw", "flash_adamw_fp32_reduce")
@@ -197,6 +204,8 @@ def _worker(rank, world, init, cfg, seeds, names, out, ckpt, data):
             for name in names:
                 model = _sharded_model(cfg, seed, name, device)
                 opt = _optimizer(model, cfg, name, device)
+                if name.startswith("flash_adamw"):
+                    opt.load_master_weights(_fp32_masters(cfg, seed, name, device))
                 sched = lr_schedule(opt, cfg["steps"])
                 if cuda:
                     torch.cuda.synchronize()
