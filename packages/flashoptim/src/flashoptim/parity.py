@@ -197,12 +197,24 @@ def run(opt_name, seed, cfg, data, device) -> dict:
     )
 
 
+def parse_optimizers(text: str, allowed) -> list[str]:
+    """The ``--optimizers`` list: comma-separated names from ``allowed``, including the two
+    the verdict compares."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if any(n not in allowed for n in names) or not {"torch_adamw", "flash_adamw"} <= set(names):
+        raise SystemExit(
+            f"--optimizers must include torch_adamw and flash_adamw and name only"
+            f" {', '.join(allowed)}; got {text!r}"
+        )
+    return names
+
+
 def summarize(runs: list[dict], peak_key: str) -> dict:
-    """Per optimizer, the lists over seeds of the final losses, peak memory (``peak_key``)
-    and tokens/s; and the verdict: is FlashAdamW's mean validation loss inside torch
-    AdamW's seed range."""
+    """Per optimizer (in the order the runs name them), the lists over seeds of the final
+    losses, peak memory (``peak_key``) and tokens/s; and the verdict: is FlashAdamW's mean
+    validation loss inside torch AdamW's seed range."""
     summary = {}
-    for name in ("torch_adamw", "flash_adamw"):
+    for name in dict.fromkeys(r["optimizer"] for r in runs):
         rs = [r for r in runs if r["optimizer"] == name]
         summary[name] = {
             k: [r[k] for r in rs]
@@ -277,12 +289,7 @@ def main(argv=None) -> int:
         help=f"comma-separated runs per seed, from {', '.join(OPTIMIZERS)}",
     )
     a = ap.parse_args(argv)
-    names = [n.strip() for n in a.optimizers.split(",") if n.strip()]
-    if any(n not in OPTIMIZERS for n in names) or not {"torch_adamw", "flash_adamw"} <= set(names):
-        raise SystemExit(
-            f"--optimizers must include torch_adamw and flash_adamw and name only"
-            f" {', '.join(OPTIMIZERS)}; got {a.optimizers!r}"
-        )
+    names = parse_optimizers(a.optimizers, OPTIMIZERS)
     cuda = torch.cuda.is_available() and not a.smoke
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
@@ -313,13 +320,6 @@ def main(argv=None) -> int:
     if cuda:
         env["gpu"] = torch.cuda.get_device_name(0)
     summary = summarize(runs, "peak_mem_mib")
-    for name in names:
-        if name not in summary:  # the diagnostic variants: the same lists, no verdict
-            rs = [r for r in runs if r["optimizer"] == name]
-            summary[name] = {
-                k: [r[k] for r in rs]
-                for k in ("final_train_loss", "val_loss", "peak_mem_mib", "tokens_per_s")
-            }
     result = {"config": cfg, "env": env, "summary": summary, "runs": runs}
     with open(os.path.join(a.out, "parity.json"), "w") as f:
         json.dump(result, f)

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashoptim as fo
-from flashoptim.parity import GPT, load_corpus, lr_schedule, summarize
+from flashoptim.parity import GPT, load_corpus, lr_schedule, parse_optimizers, summarize
 
 
 def _configs(cuda: bool) -> dict:
@@ -335,13 +335,7 @@ def main(argv=None) -> int:
         help=f"comma-separated runs per seed, from {', '.join(OPTIMIZERS)}",
     )
     a = ap.parse_args(argv)
-    names = [n.strip() for n in a.optimizers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIMIZERS]
-    if unknown or not {"torch_adamw", "flash_adamw"} <= set(names):
-        raise SystemExit(
-            f"--optimizers must include torch_adamw and flash_adamw and name only"
-            f" {', '.join(OPTIMIZERS)}; got {a.optimizers!r}"
-        )
+    names = parse_optimizers(a.optimizers, OPTIMIZERS)
     cuda = torch.cuda.is_available() and not a.smoke
     world = a.world or (torch.cuda.device_count() if cuda else 2)
     if world < 2:
@@ -374,13 +368,6 @@ def main(argv=None) -> int:
         abs(x - y) for x, y in zip(resume["losses_after_resume"], tail)
     )
     summary = summarize(runs, "peak_mem_mib_per_rank")
-    for name in names:
-        if name not in summary:  # the optional variants: the same lists, no verdict
-            rs = [r for r in runs if r["optimizer"] == name]
-            summary[name] = {
-                k: [r[k] for r in rs]
-                for k in ("final_train_loss", "val_loss", "peak_mem_mib_per_rank", "tokens_per_s")
-            }
     summary["verdict"].update(
         resume_state_ok=resume["state_check"]["ok"],
         resume_max_abs_loss_diff=resume["max_abs_loss_diff_vs_uninterrupted"],
