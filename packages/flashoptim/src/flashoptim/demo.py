@@ -42,8 +42,12 @@ def train(make_opt, dtype, epochs=3, seed=0):
     X, y = _digits()
     X = X.view(-1, 1, 8, 8)
     torch.manual_seed(seed)
-    model = _convnet().to(dtype)
+    model = _convnet()
+    masters = [p.detach().clone() for p in model.parameters()]
+    model = model.to(dtype)
     opt = make_opt(model.parameters())
+    if isinstance(opt, fo.FlashOptimizer):  # keep the fp32 init in the corrections
+        opt.load_master_weights(masters)
     g = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         perm = torch.randperm(1500, generator=g)
