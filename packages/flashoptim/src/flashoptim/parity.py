@@ -197,6 +197,15 @@ def run(opt_name, seed, cfg, data, device) -> dict:
     )
 
 
+def add_optimizers_option(ap: argparse.ArgumentParser, allowed) -> None:
+    """``--optimizers``: the runs per seed (parse the value with ``parse_optimizers``)."""
+    ap.add_argument(
+        "--optimizers",
+        default="torch_adamw,flash_adamw",
+        help=f"comma-separated runs per seed, from {', '.join(allowed)}",
+    )
+
+
 def parse_optimizers(text: str, allowed) -> list[str]:
     """The ``--optimizers`` list: comma-separated names from ``allowed``, including the two
     the verdict compares."""
@@ -283,11 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument(
-        "--optimizers",
-        default="torch_adamw,flash_adamw",
-        help=f"comma-separated runs per seed, from {', '.join(OPTIMIZERS)}",
-    )
+    add_optimizers_option(ap, OPTIMIZERS)
     a = ap.parse_args(argv)
     names = parse_optimizers(a.optimizers, OPTIMIZERS)
     cuda = torch.cuda.is_available() and not a.smoke

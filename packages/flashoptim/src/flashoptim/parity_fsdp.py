@@ -42,7 +42,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashoptim as fo
-from flashoptim.parity import GPT, load_corpus, lr_schedule, parse_optimizers, summarize
+from flashoptim.parity import (
+    GPT,
+    add_optimizers_option,
+    load_corpus,
+    lr_schedule,
+    parse_optimizers,
+    summarize,
+)
 
 
 def _configs(cuda: bool) -> dict:
@@ -329,11 +336,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=None, help="default 3 on GPUs, 1 on CPU")
-    ap.add_argument(
-        "--optimizers",
-        default="torch_adamw,flash_adamw",
-        help=f"comma-separated runs per seed, from {', '.join(OPTIMIZERS)}",
-    )
+    add_optimizers_option(ap, OPTIMIZERS)
     a = ap.parse_args(argv)
     names = parse_optimizers(a.optimizers, OPTIMIZERS)
     cuda = torch.cuda.is_available() and not a.smoke
