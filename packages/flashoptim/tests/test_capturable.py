@@ -81,7 +81,7 @@ def _steps(opt):
 
 
 @pytest.mark.parametrize("name,Opt,kw", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("kernel", ["v2", "v1"])
+@pytest.mark.parametrize("kernel", ["v2", "v1", "v3"])
 def test_capturable_bitwise(name, Opt, kw, kernel):
     """Several steps with an LR schedule (float lr eager, float64 tensor lr capturable),
     stochastic rounding, two param groups and bf16 + fp16 + fp32 parameters; step 0 (SGD's

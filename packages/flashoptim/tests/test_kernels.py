@@ -28,7 +28,7 @@ CASES = [
 ]
 
 
-KERNELS = pytest.mark.parametrize("kernel", ["v1", "v2"])
+KERNELS = pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
 
 
 def _run_pair(Opt, kw, sizes, dtype, device, steps=3, kernel="v1", **okw):
@@ -187,19 +187,22 @@ def test_gpu_kernel_large_vs_cpu_path(kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_v2_autotune_applies_the_step_once(monkeypatch):
+@pytest.mark.parametrize("kernel", ["v2", "v3"])
+def test_gpu_v2_autotune_applies_the_step_once(monkeypatch, kernel):
     """Autotuning benchmarks the in-place kernel many times on the live bucket; the snapshot
     hooks must restore every tensor of the bucket (not only the base tensors) so that the
-    first step is applied exactly once: compare with the CPU path after that step."""
+    first step is applied exactly once: compare with the CPU path after that step (v3: the
+    later steps run the skip-flag variant with the tuned config, the key is the same)."""
     monkeypatch.delenv("FLASHOPTIM_NO_AUTOTUNE", raising=False)
     from flashoptim import _core
 
-    n0 = len(_core._step_kernel_v2_tuned.cache)
+    tuned = _core._step_kernel_v2_tuned if kernel == "v2" else _core._step_kernel_v3_tuned
+    n0 = len(tuned.cache)
     sizes = (1_000_003, 4097, 3 * 2048 + 5)  # three tensors: two are not base tensors
-    a, b, ps, qs = _run_pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, "cuda", kernel="v2")
+    a, b, ps, qs = _run_pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, "cuda", kernel=kernel)
     _compare(a, b, ps, qs, exact=False)
-    assert len(_core._step_kernel_v2_tuned.cache) > n0  # it did tune
-    print("v2 autotuned config:", _core._step_kernel_v2_tuned.best_config)
+    assert len(tuned.cache) > n0  # it did tune
+    print(f"{kernel} autotuned config:", tuned.best_config)
 
 
 @needs_kernel

@@ -1052,3 +1052,435 @@ _step_kernel_v2_tuned = triton.autotune(
     post_hook=_tune_post_hook,
     do_bench=_quick_bench,
 )(_step_kernel_v2)
+
+
+# ------------------------------------------- kernel v3 (v2 indexing, cheaper element math)
+#
+# Same unit table, persistent grid and autotuning as v2; the tile ``_step_tile_v3`` cuts
+# the instructions per element of the instruction-bound step (measured offline on sm_90
+# SASS, ``scripts/sass_count.py``):
+#
+# * divisions: Triton's fp32 ``/`` is ``div.full.f32`` (range checks, 2 predicated scalings,
+#   MUFU.RCP, multiply: ~10 instructions); v3 multiplies by ``rcp.approx`` (one MUFU.RCP).
+#   All per-element denominators lie in [1, 2] (``2 - |y|``, ``1 + |x|``) or are >= eps.
+# * floor + clamp + float->int: ``floor(t)`` of ``|t| < 2**22`` is the low bits of
+#   ``t + 1.5 * 2**23`` added with rounding toward minus infinity (``add.rm.f32``: one
+#   full-rate FADD); the code's two's complement byte is the low byte of that sum's bits, so
+#   FRND.FLOOR and F2I (the 16/clk conversion pipe) go away; the clamp moves before the
+#   floor (monotone: identical codes).
+# * int8/uint8 codes -> fp32 through int32 (I2FP, not I2F.S16).
+# * variance code ``>= 1`` for nonzero v folded into the clamp (``min(svg * 2**100, 1)``).
+#
+# GPU only (``ASM=True``): inline PTX. The interpreter cannot run inline asm, so ``ASM=False``
+# computes the same values with ``tl.floor`` and exact division: the interpreter results are
+# bitwise those of v2 (and of ``cpu_step``). On the GPU, ``rcp.approx`` + multiply differs
+# from ``div.full`` by an ulp at times: the same contract as v2 vs the CPU path (codes +-1 at
+# ties, GPU tests). ``CHECK_SKIP``: the kernel returns at once when the device flag the
+# finiteness pre-pass wrote is set, so the host syncs once *after* the step (no bubble
+# between the pre-pass and the step; a skipped step is undone on the host).
+
+_MAGIC_RN = 12582912.0  # 1.5 * 2**23: t + M has ulp 1 for |t| < 2**22
+
+
+@triton.jit
+def _rcp(d, ASM: tl.constexpr):
+    """1/d: rcp.approx.ftz.f32 on the GPU (d normal, not tiny), exact under the interpreter."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 1.0 / d
+
+
+@triton.jit
+def _div(n, d, ASM: tl.constexpr):
+    """n / d with d in [1, 2] (or bounded away from 0): n * rcp(d) on the GPU."""
+    if ASM:
+        return n * _rcp(d, ASM)
+    else:
+        return n / d
+
+
+@triton.jit
+def _div_safe(n, d, ASM: tl.constexpr):
+    """n / d for any positive d incl. subnormal (per-group scales): n * rcp.approx.f32(d)
+    (no ftz) on the GPU, exact under the interpreter."""
+    if ASM:
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return n * r
+    else:
+        return n / d
+
+
+@triton.jit
+def _floor_bits(t, ASM: tl.constexpr):
+    """int32 bits of ``floor(t) + 1.5 * 2**23`` for |t| < 2**22: their low 8 (16) bits are
+    floor(t) as int8 (int16) two's complement, or as uint8 for floor(t) in [0, 255]."""
+    if ASM:
+        f = tl.inline_asm_elementwise(
+            "add.rm.f32 $0, $1, 0f4B400000;", "=f,f", [t], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        f = tl.floor(t) + 12582912.0
+    return f.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _q_bf16(pf, ECC: tl.constexpr):
+    """fp32 bits of q = 2**k, the value of one correction code at bf16 values ``pf`` (given
+    as fp32): ``_pow2(_correction_exp(p, 1, ECC))`` with three integer ops on the exponent
+    field (k + 127 = max(E - 7 - ECC, 1) for the biased exponent E, 0 included)."""
+    e = pf.to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.maximum(e - ((7 + ECC) << 23), 1 << 23)
+
+
+@triton.jit
+def _step_tile_v3(
+    pp,
+    gp,
+    cp,
+    mp,
+    msp,
+    vp,
+    vsp,
+    off,
+    mask,
+    goff,
+    gmask,
+    key,
+    ib,
+    lr,
+    b1,
+    one_m_b1,
+    b2,
+    one_m_b2,
+    eps,
+    wd,
+    decay_mult,
+    step_size,
+    inv_sqrt_bc2,
+    one_m_damp,
+    first,
+    KIND: tl.constexpr,
+    ECC: tl.constexpr,
+    QUANT: tl.constexpr,
+    SR: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_MOM: tl.constexpr,
+    SCALE_F32: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """``_step_tile`` with v3's cheaper element math (same codes under the interpreter)."""
+    p = tl.load(pp + off, mask=mask, other=0.0)
+    g = tl.load(gp + off, mask=mask, other=0.0).to(tl.float32)
+    if ECC > 0:
+        c = tl.load(cp + off, mask=mask, other=0).to(tl.int32).to(tl.float32)
+        if P_DTYPE == 1:
+            pf = p.to(tl.float32)
+            th = pf + c * _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
+        else:
+            th = p.to(tl.float32) + c * _pow2(_correction_exp(p, P_DTYPE, ECC))
+    else:
+        th = p.to(tl.float32)
+
+    if HAS_MOM:
+        if QUANT:
+            mc = tl.load(mp + off, mask=mask, other=0).to(tl.int32).to(tl.float32)
+            msc = tl.load(msp + goff, mask=gmask, other=0.0).to(tl.float32)
+            y = mc * 0.007874015718698502  # fp32(1/127)
+            x = _div(y, 2.0 - tl.abs(y), ASM)
+            m = x * msc[:, None]
+        else:
+            m = tl.load(mp + off, mask=mask, other=0.0)
+
+    if KIND == 0:  # Adam / AdamW
+        if QUANT:
+            vc = tl.load(vp + off, mask=mask, other=0).to(tl.int32).to(tl.float32)
+            vsc = tl.load(vsp + goff, mask=gmask, other=0.0).to(tl.float32)
+            sv = vc * vsc[:, None] * 0.003921568859368563  # fp32(1/255)
+            v = sv * sv
+        else:
+            v = tl.load(vp + off, mask=mask, other=0.0)
+        if DECOUPLED:
+            th = th * decay_mult
+        else:
+            g = g + wd * th
+        m = m + (g - m) * one_m_b1
+        v = v * b2 + one_m_b2 * (g * g)
+        svg = tl.sqrt(v)
+        th = th - step_size * _div(m, svg * inv_sqrt_bc2 + eps, ASM)
+    elif KIND == 1:  # SGD
+        if DECOUPLED:
+            th = th * decay_mult
+        else:
+            g = g + wd * th
+        if HAS_MOM:
+            m = tl.where(first != 0, g, m * b1 + one_m_damp * g)
+            if NESTEROV:
+                d = g + b1 * m
+            else:
+                d = m
+        else:
+            d = g
+        th = th - lr * d
+    else:  # Lion
+        th = th * decay_mult
+        cc = m * b1 + one_m_b1 * g
+        sgn = tl.where(cc > 0, 1.0, tl.where(cc < 0, -1.0, 0.0))
+        th = th - lr * sgn
+        m = m * b2 + one_m_b2 * g
+
+    if HAS_MOM:
+        if QUANT:
+            ms_new = _ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32)
+            nz = tl.where(ms_new > 0, ms_new, 1.0)
+            inv = tl.where(ms_new > 0, _div_safe(1.0, nz, ASM), 0.0)
+            x = m * inv[:, None]
+            # 2x / (1 + |x|) * 127 == (x / (1 + |x|)) * 254 bitwise (2x is exact). s >= max|m|
+            # so |x| <= 1 + 2**-22 and t < 127.5 + 2**-14: floor(t) lies in [-127, 127]
+            # and v2's clamp is a no-op (non-finite m, check_finite=False: other garbage)
+            t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + 0.5
+            tl.store(mp + off, _floor_bits(t, ASM).to(tl.int8), mask=mask)
+            tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
+        else:
+            tl.store(mp + off, m, mask=mask)
+    if KIND == 0:
+        if QUANT:
+            vs_new = _ceil_scale(tl.max(svg, axis=1), SCALE_F32)
+            nz = tl.where(vs_new > 0, vs_new, 1.0)
+            inv = tl.where(vs_new > 0, _div_safe(255.0, nz, ASM), 0.0)
+            # floor(max(t, lo)) with lo = 1 where svg > 0 (a nonzero v never codes 0) and 0
+            # where svg == 0 (then t = 0.5): a nonzero svg = sqrt(v) is >= sqrt(2**-149) >
+            # 2**-100, so min(svg, 2**-100) * 2**100 is that lo (exact, no overflow). svg <= s,
+            # so t < 255.5 + 2**-12 and v2's clamp at 255 is a no-op.
+            lo = tl.minimum(svg, 7.888609052210118e-31) * 1.2676506002282294e30
+            t = tl.maximum(svg * inv[:, None] + 0.5, lo)
+            tl.store(vp + off, _floor_bits(t, ASM).to(tl.uint8), mask=mask)
+            tl.store(vsp + goff, vs_new.to(vsp.dtype.element_ty), mask=gmask)
+        else:
+            tl.store(vp + off, v, mask=mask)
+
+    if P_DTYPE == 0:
+        tl.store(pp + off, th, mask=mask)
+    else:
+        if P_DTYPE == 1:
+            if ASM:  # cvt.rn.bf16x2.f32: one F2FP per two elements, same RNE for finite th
+                pn = th.to(tl.bfloat16)
+            else:  # the interpreter's bf16 cast is not RNE: integer rounding as in v2
+                b = th.to(tl.uint32, bitcast=True)
+                nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+                pn = nb.to(tl.bfloat16, bitcast=True)
+        else:
+            pn = th.to(tl.float16)
+        tl.store(pp + off, pn, mask=mask)
+        if ECC > 0:
+            pnf = pn.to(tl.float32)
+            if P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
+                iq = (0x7F000000 - _q_bf16(pnf, ECC)).to(tl.float32, bitcast=True)
+            else:
+                iq = _pow2(-_correction_exp(pn, P_DTYPE, ECC))
+            r = (th - pnf) * iq
+            if SR:
+                h = _mix32((off.to(tl.uint32) + ib) ^ key)
+                u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+                t = r + u
+            else:
+                t = r + 0.5
+            # |r| <= 2**(ECC-1) (|th - pn| <= ulp/2), so floor(t) >= -LIM: only the top
+            # (th halfway, rounded down to even, plus u) needs v2's clamp
+            LIM: tl.constexpr = 1 << (ECC - 1)
+            t = tl.minimum(t, LIM - 1)
+            tl.store(cp + off, _floor_bits(t, ASM).to(cp.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["nunits", "first", "step_mix"])
+def _step_kernel_v3(
+    units,  # int32 [nunits, 2]: as for _step_kernel_v2
+    nunits,
+    tab,
+    p_base,
+    g_base,
+    c_base,
+    m_base,
+    ms_base,
+    v_base,
+    vs_base,
+    lr,
+    b1,
+    one_m_b1,
+    b2,
+    one_m_b2,
+    eps,
+    wd,
+    decay_mult,
+    step_size,
+    inv_sqrt_bc2,
+    one_m_damp,
+    first,
+    step_mix,
+    skip_flag,  # int32 [1] written by _nonfinite_kernel_v3 (CHECK_SKIP): nonzero -> no step
+    KIND: tl.constexpr,
+    ECC: tl.constexpr,
+    QUANT: tl.constexpr,
+    SR: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_MOM: tl.constexpr,
+    SCALE_F32: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    N16: tl.constexpr,
+    CHECK_SKIP: tl.constexpr,
+    ASM: tl.constexpr,  # inline PTX (GPU); False under the interpreter
+    UNIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WAVES: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SCALARS_ON_DEVICE: tl.constexpr,
+):
+    if CHECK_SKIP:
+        if tl.load(skip_flag) != 0:
+            return
+    if SCALARS_ON_DEVICE:
+        sp = lr
+        if tl.load(sp + 13) != 0:
+            return
+        (
+            lr,
+            b1,
+            one_m_b1,
+            b2,
+            one_m_b2,
+            eps,
+            wd,
+            decay_mult,
+            step_size,
+            inv_sqrt_bc2,
+            one_m_damp,
+            first,
+            step_mix,
+        ) = _device_scalars(sp)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    NG: tl.constexpr = BLOCK // GROUP_SIZE
+    rows = tl.arange(0, NG)
+    tile = rows[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    for u in range(pid, nunits, nprog):
+        row, lu, n = _v2_unit(units, u, tab, N16)
+        ng = (n + GROUP_SIZE - 1) // GROUP_SIZE
+        pp, gp, cp, mp, msp, vp, vsp = _tensor_arrays(
+            row,
+            p_base,
+            g_base,
+            c_base,
+            m_base,
+            ms_base,
+            v_base,
+            vs_base,
+            KIND,
+            ECC,
+            QUANT,
+            HAS_MOM,
+            ALIGNED,
+        )
+        key, ib = _rounding_stream(row, step_mix, ECC, SR)
+        for s in range(0, UNIT // BLOCK):
+            start = lu * UNIT + s * BLOCK
+            if start < n:
+                off = start + tile
+                mask = off < n
+                goff = start // GROUP_SIZE + rows
+                gmask = goff < ng
+                _step_tile_v3(
+                    pp,
+                    gp,
+                    cp,
+                    mp,
+                    msp,
+                    vp,
+                    vsp,
+                    off,
+                    mask,
+                    goff,
+                    gmask,
+                    key,
+                    ib,
+                    lr,
+                    b1,
+                    one_m_b1,
+                    b2,
+                    one_m_b2,
+                    eps,
+                    wd,
+                    decay_mult,
+                    step_size,
+                    inv_sqrt_bc2,
+                    one_m_damp,
+                    first,
+                    KIND,
+                    ECC,
+                    QUANT,
+                    SR,
+                    P_DTYPE,
+                    DECOUPLED,
+                    NESTEROV,
+                    HAS_MOM,
+                    SCALE_F32,
+                    ASM,
+                )
+
+
+@triton.jit(do_not_specialize=["nunits"])
+def _nonfinite_kernel_v3(
+    units,
+    nunits,
+    tab,
+    g_base,
+    flag,  # int32 [1]: set to 1 if any gradient element of the bucket is inf or NaN
+    ALIGNED: tl.constexpr,
+    N16: tl.constexpr,
+    G_DTYPE: tl.constexpr,  # 0 fp32, 1 bf16, 2 fp16
+    UNIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Finiteness pre-pass, v3: a persistent grid loops over the units; per element one AND
+    and one (packed 16-bit) max of the exponent field, one reduction and at most one atomic
+    per program. An element is inf/NaN iff its exponent field is all ones, which is also
+    the largest value the masked field can take: max(field) == all-ones."""
+    if G_DTYPE == 0:
+        EXP: tl.constexpr = 0x7F800000
+    elif G_DTYPE == 1:
+        EXP: tl.constexpr = 0x7F80
+    else:
+        EXP: tl.constexpr = 0x7C00
+    if G_DTYPE == 0:
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.int16)
+    for u in range(tl.program_id(0), nunits, tl.num_programs(0)):
+        row, lu, n = _v2_unit(units, u, tab, N16)
+        gp = _array_ptr(g_base, row, 1, ALIGNED)
+        for s in tl.static_range(UNIT // BLOCK):
+            off = lu * UNIT + s * BLOCK + tl.arange(0, BLOCK)
+            g = tl.load(gp + off, mask=off < n, other=0.0)
+            if G_DTYPE == 0:
+                e = g.to(tl.int32, bitcast=True) & EXP
+            else:
+                e = g.to(tl.int16, bitcast=True) & EXP
+            acc = tl.maximum(acc, e)  # fields are >= 0 as signed ints too
+    if tl.max(acc, axis=0) == EXP:
+        tl.atomic_max(flag, 1)
+
+
+_step_kernel_v3_tuned = triton.autotune(
+    configs=_v2_configs(),
+    key=_TUNE_KEY,
+    pre_hook=_tune_pre_hook,
+    post_hook=_tune_post_hook,
+    do_bench=_quick_bench,
+)(_step_kernel_v3)

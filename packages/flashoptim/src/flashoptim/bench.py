@@ -30,17 +30,21 @@ CEILING_TBPS = 4.21  # H200 device-to-device copy, read + write
 GPU_PROVIDERS = [
     "ours",
     "ours_v1",  # the first (v1) kernel, same options as the row above; "ours" is v2
+    "ours_v3",  # kernel v3: cheaper element math, device-flag finiteness check
     "ours_nocheck",
     "ours_v1_nocheck",
+    "ours_v3_nocheck",
     "ours_graph",  # capturable=True, the step captured in a CUDA graph and replayed
     "torch_fused_fp32",
     "torch_fused_bf16",
     "flashoptim_0.1.4",
     "ours_sgd",
     "ours_v1_sgd",
+    "ours_v3_sgd",
     "flashoptim_0.1.4_sgd",
     "ours_lion",
     "ours_v1_lion",
+    "ours_v3_lion",
     "bnb_adamw8bit",
     "torchao_adamw8bit",  # last: torch.compile on its first step
 ]
@@ -60,8 +64,9 @@ MOVED = {
     "ours_lion": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
 }
 MOVED["ours_graph"] = MOVED["ours"]  # same kernels (+ a few scalar ops), no host time
-for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion"):
-    MOVED[_k.replace("ours", "ours_v1")] = MOVED[_k]
+for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion", "ours_graph"):
+    for _v in ("ours_v1", "ours_v3"):
+        MOVED[_k.replace("ours", _v)] = MOVED[_k]
 
 
 def layout_shapes(name: str) -> list[tuple[int, ...]]:
@@ -103,9 +108,9 @@ def load_peer_flashoptim(path: str | None = None):
 
 def make_optimizer(provider: str, params, peer_path=None):
     lr = 1e-4
-    if provider.startswith("ours_v1"):
-        kw = dict(kernel="v1")
-        provider = provider.replace("ours_v1", "ours")
+    if provider.startswith(("ours_v1", "ours_v3")):
+        kw = dict(kernel=provider[5:7])
+        provider = provider.replace(provider[:7], "ours")
     else:
         kw = dict(kernel="v2") if provider.startswith("ours") else {}
     if provider.startswith("ours"):
@@ -147,11 +152,14 @@ def _make_ours(provider, params, lr, kw):
     raise ValueError(f"unknown provider {provider!r}")
 
 
-def _v2_config() -> str | None:
+def _v2_config(kernel: str = "v2") -> str | None:
     """The config the v2 autotuner picked for its latest launch (None: not tuned)."""
     from . import _core
 
     cfg = getattr(_core._step_kernel_v2_tuned, "best_config", None)
+    cfg3 = getattr(_core._step_kernel_v3_tuned, "best_config", None)
+    if cfg3 is not None and kernel == "v3":
+        cfg = cfg3
     if cfg is None:
         return None
     return f"{cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}"
@@ -258,8 +266,8 @@ def bench_one(provider, layout, device, warmup, reps, peer_path=None) -> dict:
         if isinstance(opt, fo.FlashOptimizer):
             m["bytes_per_param_counted"] = fo.memory_report(opt)["bytes_per_param"]
             m["kernel"] = opt.kernel
-            if opt.kernel == "v2" and device.type == "cuda":
-                m["v2_config"] = _v2_config()
+            if opt.kernel in ("v2", "v3") and device.type == "cuda":
+                m["v2_config"] = _v2_config(opt.kernel)
         res["metrics"] = m
     except ImportError as e:
         res.update(status="skipped", error=f"not importable: {e}")
@@ -359,6 +367,8 @@ def main(argv=None) -> int:
         "ours_lion",
         "ours_v1_sgd",
         "ours_v1_lion",
+        "ours_v3_sgd",
+        "ours_v3_lion",
         "flashoptim_0.1.4_sgd",
         "torchao_adamw8bit",
     )

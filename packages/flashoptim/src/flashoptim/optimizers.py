@@ -36,6 +36,11 @@ def _v2_autotune(dev: torch.device) -> bool:
 _SMS: dict = {}
 
 
+def _use_asm(dev: torch.device) -> bool:
+    """v3's inline PTX: on CUDA, never under the interpreter (it cannot run inline asm)."""
+    return dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def _num_sms(dev: torch.device) -> int:
     if dev.type != "cuda":
         return 1
@@ -139,8 +144,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
         kernel = kernel or os.environ.get("FLASHOPTIM_KERNEL", "v2") or "v2"
-        if kernel not in ("v1", "v2"):
-            raise ValueError(f"kernel must be 'v1' or 'v2'; got {kernel!r}")
+        if kernel not in ("v1", "v2", "v3"):
+            raise ValueError(f"kernel must be 'v1', 'v2' or 'v3'; got {kernel!r}")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise'; got {on_nonfinite!r}")
         if capturable and on_nonfinite == "raise":
@@ -260,7 +265,23 @@ class FlashOptimizer(torch.optim.Optimizer):
                 if dev not in flags:
                     flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
                 nb = ent["work"].shape[0]
-                if nb and ent["use_v2"]:
+                if nb and ent["use_v2"] and self.kernel == "v3":
+                    w = _core.V2_DEFAULT["WAVES"]
+                    nprog = min(nb, _num_sms(dev) * w) if dev.type == "cuda" else min(nb, 3)
+                    _core._nonfinite_kernel_v3[(nprog,)](
+                        ent["work"],
+                        nb,
+                        ent["tab"],
+                        ent["bases"][1],
+                        flags[dev],
+                        ALIGNED=ent["aligned"],
+                        N16=ent["n16"],
+                        G_DTYPE=_P_CODE[ent["bases"][1].dtype],
+                        UNIT=_core.V2_UNIT,
+                        BLOCK=1024,
+                        num_warps=4,
+                    )
+                elif nb and ent["use_v2"]:
                     _core._nonfinite_kernel_v2[(nb,)](
                         ent["work"],
                         nb,
@@ -304,6 +325,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         if self.capturable:
             self._step_on_device(preps)
             return loss
+        if self.check_finite and self._deferred_check(preps):
+            return self._step_checked_on_device(preps, loss)
         if self.check_finite and self._nonfinite(preps):
             if self.on_nonfinite == "raise":
                 raise NonFiniteGradError("non-finite gradient: step not taken")
@@ -311,6 +334,37 @@ class FlashOptimizer(torch.optim.Optimizer):
             return loss
         for prep in preps:
             self._commit(prep)
+        return loss
+
+    def _deferred_check(self, preps) -> bool:
+        """v3 with cached plans whose buckets all run the v3 kernel: the step kernels read
+        the pre-pass's device flag themselves, so the host syncs once after the launches."""
+        return self.kernel == "v3" and all(
+            prep["plan"] is not None
+            and all(b["ent"] is not None and b["ent"]["use_v2"] for b in prep["buckets"])
+            for prep in preps
+        )
+
+    def _step_checked_on_device(self, preps, loss):
+        """Pre-pass (device flag), then every step kernel with that flag (each returns at
+        once when it is set, so nothing is written), then one sync. On a non-finite
+        gradient the host step counts advanced by ``_commit`` are taken back."""
+        flags: dict = {}
+        self._nonfinite(preps, flags)
+        for prep in preps:
+            self._commit(prep, skip=flags)
+        if not flags:
+            return loss
+        bad = sum(f.to("cpu", non_blocking=False).item() for f in flags.values()) > 0
+        if bad:
+            for prep in preps:
+                plan = prep["plan"]
+                for st in plan["states"]:
+                    st["step"] -= 1
+                plan["step"] -= 1
+            if self.on_nonfinite == "raise":
+                raise NonFiniteGradError("non-finite gradient: step not taken")
+            self.skipped_steps += 1
         return loss
 
     @torch.no_grad()
@@ -505,7 +559,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         ints = torch.stack([first, mix, flag.to(torch.int64).expand(nb)], 1).to(torch.int32)
         plan["scal"].copy_(torch.cat([f32, ints], 1))
 
-    def _commit(self, prep) -> None:
+    def _commit(self, prep, skip: dict | None = None) -> None:
         group = prep["group"]
         plan = prep["plan"]
         if plan is not None:  # fast path: one step count for all, cached tables
@@ -513,7 +567,9 @@ class FlashOptimizer(torch.optim.Optimizer):
                 st["step"] += 1
             plan["step"] += 1
             for b in plan["buckets"]:  # hp per bucket: ecc depends on the parameter dtype
-                self._run_kernel(b["ent"], group, self._hp(group, b["ps"][0]), plan["step"])
+                ent = b["ent"]
+                flag = None if skip is None else skip[ent["tab"].device]
+                self._run_kernel(ent, group, self._hp(group, b["ps"][0]), plan["step"], skip=flag)
             return
         for b in prep["buckets"]:
             step = b["step"] + 1
@@ -637,7 +693,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             rows.append(row)
         tab = torch.tensor(rows, dtype=torch.int64, device=p0.device)
         unit = _core.V2_UNIT
-        use_v2 = self.kernel == "v2" and max(r[7] for r in rows) <= 2**31 - 2 * unit  # int32
+        # v3: v2's unit table and indexing (int32 offsets), cheaper element math
+        use_v2 = self.kernel in ("v2", "v3") and max(r[7] for r in rows) <= 2**31 - 2 * unit
         # only the chosen kernel's work table is kept: both would cost 0.012 bytes/param
         size = unit if use_v2 else BLOCK
         nw = [(r[7] + size - 1) // size for r in rows]
@@ -659,8 +716,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             n16=all(r[7] % 16 == 0 for r in rows),
         )
 
-    def _run_kernel(self, ent, group, hp, step, scal=None) -> None:
-        """Launch the bucket's step kernel; ``scal`` (capturable): the device scalars."""
+    def _run_kernel(self, ent, group, hp, step, scal=None, skip=None) -> None:
+        """Launch the bucket's step kernel; ``scal`` (capturable): the device scalars;
+        ``skip`` (v3): the device non-finite flag the kernel checks before any write."""
         nblocks = ent["work"].shape[0]
         if nblocks == 0:
             return
@@ -670,6 +728,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             scalars = (scal,) + (0.0,) * 10 + (0, 0)
         flags = self._flags(ent, group, hp)
         flags["SCALARS_ON_DEVICE"] = scal is not None
+        if ent["use_v2"] and self.kernel == "v3":
+            self._run_kernel_v3(ent, scalars, flags, skip)
+            return
         if ent["use_v2"]:
             self._run_kernel_v2(ent, scalars, flags)
             return
@@ -753,6 +814,43 @@ class FlashOptimizer(torch.optim.Optimizer):
         w = _core.V2_DEFAULT["WAVES"]
         nprog = min(nunits, _num_sms(dev) * w) if dev.type == "cuda" else min(nunits, 3)
         _core._step_kernel_v2[(nprog,)](
+            *args, **meta, **_core.V2_DEFAULT, num_warps=_core.V2_DEFAULT_WARPS
+        )
+
+    def _run_kernel_v3(self, ent, scalars, flags, skip) -> None:
+        """v3: v2's launch (unit table, persistent grid, autotuning) with the cheaper tile,
+        inline PTX on the GPU, and the device skip flag when given."""
+        nunits = ent["work"].shape[0]
+        dev = ent["tab"].device
+        args = (ent["work"], nunits, ent["tab"], *ent["bases"], *scalars)
+        args += (ent["skip"] if skip is None else skip,)
+        meta = dict(
+            **flags,
+            ALIGNED=ent["aligned"],
+            N16=ent["n16"],
+            CHECK_SKIP=skip is not None,
+            ASM=_use_asm(dev),
+            UNIT=_core.V2_UNIT,
+            GROUP_SIZE=GROUP,
+        )
+        if _v2_autotune(dev):
+            nsm = _num_sms(dev)
+
+            def grid(m):
+                w = m["WAVES"]
+                return (min(nunits, nsm * w) if w else nunits,)
+
+            _core._TUNE["tensors"] = ent["written"]
+            try:
+                _core._step_kernel_v3_tuned[grid](*args, **meta)
+            finally:
+                if _core._TUNE["snap"] is not None:
+                    _core._tune_pre_hook({}, reset_only=True)
+                _core._TUNE["tensors"] = ()
+            return
+        w = _core.V2_DEFAULT["WAVES"]
+        nprog = min(nunits, _num_sms(dev) * w) if dev.type == "cuda" else min(nunits, 3)
+        _core._step_kernel_v3[(nprog,)](
             *args, **meta, **_core.V2_DEFAULT, num_warps=_core.V2_DEFAULT_WARPS
         )
 
