@@ -1,15 +1,23 @@
-"""Static sm_90 resource usage of the Sinkhorn-loop kernels, without a GPU.
+"""Static sm_90 resource usage of the second-order kernels, without a GPU.
 
     PYTHONPATH=packages/flashsinkhorn/src python3 packages/flashsinkhorn/scripts/sm90_resources.py
 
 Compiles (Triton AOT, target ``cuda:90``; needs only the ptxas/cuobjdump that ship with
-Triton) the second-order ``_row_lse_kernel`` as launched by ``solve_potentials`` (64 x 64 x
-64 tiles, 4 warps, 2 stages), the main ``_softmin_kernel`` at the same tiles and at its
-tuned d = 64 config (128 x 64, 8 warps, 4 stages), and a row-LSE variant that keeps its row
-tile on chip like the main kernel (``_row_stationary_dot``). Prints registers, stack (spill)
-bytes, and the counts of wgmma / cvt.rna.tf32 / cp.async instructions in the PTX, for
-precision tf32 and tf32x3; also the second-order ``_row_apply_kernel`` (HVP passes).
-See NOTES.md, "Why the HVP's Sinkhorn loop is slow".
+Triton) the kernels on the HVP's path and prints registers, stack (spill) bytes, and the
+counts of wgmma / cvt.rna.tf32 / cp.async instructions in the PTX:
+
+- the Sinkhorn loop of ``solve_potentials`` (triton backend), D <= 128: since 2026-11-29 the
+  main ``_softmin_kernel`` (through ``kernels.softmin``, one feature chunk), at precision
+  tf32x3 (the second-order default) and tf32 for the fixed no-autotune config (64 x 64,
+  4 warps, 2 stages) and every config the autotuner may pick for D <= 128, at d = 64 and
+  d = 128, with and without labels; and at precision ieee (d = 64), which keeps the old
+  kernel because the main one spills more there;
+- the same loop for D > 128 (OTDD at d = 784): the second-order ``_row_lse_kernel`` as
+  before, and the main kernel at its large-D configs for comparison (both spill);
+- the HVP / CG passes: the second-order ``_row_apply_kernel`` (unchanged, still spills).
+
+See NOTES.md, "Why the HVP's Sinkhorn loop is slow" and "The HVP's Sinkhorn loop on the main
+kernel".
 """
 
 from __future__ import annotations
@@ -20,12 +28,10 @@ import subprocess
 import tempfile
 
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashsinkhorn import kernels as K
-from flashsinkhorn.kernels import _load_rows, _online_lse_step, _row_stationary_dot
 from flashsinkhorn.second_order import _stream as S
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -34,34 +40,6 @@ PATTERNS = {
     "cvt.rna.tf32": r"cvt\.rna\.tf32",
     "cp.async": r"cp\.async\.(ca|cg)",
 }
-
-
-@triton.jit
-def _row_lse_preloaded(
-    X, Y, G, OUT, n, m, D, scale, NUM_D: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """``_row_lse_kernel`` without labels, with the main kernel's row-stationary dot."""
-    pid = tl.program_id(0)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < n
-    x0 = offs_m
-    if NUM_D == 1:
-        x0 = _load_rows(X, offs_m, mask_m, tl.arange(0, BLOCK_D), D, D, EVEN_D)
-    run_max = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
-    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for n0 in range(0, m, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < m
-        s = _row_stationary_dot(
-            x0, X, Y, offs_m, offs_n, mask_m, mask_n, D,
-            NUM_D, EVEN_D, BLOCK_D, PRECISION, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        gj = tl.load(G + offs_n, mask=mask_n, other=-float("inf"))
-        t = s * (2.0 * scale) + gj[None, :] * scale
-        run_max, run_sum, _, _ = _online_lse_step(run_max, run_sum, t)
-    lse2 = run_max + tl.log2(run_sum)
-    tl.store(OUT + offs_m, -lse2 / scale, mask=mask_m)
 
 
 def _types(ptr="", i32="", fp32="", i32ptr=""):
@@ -94,13 +72,11 @@ def main():
     print(f"triton {triton.__version__}, target sm_90 (static compile, no GPU)")
     print("| kernel | launch | registers, stack bytes | PTX instructions |")
     print("|---|---|---|---|")
-    lse_t = _types("X Y G LT OUT", "n m D sxm sym slt", "scale", i32ptr="LX LY")
-    pre_t = _types("X Y G OUT", "n m D", "scale")
     sm_t = _types(
-        "X Y BIAS CX OUT LSE V VBAR LY W",
+        "X Y BIAS CX OUT LSE V VBAR W",
         "N M D DV K2 N_KEY M_KEY",
         "dot_scale inv_eps2 eps_ln2 damping w_scale",
-        i32ptr="LX",
+        i32ptr="LX LY",
     )
     app_t = _types(
         "X Y F G LT W OUT1 A B U OUT2",
@@ -118,15 +94,29 @@ def main():
         first = dict(app, HAS_Q=True, W_VEC=False, U_VEC=False, BLOCK_E=64, BLOCK_K1=64)
         _report(f"second-order _row_apply_kernel, HVP first pass, {prec} 64x64",
                 S._row_apply_kernel, app_t, dict(first, BLOCK_K2=128), 4, 2)  # fmt: skip
-    for prec in ("tf32", "tf32x3"):
-        lse_c = dict(HAS_LABELS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, PRECISION=prec)
-        _report(f"second-order _row_lse_kernel {prec} 64x64", S._row_lse_kernel, lse_t, lse_c, 4, 2)
-        pre_c = dict(NUM_D=1, EVEN_D=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, PRECISION=prec)
-        _report(f"row-LSE, row tile preloaded {prec} 64x64", _row_lse_preloaded, pre_t, pre_c, 4, 2)
-        for bm, w, st in ((64, 4, 2), (128, 8, 4)):
-            sm_c = dict(BLOCK_D=64, NUM_D=1, EVEN_D=True, BLOCK_DV=16, HAS_V=False)
-            sm_c.update(HAS_LABELS=False, HAS_LSE=False, PREC=prec, BLOCK_M=bm, BLOCK_N=64)
-            _report(f"main _softmin_kernel {prec} {bm}x64", K._softmin_kernel, sm_t, sm_c, w, st)
+    # the Sinkhorn loop of solve_potentials, D <= 128: main _softmin_kernel, B = 1
+    base = dict(BLOCK_DV=16, HAS_V=False, HAS_LSE=False, NUM_D=1)
+    small = [K._FIXED] + [c for c in K._TUNE_SMALL_D if c != K._FIXED]
+    for d, prec, lab in ((64, "tf32x3", False), (64, "tf32", False), (64, "tf32x3", True),
+                         (128, "tf32x3", False), (64, "ieee", False)):  # fmt: skip
+        for bm, bn, w, st in small:
+            sm_c = dict(base, BLOCK_D=d, EVEN_D=True, HAS_LABELS=lab, PREC=prec)
+            sm_c.update(BLOCK_M=bm, BLOCK_N=bn)
+            tag = " labels" if lab else ""
+            _report(f"main _softmin_kernel d={d}{tag} {prec} {bm}x{bn}", K._softmin_kernel,
+                    sm_t, sm_c, w, st)  # fmt: skip
+    # D > 128 (OTDD, d = 784 with labels) and ieee: the loop keeps the second-order kernel;
+    # the main kernel at its large-D configs for comparison (13 chunks of 64)
+    lse_t = _types("X Y G LT OUT", "n m D sxm sym slt", "scale", i32ptr="LX LY")
+    for prec, lab in (("tf32x3", False), ("tf32x3", True), ("ieee", False)):
+        lse_c = dict(HAS_LABELS=lab, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, PRECISION=prec)
+        _report(f"second-order _row_lse_kernel labels={lab} {prec} 64x64 (any d)",
+                S._row_lse_kernel, lse_t, lse_c, 4, 2)  # fmt: skip
+    for bm, bn, w, st in K._TUNE_LARGE_D:
+        sm_c = dict(base, BLOCK_D=64, NUM_D=13, EVEN_D=False, HAS_LABELS=True, PREC="tf32x3")
+        sm_c.update(BLOCK_M=bm, BLOCK_N=bn)
+        _report(f"main _softmin_kernel d=784 labels tf32x3 {bm}x{bn}", K._softmin_kernel,
+                sm_t, sm_c, w, st)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashsinkhorn.kernels import softmin
 from flashsinkhorn.second_order._stream import resolve_backend, row_apply, row_lse
 
 
@@ -157,6 +158,14 @@ def center(x, y):
     return x - t, y - t
 
 
+# solve_potentials on the triton backend runs its updates on the main solver's kernel for
+# D <= this and the tensor-core precisions (one feature chunk: no register spill at tf32x3
+# or tf32 without labels in a static sm_90 compile, at any d = 64 tuned config); otherwise
+# on the second-order row_lse kernel (tests set it to 0 to compare the two). NOTES.md.
+_MAIN_KERNEL_MAX_D = 128
+_MAIN_KERNEL_PRECISIONS = ("tf32x3", "tf32")
+
+
 def solve_potentials(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -209,17 +218,47 @@ def solve_potentials(
     logb = torch.log(b)
     lab_t = None if lab is None else (lab[1], lab[0], lab[2].T.contiguous())
 
-    def upd_f(g, e):
-        G = g - y2 + e * logb
-        return _kappa(rx, e) * (
-            x2 + row_lse(xc, yc, G, e, labels=lab, backend=be, precision=precision)
-        )
+    main = xc.shape[1] <= _MAIN_KERNEL_MAX_D and precision in _MAIN_KERNEL_PRECISIONS
+    if be == "triton" and main:
+        # The main solver's kernel (flashsinkhorn.kernels.softmin: the autotuned
+        # _softmin_kernel, row tile kept on chip) computes the whole update in one launch:
+        # kappa (|x_i|^2 - eps LSE_j[log b_j + (g_j - |y_j|^2 + 2<x_i, y_j> - L_ij) / eps]).
+        # Operands are prepared once here (batch of one, int32 labels, fp32 tables), so the
+        # launcher copies nothing per call. D > 128 and precision "ieee" keep row_lse's
+        # kernel (NOTES.md: there the main kernel spills too in a static sm_90 compile).
+        sx, sy = xc.contiguous()[None], yc.contiguous()[None]
+        x2b, y2b, logab, logbb = x2[None], y2[None], loga[None], logb[None]
+        klab = klab_t = None
+        if lab is not None:
+            lx32, ly32 = lab[0].to(torch.int32)[None], lab[1].to(torch.int32)[None]
+            klab = (lx32, ly32, lab[2].float().contiguous(), 1.0)
+            klab_t = (ly32, lx32, lab_t[2].float().contiguous(), 1.0)
 
-    def upd_g(f, e):
-        F = f - x2 + e * loga
-        return _kappa(ry, e) * (
-            y2 + row_lse(yc, xc, F, e, labels=lab_t, backend=be, precision=precision)
-        )
+        def upd_f(g, e):
+            return softmin(
+                sx, sy, g[None], logbb, x2b, y2b, eps=e, c2=2.0, damping=_kappa(rx, e),
+                labels=klab, precision=precision, backend="triton",
+            )[0][0]  # fmt: skip
+
+        def upd_g(f, e):
+            return softmin(
+                sy, sx, f[None], logab, y2b, x2b, eps=e, c2=2.0, damping=_kappa(ry, e),
+                labels=klab_t, precision=precision, backend="triton",
+            )[0][0]  # fmt: skip
+
+    else:
+
+        def upd_f(g, e):
+            G = g - y2 + e * logb
+            return _kappa(rx, e) * (
+                x2 + row_lse(xc, yc, G, e, labels=lab, backend=be, precision=precision)
+            )
+
+        def upd_g(f, e):
+            F = f - x2 + e * loga
+            return _kappa(ry, e) * (
+                y2 + row_lse(yc, xc, F, e, labels=lab_t, backend=be, precision=precision)
+            )
 
     eps_list = [float(e) for e in (eps_schedule or [])] + [float(eps)] * int(max_iter)
     f = torch.zeros_like(x2)
