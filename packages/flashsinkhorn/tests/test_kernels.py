@@ -65,6 +65,24 @@ def test_softmin_average(backend, dv):
     torch.testing.assert_close(vbar.double(), ref, atol=3e-5, rtol=1e-5)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("dv", [65, 300])
+def test_softmin_average_wide_and_narrow_chunks(monkeypatch, wide, dv):
+    """DV > 64 runs in 256-wide output chunks (fewer score recomputes) unless narrowed;
+    both split DV = 300 unevenly (256 + 44, or 5 x 64 with a ragged last chunk)."""
+    from flashsinkhorn import kernels
+
+    monkeypatch.setattr(kernels, "WIDE_V", wide)
+    x, y, g, logb, cx, cy = _inputs(1, 29, 75, 9, seed=3)
+    v = torch.randn(1, 75, dv, generator=torch.Generator().manual_seed(4))
+    _, _, ref = softmin_ref(x, y, g, logb, cx, cy, eps=0.15, c2=2.0, v=v)
+    _, _, vbar = softmin(
+        x, y, g, logb, cx, cy, eps=0.15, c2=2.0, v=v, backend="triton", precision="ieee"
+    )
+    torch.testing.assert_close(vbar.double(), ref, atol=3e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_label_cost_in_kernel(backend):
     B, N, M, D = 2, 33, 40, 5

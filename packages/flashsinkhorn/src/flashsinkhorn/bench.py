@@ -303,9 +303,11 @@ def bench_samples_loss(
                 )
     for mode in modes:
         cases = [("ours", p) for p in precisions]
+        if mode == "fwd_bwd" and d > 64:  # the gradient's P @ Y in 64-wide chunks (before)
+            cases.append(("ours-narrow-v", "tf32"))
         cases += [("flash-sinkhorn", "tf32"), ("geomloss", "fp32")]
         for prov, prec in cases:
-            if prov not in providers:
+            if prov.split("-narrow")[0] not in providers:
                 continue
             params = dict(params0)
             label = prov if (prov != "ours" or prec == "tf32") else f"ours-{prec}"
@@ -335,6 +337,8 @@ def bench_samples_loss(
 
             else:
                 L = fs.SamplesLoss(blur=blur, scaling=scaling, debias=debias, precision=prec)
+                if prov == "ours-narrow-v":
+                    L = _with_narrow_v(L)
 
             if mode == "fwd":
 
@@ -368,6 +372,20 @@ def bench_samples_loss(
     return rows
 
 
+def _with_narrow_v(fn):
+    """fn run with the plan application in 64-wide output chunks (kernels.WIDE_V off)."""
+    from flashsinkhorn import kernels
+
+    def wrapped(*args, **kwargs):
+        saved, kernels.WIDE_V = kernels.WIDE_V, False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            kernels.WIDE_V = saved
+
+    return wrapped
+
+
 def bench_pass_variants(n, d, device, warmup=2, reps=5):
     """Kernel-level variants of ONE softmin pass (n x n scores): what each feature costs."""
     from flashsinkhorn.kernels import self_softmin, softmin
@@ -393,6 +411,8 @@ def bench_pass_variants(n, d, device, warmup=2, reps=5):
         "ours-bf16": lambda: softmin(xb, yb, g, logb, cx, cy, eps=eps, c2=2.0,
                                      precision="bf16"),
         "ours-with-V": lambda: softmin(xk, yk, g, logb, cx, cy, eps=eps, c2=2.0, v=y),
+        "ours-with-V-narrow": _with_narrow_v(lambda: softmin(xk, yk, g, logb, cx, cy, eps=eps,
+                                                             c2=2.0, v=y)),
         "ours-self-plain": lambda: softmin(xk, xk, g, logb, cx, cx, eps=eps, c2=2.0),
         "ours-self-symmetric": lambda: self_softmin(xk, logb, g, cx, eps=eps, c2=2.0,
                                                     check=False),

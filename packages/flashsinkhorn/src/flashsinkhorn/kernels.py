@@ -146,6 +146,16 @@ if HAS_TRITON:
     _FIXED_V = _FIXED
     if not _no_autotune() and not os.environ.get("FLASHSINKHORN_FIXED_CONFIG"):
         _FIXED_V = (128, 64, 8, 3)
+    # Wide plan application (DV > 64): every chunk of BLOCK_DV output columns recomputes
+    # the scores, so with 64-wide chunks the gradient at d = 1024 runs 16 full score passes
+    # per side. 256-wide chunks on 64 x 64 tiles with 8 warps keep the 64 x 256 accumulator
+    # in registers (static sm_90 compile, triton 3.9: 255 registers, 8 bytes of stack; the
+    # 128 x 64 tile with 64-wide chunks already spills 272 bytes at d >= 512) and cut the
+    # score passes 4x. FLASHSINKHORN_NARROW_V=1 restores the 64-wide chunks (comparison).
+    _FIXED_V_WIDE = (64, 64, 8, 3)
+    if _no_autotune():
+        _FIXED_V_WIDE = _FIXED
+    WIDE_V = os.environ.get("FLASHSINKHORN_NARROW_V", "0") != "1"
     # Hopper (H200) candidates; d <= 128 is one tl.dot per tile (K = BLOCK_D)
     _TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4),
                      (256, 64, 8, 3)]  # fmt: skip
@@ -406,7 +416,10 @@ def _softmin_triton(
     if v is not None:
         DV = v.shape[-1]
         v = v.to(kdt).contiguous()
-        BLOCK_DV = max(16, min(_next_pow2(DV), 64))
+        if WIDE_V and DV > 64:
+            BLOCK_DV, v_config = min(_next_pow2(DV), 256), _FIXED_V_WIDE
+        else:
+            BLOCK_DV, v_config = max(16, min(_next_pow2(DV), 64)), _FIXED_V
         n_v = triton.cdiv(DV, BLOCK_DV)
         vbar = torch.empty((B, N, DV), device=dev, dtype=f32)
     else:
@@ -422,7 +435,7 @@ def _softmin_triton(
     extra = {}
     if DV > 0:
         kern = _softmin_kernel
-        bm, bn, w, st = _FIXED_V
+        bm, bn, w, st = v_config
         extra = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
     else:
         kern = _softmin_tuned
