@@ -153,6 +153,7 @@ if HAS_TRITON:
     # 128 x 64 tile with 64-wide chunks already spills 272 bytes at d >= 512) and cut the
     # score passes 4x. FLASHSINKHORN_NARROW_V=1 restores the 64-wide chunks (comparison).
     _FIXED_V_WIDE = (64, 64, 8, 3)
+    _WIDE_DV = 256  # BLOCK_DV of the wide chunks
     if _no_autotune():
         _FIXED_V_WIDE = _FIXED
     WIDE_V = os.environ.get("FLASHSINKHORN_NARROW_V", "0") != "1"
@@ -417,7 +418,7 @@ def _softmin_triton(
         DV = v.shape[-1]
         v = v.to(kdt).contiguous()
         if WIDE_V and DV > 64:
-            BLOCK_DV, v_config = min(_next_pow2(DV), 256), _FIXED_V_WIDE
+            BLOCK_DV, v_config = min(_next_pow2(DV), _WIDE_DV), _FIXED_V_WIDE
         else:
             BLOCK_DV, v_config = max(16, min(_next_pow2(DV), 64)), _FIXED_V
         n_v = triton.cdiv(DV, BLOCK_DV)
