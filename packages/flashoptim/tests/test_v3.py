@@ -3,7 +3,7 @@
 Under the interpreter v3 computes with ``ASM=False`` (tl.floor, exact division, integer bf16
 rounding) and must equal v2 bit for bit, also on edge-case gradients (zero, subnormal, huge,
 mixed magnitudes within a group) and on every storage option. On the GPU (``ASM=True``:
-rcp.approx, add.rm, cvt.rn.bf16x2) the contract is v2's against the CPU path: codes within
+rcp.approx, add.rm, cvt.rn.bf16) the contract is v2's against the CPU path: codes within
 one at ties (test_kernels.py ``[v3]`` cases and the gpu test below). Non-finite values that
 reach the tile (only with check_finite=False) give other garbage codes than v2's (v2's clamp
 maps a NaN momentum to -127, v3's add.rm bits to 0): not compared.

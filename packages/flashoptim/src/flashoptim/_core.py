@@ -1068,8 +1068,9 @@ _step_kernel_v2_tuned = triton.autotune(
 #   full-rate FADD); the code's two's complement byte is the low byte of that sum's bits, so
 #   FRND.FLOOR and F2I (the 16/clk conversion pipe) go away; the clamp moves before the
 #   floor (monotone: identical codes).
-# * int8/uint8 codes -> fp32 through int32 (I2FP, not I2F.S16).
-# * variance code ``>= 1`` for nonzero v folded into the clamp (``min(svg * 2**100, 1)``).
+# * codes -> fp32 through int32 (uint8: I2FP; LLVM narrows the int8 ones back to I2F.S16).
+# * variance code ``>= 1`` for nonzero v folded into the clamp (``min(svg, 2**-100) * 2**100``).
+# * bf16 rounding by ``cvt.rn.bf16.f32``; q = 2**k of the correction from the fp32 exponent bits.
 #
 # GPU only (``ASM=True``): inline PTX. The interpreter cannot run inline asm, so ``ASM=False``
 # computes the same values with ``tl.floor`` and exact division: the interpreter results are
@@ -1078,8 +1079,6 @@ _step_kernel_v2_tuned = triton.autotune(
 # ties, GPU tests). ``CHECK_SKIP``: the kernel returns at once when the device flag the
 # finiteness pre-pass wrote is set, so the host syncs once *after* the step (no bubble
 # between the pre-pass and the step; a skipped step is undone on the host).
-
-_MAGIC_RN = 12582912.0  # 1.5 * 2**23: t + M has ulp 1 for |t| < 2**22
 
 
 @triton.jit
@@ -1269,7 +1268,7 @@ def _step_tile_v3(
         tl.store(pp + off, th, mask=mask)
     else:
         if P_DTYPE == 1:
-            if ASM:  # cvt.rn.bf16x2.f32: one F2FP per two elements, same RNE for finite th
+            if ASM:  # cvt.rn.bf16.f32 (one F2F): same RNE as below for finite th
                 pn = th.to(tl.bfloat16)
             else:  # the interpreter's bf16 cast is not RNE: integer rounding as in v2
                 b = th.to(tl.uint32, bitcast=True)
