@@ -1434,6 +1434,9 @@ def _step_kernel_v3(
                 )
 
 
+V3_PREPASS_WAVES = 16  # programs per SM of the v3 finiteness pre-pass
+
+
 @triton.jit(do_not_specialize=["nunits"])
 def _nonfinite_kernel_v3(
     units,
