@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#define MHC_PROFILE 1  // work counters of mhc_math.h (host only), for birkhoff_fwd_profile
 #include "mhc_lane16_host.h"
 #include "mhc_math.h"
 
@@ -25,15 +26,19 @@ T* ptr(std::uintptr_t p) {
 
 // The float64 stage of the fp32 path for one matrix, after the fp32 stage returned status
 // st (project_matrix's codes) in iters iterations with potentials beta: the info word.
+// variant 1 (layout "thread-fb2"): the warm-started polish updates its plans
+// (mhc::polish_matrix<N, double, true>), as the CUDA kernel birkhoff_fwd_fallback<N, true>.
 template <int N>
 int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, double fb_tol,
-                int fb_max_iter) {
+                int fb_max_iter, int variant = 0) {
   int word = iters;
   if (st == 1) {
     word |= mhc::kInfoConverged;
   } else if (st == 0 || st == 2) {
     int it2 = 0;
-    st = st == 2 ? mhc::polish_matrix<N, double>(s, d, beta, fb_tol, fb_max_iter, it2)
+    st = st == 2 ? (variant == 1
+                        ? mhc::polish_matrix<N, double, true>(s, d, beta, fb_tol, fb_max_iter, it2)
+                        : mhc::polish_matrix<N, double>(s, d, beta, fb_tol, fb_max_iter, it2))
                  : mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
     word = (iters + it2 > 0xffff ? 0xffff : iters + it2) | mhc::kInfoFallback;
     if (st == 1) word |= mhc::kInfoConverged;
@@ -47,7 +52,7 @@ int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, 
 template <int N>
 void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B,
                     int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
-                    double pivot_min) {
+                    double pivot_min, int variant) {
   int* inf = info ? ptr<int>(info) : nullptr;
   constexpr int E = N * N;
   for (int64_t b = 0; b < B; ++b) {
@@ -58,7 +63,7 @@ void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info,
       float beta[N];
       const int st = mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters,
                                                    float(pivot_min), beta);
-      word = fp32_finish<N>(st, iters, s, d, beta, fb_tol, fb_max_iter);
+      word = fp32_finish<N>(st, iters, s, d, beta, fb_tol, fb_max_iter, variant);
     } else {
       const double* s = ptr<const double>(src) + b * E;
       double* d = ptr<double>(dst) + b * E;
@@ -116,6 +121,45 @@ int64_t lane16_bwd_f32(const float* t, const float* g, float* da, int64_t B) {
     std::memcpy(da + b * 16, d.v, sizeof(d.v));
   }
   return l.violations;
+}
+
+void check_variant(int variant) {
+  if (variant != 0 && variant != 1)
+    throw std::invalid_argument("birkhoff_fwd: variant must be 0 or 1, got " +
+                                std::to_string(variant));
+}
+
+// Cost proxies of the CUDA n = 4 fp32 forward (tests and NOTES.md): birkhoff_fwd_n's fp32
+// path per matrix, with the work counters of mhc_math.h written to prof (B x kProfCols
+// int64): stage-1 iterations, info word, then fp32 plan, step, trial, colstep, pivot, stage,
+// update counts and the same seven for float64 (the float64 stage).
+constexpr int kProfCols = 16;
+void birkhoff_fwd_profile4(const float* src, float* dst, int64_t* prof, int64_t B, double tol,
+                           int max_iter, double fb_tol, int fb_max_iter, double pivot_min,
+                           int variant) {
+  for (int64_t b = 0; b < B; ++b) {
+    mhc::prof() = mhc::ProfCounters{};
+    const float* s = src + b * 16;
+    float* d = dst + b * 16;
+    float beta[4];
+    int iters = 0;
+    const int st = mhc::project_matrix<4, float>(s, d, float(tol), max_iter, iters,
+                                                 float(pivot_min), beta);
+    const int word = fp32_finish<4>(st, iters, s, d, beta, fb_tol, fb_max_iter, variant);
+    const mhc::ProfCounters& c = mhc::prof();
+    int64_t* o = prof + b * kProfCols;
+    o[0] = iters;
+    o[1] = word;
+    for (int k = 0; k < 2; ++k) {
+      o[2 + 7 * k] = c.plan[k];
+      o[3 + 7 * k] = c.step[k];
+      o[4 + 7 * k] = c.trial[k];
+      o[5 + 7 * k] = c.colstep[k];
+      o[6 + 7 * k] = c.pivot[k];
+      o[7 + 7 * k] = c.stage[k];
+      o[8 + 7 * k] = c.update[k];
+    }
+  }
 }
 
 template <int N, typename S>
@@ -227,14 +271,18 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B, int n, int dtype,
-         double tol, int max_iter, double fb_tol, int fb_max_iter, double pivot_min) {
+         double tol, int max_iter, double fb_tol, int fb_max_iter, double pivot_min,
+         int variant) {
+        check_variant(variant);
         py::gil_scoped_release nogil;
         dispatch_n<FwdF>(n, src, dst, info, B, dtype, tol, max_iter, fb_tol, fb_max_iter,
-                         pivot_min);
+                         pivot_min, variant);
       },
+      "variant: 0 the default float64 stage, 1 the float64 stage of layout \"thread-fb2\" "
+      "(plan updates in the warm-started polish)",
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("n"),
       py::arg("dtype"), py::arg("tol"), py::arg("max_iter"), py::arg("fallback_tol"),
-      py::arg("fallback_max_iter"), py::arg("pivot_min"));
+      py::arg("fallback_max_iter"), py::arg("pivot_min"), py::arg("variant") = 0);
   m.def(
       "birkhoff_bwd",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype) {
@@ -257,6 +305,19 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("tol"),
       py::arg("max_iter"), py::arg("fallback_tol"), py::arg("fallback_max_iter"),
       py::arg("pivot_min"));
+  m.def(
+      "birkhoff_fwd_profile",
+      [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t prof, int64_t B, double tol,
+         int max_iter, double fb_tol, int fb_max_iter, double pivot_min, int variant) {
+        check_variant(variant);
+        py::gil_scoped_release nogil;
+        birkhoff_fwd_profile4(ptr<const float>(src), ptr<float>(dst), ptr<int64_t>(prof), B, tol,
+                              max_iter, fb_tol, fb_max_iter, pivot_min, variant);
+      },
+      "n = 4 fp32 forward with per-matrix work counters (B x 16 int64; cost proxies)",
+      py::arg("src"), py::arg("dst"), py::arg("prof"), py::arg("batch"), py::arg("tol"),
+      py::arg("max_iter"), py::arg("fallback_tol"), py::arg("fallback_max_iter"),
+      py::arg("pivot_min"), py::arg("variant") = 0);
   m.def(
       "lane16_bwd_emulated",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B) {

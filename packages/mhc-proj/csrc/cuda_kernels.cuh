@@ -90,8 +90,13 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
 
 // Stage 2 (fp64): the matrices on the work list, re-solved in double from the input.
 // A fixed grid strides over the device-side count, so the host never reads it.
-template <int N>
-__global__ void __launch_bounds__(kThreads) birkhoff_fwd_fallback(FwdArgs a) {
+// UPDATE (layouts "thread-fb2*", n = 4 fp32): the warm-started polish updates its plans
+// instead of recomputing 16 double exponentials per iteration (mhc::newton_step_update).
+// That keeps T live across iterations: 246 registers for n = 4 (2 blocks = 8 warps per SM)
+// against 164 (3 blocks); MIN_BLOCKS = 3 caps them at 168 with 232 B of L1 spills
+// ("thread-fb2-occ3"). Which one is faster is for the GPU run to say (NOTES.md).
+template <int N, bool UPDATE = false, int MIN_BLOCKS = 0>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) birkhoff_fwd_fallback(FwdArgs a) {
   const int count = *static_cast<volatile int*>(a.work);
   constexpr int E = N * N;
   for (int k = blockIdx.x * kThreads + threadIdx.x; k < count; k += gridDim.x * kThreads) {
@@ -102,8 +107,8 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_fallback(FwdArgs a) {
     const float* wb = reinterpret_cast<const float*>(a.work + 1 + a.batch) + int64_t(k) * N;
     const int st = isnan(wb[0])
                        ? mhc::project_matrix<N, double>(src, dst, a.fb_tol, a.fb_max_iter, iters)
-                       : mhc::polish_matrix<N, double>(src, dst, wb, a.fb_tol, a.fb_max_iter,
-                                                       iters);
+                       : mhc::polish_matrix<N, double, UPDATE>(src, dst, wb, a.fb_tol,
+                                                               a.fb_max_iter, iters);
     if (a.info) {
       int total = (a.info[b] & 0xffff) + iters;
       total = total > 0xffff ? 0xffff : total;
@@ -157,7 +162,38 @@ void launch_fallback(const FwdArgs& a, cudaStream_t stream) {
   birkhoff_fwd_fallback<N><<<fb_grid, kThreads, 0, stream>>>(a);
 }
 
-template <int N>
+// Stage 2 of the layouts "thread-wave" (UPDATE false: bitwise the default's results) and
+// "thread-fb2*" (UPDATE true): a grid of exactly one wave of resident blocks. The fixed 528
+// blocks above (4 per SM on 132 SMs) do not fit at once when a block needs more than a
+// quarter of an SM's registers (the default n = 4 kernel: 164 registers x 128 threads -> 3
+// blocks per SM), so the strided work of the last 132 blocks runs as a second wave after
+// the first 396: ~2x the time of one wave for 1.33x the blocks. Each matrix is solved
+// independently, so the grid changes no result. The occupancy is read once per process
+// (first device used; every GPU of a host is the same model here).
+template <int N, bool UPDATE, int MIN_BLOCKS>
+void launch_fallback_wave(const FwdArgs& a, cudaStream_t stream) {
+  static int resident = 0;  // blocks per SM x SMs
+  if (resident == 0) {
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS>, kThreads, 0);
+    resident = (sms > 0 ? sms : 132) * (per_sm > 0 ? per_sm : 1);
+  }
+  const unsigned grid = blocks_for(a.batch, kThreads);
+  const unsigned fb_grid = grid < unsigned(resident) ? grid : unsigned(resident);
+  birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS><<<fb_grid, kThreads, 0, stream>>>(a);
+}
+
+// Float64-stage variants of the fp32 forward (layout codes 1..4 of the bindings).
+constexpr int kFbDefault = 0;     // "thread": launch_fallback
+constexpr int kFbWave = 1;        // "thread-wave": default polish, one-wave grid
+constexpr int kFbUpdate = 2;      // "thread-fb2": plan-updating polish, one-wave grid
+constexpr int kFbUpdateOcc3 = 3;  // "thread-fb2-occ3": the same, 3 blocks per SM
+
+// FB: the float64 stage's variant (kFb*; only n = 4 instantiates the others).
+template <int N, int FB = kFbDefault>
 void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   if (a.batch == 0) return;
   const unsigned grid = blocks_for(a.batch, kThreads);
@@ -167,7 +203,14 @@ void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   }
   cudaMemsetAsync(a.work, 0, sizeof(int), stream);
   birkhoff_fwd_f32_thread<N><<<grid, kThreads, 0, stream>>>(a);
-  launch_fallback<N>(a, stream);
+  if constexpr (FB == kFbWave)
+    launch_fallback_wave<N, false, 0>(a, stream);
+  else if constexpr (FB == kFbUpdate)
+    launch_fallback_wave<N, true, 0>(a, stream);
+  else if constexpr (FB == kFbUpdateOcc3)
+    launch_fallback_wave<N, true, 3>(a, stream);
+  else
+    launch_fallback<N>(a, stream);
 }
 
 template <int N>

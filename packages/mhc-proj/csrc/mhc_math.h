@@ -112,12 +112,30 @@ struct Limits<double> {
 constexpr int kInfoFallback = 1 << 16;
 constexpr int kInfoConverged = 1 << 17;
 
+
+// ---------------------------------------------------------------- CPU work counters
+// MHC_PROFILE (the CPU module defines it; never the device code): per-thread counts of the
+// solver's pieces, for the CPU cost proxies of the GPU kernels (birkhoff_fwd_profile).
+#if defined(MHC_PROFILE) && !defined(__CUDA_ARCH__)
+struct ProfCounters {
+  long long plan[2], step[2], trial[2], colstep[2], pivot[2], stage[2], update[2];
+};
+inline ProfCounters& prof() {
+  static thread_local ProfCounters c;
+  return c;
+}
+#define MHC_PROF(field, S) (++::mhc::prof().field[sizeof(S) == 8 ? 1 : 0])
+#else
+#define MHC_PROF(field, S) ((void)0)
+#endif
+
 // ---------------------------------------------------------------- forward pieces
 
 // Rows of T = rowsoftmax(a + 1 beta^T); column sums in c; returns the marginal error
 // sum_i |r_i - 1| + sum_j |c_j - 1| (L1 of row and column deviations).
 template <int N, typename S>
 MHC_HD S plan(const S (&a)[N][N], const S (&beta)[N], S (&t)[N][N], S (&c)[N]) {
+  MHC_PROF(plan, S);
   MHC_UNROLL
   for (int j = 0; j < N; ++j) c[j] = S(0);
   S err = S(0);
@@ -157,6 +175,7 @@ MHC_HD S plan(const S (&a)[N][N], const S (&beta)[N], S (&t)[N][N], S (&c)[N]) {
 // objective: the globalization's fallback step. Gauge beta_{N-1} = 0 afterwards.
 template <int N, typename S>
 MHC_HD void log_col_step(const S (&a)[N][N], S (&beta)[N]) {
+  MHC_PROF(colstep, S);
   S lse[N];
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
@@ -297,6 +316,7 @@ MHC_HD S min_pivot_w(S (&w)[N][N]) {
 }
 template <int N, typename S>
 MHC_HD S min_pivot(const S (&t)[N][N]) {
+  MHC_PROF(pivot, S);
   S w[N][N];
   laplacian_weights<N, S>(t, w);
   return min_pivot_w<N, S>(w);
@@ -398,6 +418,7 @@ MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
 #define MHC_NEWTON_STEP(N, S, t, c, beta, COL)                                    \
   do {                                                                            \
     S w_[N][N], b_[N], d_[N];                                                     \
+    MHC_PROF(step, S);                                                            \
     laplacian_weights<N, S>(t, w_);                                               \
     MHC_UNROLL                                                                    \
     for (int j = 0; j < N; ++j) b_[j] = S(1) - c[j];                              \
@@ -407,6 +428,7 @@ MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
     if (line_search_start<N, S>(c, d_, dmax_, slope_, sumd_, step_)) {            \
       for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {                      \
         S em_[N];                                                                 \
+        MHC_PROF(trial, S);                                                       \
         MHC_UNROLL                                                                \
         for (int j = 0; j < N; ++j) em_[j] = m_expm1(step_ * d_[j]);              \
         S delta_ = -step_ * sumd_;                                                \
@@ -431,12 +453,103 @@ MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
     COL = !accepted_ || !connected_;                                              \
   } while (0)
 
+// Row-normalizes t (N x N, positive) in place and returns the plan's error with the column
+// sums in c: the last part of plan() (same sums in the same order) for a T that is not
+// formed from exponentials (newton_step_update).
+template <int N, typename S>
+MHC_HD S plan_normalize(S (&t)[N][N], S (&c)[N]) {
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) c[j] = S(0);
+  S err = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S s = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) s += t[i][j];
+    const S inv = m_rcp(s);
+    S r = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      t[i][j] = t[i][j] * inv;
+      r += t[i][j];
+      c[j] += t[i][j];
+    }
+    err += m_abs(r - S(1));
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) err += m_abs(c[j] - S(1));
+  return err;
+}
+
+// MHC_NEWTON_STEP's iteration (same direction, line search and decisions) that also
+// updates the plan without exponentials when the accepted step is small: rowsoftmax(a +
+// beta + s d) = T (.) (1 + expm1(s d_j)) renormalized per row, with the expm1 values the
+// accepted trial computed. Returns kStepUpdated when (t, c, err) now hold the plan at the
+// new beta; kStepReplan when the caller must form the plan anew (a step with max |s d_j| >
+// kUpdateMaxStep: entries that underflowed in T could not grow back by multiplication);
+// kStepColumn when the caller must run log_col_step first (MHC_NEWTON_STEP's COL). Used by
+// the float64 stage of the fp32 path (polish_matrix<..., true>), where a plan costs 16
+// double exponentials and the update 16 multiplications and N divisions: rounding of the
+// update is ~1e-16 relative per iteration, far below the fp32 output's.
+constexpr int kStepUpdated = 0;
+constexpr int kStepReplan = 1;
+constexpr int kStepColumn = 2;
+constexpr double kUpdateMaxStep = 1.0;
+template <int N, typename S>
+MHC_HD int newton_step_update(S (&t)[N][N], S (&c)[N], S (&beta)[N], S& err) {
+  S w[N][N], b[N], d[N], em[N];
+  MHC_PROF(step, S);
+  laplacian_weights<N, S>(t, w);
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) b[j] = S(1) - c[j];
+  bool accepted = false;
+  const bool connected = grounded_laplacian_solve<N, S>(w, b, d);
+  S dmax, slope, sumd, step;
+  if (line_search_start<N, S>(c, d, dmax, slope, sumd, step)) {
+    for (int ls = 0; ls < Limits<S>::max_halvings; ++ls) {
+      MHC_PROF(trial, S);
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) em[j] = m_expm1(step * d[j]);
+      S delta = -step * sumd;
+      MHC_UNROLL
+      for (int i = 0; i < N; ++i) {
+        S y = S(0);
+        MHC_UNROLL
+        for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
+        delta += m_log1p(y);
+      }
+      if (armijo_accepts<N, S>(delta, step, slope, dmax)) {
+        accepted = true;
+        break;
+      }
+      step *= S(0.5);
+    }
+    if (accepted) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) beta[j] += step * d[j];
+    }
+  }
+  if (!accepted || !connected) return kStepColumn;
+  if (!(step * dmax <= S(kUpdateMaxStep))) return kStepReplan;
+  MHC_PROF(update, S);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) t[i][j] += t[i][j] * em[j];
+  }
+  err = plan_normalize<N, S>(t, c);
+  return kStepUpdated;
+}
+
 // Newton's method for one matrix: log-domain column step (unless warm), then iterations
 // (newton_decide, MHC_NEWTON_STEP) until the solve ends. Stops when the L1
 // marginal error of the T it returns is <= tol. a must have row maxima 0 (the caller
 // subtracts them). Returns converged; iters gets the number of iterations used; t holds
 // rowsoftmax(a + beta) at the final beta.
-template <int N, typename S>
+// UPDATE: accepted steps update the plan (newton_step_update) instead of recomputing it
+// from a and beta (the float64 stage of the fp32 path, layout "thread-fb2"); same
+// decisions, T equal to rowsoftmax(a + beta) up to rounding.
+template <int N, typename S, bool UPDATE = false>
 MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, int max_iter,
                         int& iters, bool warm = false) {
   if (!warm) log_col_step<N, S>(a, beta);
@@ -444,17 +557,34 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
   NewtonIter<S> s;
   newton_iter_init(s);
   bool ok = false;
-  for (;;) {
-    const S err = plan<N, S>(a, beta, t, c);
-    const int r = newton_decide<S>(err, tol, max_iter, s);
-    if (r == kNewtonConverged) {
-      ok = true;
-      break;
+  if constexpr (UPDATE) {
+    bool fresh = false;  // t, c, err hold the plan at beta (after an updated step)
+    S err = S(0);
+    for (;;) {
+      if (!fresh) err = plan<N, S>(a, beta, t, c);
+      const int r = newton_decide<S>(err, tol, max_iter, s);
+      if (r == kNewtonConverged) {
+        ok = true;
+        break;
+      }
+      if (r == kNewtonFailed) break;
+      const int u = newton_step_update<N, S>(t, c, beta, err);
+      fresh = u == kStepUpdated;
+      if (u == kStepColumn) log_col_step<N, S>(a, beta);
     }
-    if (r == kNewtonFailed) break;
-    bool col = false;
-    MHC_NEWTON_STEP(N, S, t, c, beta, col);
-    if (col) log_col_step<N, S>(a, beta);
+  } else {
+    for (;;) {
+      const S err = plan<N, S>(a, beta, t, c);
+      const int r = newton_decide<S>(err, tol, max_iter, s);
+      if (r == kNewtonConverged) {
+        ok = true;
+        break;
+      }
+      if (r == kNewtonFailed) break;
+      bool col = false;
+      MHC_NEWTON_STEP(N, S, t, c, beta, col);
+      if (col) log_col_step<N, S>(a, beta);
+    }
   }
   iters = s.it;
   return ok;
@@ -539,6 +669,7 @@ MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter
     S as[N][N];
     cont_stage<N, S>(a, cs, as, beta);
     int it = 0;
+    MHC_PROF(stage, S);
     ok = newton_core<N, S>(as, beta, t, cont_tol(cs, tol), max_iter, it);
     if (!cont_next<N, S>(cs, beta, it)) break;
   }
@@ -902,7 +1033,8 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
 
 // Float64 polish: Newton warm-started from potentials of the fp32 stage (1-2 iterations
 // from an fp32-accurate start); a full solve from scratch if that does not converge.
-template <int N, typename S, typename In, typename Out>
+// UPDATE: the warm-started iterations update the plan (newton_core<..., true>).
+template <int N, typename S, bool UPDATE = false, typename In, typename Out>
 MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, int max_iter,
                          int& iters) {
   S a[N][N], t[N][N], beta[N];
@@ -910,7 +1042,7 @@ MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, i
   if (!load_shifted<N, S>(src, a)) return -1;
   MHC_UNROLL
   for (int j = 0; j < N; ++j) beta[j] = S(beta_in[j]) - S(beta_in[N - 1]);
-  bool ok = newton_core<N, S>(a, beta, t, tol, max_iter, iters, true);
+  bool ok = newton_core<N, S, UPDATE>(a, beta, t, tol, max_iter, iters, true);
   if (!ok) {
     int it2 = 0;
     ok = newton_project<N, S>(a, t, tol, max_iter, it2, beta);

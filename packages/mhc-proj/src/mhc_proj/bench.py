@@ -6,6 +6,10 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 - ``ours-lane16``: the same projection with the n = 4 CUDA kernels in the 16-lanes-per-matrix
   layout (``MHC_PROJ_BIRKHOFF_LAYOUT=lane``: forward stage 1 and backward; the float64
   stage is shared), for comparison with ``ours`` (thread per matrix).
+- ``ours-wave`` / ``ours-fb2`` / ``ours-fb2-occ3``: ``ours`` with layout ``thread-wave``
+  (the float64 stage on one wave of resident blocks, bitwise ``ours``' results),
+  ``thread-fb2`` (that plus a polish that updates its plans) or ``thread-fb2-occ3`` (the same
+  capped at 3 blocks per SM); opt-in until measured, NOTES.md.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
   Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
   matrix recomputing from the scaling vectors; or whatever ``MHC_PROJ_SINKHORN_FWD`` /
@@ -49,6 +53,9 @@ from mhc_proj.sinkhorn import sinkhorn_fwd
 PROVIDERS = [
     "ours",
     "ours-lane16",
+    "ours-wave",
+    "ours-fb2",
+    "ours-fb2-occ3",
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
@@ -60,7 +67,13 @@ PROVIDERS = [
 ]
 MODES = ["fwd", "bwd", "fwd_bwd"]
 # Birkhoff providers -> their CUDA kernel layout (bwd-only and graph modes call the launchers)
-_BIRKHOFF_LAYOUT = {"ours": "thread", "ours-lane16": "lane"}
+_BIRKHOFF_LAYOUT = {
+    "ours": "thread",
+    "ours-lane16": "lane",
+    "ours-wave": "thread-wave",
+    "ours-fb2": "thread-fb2",
+    "ours-fb2-occ3": "thread-fb2-occ3",
+}
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
 SAMPLE = 16384
 
@@ -101,6 +114,9 @@ def _fn_for(provider: str) -> Callable | None:
         return mhc_proj.birkhoff_project
     if provider == "ours-lane16":
         return lambda x: birkhoff_project_layout(x, layout="lane")
+    if provider in ("ours-wave", "ours-fb2", "ours-fb2-occ3"):
+        lay = _BIRKHOFF_LAYOUT[provider]
+        return lambda x: birkhoff_project_layout(x, layout=lay)
     if provider == "ours-sinkhorn20":
         return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
     if provider == "ours-sinkhorn20-lane16":
@@ -308,6 +324,9 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
     for p in [
         "ours",
         "ours-lane16",
+        "ours-wave",
+        "ours-fb2",
+        "ours-fb2-occ3",
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-fullstate",

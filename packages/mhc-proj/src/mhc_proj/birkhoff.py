@@ -14,6 +14,16 @@ CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call
   (``csrc/mhc_lane16.h``, the published layout). Same algorithm, tolerances, info words and
   float64 stage; opt-in: measured slower on the H200 (forward 12.0 ms, backward 2.39 ms at
   B = 16M; packages/mhc-proj/NOTES.md).
+- ``thread-wave``: ``thread`` with the float64 stage (the re-solve of the ill-conditioned
+  matrices, ~24% of them at N(0, 10^2)) on a grid of one wave of resident blocks instead of
+  528 blocks (of which only 396 fit at once on the H200): bitwise the results of ``thread``.
+- ``thread-fb2``: ``thread-wave`` whose warm-started polish updates its plan from the
+  accepted step instead of recomputing 16 double exponentials per iteration (same
+  decisions and tolerances; T agrees with ``thread`` to fp32 rounding). ``thread-fb2-occ3``:
+  the same kernel capped at 3 resident blocks per SM (spills to L1).
+  These three are opt-in until measured on a GPU (NOTES.md). The CPU runs the
+  ``thread-fb2`` float64 stage for both fb2 layouts (n = 4 float32), so the CPU tests
+  check it; ``thread-wave`` is ``thread`` on the CPU.
 
 Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is
 still validated, so a misspelt value fails everywhere).
@@ -59,14 +69,17 @@ class ProjectionInfo(NamedTuple):
 
 # ---------------------------------------------------------------- layouts
 LAYOUT_ENV = "MHC_PROJ_BIRKHOFF_LAYOUT"
-_LAYOUTS = {"lane": 0, "thread": 1}
+_LAYOUTS = {"lane": 0, "thread": 1, "thread-wave": 2, "thread-fb2": 3, "thread-fb2-occ3": 4}
+_LAYOUTS_FB2 = (3, 4)  # the CPU runs their float64 stage (its birkhoff_fwd variant 1)
 
 
 def layout_code(layout: str | int | None = None) -> int:
     """CUDA kernel layout code: ``layout`` if given (a name or its code), else the
     ``MHC_PROJ_BIRKHOFF_LAYOUT`` environment variable (read at each call), else
     ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per
-    matrix; default). Used for n = 4 float32 on CUDA; the CPU has no lane layout."""
+    matrix; default), ``"thread-wave"`` = 2, ``"thread-fb2"`` = 3, ``"thread-fb2-occ3"`` = 4
+    (thread per matrix with other float64 stages, module docstring). Used for n = 4
+    float32; the CPU has no lane layout."""
     return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout")
 
 
@@ -104,10 +117,11 @@ def birkhoff_fwd(
                 _backend.dtype_code(x), tol, max_iter, fallback_tol, fallback_max_iter,
                 pivot_min, _backend.stream(x), code,
             )  # fmt: skip
-    else:  # one layout on the CPU: the code is validated above, not used
+    else:  # one layout on the CPU; the fb2 layouts' float64 stage is its variant 1
+        variant = 1 if code in _LAYOUTS_FB2 and n == 4 and x.dtype == torch.float32 else 0
         mod.birkhoff_fwd(
             x.data_ptr(), out.data_ptr(), info_ptr, b, n, _backend.dtype_code(x), tol,
-            max_iter, fallback_tol, fallback_max_iter, pivot_min,
+            max_iter, fallback_tol, fallback_max_iter, pivot_min, variant,
         )  # fmt: skip
     return out, info
 
@@ -261,8 +275,9 @@ def birkhoff_project(
         T of shape (..., n, n), float32 (float64 for float64 input); differentiable
         (implicit backward, only T saved). With ``return_info``: ``(T, info)``.
 
-    The CUDA kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at
-    each call (``thread`` default, ``lane``); see the module docstring.
+    The kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at each
+    call (``thread`` default, ``lane``, ``thread-wave``, ``thread-fb2``,
+    ``thread-fb2-occ3``); see the module docstring.
     """
     return _project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
 
