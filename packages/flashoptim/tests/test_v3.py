@@ -244,3 +244,30 @@ def test_v3_every_tuning_config_equals_v2(monkeypatch):
         monkeypatch.setattr(fopt, "_num_sms", lambda dev: 1)  # persistent: 1 SM x WAVES
         out = _pair(fo.FlashAdamW, {}, (33, 2049, 4100), torch.bfloat16, ("mixed", "randn"))
         _assert_bitwise(out)
+
+
+@needs_interp
+@pytest.mark.parametrize("Opt,kw", OPTS)
+def test_v3_deferred_skip_equals_v2(Opt, kw):
+    """Five steps with check_finite=True, the third one with a NaN: v3 (device flag read by
+    the step kernels, step counts taken back on the host) and v2 (host sync before the step)
+    skip the same step and then stay bit for bit equal, bias corrections included."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = (31, 2049, 4100)
+    ps = [(torch.randn(n, generator=gen) * 0.1).bfloat16() for n in sizes]
+    runs = []
+    for kernel in ("v2", "v3"):
+        qs = [p.clone().requires_grad_() for p in ps]
+        runs.append((Opt(qs, lr=1e-2, backend="triton", kernel=kernel, **kw), qs))
+    for s in range(5):
+        gs = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+        if s == 2:
+            gs[1][2048] = float("nan")
+        for opt, qs in runs:
+            for q, g in zip(qs, gs):
+                q.grad = g.clone()
+            opt.step()
+        assert runs[0][0].skipped_steps == runs[1][0].skipped_steps == (1 if s >= 2 else 0)
+        _assert_bitwise(runs)
+        steps = [[o.state[q]["step"] for q in qs] for o, qs in runs]
+        assert steps[0] == steps[1] == [s + (0 if s >= 2 else 1)] * len(sizes)
