@@ -268,14 +268,82 @@ def compile_prepass(fn, block=1024, warps=4):
     return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=1))
 
 
+MATRIX = [  # (param dtype, constexpr overrides) the GPU tests and options reach
+    ("bf16", {}),
+    ("fp16", dict(P_DTYPE=2)),
+    ("fp32", dict(P_DTYPE=0, ECC=0)),
+    ("bf16", dict(ECC=16)),
+    ("bf16", dict(ECC=0)),
+    ("bf16", dict(QUANT=False)),
+    ("bf16", dict(SR=False)),
+    ("bf16", dict(SCALE_F32=True)),
+    ("bf16", dict(KIND=1, NESTEROV=True)),
+    ("bf16", dict(KIND=1, HAS_MOM=False)),
+    ("bf16", dict(KIND=1, DECOUPLED=False)),
+    ("bf16", dict(KIND=2)),
+    ("bf16", dict(DECOUPLED=False)),
+    ("bf16", dict(CHECK_SKIP=False, SCALARS_ON_DEVICE=True)),
+    ("bf16", dict(ALIGNED=False, N16=False)),
+]
+
+
+def compile_matrix(fn):
+    """Compile ``fn`` (v3 step kernel) for every mode of MATRIX: registers and spills."""
+    for p_dt, extra in MATRIX:
+        sig = _sig_v2(p_dt)
+        if extra.get("SCALE_F32"):
+            sig["ms_base"] = sig["vs_base"] = "*fp32"
+        if extra.get("ECC") == 16:
+            sig["c_base"] = "*i16"
+        if extra.get("QUANT") is False:
+            sig["m_base"] = sig["v_base"] = "*fp32"
+        consts = dict(
+            KIND=0,
+            ECC=8,
+            QUANT=True,
+            SR=True,
+            P_DTYPE=1,
+            DECOUPLED=True,
+            NESTEROV=False,
+            HAS_MOM=True,
+            SCALE_F32=False,
+            ALIGNED=True,
+            N16=True,
+            UNIT=_core.V2_UNIT,
+            BLOCK=1024,
+            WAVES=8,
+            GROUP_SIZE=32,
+            SCALARS_ON_DEVICE=False,
+            CHECK_SKIP=True,
+            ASM=True,
+        )
+        consts.update(extra)
+        if consts["SCALARS_ON_DEVICE"]:
+            sig["lr"] = "*i32"
+        for k in consts:
+            sig[k] = "constexpr"
+        sig = {k: sig[k] for k in fn.arg_names}
+        cidx = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+        ptrs = [i for i, k in enumerate(fn.arg_names) if str(sig[k]).startswith("*")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in ptrs}  # as the GPU specializes
+        src = ASTSource(fn=fn, signature=sig, constexprs=cidx, attrs=attrs)
+        k = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1))
+        regs, spills = _regs_spills(k)
+        print(f"{fn.__name__} {p_dt} {extra}: regs {regs}, spills {spills}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", default="all")
     ap.add_argument("--mode", default="adamw,sgd,lion")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--prepass", action="store_true", help="also the finiteness pre-passes")
+    ap.add_argument("--matrix", action="store_true", help="v3: compile every mode, regs/spills")
     a = ap.parse_args(argv)
     ks = ["v2", "v3"] if a.kernel == "all" else a.kernel.split(",")
+    if a.matrix:
+        compile_matrix(_core._step_kernel_v3)
+        return 0
     if a.prepass:
         for kv, fn in [("v2", _core._nonfinite_kernel_v2), ("v3", _core._nonfinite_kernel_v3)]:
             # both: 2048 elements (one unit) per loop trip / program over 128 threads

@@ -1434,7 +1434,11 @@ def _step_kernel_v3(
                 )
 
 
-V3_PREPASS_WAVES = 16  # programs per SM of the v3 finiteness pre-pass
+# programs per SM of the v3 finiteness pre-pass: 12 x 4 warps of <= 40 registers (triton 3.6,
+# sm_90: 32 for bf16/fp16 gradients, 40 for fp32) stay resident together (a persistent grid
+# whose programs do not all fit runs its last ones alone, after the others), ~48 KB of
+# gradient loads in flight per SM
+V3_PREPASS_WAVES = 12
 
 
 @triton.jit(do_not_specialize=["nunits"])

@@ -266,9 +266,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                     flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
                 nb = ent["work"].shape[0]
                 if nb and ent["use_v2"] and self.kernel == "v3":
-                    # 16 programs of 4 warps per SM (64 warps, 24 registers): 2 x 16-byte
-                    # loads per thread and trip, ~64 KB in flight per SM
-                    w = _core.V3_PREPASS_WAVES
+                    w = _core.V3_PREPASS_WAVES  # persistent: programs per SM
                     nprog = min(nb, _num_sms(dev) * w) if dev.type == "cuda" else min(nb, 3)
                     _core._nonfinite_kernel_v3[(nprog,)](
                         ent["work"],
