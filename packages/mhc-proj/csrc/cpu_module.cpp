@@ -26,8 +26,9 @@ T* ptr(std::uintptr_t p) {
 
 // The float64 stage of the fp32 path for one matrix, after the fp32 stage returned status
 // st (project_matrix's codes) in iters iterations with potentials beta: the info word.
-// variant 1 (layout "thread-fb2"): the warm-started polish updates its plans
-// (mhc::polish_matrix<N, double, true>), as the CUDA kernel birkhoff_fwd_fallback<N, true>.
+// variant >= 1 (layouts "thread-fb2*", "thread-c10"): the warm-started polish updates its
+// plans (mhc::polish_matrix<N, double, true>), as the CUDA kernel
+// birkhoff_fwd_fallback<N, true>.
 template <int N>
 int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, double fb_tol,
                 int fb_max_iter, int variant = 0) {
@@ -36,7 +37,7 @@ int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, 
     word |= mhc::kInfoConverged;
   } else if (st == 0 || st == 2) {
     int it2 = 0;
-    st = st == 2 ? (variant == 1
+    st = st == 2 ? (variant >= 1
                         ? mhc::polish_matrix<N, double, true>(s, d, beta, fb_tol, fb_max_iter, it2)
                         : mhc::polish_matrix<N, double>(s, d, beta, fb_tol, fb_max_iter, it2))
                  : mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
@@ -44,6 +45,18 @@ int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, 
     if (st == 1) word |= mhc::kInfoConverged;
   }
   return word;
+}
+
+// The fp32 stage: variant 2 (layout "thread-c10") continues from logit range 10 (the CUDA
+// kernel birkhoff_fwd_f32_thread<N, 10>), else from 16.
+template <int N>
+int fp32_stage1(const float* s, float* d, double tol, int max_iter, int& iters, double pivot_min,
+                float* beta, int variant) {
+  if (variant == 2)
+    return mhc::project_matrix<N, float, 10>(s, d, float(tol), max_iter, iters, float(pivot_min),
+                                            beta);
+  return mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters, float(pivot_min),
+                                       beta);
 }
 
 // fp32: Newton in float, then a float64 re-solve of only the matrices that did not
@@ -61,8 +74,7 @@ void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info,
       const float* s = ptr<const float>(src) + b * E;
       float* d = ptr<float>(dst) + b * E;
       float beta[N];
-      const int st = mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters,
-                                                   float(pivot_min), beta);
+      const int st = fp32_stage1<N>(s, d, tol, max_iter, iters, pivot_min, beta, variant);
       word = fp32_finish<N>(st, iters, s, d, beta, fb_tol, fb_max_iter, variant);
     } else {
       const double* s = ptr<const double>(src) + b * E;
@@ -124,8 +136,8 @@ int64_t lane16_bwd_f32(const float* t, const float* g, float* da, int64_t B) {
 }
 
 void check_variant(int variant) {
-  if (variant != 0 && variant != 1)
-    throw std::invalid_argument("birkhoff_fwd: variant must be 0 or 1, got " +
+  if (variant < 0 || variant > 2)
+    throw std::invalid_argument("birkhoff_fwd: variant must be 0, 1 or 2, got " +
                                 std::to_string(variant));
 }
 
@@ -143,8 +155,7 @@ void birkhoff_fwd_profile4(const float* src, float* dst, int64_t* prof, int64_t 
     float* d = dst + b * 16;
     float beta[4];
     int iters = 0;
-    const int st = mhc::project_matrix<4, float>(s, d, float(tol), max_iter, iters,
-                                                 float(pivot_min), beta);
+    const int st = fp32_stage1<4>(s, d, tol, max_iter, iters, pivot_min, beta, variant);
     const int word = fp32_finish<4>(st, iters, s, d, beta, fb_tol, fb_max_iter, variant);
     const mhc::ProfCounters& c = mhc::prof();
     int64_t* o = prof + b * kProfCols;
@@ -278,8 +289,8 @@ PYBIND11_MODULE(_cpu, m) {
         dispatch_n<FwdF>(n, src, dst, info, B, dtype, tol, max_iter, fb_tol, fb_max_iter,
                          pivot_min, variant);
       },
-      "variant: 0 the default float64 stage, 1 the float64 stage of layout \"thread-fb2\" "
-      "(plan updates in the warm-started polish)",
+      "variant: 0 the default, 1 the float64 stage of layout \"thread-fb2\" (plan updates in "
+      "the warm-started polish), 2 that and the fp32 continuation of layout \"thread-c10\"",
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("n"),
       py::arg("dtype"), py::arg("tol"), py::arg("max_iter"), py::arg("fallback_tol"),
       py::arg("fallback_max_iter"), py::arg("pivot_min"), py::arg("variant") = 0);

@@ -67,7 +67,8 @@ __device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, in
 
 // Stage 1 (fp32): one thread solves one matrix (16-byte loads and stores for n = 4).
 // Matrices that did not converge (or are ill-conditioned) are appended to a work list.
-template <int N>
+// CONT_RANGE: the fp32 continuation threshold (0: the default 16; layout "thread-c10": 10).
+template <int N, int CONT_RANGE = 0>
 __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   if (b >= a.batch) return;
@@ -83,8 +84,8 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   }
   int iters = 0;
   float beta[N];
-  const int st = mhc::project_matrix<N, float>(in, out, float(a.tol), a.max_iter, iters,
-                                                float(a.pivot_min), beta);
+  const int st = mhc::project_matrix<N, float, CONT_RANGE>(in, out, float(a.tol), a.max_iter,
+                                                            iters, float(a.pivot_min), beta);
   fwd_emit<N>(a, b, st, iters, out, beta);
 }
 
@@ -192,8 +193,9 @@ constexpr int kFbWave = 1;        // "thread-wave": default polish, one-wave gri
 constexpr int kFbUpdate = 2;      // "thread-fb2": plan-updating polish, one-wave grid
 constexpr int kFbUpdateOcc3 = 3;  // "thread-fb2-occ3": the same, 3 blocks per SM
 
-// FB: the float64 stage's variant (kFb*; only n = 4 instantiates the others).
-template <int N, int FB = kFbDefault>
+// FB: the float64 stage's variant (kFb*), CONT_RANGE: stage 1's (birkhoff_fwd_f32_thread);
+// only n = 4 instantiates other values than the defaults.
+template <int N, int FB = kFbDefault, int CONT_RANGE = 0>
 void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   if (a.batch == 0) return;
   const unsigned grid = blocks_for(a.batch, kThreads);
@@ -202,7 +204,7 @@ void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
     return;
   }
   cudaMemsetAsync(a.work, 0, sizeof(int), stream);
-  birkhoff_fwd_f32_thread<N><<<grid, kThreads, 0, stream>>>(a);
+  birkhoff_fwd_f32_thread<N, CONT_RANGE><<<grid, kThreads, 0, stream>>>(a);
   if constexpr (FB == kFbWave)
     launch_fallback_wave<N, false, 0>(a, stream);
   else if constexpr (FB == kFbUpdate)

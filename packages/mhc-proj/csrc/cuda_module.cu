@@ -242,21 +242,23 @@ __global__ void __launch_bounds__(kLaneThreads)
   da[gid] = mhc::lane16::implicit_vjp(l, __ldg(t + gid), __ldg(g + gid));
 }
 
-// Layout codes of the bindings (Python: birkhoff.layout_code). 2..4: thread per matrix
+// Layout codes of the bindings (Python: birkhoff.layout_code). 2..5: thread per matrix
 // with another float64 stage (kFb* in cuda_kernels.cuh; n = 4 fp32 forward only, otherwise
 // and for the backward the thread layout): 2 "thread-wave", 3 "thread-fb2", 4
-// "thread-fb2-occ3".
+// "thread-fb2-occ3", 5 "thread-c10" (thread-fb2 with the fp32 continuation from logit range
+// 10 instead of 16).
 constexpr int kLayoutLane = 0;
 constexpr int kLayoutThread = 1;
 constexpr int kLayoutThreadWave = 2;
 constexpr int kLayoutThreadFb2 = 3;
 constexpr int kLayoutThreadFb2Occ3 = 4;
+constexpr int kLayoutThreadC10 = 5;
 
 void check_layout(int layout) {
-  if (layout < kLayoutLane || layout > kLayoutThreadFb2Occ3)
+  if (layout < kLayoutLane || layout > kLayoutThreadC10)
     throw std::invalid_argument("birkhoff: layout must be 0 (16 lanes per matrix), 1 (thread "
-                                "per matrix), 2, 3 or 4 (thread per matrix, float64 stage "
-                                "variants), got " +
+                                "per matrix), 2..5 (thread per matrix, float64 stage and "
+                                "continuation variants), got " +
                                 std::to_string(layout));
 }
 
@@ -327,6 +329,8 @@ PYBIND11_MODULE(_cuda, m) {
           launch_fwd<4, kFbUpdate>(a, dtype, as_stream(stream));
         else if (n == 4 && layout == kLayoutThreadFb2Occ3)
           launch_fwd<4, kFbUpdateOcc3>(a, dtype, as_stream(stream));
+        else if (n == 4 && layout == kLayoutThreadC10)
+          launch_fwd<4, kFbUpdate, 10>(a, dtype, as_stream(stream));
         else if (n == 4)
           launch_fwd<4>(a, dtype, as_stream(stream));
         else

@@ -604,8 +604,11 @@ struct ContState {
 };
 
 // Starts the continuation for a (row maxima 0): beta = 0, the schedule's first f.
-template <int N, typename S>
+// CONT_RANGE > 0: that logit range instead of Limits<S>::cont_range (the threshold of the
+// continuation and the first stage's range; layout "thread-c10" uses 10 for fp32).
+template <int N, typename S, int CONT_RANGE = 0>
 MHC_HD void cont_begin(const S (&a)[N][N], ContState<N, S>& cs, S (&beta)[N]) {
+  constexpr S kRange = CONT_RANGE > 0 ? S(CONT_RANGE) : Limits<S>::cont_range;
   S range = S(0);
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
@@ -615,12 +618,12 @@ MHC_HD void cont_begin(const S (&a)[N][N], ContState<N, S>& cs, S (&beta)[N]) {
   MHC_UNROLL
   for (int j = 0; j < N; ++j) beta[j] = S(0);
   cs.total = 0;
-  cs.plain = !(range > Limits<S>::cont_range);
+  cs.plain = !(range > kRange);
   cs.last = cs.plain;
   if (cs.plain) return;
   MHC_UNROLL
   for (int j = 0; j < N; ++j) cs.phi[j] = S(0);
-  cs.f = Limits<S>::cont_range / range;
+  cs.f = kRange / range;
 }
 
 // Sets up the current stage of a continuation (not plain): as = f a, beta = f phi.
@@ -658,11 +661,11 @@ MHC_HD bool cont_next(ContState<N, S>& cs, const S (&beta)[N], int it) {
 // The projection of one matrix. Small logit ranges: one Newton solve. Large ranges:
 // continuation (ContState above); this keeps every stage well conditioned and makes
 // logits of magnitude 1e4 converge in tens of iterations.
-template <int N, typename S>
+template <int N, typename S, int CONT_RANGE = 0>
 MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters,
                            S (&beta)[N]) {
   ContState<N, S> cs;
-  cont_begin<N, S>(a, cs, beta);
+  cont_begin<N, S, CONT_RANGE>(a, cs, beta);
   if (cs.plain) return newton_core<N, S>(a, beta, t, tol, max_iter, iters);
   bool ok = false;
   for (;;) {
@@ -1006,7 +1009,8 @@ MHC_HD int projection_status(bool ok, const S (&t)[N][N], S pivot_min) {
 // Status of one projection: 1 converged, 0 not converged, 2 converged but
 // ill-conditioned (min pivot < pivot_min; its potentials go to beta_out for a warm-started
 // float64 polish), -1 non-finite input (the output is NaN; no other matrix is affected).
-template <int N, typename S, typename In, typename Out>
+// CONT_RANGE: newton_project's continuation threshold (0: Limits<S>::cont_range).
+template <int N, typename S, int CONT_RANGE = 0, typename In, typename Out>
 MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& iters,
                           S pivot_min = S(0), float* beta_out = nullptr) {
   S a[N][N], t[N][N];
@@ -1017,7 +1021,7 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
     return -1;
   }
   S beta[N];
-  const bool ok = newton_project<N, S>(a, t, tol, max_iter, iters, beta);
+  const bool ok = newton_project<N, S, CONT_RANGE>(a, t, tol, max_iter, iters, beta);
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
     MHC_UNROLL

@@ -1,5 +1,6 @@
-"""The float64-stage variants of the n = 4 fp32 forward (layouts ``thread-wave``,
-``thread-fb2``, ``thread-fb2-occ3``; NOTES.md, "Issue #4: the float64 stage").
+"""The float64-stage and continuation variants of the n = 4 fp32 forward (layouts
+``thread-wave``, ``thread-fb2``, ``thread-fb2-occ3``, ``thread-c10``; NOTES.md, "Issue #4:
+the float64 stage").
 
 - ``thread-wave``: only the CUDA grid of the float64 stage differs: bitwise ``thread``.
 - ``thread-fb2`` / ``thread-fb2-occ3``: the warm-started float64 polish updates its plan
@@ -11,6 +12,14 @@ max |dT| 3.6e-12 at sigma 10, 1.2e-10 at sigma 100, 2.2e-16 at 1e4, 0 at sigma 1
 matrix reaches the float64 stage there); converged and fallback flags identical; iteration
 counts different for 0 (sigma 10) and 1.1% (sigma 100) of the matrices. The tests allow
 max |dT| 1e-8 (100x below fp32 rounding of values near 1).
+
+- ``thread-c10``: ``thread-fb2`` with the fp32 continuation from logit range 10 (16 in
+  ``thread``): another fp32 path to the same projection. CPU against ``thread``, 200k
+  matrices per sigma: bitwise at sigma 1 (no range above 10), max |dT| 1.9e-6 / 2.0e-6 /
+  2.8e-6 / 1.2e-6 at sigma 3 / 10 / 100 / 1e4 (both stop at an L1 marginal error <= 4e-6),
+  converged flags identical, float64-stage flags different for <= 44 of 200k. The
+  tests allow max |dT| 1e-5 (the accuracy suite's distance bound: two solutions within it
+  of the same exact one) and flags different on at most 1 in 1000 matrices.
 """
 
 import pytest
@@ -41,6 +50,7 @@ DISTS = {
 }
 SMALL = {"N(0,1)", "N(0,10^2)", "U(-10,10)"}  # the float64 reference has no continuation
 MAX_DT = 1e-8
+MAX_DT_C10 = 1e-5
 
 
 def _flags(info):
@@ -51,16 +61,20 @@ def _fwd(x, layout):
     return birkhoff_fwd(x, TOL_F32, MAX_ITER_F32, True, layout=layout)
 
 
-def _compare(t_new, i_new, t_old, i_old, bitwise=False):
+def _compare(t_new, i_new, t_old, i_old, bitwise=False, c10=False):
     assert torch.isfinite(t_new).all()
     if bitwise:
         assert torch.equal(t_new, t_old) and torch.equal(i_new, i_old)
         return
     d = (t_new.double() - t_old.double()).abs().max()
-    assert float(d) <= MAX_DT, float(d)
+    assert float(d) <= (MAX_DT_C10 if c10 else MAX_DT), float(d)
     cn, fn, itn = _flags(i_new)
     co, fo, ito = _flags(i_old)
-    assert torch.equal(cn, co) and torch.equal(fn, fo)
+    assert torch.equal(cn, co)
+    if c10:  # another fp32 path: the pivot test may fall on the other side for a few
+        assert int((fn != fo).sum()) <= t_new.shape[0] // 1000
+        return
+    assert torch.equal(fn, fo)
     if t_new.shape[0] >= 1000:
         assert float((itn != ito).float().mean()) <= 0.03
 
@@ -95,6 +109,11 @@ def test_cpu_fb2_matches_thread_and_reference(dist, batch):
         if dist in SMALL:
             ref = birkhoff_project_ref(x.double())
             assert float((t_new.double() - ref).abs().max()) <= 1e-5
+    t_c, i_c = _fwd(x, "thread-c10")
+    _compare(t_c, i_c, t_old, i_old, bitwise=dist == "N(0,1)", c10=True)
+    assert float(marginal_error(t_c).max()) <= 5.5e-6
+    if dist in SMALL:
+        assert float((t_c.double() - birkhoff_project_ref(x.double())).abs().max()) <= 1e-5
 
 
 @pytest.mark.parametrize("sigma", [1.0, 10.0])
@@ -108,12 +127,13 @@ def test_cpu_fb2_backward_accuracy(sigma):
     dref = birkhoff_vjp_ref(ref, gr.double())
     scale = dref.abs().flatten(1).amax(1)
     p99 = {}
-    for layout in ("thread", "thread-fb2"):
+    for layout in ("thread", "thread-fb2", "thread-c10"):
         t = _fwd(x, layout)[0]
         rel = (birkhoff_bwd(t, gr).double() - dref).abs().flatten(1).amax(1) / scale
         p99[layout] = float(torch.quantile(rel, 0.99))
-    assert p99["thread-fb2"] <= 1e-4
+    assert p99["thread-fb2"] <= 1e-4 and p99["thread-c10"] <= 1e-4
     assert p99["thread-fb2"] <= 1.01 * p99["thread"] + 1e-9, p99
+    assert p99["thread-c10"] <= 1.25 * p99["thread"] + 1e-9, p99
 
 
 def test_cpu_fb2_edge_cases():
@@ -128,11 +148,13 @@ def test_cpu_fb2_edge_cases():
     bad = torch.zeros(257, dtype=torch.bool)
     bad[[6, 7]] = True
     t_old, i_old = _fwd(x, "thread")
-    t_new, i_new = _fwd(x, "thread-fb2")
-    assert torch.isnan(t_new[bad]).all() and torch.isfinite(t_new[~bad]).all()
-    assert torch.equal(i_new[bad], i_old[bad])
-    _compare(t_new[~bad], i_new[~bad], t_old[~bad], i_old[~bad])
-    assert float(marginal_error(t_new[~bad]).max()) <= 5.5e-6
+    for layout in ("thread-fb2", "thread-c10"):
+        t_new, i_new = _fwd(x, layout)
+        assert torch.isnan(t_new[bad]).all() and torch.isfinite(t_new[~bad]).all()
+        assert torch.equal(i_new[bad], i_old[bad])
+        c10 = layout == "thread-c10"
+        _compare(t_new[~bad], i_new[~bad], t_old[~bad], i_old[~bad], c10=c10)
+        assert float(marginal_error(t_new[~bad]).max()) <= 5.5e-6
     # empty batch, float64 input and n != 4: the layout changes nothing there
     e, ie = _fwd(torch.empty(0, 4, 4), "thread-fb2")
     assert e.shape == (0, 4, 4) and ie.shape == (0,)
@@ -143,7 +165,8 @@ def test_cpu_fb2_edge_cases():
     )
     for n in (2, 3, 5, 8):
         xn = torch.randn(301, n, n, generator=g) * 10
-        assert torch.equal(_fwd(xn, "thread-fb2")[0], _fwd(xn, "thread")[0])
+        for layout in ("thread-fb2", "thread-c10"):
+            assert torch.equal(_fwd(xn, layout)[0], _fwd(xn, "thread")[0])
 
 
 def test_cpu_fb2_saves_float64_plans():
@@ -162,15 +185,21 @@ def test_cpu_fb2_saves_float64_plans():
     assert int(p0[:, 15].sum()) == 0 and int(p1[fb, 15].sum()) > 0  # updates: fb2 only
     assert abs(float(p1[fb, 10].double().mean() - p0[fb, 10].double().mean())) <= 0.05
     assert float((t0.double() - t1.double()).abs().max()) <= MAX_DT
+    # thread-c10 (variant 2): fewer fp32 iterations for the slowest matrix of a warp
+    t2, p2 = profile(x, 2)
+    wmax = [float(p[:, 0].view(-1, 32).amax(1).double().mean()) for p in (p0, p2)]
+    assert wmax[1] <= wmax[0] - 0.2, wmax
+    assert float((t0.double() - t2.double()).abs().max()) <= MAX_DT_C10
     with pytest.raises(ValueError, match="variant"):
-        profile(x[:1], 2)
+        profile(x[:1], 3)
 
 
 def test_fb_layout_selection(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
     assert layout_code() == 1
     assert [layout_code(v) for v in FB_LAYOUTS] == [2, 3, 4]
-    assert [layout_code(v) for v in (2, 3, 4)] == [2, 3, 4]
+    assert [layout_code(v) for v in (2, 3, 4, 5)] == [2, 3, 4, 5]
+    assert layout_code("thread-c10") == 5
     x = torch.randn(301, 4, 4, generator=torch.Generator().manual_seed(2)) * 10
     gr = torch.randn_like(x)
     t_exp = _fwd(x, "thread-fb2")[0]
@@ -185,12 +214,12 @@ def test_fb_layout_selection(monkeypatch):
     t_p.backward(gr)
     assert torch.equal(t_p.detach(), t_exp) and torch.equal(xp.grad, xe.grad)
     # the backward is thread's for every fb layout
-    for layout in FB_LAYOUTS:
+    for layout in FB_LAYOUTS + ["thread-c10"]:
         assert torch.equal(birkhoff_bwd(t_exp, gr, layout), birkhoff_bwd(t_exp, gr, "thread"))
     with pytest.raises(ValueError, match="Birkhoff layout"):
         layout_code("thread-fb3")
     with pytest.raises(ValueError, match="Birkhoff layout"):
-        layout_code(5)
+        layout_code(6)
 
 
 # ---------------------------------------------------------------- GPU
@@ -215,13 +244,21 @@ def test_cuda_fb_layouts_vs_thread(dist, batch):
         assert float(d) <= 2e-5  # the fp32 stage: __expf and MUFU vs host expf
         assert torch.equal(_flags(res["thread-fb2"][1])[0], _flags(i_cpu)[0])
     assert float(marginal_error(res["thread-fb2"][0]).max()) <= 5.5e-6
+    t_c, i_c = (v.cpu() for v in _fwd(xc, "thread-c10"))
+    _compare(t_c, i_c, t_old, i_old, c10=True)
+    assert float(marginal_error(t_c).max()) <= 5.5e-6
+    if batch <= 100003:
+        t_cc, i_cc = _fwd(x, "thread-c10")
+        assert float((t_c - t_cc).abs().max()) <= 2e-5
+        assert torch.equal(_flags(i_c)[0], _flags(i_cc)[0])
     if dist in SMALL and batch <= 100003:
         ref = birkhoff_project_ref(xc.double()).cpu()  # pure torch: on the GPU, in seconds
         assert float((res["thread-fb2"][0].double() - ref).abs().max()) <= 1e-5
+        assert float((t_c.double() - ref).abs().max()) <= 1e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", FB_LAYOUTS)
+@pytest.mark.parametrize("layout", FB_LAYOUTS + ["thread-c10"])
 def test_cuda_fb_layouts_nan_isolation_and_graph(layout):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(513, 4, 4, generator=g) * 10
@@ -252,7 +289,7 @@ def test_cuda_fb_layouts_nan_isolation_and_graph(layout):
 
 @pytest.mark.gpu
 def test_cuda_fb2_accuracy_1m():
-    """The accuracy suite's row at N(0,10^2) for fb2 (1M matrices), next to thread's."""
+    """The accuracy suite's row at N(0,10^2) for fb2 and c10 (1M matrices), next to thread's."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1 << 20, 4, 4, generator=g) * 10
     gr = torch.randn(1 << 20, 4, 4, generator=g)
@@ -260,7 +297,7 @@ def test_cuda_fb2_accuracy_1m():
     dref = birkhoff_vjp_ref(ref, gr.cuda().double())
     scale = dref.abs().flatten(1).amax(1)
     p99 = {}
-    for layout in ("thread", "thread-fb2"):
+    for layout in ("thread", "thread-fb2", "thread-c10"):
         t, info = _fwd(x.cuda(), layout)
         assert bool(_flags(info)[0].bool().all())
         assert float((t.double() - ref).abs().max()) <= 1e-5
@@ -268,5 +305,5 @@ def test_cuda_fb2_accuracy_1m():
         rel = (birkhoff_bwd(t, gr.cuda()).double() - dref).abs().flatten(1).amax(1) / scale
         p99[layout] = float(torch.quantile(rel.cpu(), 0.99))
     print("bwd rel p99", p99)
-    assert p99["thread-fb2"] <= 1e-4
+    assert p99["thread-fb2"] <= 1e-4 and p99["thread-c10"] <= 1e-4
     assert p99["thread-fb2"] <= 1.05 * p99["thread"] + 1e-9, p99

@@ -9,7 +9,8 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 - ``ours-wave`` / ``ours-fb2`` / ``ours-fb2-occ3``: ``ours`` with layout ``thread-wave``
   (the float64 stage on one wave of resident blocks, bitwise ``ours``' results),
   ``thread-fb2`` (that plus a polish that updates its plans) or ``thread-fb2-occ3`` (the same
-  capped at 3 blocks per SM); opt-in until measured, NOTES.md.
+  capped at 3 blocks per SM); ``ours-c10``: layout ``thread-c10`` (``thread-fb2`` with the
+  fp32 continuation from logit range 10); opt-in until measured, NOTES.md.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
   Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
   matrix recomputing from the scaling vectors; or whatever ``MHC_PROJ_SINKHORN_FWD`` /
@@ -56,6 +57,7 @@ PROVIDERS = [
     "ours-wave",
     "ours-fb2",
     "ours-fb2-occ3",
+    "ours-c10",
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
@@ -73,6 +75,7 @@ _BIRKHOFF_LAYOUT = {
     "ours-wave": "thread-wave",
     "ours-fb2": "thread-fb2",
     "ours-fb2-occ3": "thread-fb2-occ3",
+    "ours-c10": "thread-c10",
 }
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
 SAMPLE = 16384
@@ -114,7 +117,7 @@ def _fn_for(provider: str) -> Callable | None:
         return mhc_proj.birkhoff_project
     if provider == "ours-lane16":
         return lambda x: birkhoff_project_layout(x, layout="lane")
-    if provider in ("ours-wave", "ours-fb2", "ours-fb2-occ3"):
+    if provider in ("ours-wave", "ours-fb2", "ours-fb2-occ3", "ours-c10"):
         lay = _BIRKHOFF_LAYOUT[provider]
         return lambda x: birkhoff_project_layout(x, layout=lay)
     if provider == "ours-sinkhorn20":
@@ -327,6 +330,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         "ours-wave",
         "ours-fb2",
         "ours-fb2-occ3",
+        "ours-c10",
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-fullstate",

@@ -21,9 +21,12 @@ CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call
   accepted step instead of recomputing 16 double exponentials per iteration (same
   decisions and tolerances; T agrees with ``thread`` to fp32 rounding). ``thread-fb2-occ3``:
   the same kernel capped at 3 resident blocks per SM (spills to L1).
-  These three are opt-in until measured on a GPU (NOTES.md). The CPU runs the
-  ``thread-fb2`` float64 stage for both fb2 layouts (n = 4 float32), so the CPU tests
-  check it; ``thread-wave`` is ``thread`` on the CPU.
+- ``thread-c10``: ``thread-fb2`` whose fp32 stage starts the continuation in the logit
+  scale from range 10 instead of 16 (fewer Newton iterations at large logits: the first
+  stage is the slow one at N(0, 10^2)); N(0,1) inputs rarely have a range above 10.
+  These four are opt-in until measured on a GPU (NOTES.md). The CPU runs the same math
+  for the fb2 and c8 layouts (n = 4 float32), so the CPU tests check it; ``thread-wave``
+  is ``thread`` on the CPU.
 
 Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is
 still validated, so a misspelt value fails everywhere).
@@ -69,17 +72,25 @@ class ProjectionInfo(NamedTuple):
 
 # ---------------------------------------------------------------- layouts
 LAYOUT_ENV = "MHC_PROJ_BIRKHOFF_LAYOUT"
-_LAYOUTS = {"lane": 0, "thread": 1, "thread-wave": 2, "thread-fb2": 3, "thread-fb2-occ3": 4}
-_LAYOUTS_FB2 = (3, 4)  # the CPU runs their float64 stage (its birkhoff_fwd variant 1)
+_LAYOUTS = {
+    "lane": 0,
+    "thread": 1,
+    "thread-wave": 2,
+    "thread-fb2": 3,
+    "thread-fb2-occ3": 4,
+    "thread-c10": 5,
+}
+# layout code -> the CPU birkhoff_fwd variant that runs the same math (n = 4 float32)
+_CPU_VARIANT = {3: 1, 4: 1, 5: 2}
 
 
 def layout_code(layout: str | int | None = None) -> int:
     """CUDA kernel layout code: ``layout`` if given (a name or its code), else the
     ``MHC_PROJ_BIRKHOFF_LAYOUT`` environment variable (read at each call), else
     ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per
-    matrix; default), ``"thread-wave"`` = 2, ``"thread-fb2"`` = 3, ``"thread-fb2-occ3"`` = 4
-    (thread per matrix with other float64 stages, module docstring). Used for n = 4
-    float32; the CPU has no lane layout."""
+    matrix; default), ``"thread-wave"`` = 2, ``"thread-fb2"`` = 3, ``"thread-fb2-occ3"`` = 4,
+    ``"thread-c10"`` = 5 (thread per matrix with other float64 stages or continuation, module
+    docstring). Used for n = 4 float32; the CPU has no lane layout."""
     return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout")
 
 
@@ -118,7 +129,8 @@ def birkhoff_fwd(
                 pivot_min, _backend.stream(x), code,
             )  # fmt: skip
     else:  # one layout on the CPU; the fb2 layouts' float64 stage is its variant 1
-        variant = 1 if code in _LAYOUTS_FB2 and n == 4 and x.dtype == torch.float32 else 0
+        fp32_4 = n == 4 and x.dtype == torch.float32
+        variant = _CPU_VARIANT.get(code, 0) if fp32_4 else 0
         mod.birkhoff_fwd(
             x.data_ptr(), out.data_ptr(), info_ptr, b, n, _backend.dtype_code(x), tol,
             max_iter, fallback_tol, fallback_max_iter, pivot_min, variant,
@@ -277,7 +289,7 @@ def birkhoff_project(
 
     The kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at each
     call (``thread`` default, ``lane``, ``thread-wave``, ``thread-fb2``,
-    ``thread-fb2-occ3``); see the module docstring.
+    ``thread-fb2-occ3``, ``thread-c10``); see the module docstring.
     """
     return _project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
 
