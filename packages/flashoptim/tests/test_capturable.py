@@ -212,24 +212,26 @@ def test_capturable_errors(monkeypatch):
         opt.step_param(p)
 
 
-def test_default_path_unchanged_scalar_flag():
+@pytest.mark.parametrize("kernel", ["v2", "v3"])
+def test_default_path_unchanged_scalar_flag(kernel):
     """The default path launches with SCALARS_ON_DEVICE=False (its compiled code does not
     change); capturable launches with True."""
     seen = []
-    orig = optimizers.FlashOptimizer._run_kernel_v2
+    name = f"_run_kernel_{kernel}"
+    orig = getattr(optimizers.FlashOptimizer, name)
 
-    def spy(self, ent, scalars, flags):
+    def spy(self, ent, scalars, flags, *rest):
         seen.append(flags["SCALARS_ON_DEVICE"])
-        return orig(self, ent, scalars, flags)
+        return orig(self, ent, scalars, flags, *rest)
 
-    optimizers.FlashOptimizer._run_kernel_v2 = spy
+    setattr(optimizers.FlashOptimizer, name, spy)
     try:
         for cap in (False, True):
             p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
             p.grad = torch.ones_like(p)
-            fo.FlashAdamW([p], capturable=cap, backend="triton").step()
+            fo.FlashAdamW([p], capturable=cap, backend="triton", kernel=kernel).step()
     finally:
-        optimizers.FlashOptimizer._run_kernel_v2 = orig
+        setattr(optimizers.FlashOptimizer, name, orig)
     assert seen == [False, True]
     assert _core._step_kernel_v2.arg_names[-1] == "SCALARS_ON_DEVICE"
 
