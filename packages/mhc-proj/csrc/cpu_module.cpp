@@ -206,8 +206,13 @@ void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps, int varia
 // Exact backward of the truncated iteration: the recompute formulation of the shared
 // header (scaling vectors, N numbers per step), the same code the CUDA thread-per-matrix
 // backward runs.
+// variant 3 (CUDA "thread-e"): the rescaled-adjoint reverse sweep
+// (mhc::sinkhorn_vjp_rescaled); other variants: mhc::sinkhorn_vjp_scaling.
+constexpr int kSkBwdRescaled = 3;
+
 template <int N, typename S>
-void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S eps) {
+void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S eps,
+                    int variant) {
   constexpr int E = N * N;
   const int steps = 2 * iters - 1;
   std::unique_ptr<S[][N]> vec(new S[steps][N]);
@@ -215,7 +220,10 @@ void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S
     S a[N][N], d[N][N];
     load<N, S>(src + b * E, a);
     load<N, S>(gsrc + b * E, d);
-    mhc::sinkhorn_vjp_scaling<N, S>(a, d, iters, eps, vec.get());
+    if (variant == kSkBwdRescaled)
+      mhc::sinkhorn_vjp_rescaled<N, S>(a, d, iters, eps, vec.get());
+    else
+      mhc::sinkhorn_vjp_scaling<N, S>(a, d, iters, eps, vec.get());
     store<N, S>(d, dst + b * E);
   }
 }
@@ -258,13 +266,13 @@ struct SkFwdF {
 template <int N>
 struct SkBwdF {
   static void run(std::uintptr_t s, std::uintptr_t g, std::uintptr_t d, int64_t B, int iters,
-                  double eps, int dt) {
+                  double eps, int dt, int variant) {
     if (dt == kF32)
       sinkhorn_bwd_t<N, float>(ptr<const float>(s), ptr<const float>(g), ptr<float>(d), B, iters,
-                               float(eps));
+                               float(eps), variant);
     else
       sinkhorn_bwd_t<N, double>(ptr<const double>(s), ptr<const double>(g), ptr<double>(d), B,
-                                iters, eps);
+                                iters, eps, variant);
   }
 };
 
@@ -354,10 +362,15 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "sinkhorn_bwd",
       [](std::uintptr_t src, std::uintptr_t g, std::uintptr_t dst, int64_t B, int n, int iters,
-         double eps, int dtype) {
+         double eps, int dtype, int variant) {
+        if (variant < 0 || variant > kSkBwdRescaled)
+          throw std::invalid_argument("sinkhorn_bwd: variant must be 0..3, got " +
+                                      std::to_string(variant));
         py::gil_scoped_release nogil;
-        dispatch_n<SkBwdF>(n, src, g, dst, B, iters, eps, dtype);
+        dispatch_n<SkBwdF>(n, src, g, dst, B, iters, eps, dtype, variant);
       },
+      "variant 3 (\"thread-e\"): the rescaled-adjoint reverse sweep; else the recompute "
+      "formulation of the thread kernel",
       py::arg("src"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
-      py::arg("iters"), py::arg("eps"), py::arg("dtype"));
+      py::arg("iters"), py::arg("eps"), py::arg("dtype"), py::arg("variant") = 1);
 }

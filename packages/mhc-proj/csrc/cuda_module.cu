@@ -139,7 +139,12 @@ __global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restr
 // thread to L1-resident local memory, 12 warps per SM; measured slower at B = 16M (4.31 vs
 // 3.85 ms on the H200, run 4); at 1M faster in run 3 only (0.354 vs 0.422 ms; run 4: 0.342
 // vs 0.330).
-template <int ITERS, int MIN_BLOCKS = 0>
+// RESCALED (variant 3, "thread-e", opt-in until measured): the same replay with the
+// division-free reverse sweep of mhc::sinkhorn_vjp_rescaled (~36 instead of ~72 FP
+// instructions per step; the CPU module runs the same code with its variant 3). ITERS = 20:
+// 2888 SASS instructions (thread: 4096), 217 registers, no spills: still 2 blocks per SM.
+// Variant 4 ("thread-e-occ3"): the same with MIN_BLOCKS = 3.
+template <int ITERS, int MIN_BLOCKS = 0, bool RESCALED = false>
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
     sinkhorn4_bwd_thread(const float* __restrict__ src, const float* __restrict__ grad,
                          float* __restrict__ dst, int64_t batch, int iters, float eps) {
@@ -150,7 +155,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
   ldg_4x4(grad + b * 16, g);
   constexpr int kSlots = ITERS > 0 ? 2 * ITERS - 1 : 2 * kMaxSinkhornIters - 1;
   float vec[kSlots][4];
-  mhc::sinkhorn_vjp_scaling<4, float, ITERS>(a, g, iters, eps, vec);
+  if constexpr (RESCALED)
+    mhc::sinkhorn_vjp_rescaled<4, float, ITERS>(a, g, iters, eps, vec);
+  else
+    mhc::sinkhorn_vjp_scaling<4, float, ITERS>(a, g, iters, eps, vec);
   st_4x4(dst + b * 16, g);
 }
 
@@ -409,12 +417,21 @@ PYBIND11_MODULE(_cuda, m) {
                                       std::to_string(iters));
         if (B == 0) return;
         const cudaStream_t s = as_stream(stream);
-        if (variant == 1 || variant == 2) {
+        if (variant >= 1 && variant <= 4) {
           const unsigned tgrid = unsigned((B + 127) / 128);
           const float* xs = ptr<const float>(src);
           const float* gs = ptr<const float>(g);
           float* out = ptr<float>(dst);
-          if (iters != 20)
+          if (variant >= 3 && iters != 20)
+            sinkhorn4_bwd_thread<0, 0, true><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters,
+                                                                   float(eps));
+          else if (variant == 3)
+            sinkhorn4_bwd_thread<20, 0, true><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters,
+                                                                    float(eps));
+          else if (variant == 4)
+            sinkhorn4_bwd_thread<20, 3, true><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters,
+                                                                    float(eps));
+          else if (iters != 20)
             sinkhorn4_bwd_thread<0><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters, float(eps));
           else if (variant == 1)
             sinkhorn4_bwd_thread<20, 0><<<tgrid, 128, 0, s>>>(xs, gs, out, B, iters, float(eps));
@@ -425,7 +442,8 @@ PYBIND11_MODULE(_cuda, m) {
         }
         if (variant != 0)
           throw std::invalid_argument("sinkhorn_bwd: variant must be 0 (16 lanes per matrix), "
-                                      "1 (thread per matrix) or 2 (thread, 3 blocks/SM), got " +
+                                      "1 (thread per matrix), 2 (thread, 3 blocks/SM), 3 "
+                                      "(thread, rescaled adjoint) or 4 (3, 3 blocks/SM), got " +
                                       std::to_string(variant));
         const unsigned grid = unsigned((B * 16 + 255) / 256);
         if (iters == 20)

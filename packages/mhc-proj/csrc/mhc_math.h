@@ -994,6 +994,77 @@ MHC_HD void sinkhorn_vjp_scaling(const S (&a)[N][N], S (&g)[N][N], int iters, S 
   softmax_rows_bwd<N, S>(sm, g);
 }
 
+// The same VJP with a division-free reverse sweep ("rescaled adjoint"; CUDA backward variant
+// 3, "thread-e"; derivation in packages/mhc-proj/NOTES.md, "Sinkhorn-20 backward:
+// rescaled adjoint"). Carry e = d (.) r c^T instead of the state adjoint d, with r, c the
+// scaling vectors of the current state. The reverse of a column step k (out c' = vec[k],
+// r = vec[k - 1]) is then
+//   S_j = sum_i e_ij P0_ij  (= <dq, q> along column j),   e_ij -= r_i (S_j c'_j),
+// and of a row step k (out r' = vec[k], c = vec[k - 1])
+//   T_i = sum_j e_ij P0_ij,                               e_ij -= (T_i r'_i) c_j,
+// because the step's factor f = c' / c cancels against the rescaling (f c = c'). At the
+// start e = G (.) r c^T (the final vectors); after step 0 (r = c = 1) e is P0's adjoint.
+// Per step one N x N reduction, N multiplications and one rank-1 update (2 N^2 + N FMA-type
+// instructions) instead of sinkhorn_vjp_scaling's 3 N^2 + 2 N plus N quotients; the forward
+// replay is the same (bitwise the same vectors).
+template <int N, typename S, int ITERS = 0>
+MHC_HD void sinkhorn_vjp_rescaled(const S (&a)[N][N], S (&g)[N][N], int iters, S eps,
+                                  S (*vec)[N]) {
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+  S sm[N][N], p0[N][N], one[N];
+  sk_p0<N, S>(a, eps, sm, p0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) one[i] = S(1);
+  MHC_UNROLL
+  for (int k = 0; k < steps; ++k) {
+    const S(&other)[N] = k >= 1 ? vec[k - 1] : one;
+    const S(&in)[N] = k >= 2 ? vec[k - 2] : one;
+    sk_scaling_step<N, S>(p0, other, in, vec[k], (k & 1) == 0, eps);
+  }
+  // e = G (.) r c^T: the last step is a column step (even), so c = vec[steps - 1] and
+  // r = vec[steps - 2] (1 for iters = 1)
+  {
+    const S(&c)[N] = vec[steps - 1];
+    const S(&r)[N] = steps >= 2 ? vec[steps - 2] : one;
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) g[i][j] = (g[i][j] * r[i]) * c[j];
+    }
+  }
+  MHC_UNROLL
+  for (int k = steps - 1; k >= 0; --k) {
+    const S(&out)[N] = vec[k];
+    const S(&other)[N] = k >= 1 ? vec[k - 1] : one;
+    const bool column = (k & 1) == 0;
+    S h[N];
+    MHC_UNROLL
+    for (int l = 0; l < N; ++l) h[l] = S(0);
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) {
+        if (column)
+          h[j] += g[i][j] * p0[i][j];
+        else
+          h[i] += g[i][j] * p0[i][j];
+      }
+    }
+    MHC_UNROLL
+    for (int l = 0; l < N; ++l) h[l] *= out[l];
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) {
+        if (column)
+          g[i][j] -= other[i] * h[j];
+        else
+          g[i][j] -= h[i] * other[j];
+      }
+    }
+  }
+  softmax_rows_bwd<N, S>(sm, g);
+}
 
 // ---------------------------------------------------------------- per-matrix drivers
 // project_matrix's status from the solve's outcome and the final T. Ill-conditioned (nearly

@@ -20,6 +20,9 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   layout (fwd only); ``ours-sinkhorn20-lane-bwd``: the 16-lanes-per-matrix backward (bwd
   and fwd_bwd only; default forward); ``ours-sinkhorn20-occ3``: the backward compiled for
   3 resident blocks per SM (``thread-occ3``; default forward).
+  ``ours-sinkhorn20-e`` / ``ours-sinkhorn20-e-occ3``: the backward with the division-free
+  rescaled-adjoint reverse sweep (``thread-e`` / ``thread-e-occ3``; default forward;
+  opt-in until measured, NOTES.md).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -63,6 +66,8 @@ PROVIDERS = [
     "ours-sinkhorn20-lane-bwd",
     "ours-sinkhorn20-fullstate",
     "ours-sinkhorn20-occ3",
+    "ours-sinkhorn20-e",
+    "ours-sinkhorn20-e-occ3",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -130,6 +135,10 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="thread")
     if provider == "ours-sinkhorn20-occ3":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-occ3")
+    if provider == "ours-sinkhorn20-e":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e")
+    if provider == "ours-sinkhorn20-e-occ3":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e-occ3")
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":
@@ -335,6 +344,8 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-fullstate",
         "ours-sinkhorn20-occ3",
+        "ours-sinkhorn20-e",
+        "ours-sinkhorn20-e-occ3",
     ]:
         if p in providers:
             # backward alone; for Sinkhorn-20 every backward kernel at every size (the

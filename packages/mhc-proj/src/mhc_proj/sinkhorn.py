@@ -34,6 +34,11 @@ iteration. Backward, CUDA kernels:
   where the thread kernel's flushed subnormal denominators can give inf.
   Selected with ``MHC_PROJ_SINKHORN_BWD=lane`` (read at each backward call) or
   ``variant="lane"`` of :func:`sinkhorn_bwd`.
+- ``thread-e`` (opt-in until measured on a GPU): the ``thread`` kernel's replay with a
+  division-free reverse sweep on the rescaled adjoint e = dP (.) r c^T
+  (``sinkhorn_vjp_rescaled``: per step one reduction and one rank-1 update, ~36 FP
+  instructions instead of ~72); the CPU runs the same code for this name.
+  ``thread-e-occ3``: the same compiled for 3 resident blocks per SM.
 - ``thread-occ3`` (opt-in): the ``thread`` kernel compiled for 3 resident blocks per SM
   instead of 2 (iters = 20: 168 registers with L1-resident spills instead of 255 without);
   the same arithmetic, so the same results. H200: slower at B = 16M (4.31 vs 3.85 ms in
@@ -120,14 +125,18 @@ def sinkhorn_fwd(
 
 
 BWD_ENV = "MHC_PROJ_SINKHORN_BWD"
-_BWD_VARIANTS = {"lane": 0, "thread": 1, "thread-occ3": 2}
+_BWD_VARIANTS = {"lane": 0, "thread": 1, "thread-occ3": 2, "thread-e": 3, "thread-e-occ3": 4}
+_BWD_RESCALED = (3, 4)  # the CPU runs their reverse sweep too (its variant 3)
 
 
 def bwd_variant_code(variant: str | int | None = None) -> int:
     """CUDA backward kernel code: ``variant`` if given, else the ``MHC_PROJ_SINKHORN_BWD``
     environment variable, else ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix),
     ``"thread"`` = 1 (thread per matrix, recompute from scaling vectors; default),
-    ``"thread-occ3"`` = 2 (the same kernel compiled for 3 resident blocks per SM)."""
+    ``"thread-occ3"`` = 2 (the same kernel compiled for 3 resident blocks per SM),
+    ``"thread-e"`` = 3 (thread per matrix, the division-free rescaled-adjoint reverse
+    sweep; the CPU runs it too), ``"thread-e-occ3"`` = 4 (that kernel compiled for 3
+    resident blocks per SM)."""
     return _backend.choice_code(variant, BWD_ENV, _BWD_VARIANTS, "Sinkhorn backward variant")
 
 
@@ -136,10 +145,11 @@ def sinkhorn_bwd(
 ) -> torch.Tensor:
     """Exact VJP of the truncated iteration (recomputes the forward from ``x``).
 
-    ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"``, ``"thread"`` or
-    ``"thread-occ3"``; None reads
-    ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread"``). The CPU path has one implementation
-    (the recompute formulation the ``thread`` kernel shares)."""
+    ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"``, ``"thread"``,
+    ``"thread-occ3"``, ``"thread-e"`` or ``"thread-e-occ3"``; None reads
+    ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread"``). The CPU path runs the ``thread``
+    kernel's recompute formulation, or for the ``thread-e*`` names (any n and dtype) the
+    rescaled-adjoint reverse sweep."""
     code = bwd_variant_code(variant)
     b, n = x.shape[0], x.shape[-1]
     if b == 0:
@@ -162,9 +172,11 @@ def sinkhorn_bwd(
                 _backend.stream(x),
             )
     else:
+        cpu_variant = 3 if code in _BWD_RESCALED else 1
         mod.sinkhorn_bwd(
-            x.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, iters, eps, _backend.dtype_code(x)
-        )
+            x.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, iters, eps,
+            _backend.dtype_code(x), cpu_variant,
+        )  # fmt: skip
     return out
 
 
