@@ -11,7 +11,10 @@ Tolerances, measured on the CPU (200k matrices per sigma, seed 3): fb2 against t
 max |dT| 3.6e-12 at sigma 10, 1.2e-10 at sigma 100, 2.2e-16 at 1e4, 0 at sigma 1 (no
 matrix reaches the float64 stage there); converged and fallback flags identical; iteration
 counts different for 0 (sigma 10) and 1.1% (sigma 100) of the matrices. The tests allow
-max |dT| 1e-8 (100x below fp32 rounding of values near 1).
+max |dT| 2.5e-7: the two float64 plans differ by ~1e-16 relative, so an fp32 output near 1
+can round to the neighbouring float (6e-8) when they straddle a rounding boundary (not seen
+on 800k CPU matrices, possible on the GPU tests' 1M per distribution); 40x below the
+accuracy suite's 1e-5.
 
 - ``thread-c10``: ``thread-fb2`` with the fp32 continuation from logit range 10 (16 in
   ``thread``): another fp32 path to the same projection. CPU against ``thread``, 200k
@@ -49,7 +52,7 @@ DISTS = {
     "1e4*N(0,1)": lambda b, g: torch.randn(b, 4, 4, generator=g) * 1e4,
 }
 SMALL = {"N(0,1)", "N(0,10^2)", "U(-10,10)"}  # the float64 reference has no continuation
-MAX_DT = 1e-8
+MAX_DT = 2.5e-7
 MAX_DT_C10 = 1e-5
 
 
