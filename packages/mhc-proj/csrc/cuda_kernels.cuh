@@ -68,7 +68,8 @@ __device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, in
 // Stage 1 (fp32): one thread solves one matrix (16-byte loads and stores for n = 4).
 // Matrices that did not converge (or are ill-conditioned) are appended to a work list.
 // CONT_RANGE: the fp32 continuation threshold (0: the default 16; layout "thread-c10": 10).
-template <int N, int CONT_RANGE = 0>
+// LSP: the one-log1p line search (mhc::armijo_log_sum; layout "thread-c10ls").
+template <int N, int CONT_RANGE = 0, bool LSP = false>
 __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   if (b >= a.batch) return;
@@ -84,8 +85,8 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   }
   int iters = 0;
   float beta[N];
-  const int st = mhc::project_matrix<N, float, CONT_RANGE>(in, out, float(a.tol), a.max_iter,
-                                                            iters, float(a.pivot_min), beta);
+  const int st = mhc::project_matrix<N, float, CONT_RANGE, LSP>(
+      in, out, float(a.tol), a.max_iter, iters, float(a.pivot_min), beta);
   fwd_emit<N>(a, b, st, iters, out, beta);
 }
 
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
 // That keeps T live across iterations: 246 registers for n = 4 (2 blocks = 8 warps per SM)
 // against 164 (3 blocks); MIN_BLOCKS = 3 caps them at 168 with 232 B of L1 spills
 // ("thread-fb2-occ3"). Which one is faster is for the GPU run to say (NOTES.md).
-template <int N, bool UPDATE = false, int MIN_BLOCKS = 0>
+template <int N, bool UPDATE = false, int MIN_BLOCKS = 0, bool LSP = false>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) birkhoff_fwd_fallback(FwdArgs a) {
   const int count = *static_cast<volatile int*>(a.work);
   constexpr int E = N * N;
@@ -108,8 +109,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) birkhoff_fwd_fallback(Fw
     const float* wb = reinterpret_cast<const float*>(a.work + 1 + a.batch) + int64_t(k) * N;
     const int st = isnan(wb[0])
                        ? mhc::project_matrix<N, double>(src, dst, a.fb_tol, a.fb_max_iter, iters)
-                       : mhc::polish_matrix<N, double, UPDATE>(src, dst, wb, a.fb_tol,
-                                                               a.fb_max_iter, iters);
+                       : mhc::polish_matrix<N, double, UPDATE, LSP>(src, dst, wb, a.fb_tol,
+                                                                    a.fb_max_iter, iters);
     if (a.info) {
       int total = (a.info[b] & 0xffff) + iters;
       total = total > 0xffff ? 0xffff : total;
@@ -171,7 +172,7 @@ void launch_fallback(const FwdArgs& a, cudaStream_t stream) {
 // the first 396: ~2x the time of one wave for 1.33x the blocks. Each matrix is solved
 // independently, so the grid changes no result. The occupancy is read once per process
 // (first device used; every GPU of a host is the same model here).
-template <int N, bool UPDATE, int MIN_BLOCKS>
+template <int N, bool UPDATE, int MIN_BLOCKS, bool LSP = false>
 void launch_fallback_wave(const FwdArgs& a, cudaStream_t stream) {
   static int resident = 0;  // blocks per SM x SMs
   if (resident == 0) {
@@ -179,12 +180,12 @@ void launch_fallback_wave(const FwdArgs& a, cudaStream_t stream) {
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS>, kThreads, 0);
+        &per_sm, birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS, LSP>, kThreads, 0);
     resident = (sms > 0 ? sms : 132) * (per_sm > 0 ? per_sm : 1);
   }
   const unsigned grid = blocks_for(a.batch, kThreads);
   const unsigned fb_grid = grid < unsigned(resident) ? grid : unsigned(resident);
-  birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS><<<fb_grid, kThreads, 0, stream>>>(a);
+  birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS, LSP><<<fb_grid, kThreads, 0, stream>>>(a);
 }
 
 // Float64-stage variants of the fp32 forward (layout codes 1..4 of the bindings).
@@ -192,10 +193,11 @@ constexpr int kFbDefault = 0;     // "thread": launch_fallback
 constexpr int kFbWave = 1;        // "thread-wave": default polish, one-wave grid
 constexpr int kFbUpdate = 2;      // "thread-fb2": plan-updating polish, one-wave grid
 constexpr int kFbUpdateOcc3 = 3;  // "thread-fb2-occ3": the same, 3 blocks per SM
+constexpr int kFbUpdateLsp = 4;   // "thread-c10ls": kFbUpdate with the one-log1p search
 
 // FB: the float64 stage's variant (kFb*), CONT_RANGE: stage 1's (birkhoff_fwd_f32_thread);
 // only n = 4 instantiates other values than the defaults.
-template <int N, int FB = kFbDefault, int CONT_RANGE = 0>
+template <int N, int FB = kFbDefault, int CONT_RANGE = 0, bool LSP = false>
 void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   if (a.batch == 0) return;
   const unsigned grid = blocks_for(a.batch, kThreads);
@@ -204,13 +206,15 @@ void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
     return;
   }
   cudaMemsetAsync(a.work, 0, sizeof(int), stream);
-  birkhoff_fwd_f32_thread<N, CONT_RANGE><<<grid, kThreads, 0, stream>>>(a);
+  birkhoff_fwd_f32_thread<N, CONT_RANGE, LSP><<<grid, kThreads, 0, stream>>>(a);
   if constexpr (FB == kFbWave)
     launch_fallback_wave<N, false, 0>(a, stream);
   else if constexpr (FB == kFbUpdate)
     launch_fallback_wave<N, true, 0>(a, stream);
   else if constexpr (FB == kFbUpdateOcc3)
     launch_fallback_wave<N, true, 3>(a, stream);
+  else if constexpr (FB == kFbUpdateLsp)
+    launch_fallback_wave<N, true, 0, true>(a, stream);
   else
     launch_fallback<N>(a, stream);
 }

@@ -254,18 +254,20 @@ __global__ void __launch_bounds__(kLaneThreads)
 // with another float64 stage (kFb* in cuda_kernels.cuh; n = 4 fp32 forward only, otherwise
 // and for the backward the thread layout): 2 "thread-wave", 3 "thread-fb2", 4
 // "thread-fb2-occ3", 5 "thread-c10" (thread-fb2 with the fp32 continuation from logit range
-// 10 instead of 16).
+// 10 instead of 16), 6 "thread-c10ls" (thread-c10 whose line searches, fp32 and float64,
+// evaluate the objective change with one log1p: mhc::armijo_log_sum).
 constexpr int kLayoutLane = 0;
 constexpr int kLayoutThread = 1;
 constexpr int kLayoutThreadWave = 2;
 constexpr int kLayoutThreadFb2 = 3;
 constexpr int kLayoutThreadFb2Occ3 = 4;
 constexpr int kLayoutThreadC10 = 5;
+constexpr int kLayoutThreadC10Ls = 6;
 
 void check_layout(int layout) {
-  if (layout < kLayoutLane || layout > kLayoutThreadC10)
+  if (layout < kLayoutLane || layout > kLayoutThreadC10Ls)
     throw std::invalid_argument("birkhoff: layout must be 0 (16 lanes per matrix), 1 (thread "
-                                "per matrix), 2..5 (thread per matrix, float64 stage and "
+                                "per matrix), 2..6 (thread per matrix, float64 stage and "
                                 "continuation variants), got " +
                                 std::to_string(layout));
 }
@@ -339,6 +341,8 @@ PYBIND11_MODULE(_cuda, m) {
           launch_fwd<4, kFbUpdateOcc3>(a, dtype, as_stream(stream));
         else if (n == 4 && layout == kLayoutThreadC10)
           launch_fwd<4, kFbUpdate, 10>(a, dtype, as_stream(stream));
+        else if (n == 4 && layout == kLayoutThreadC10Ls)
+          launch_fwd<4, kFbUpdateLsp, 10, true>(a, dtype, as_stream(stream));
         else if (n == 4)
           launch_fwd<4>(a, dtype, as_stream(stream));
         else

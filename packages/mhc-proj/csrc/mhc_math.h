@@ -367,6 +367,24 @@ MHC_HD bool armijo_accepts(S delta, S step, S slope, S dmax) {
   return m_finite(delta) && delta <= thr;
 }
 
+// sum_i log1p(y_i), y_i = sum_j t_ij em_j, as ONE log1p: log1p(q) with 1 + q = prod_i (1 +
+// y_i), q accumulated as q + y + q y (no 1 + y rounding, so tiny y keep their precision; the
+// error of q is ~N eps |q|-ish like the sum of N log1p's). The line search's objective
+// change with 1 log1pf instead of N (~36 SASS instructions each on sm_90): the "ls" layouts
+// (LSP); the default keeps the N log1p's.
+template <int N, typename S>
+MHC_HD S armijo_log_sum(const S (&t)[N][N], const S (&em)[N]) {
+  S q = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    S y = S(0);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
+    q = q + y + q * y;
+  }
+  return m_log1p(q);
+}
+
 // Continuation schedule (newton_project): intermediate stages stop at this tolerance and
 // the logit scale grows by this factor per stage.
 constexpr double kContStageTol = 1e-2;
@@ -415,7 +433,7 @@ MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
 // it is exact block-coordinate descent). A macro, not a function, on purpose: expanded in
 // newton_core's loop it compiles as the loop body always did (as an inlined function it
 // costs the generic n = 8 fp32 kernel 100 B of register spills, nvcc 13.0).
-#define MHC_NEWTON_STEP(N, S, t, c, beta, COL)                                    \
+#define MHC_NEWTON_STEP(N, S, t, c, beta, COL, LSP)                               \
   do {                                                                            \
     S w_[N][N], b_[N], d_[N];                                                     \
     MHC_PROF(step, S);                                                            \
@@ -432,12 +450,16 @@ MHC_HD int newton_decide(S err, S tol, int max_iter, NewtonIter<S>& s) {
         MHC_UNROLL                                                                \
         for (int j = 0; j < N; ++j) em_[j] = m_expm1(step_ * d_[j]);              \
         S delta_ = -step_ * sumd_;                                                \
-        MHC_UNROLL                                                                \
-        for (int i = 0; i < N; ++i) {                                             \
-          S y_ = S(0);                                                            \
+        if constexpr (LSP) {                                                      \
+          delta_ += armijo_log_sum<N, S>(t, em_);                                 \
+        } else {                                                                  \
           MHC_UNROLL                                                              \
-          for (int j = 0; j < N; ++j) y_ += t[i][j] * em_[j];                     \
-          delta_ += m_log1p(y_);                                                  \
+          for (int i = 0; i < N; ++i) {                                           \
+            S y_ = S(0);                                                          \
+            MHC_UNROLL                                                            \
+            for (int j = 0; j < N; ++j) y_ += t[i][j] * em_[j];                   \
+            delta_ += m_log1p(y_);                                                \
+          }                                                                       \
         }                                                                         \
         if (armijo_accepts<N, S>(delta_, step_, slope_, dmax_)) {                 \
           accepted_ = true;                                                       \
@@ -495,7 +517,7 @@ constexpr int kStepUpdated = 0;
 constexpr int kStepReplan = 1;
 constexpr int kStepColumn = 2;
 constexpr double kUpdateMaxStep = 1.0;
-template <int N, typename S>
+template <int N, typename S, bool LSP = false>
 MHC_HD int newton_step_update(S (&t)[N][N], S (&c)[N], S (&beta)[N], S& err) {
   S w[N][N], b[N], d[N], em[N];
   MHC_PROF(step, S);
@@ -511,12 +533,16 @@ MHC_HD int newton_step_update(S (&t)[N][N], S (&c)[N], S (&beta)[N], S& err) {
       MHC_UNROLL
       for (int j = 0; j < N; ++j) em[j] = m_expm1(step * d[j]);
       S delta = -step * sumd;
-      MHC_UNROLL
-      for (int i = 0; i < N; ++i) {
-        S y = S(0);
+      if constexpr (LSP) {
+        delta += armijo_log_sum<N, S>(t, em);
+      } else {
         MHC_UNROLL
-        for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
-        delta += m_log1p(y);
+        for (int i = 0; i < N; ++i) {
+          S y = S(0);
+          MHC_UNROLL
+          for (int j = 0; j < N; ++j) y += t[i][j] * em[j];
+          delta += m_log1p(y);
+        }
       }
       if (armijo_accepts<N, S>(delta, step, slope, dmax)) {
         accepted = true;
@@ -549,7 +575,8 @@ MHC_HD int newton_step_update(S (&t)[N][N], S (&c)[N], S (&beta)[N], S& err) {
 // UPDATE: accepted steps update the plan (newton_step_update) instead of recomputing it
 // from a and beta (the float64 stage of the fp32 path, layout "thread-fb2"); same
 // decisions, T equal to rowsoftmax(a + beta) up to rounding.
-template <int N, typename S, bool UPDATE = false>
+// LSP: the line search's objective change with one log1p (armijo_log_sum; "ls" layouts).
+template <int N, typename S, bool UPDATE = false, bool LSP = false>
 MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, int max_iter,
                         int& iters, bool warm = false) {
   if (!warm) log_col_step<N, S>(a, beta);
@@ -568,7 +595,7 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
         break;
       }
       if (r == kNewtonFailed) break;
-      const int u = newton_step_update<N, S>(t, c, beta, err);
+      const int u = newton_step_update<N, S, LSP>(t, c, beta, err);
       fresh = u == kStepUpdated;
       if (u == kStepColumn) log_col_step<N, S>(a, beta);
     }
@@ -582,7 +609,7 @@ MHC_HD bool newton_core(const S (&a)[N][N], S (&beta)[N], S (&t)[N][N], S tol, i
       }
       if (r == kNewtonFailed) break;
       bool col = false;
-      MHC_NEWTON_STEP(N, S, t, c, beta, col);
+      MHC_NEWTON_STEP(N, S, t, c, beta, col, LSP);
       if (col) log_col_step<N, S>(a, beta);
     }
   }
@@ -661,19 +688,19 @@ MHC_HD bool cont_next(ContState<N, S>& cs, const S (&beta)[N], int it) {
 // The projection of one matrix. Small logit ranges: one Newton solve. Large ranges:
 // continuation (ContState above); this keeps every stage well conditioned and makes
 // logits of magnitude 1e4 converge in tens of iterations.
-template <int N, typename S, int CONT_RANGE = 0>
+template <int N, typename S, int CONT_RANGE = 0, bool LSP = false>
 MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters,
                            S (&beta)[N]) {
   ContState<N, S> cs;
   cont_begin<N, S, CONT_RANGE>(a, cs, beta);
-  if (cs.plain) return newton_core<N, S>(a, beta, t, tol, max_iter, iters);
+  if (cs.plain) return newton_core<N, S, false, LSP>(a, beta, t, tol, max_iter, iters);
   bool ok = false;
   for (;;) {
     S as[N][N];
     cont_stage<N, S>(a, cs, as, beta);
     int it = 0;
     MHC_PROF(stage, S);
-    ok = newton_core<N, S>(as, beta, t, cont_tol(cs, tol), max_iter, it);
+    ok = newton_core<N, S, false, LSP>(as, beta, t, cont_tol(cs, tol), max_iter, it);
     if (!cont_next<N, S>(cs, beta, it)) break;
   }
   iters = cs.total;
@@ -1081,7 +1108,7 @@ MHC_HD int projection_status(bool ok, const S (&t)[N][N], S pivot_min) {
 // ill-conditioned (min pivot < pivot_min; its potentials go to beta_out for a warm-started
 // float64 polish), -1 non-finite input (the output is NaN; no other matrix is affected).
 // CONT_RANGE: newton_project's continuation threshold (0: Limits<S>::cont_range).
-template <int N, typename S, int CONT_RANGE = 0, typename In, typename Out>
+template <int N, typename S, int CONT_RANGE = 0, bool LSP = false, typename In, typename Out>
 MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& iters,
                           S pivot_min = S(0), float* beta_out = nullptr) {
   S a[N][N], t[N][N];
@@ -1092,7 +1119,7 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
     return -1;
   }
   S beta[N];
-  const bool ok = newton_project<N, S, CONT_RANGE>(a, t, tol, max_iter, iters, beta);
+  const bool ok = newton_project<N, S, CONT_RANGE, LSP>(a, t, tol, max_iter, iters, beta);
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
     MHC_UNROLL
@@ -1109,7 +1136,7 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
 // Float64 polish: Newton warm-started from potentials of the fp32 stage (1-2 iterations
 // from an fp32-accurate start); a full solve from scratch if that does not converge.
 // UPDATE: the warm-started iterations update the plan (newton_core<..., true>).
-template <int N, typename S, bool UPDATE = false, typename In, typename Out>
+template <int N, typename S, bool UPDATE = false, bool LSP = false, typename In, typename Out>
 MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, int max_iter,
                          int& iters) {
   S a[N][N], t[N][N], beta[N];
@@ -1117,7 +1144,7 @@ MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, i
   if (!load_shifted<N, S>(src, a)) return -1;
   MHC_UNROLL
   for (int j = 0; j < N; ++j) beta[j] = S(beta_in[j]) - S(beta_in[N - 1]);
-  bool ok = newton_core<N, S, UPDATE>(a, beta, t, tol, max_iter, iters, true);
+  bool ok = newton_core<N, S, UPDATE, LSP>(a, beta, t, tol, max_iter, iters, true);
   if (!ok) {
     int it2 = 0;
     ok = newton_project<N, S>(a, t, tol, max_iter, it2, beta);

@@ -1,6 +1,6 @@
-"""The float64-stage and continuation variants of the n = 4 fp32 forward (layouts
-``thread-wave``, ``thread-fb2``, ``thread-fb2-occ3``, ``thread-c10``; NOTES.md, "Issue #4:
-the float64 stage").
+"""The float64-stage, continuation and line-search variants of the n = 4 fp32 forward
+(layouts ``thread-wave``, ``thread-fb2``, ``thread-fb2-occ3``, ``thread-c10``,
+``thread-c10ls``; NOTES.md, "Issue #4: the float64 stage").
 
 - ``thread-wave``: only the CUDA grid of the float64 stage differs: bitwise ``thread``.
 - ``thread-fb2`` / ``thread-fb2-occ3``: the warm-started float64 polish updates its plan
@@ -23,6 +23,8 @@ accuracy suite's 1e-5.
   converged flags identical, float64-stage flags different for <= 44 of 200k. The
   tests allow max |dT| 1e-5 (the accuracy suite's distance bound: two solutions within it
   of the same exact one) and flags different on at most 1 in 1000 matrices.
+- ``thread-c10ls``: ``thread-c10`` with the one-log1p line search: the same bounds (CPU:
+  bitwise ``thread`` at sigma 1, within 9.5e-7 of ``thread-c10`` elsewhere).
 """
 
 import pytest
@@ -112,11 +114,13 @@ def test_cpu_fb2_matches_thread_and_reference(dist, batch):
         if dist in SMALL:
             ref = birkhoff_project_ref(x.double())
             assert float((t_new.double() - ref).abs().max()) <= 1e-5
-    t_c, i_c = _fwd(x, "thread-c10")
-    _compare(t_c, i_c, t_old, i_old, bitwise=dist == "N(0,1)", c10=True)
-    assert float(marginal_error(t_c).max()) <= 5.5e-6
-    if dist in SMALL:
-        assert float((t_c.double() - birkhoff_project_ref(x.double())).abs().max()) <= 1e-5
+    for layout in ("thread-c10", "thread-c10ls"):
+        t_c, i_c = _fwd(x, layout)
+        _compare(t_c, i_c, t_old, i_old, bitwise=dist == "N(0,1)", c10=True)
+        assert float(marginal_error(t_c).max()) <= 5.5e-6
+        if dist in SMALL:
+            ref = birkhoff_project_ref(x.double())
+            assert float((t_c.double() - ref).abs().max()) <= 1e-5
 
 
 @pytest.mark.parametrize("sigma", [1.0, 10.0])
@@ -130,13 +134,14 @@ def test_cpu_fb2_backward_accuracy(sigma):
     dref = birkhoff_vjp_ref(ref, gr.double())
     scale = dref.abs().flatten(1).amax(1)
     p99 = {}
-    for layout in ("thread", "thread-fb2", "thread-c10"):
+    for layout in ("thread", "thread-fb2", "thread-c10", "thread-c10ls"):
         t = _fwd(x, layout)[0]
         rel = (birkhoff_bwd(t, gr).double() - dref).abs().flatten(1).amax(1) / scale
         p99[layout] = float(torch.quantile(rel, 0.99))
-    assert p99["thread-fb2"] <= 1e-4 and p99["thread-c10"] <= 1e-4
+    assert max(p99.values()) <= 1e-4, p99
     assert p99["thread-fb2"] <= 1.01 * p99["thread"] + 1e-9, p99
     assert p99["thread-c10"] <= 1.25 * p99["thread"] + 1e-9, p99
+    assert p99["thread-c10ls"] <= 1.25 * p99["thread"] + 1e-9, p99
 
 
 def test_cpu_fb2_edge_cases():
@@ -151,11 +156,11 @@ def test_cpu_fb2_edge_cases():
     bad = torch.zeros(257, dtype=torch.bool)
     bad[[6, 7]] = True
     t_old, i_old = _fwd(x, "thread")
-    for layout in ("thread-fb2", "thread-c10"):
+    for layout in ("thread-fb2", "thread-c10", "thread-c10ls"):
         t_new, i_new = _fwd(x, layout)
         assert torch.isnan(t_new[bad]).all() and torch.isfinite(t_new[~bad]).all()
         assert torch.equal(i_new[bad], i_old[bad])
-        c10 = layout == "thread-c10"
+        c10 = layout.startswith("thread-c10")
         _compare(t_new[~bad], i_new[~bad], t_old[~bad], i_old[~bad], c10=c10)
         assert float(marginal_error(t_new[~bad]).max()) <= 5.5e-6
     # empty batch, float64 input and n != 4: the layout changes nothing there
@@ -168,7 +173,7 @@ def test_cpu_fb2_edge_cases():
     )
     for n in (2, 3, 5, 8):
         xn = torch.randn(301, n, n, generator=g) * 10
-        for layout in ("thread-fb2", "thread-c10"):
+        for layout in ("thread-fb2", "thread-c10", "thread-c10ls"):
             assert torch.equal(_fwd(xn, layout)[0], _fwd(xn, "thread")[0])
 
 
@@ -193,16 +198,19 @@ def test_cpu_fb2_saves_float64_plans():
     wmax = [float(p[:, 0].view(-1, 32).amax(1).double().mean()) for p in (p0, p2)]
     assert wmax[1] <= wmax[0] - 0.2, wmax
     assert float((t0.double() - t2.double()).abs().max()) <= MAX_DT_C10
+    t3, p3 = profile(x, 3)  # thread-c10ls: the same work counts as c10 up to rounding
+    assert float((t3.double() - t2.double()).abs().max()) <= MAX_DT_C10
+    assert abs(float(p3[:, 0].double().mean() - p2[:, 0].double().mean())) <= 0.02
     with pytest.raises(ValueError, match="variant"):
-        profile(x[:1], 3)
+        profile(x[:1], 4)
 
 
 def test_fb_layout_selection(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
     assert layout_code() == 1
     assert [layout_code(v) for v in FB_LAYOUTS] == [2, 3, 4]
-    assert [layout_code(v) for v in (2, 3, 4, 5)] == [2, 3, 4, 5]
-    assert layout_code("thread-c10") == 5
+    assert [layout_code(v) for v in (2, 3, 4, 5, 6)] == [2, 3, 4, 5, 6]
+    assert layout_code("thread-c10") == 5 and layout_code("thread-c10ls") == 6
     x = torch.randn(301, 4, 4, generator=torch.Generator().manual_seed(2)) * 10
     gr = torch.randn_like(x)
     t_exp = _fwd(x, "thread-fb2")[0]
@@ -217,12 +225,12 @@ def test_fb_layout_selection(monkeypatch):
     t_p.backward(gr)
     assert torch.equal(t_p.detach(), t_exp) and torch.equal(xp.grad, xe.grad)
     # the backward is thread's for every fb layout
-    for layout in FB_LAYOUTS + ["thread-c10"]:
+    for layout in FB_LAYOUTS + ["thread-c10", "thread-c10ls"]:
         assert torch.equal(birkhoff_bwd(t_exp, gr, layout), birkhoff_bwd(t_exp, gr, "thread"))
     with pytest.raises(ValueError, match="Birkhoff layout"):
         layout_code("thread-fb3")
     with pytest.raises(ValueError, match="Birkhoff layout"):
-        layout_code(6)
+        layout_code(7)
 
 
 # ---------------------------------------------------------------- GPU
@@ -247,21 +255,24 @@ def test_cuda_fb_layouts_vs_thread(dist, batch):
         assert float(d) <= 2e-5  # the fp32 stage: __expf and MUFU vs host expf
         assert torch.equal(_flags(res["thread-fb2"][1])[0], _flags(i_cpu)[0])
     assert float(marginal_error(res["thread-fb2"][0]).max()) <= 5.5e-6
-    t_c, i_c = (v.cpu() for v in _fwd(xc, "thread-c10"))
-    _compare(t_c, i_c, t_old, i_old, c10=True)
-    assert float(marginal_error(t_c).max()) <= 5.5e-6
-    if batch <= 100003:
-        t_cc, i_cc = _fwd(x, "thread-c10")
-        assert float((t_c - t_cc).abs().max()) <= 2e-5
-        assert torch.equal(_flags(i_c)[0], _flags(i_cc)[0])
+    ref = None
     if dist in SMALL and batch <= 100003:
         ref = birkhoff_project_ref(xc.double()).cpu()  # pure torch: on the GPU, in seconds
         assert float((res["thread-fb2"][0].double() - ref).abs().max()) <= 1e-5
-        assert float((t_c.double() - ref).abs().max()) <= 1e-5
+    for layout in ("thread-c10", "thread-c10ls"):
+        t_c, i_c = (v.cpu() for v in _fwd(xc, layout))
+        _compare(t_c, i_c, t_old, i_old, c10=True)
+        assert float(marginal_error(t_c).max()) <= 5.5e-6
+        if batch <= 100003:
+            t_cc, i_cc = _fwd(x, layout)
+            assert float((t_c - t_cc).abs().max()) <= 2e-5
+            assert torch.equal(_flags(i_c)[0], _flags(i_cc)[0])
+        if ref is not None:
+            assert float((t_c.double() - ref).abs().max()) <= 1e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", FB_LAYOUTS + ["thread-c10"])
+@pytest.mark.parametrize("layout", FB_LAYOUTS + ["thread-c10", "thread-c10ls"])
 def test_cuda_fb_layouts_nan_isolation_and_graph(layout):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(513, 4, 4, generator=g) * 10
@@ -300,7 +311,7 @@ def test_cuda_fb2_accuracy_1m():
     dref = birkhoff_vjp_ref(ref, gr.cuda().double())
     scale = dref.abs().flatten(1).amax(1)
     p99 = {}
-    for layout in ("thread", "thread-fb2", "thread-c10"):
+    for layout in ("thread", "thread-fb2", "thread-c10", "thread-c10ls"):
         t, info = _fwd(x.cuda(), layout)
         assert bool(_flags(info)[0].bool().all())
         assert float((t.double() - ref).abs().max()) <= 1e-5
@@ -308,5 +319,5 @@ def test_cuda_fb2_accuracy_1m():
         rel = (birkhoff_bwd(t, gr.cuda()).double() - dref).abs().flatten(1).amax(1) / scale
         p99[layout] = float(torch.quantile(rel.cpu(), 0.99))
     print("bwd rel p99", p99)
-    assert p99["thread-fb2"] <= 1e-4 and p99["thread-c10"] <= 1e-4
+    assert max(p99.values()) <= 1e-4, p99
     assert p99["thread-fb2"] <= 1.05 * p99["thread"] + 1e-9, p99

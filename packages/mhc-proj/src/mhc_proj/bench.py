@@ -10,7 +10,8 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   (the float64 stage on one wave of resident blocks, bitwise ``ours``' results),
   ``thread-fb2`` (that plus a polish that updates its plans) or ``thread-fb2-occ3`` (the same
   capped at 3 blocks per SM); ``ours-c10``: layout ``thread-c10`` (``thread-fb2`` with the
-  fp32 continuation from logit range 10); opt-in until measured, NOTES.md.
+  fp32 continuation from logit range 10); ``ours-c10ls``: ``thread-c10ls`` (that with the
+  one-log1p line search); opt-in until measured, NOTES.md.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
   Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
   matrix recomputing from the scaling vectors; or whatever ``MHC_PROJ_SINKHORN_FWD`` /
@@ -61,6 +62,7 @@ PROVIDERS = [
     "ours-fb2",
     "ours-fb2-occ3",
     "ours-c10",
+    "ours-c10ls",
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
@@ -81,6 +83,7 @@ _BIRKHOFF_LAYOUT = {
     "ours-fb2": "thread-fb2",
     "ours-fb2-occ3": "thread-fb2-occ3",
     "ours-c10": "thread-c10",
+    "ours-c10ls": "thread-c10ls",
 }
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
 SAMPLE = 16384
@@ -122,7 +125,7 @@ def _fn_for(provider: str) -> Callable | None:
         return mhc_proj.birkhoff_project
     if provider == "ours-lane16":
         return lambda x: birkhoff_project_layout(x, layout="lane")
-    if provider in ("ours-wave", "ours-fb2", "ours-fb2-occ3", "ours-c10"):
+    if provider in ("ours-wave", "ours-fb2", "ours-fb2-occ3", "ours-c10", "ours-c10ls"):
         lay = _BIRKHOFF_LAYOUT[provider]
         return lambda x: birkhoff_project_layout(x, layout=lay)
     if provider == "ours-sinkhorn20":
@@ -340,6 +343,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         "ours-fb2",
         "ours-fb2-occ3",
         "ours-c10",
+        "ours-c10ls",
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-fullstate",

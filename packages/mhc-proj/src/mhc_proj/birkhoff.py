@@ -24,7 +24,11 @@ CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call
 - ``thread-c10``: ``thread-fb2`` whose fp32 stage starts the continuation in the logit
   scale from range 10 instead of 16 (fewer Newton iterations at large logits: the first
   stage is the slow one at N(0, 10^2)); N(0,1) inputs rarely have a range above 10.
-  These four are opt-in until measured on a GPU (NOTES.md). The CPU runs the same math
+- ``thread-c10ls``: ``thread-c10`` whose line searches (fp32 and float64) evaluate the
+  objective change with one log1p instead of n (``armijo_log_sum``): ~100 fewer
+  instructions per fp32 line-search trial; the same decisions up to rounding (CPU: bitwise
+  ``thread`` at N(0,1) on 200k matrices).
+  These five are opt-in until measured on a GPU (NOTES.md). The CPU runs the same math
   for the fb2 and c8 layouts (n = 4 float32), so the CPU tests check it; ``thread-wave``
   is ``thread`` on the CPU.
 
@@ -79,9 +83,10 @@ _LAYOUTS = {
     "thread-fb2": 3,
     "thread-fb2-occ3": 4,
     "thread-c10": 5,
+    "thread-c10ls": 6,
 }
 # layout code -> the CPU birkhoff_fwd variant that runs the same math (n = 4 float32)
-_CPU_VARIANT = {3: 1, 4: 1, 5: 2}
+_CPU_VARIANT = {3: 1, 4: 1, 5: 2, 6: 3}
 
 
 def layout_code(layout: str | int | None = None) -> int:
@@ -89,8 +94,9 @@ def layout_code(layout: str | int | None = None) -> int:
     ``MHC_PROJ_BIRKHOFF_LAYOUT`` environment variable (read at each call), else
     ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per
     matrix; default), ``"thread-wave"`` = 2, ``"thread-fb2"`` = 3, ``"thread-fb2-occ3"`` = 4,
-    ``"thread-c10"`` = 5 (thread per matrix with other float64 stages or continuation, module
-    docstring). Used for n = 4 float32; the CPU has no lane layout."""
+    ``"thread-c10"`` = 5, ``"thread-c10ls"`` = 6 (thread per matrix with other float64
+    stages, continuation or line search, module docstring). Used for n = 4 float32; the
+    CPU has no lane layout."""
     return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout")
 
 
@@ -289,7 +295,7 @@ def birkhoff_project(
 
     The kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at each
     call (``thread`` default, ``lane``, ``thread-wave``, ``thread-fb2``,
-    ``thread-fb2-occ3``, ``thread-c10``); see the module docstring.
+    ``thread-fb2-occ3``, ``thread-c10``, ``thread-c10ls``); see the module docstring.
     """
     return _project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
 
