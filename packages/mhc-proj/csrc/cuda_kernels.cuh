@@ -188,7 +188,7 @@ void launch_fallback_wave(const FwdArgs& a, cudaStream_t stream) {
   birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS, LSP><<<fb_grid, kThreads, 0, stream>>>(a);
 }
 
-// Float64-stage variants of the fp32 forward (layout codes 1..4 of the bindings).
+// Float64-stage variants of the fp32 forward (launch_fwd's FB; layouts in cuda_module.cu).
 constexpr int kFbDefault = 0;     // "thread": launch_fallback
 constexpr int kFbWave = 1;        // "thread-wave": default polish, one-wave grid
 constexpr int kFbUpdate = 2;      // "thread-fb2": plan-updating polish, one-wave grid

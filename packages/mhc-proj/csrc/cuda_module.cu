@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(128) sinkhorn4_fwd_thread(const float* __restr
 // RESCALED (variant 3, "thread-e", opt-in until measured): the same replay with the
 // division-free reverse sweep of mhc::sinkhorn_vjp_rescaled (~36 instead of ~72 FP
 // instructions per step; the CPU module runs the same code with its variant 3). ITERS = 20:
-// 2888 SASS instructions (thread: 4096), 217 registers, no spills: still 2 blocks per SM.
+// 2888 SASS instructions (thread: 4224), 217 registers, no spills: still 2 blocks per SM.
 // Variant 4 ("thread-e-occ3"): the same with MIN_BLOCKS = 3.
 template <int ITERS, int MIN_BLOCKS = 0, bool RESCALED = false>
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kLaneThreads)
   da[gid] = mhc::lane16::implicit_vjp(l, __ldg(t + gid), __ldg(g + gid));
 }
 
-// Layout codes of the bindings (Python: birkhoff.layout_code). 2..5: thread per matrix
+// Layout codes of the bindings (Python: birkhoff.layout_code). 2..6: thread per matrix
 // with another float64 stage (kFb* in cuda_kernels.cuh; n = 4 fp32 forward only, otherwise
 // and for the backward the thread layout): 2 "thread-wave", 3 "thread-fb2", 4
 // "thread-fb2-occ3", 5 "thread-c10" (thread-fb2 with the fp32 continuation from logit range
