@@ -155,3 +155,77 @@ def test_triton_potentials_gpu(precision, tol):
     c = lambda t: t.float().cuda()  # noqa: E731
     p32 = solve_potentials(c(x), c(y), c(a), c(b), precision=precision, **kw)
     assert _max_err(p32, p64) < tol
+
+
+# ---------------------------------------------------------------- loop_precision (opt-in)
+@needs_interp
+def test_loop_precision_runs_all_but_the_tail_cheaper(monkeypatch):
+    """Fixed iterations: the first c-transform and all but the last exact_tail iterations
+    at loop_precision, the tail at precision; the default schedule is unchanged."""
+    calls = _spy(monkeypatch)
+    x, y, _, _, _ = _data(19, 17, 4, False)
+    p = solve_potentials(x.float(), y.float(), eps=0.1, max_iter=6, backend="triton",
+                         loop_precision="tf32", exact_tail=2)  # fmt: skip
+    assert calls == ["tf32"] * (1 + 2 * 4) + ["tf32x3"] * (2 * 2)
+    assert p.info["loop_precision_iterations"] == 4 and p.info["iterations"] == 6
+    assert p.precision == "tf32x3"  # the plan's own products keep precision
+    calls.clear()
+    solve_potentials(x.float(), y.float(), eps=0.1, max_iter=6, backend="triton",
+                     loop_precision="tf32", exact_tail=10)  # fmt: skip
+    assert calls == ["tf32"] + ["tf32x3"] * 12  # a tail longer than the loop: all exact
+
+
+@needs_interp
+def test_loop_precision_with_tol_polishes_after_convergence(monkeypatch):
+    """With tol: loop_precision until the check passes, then exactly exact_tail iterations
+    at precision, and the reported error is that of the last one."""
+    calls = _spy(monkeypatch)
+    x, y, a, b, _ = _data(23, 19, 3, False, seed=3)
+    kw = dict(eps=0.5, max_iter=200, tol=1e-5, check_every=5, backend="triton")
+    p = solve_potentials(x.float(), y.float(), a.float(), b.float(), loop_precision="tf32",
+                         exact_tail=3, **kw)  # fmt: skip
+    k = p.info["loop_precision_iterations"]
+    assert k % 5 == 0 and 0 < k < 200 - 3
+    assert p.info["iterations"] == k + 3
+    assert calls == ["tf32"] * (1 + 2 * k) + ["tf32x3"] * 6
+    assert p.info["marginal_error"] is not None and p.info["marginal_error"] < 1e-5
+    p64 = solve_potentials(x, y, a, b, eps=0.5, max_iter=200, backend="torch")
+    assert _max_err(p, p64) < 1e-5
+
+
+@needs_interp
+def test_loop_precision_matches_float64():
+    """Under the interpreter both modes compute in fp32: the mixed loop must give the same
+    potentials as the float64 path (what the GPU run then checks for real tf32)."""
+    x, y, a, b, _ = _data(37, 29, 5, False)
+    kw = dict(eps=0.2, max_iter=60)
+    p64 = solve_potentials(x, y, a, b, backend="torch", **kw)
+    p32 = solve_potentials(x.float(), y.float(), a.float(), b.float(), backend="triton",
+                           loop_precision="tf32", **kw)  # fmt: skip
+    assert _max_err(p32, p64) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [dict(loop_precision="fp8"), dict(exact_tail=0),
+                                 dict(exact_tail=2.5), dict(exact_tail=True)])  # fmt: skip
+def test_loop_precision_arguments_checked(bad):
+    x, y, _, _, _ = _data(5, 4, 2, False)
+    with pytest.raises(ValueError, match="loop_precision|exact_tail"):
+        solve_potentials(x, y, eps=0.5, max_iter=3, backend="torch", **bad)
+
+
+@pytest.mark.gpu
+def test_loop_precision_gpu_matches_tf32x3():
+    """The opt-in schedule on real tf32, on the HVP script's kind of problem (the loop
+    converges within the iterations): 95 tf32 + 5 tf32x3 iterations are as close to float64
+    as 100 tf32x3 ones (CPU emulation, scripts/mixed_precision_loop.py: the exact tail
+    removes tf32's 6e-6 to 2e-9)."""
+    from flashsinkhorn.second_order.bench import _problem
+
+    x, y, _ = _problem(1500, 1300, 64, torch.device("cpu"))
+    x, y = x.double(), y.double()
+    kw = dict(eps=0.01, max_iter=100)
+    p64 = solve_potentials(x, y, backend="torch", **kw)
+    xc, yc = x.float().cuda(), y.float().cuda()
+    mixed = _max_err(solve_potentials(xc, yc, loop_precision="tf32", **kw), p64)
+    exact = _max_err(solve_potentials(xc, yc, **kw), p64)
+    assert mixed < 1e-5 and mixed <= 2 * exact + 1e-7, (mixed, exact)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashsinkhorn.kernels import softmin
+from flashsinkhorn.second_order._stream import PRECISIONS as _PRECISIONS
 from flashsinkhorn.second_order._stream import resolve_backend, row_apply, row_lse
 
 
@@ -183,6 +184,8 @@ def solve_potentials(
     potentials=None,
     backend: str = "auto",
     precision: str = "tf32x3",
+    loop_precision: str | None = None,
+    exact_tail: int = 5,
 ) -> Plan:
     """Streaming log-domain Sinkhorn; returns a :class:`Plan` (potentials + plan products).
 
@@ -194,8 +197,18 @@ def solve_potentials(
     (GeomLoss-style) updates instead of alternating ones. ``labels``:
     ``(lx (n,), ly (m,), table (Kx, Ky))`` adds ``table[lx_i, ly_j]`` to the cost.
     ``potentials=(f, g)`` skips the solve (e.g. from ``flashsinkhorn.solve``).
+    ``loop_precision`` (opt-in, e.g. "tf32" with ``precision="tf32x3"``): the Triton dot mode
+    of the iterations before the last ``exact_tail`` ones (with ``tol``: until the error
+    check passes, then ``exact_tail`` more iterations at ``precision``). Where the loop
+    converges, the exact iterations contract the cheaper mode's error away (NOTES.md,
+    "Next lever for the tf32x3 HVP"); the returned plan's own products use ``precision``.
     """
     a, b = _check_inputs(x, y, a, b, eps)
+    if loop_precision is not None and loop_precision not in _PRECISIONS:
+        raise ValueError(f"loop_precision must be None or one of {_PRECISIONS}, got "
+                         f"{loop_precision!r}")  # fmt: skip
+    if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 1:
+        raise ValueError(f"exact_tail must be an int >= 1, got {exact_tail!r}")
     be = resolve_backend(backend, x.device)
     dt = x.dtype if (be == "torch" and x.dtype == torch.float64) else torch.float32
     xc, yc = center(x.detach().to(dt), y.detach().to(dt))
@@ -218,7 +231,8 @@ def solve_potentials(
     logb = torch.log(b)
     lab_t = None if lab is None else (lab[1], lab[0], lab[2].T.contiguous())
 
-    main = xc.shape[1] <= _MAIN_KERNEL_MAX_D and precision in _MAIN_KERNEL_PRECISIONS
+    precisions = {precision, loop_precision or precision}
+    main = xc.shape[1] <= _MAIN_KERNEL_MAX_D and precisions <= set(_MAIN_KERNEL_PRECISIONS)
     if be == "triton" and main:
         # The main solver's kernel (flashsinkhorn.kernels.softmin: the autotuned
         # _softmin_kernel, row tile kept on chip) computes the whole update in one launch:
@@ -234,58 +248,75 @@ def solve_potentials(
             klab = (lx32, ly32, lab[2].float().contiguous(), 1.0)
             klab_t = (ly32, lx32, lab_t[2].float().contiguous(), 1.0)
 
-        def upd_f(g, e):
+        def upd_f(g, e, prec):
             return softmin(
                 sx, sy, g[None], logbb, x2b, y2b, eps=e, c2=2.0, damping=_kappa(rx, e),
-                labels=klab, precision=precision, backend="triton",
+                labels=klab, precision=prec, backend="triton",
             )[0][0]  # fmt: skip
 
-        def upd_g(f, e):
+        def upd_g(f, e, prec):
             return softmin(
                 sy, sx, f[None], logab, y2b, x2b, eps=e, c2=2.0, damping=_kappa(ry, e),
-                labels=klab_t, precision=precision, backend="triton",
+                labels=klab_t, precision=prec, backend="triton",
             )[0][0]  # fmt: skip
 
     else:
 
-        def upd_f(g, e):
+        def upd_f(g, e, prec):
             G = g - y2 + e * logb
             return _kappa(rx, e) * (
-                x2 + row_lse(xc, yc, G, e, labels=lab, backend=be, precision=precision)
+                x2 + row_lse(xc, yc, G, e, labels=lab, backend=be, precision=prec)
             )
 
-        def upd_g(f, e):
+        def upd_g(f, e, prec):
             F = f - x2 + e * loga
             return _kappa(ry, e) * (
-                y2 + row_lse(yc, xc, F, e, labels=lab_t, backend=be, precision=precision)
+                y2 + row_lse(yc, xc, F, e, labels=lab_t, backend=be, precision=prec)
             )
 
     eps_list = [float(e) for e in (eps_schedule or [])] + [float(eps)] * int(max_iter)
+    n_iter = len(eps_list)
+    # iterations at loop_precision before the exact tail: all but the last exact_tail, or
+    # with tol until the check passes (exact_left counts the tail down once it starts)
+    fast = loop_precision is not None and loop_precision != precision
+    exact_left = None
+    fast_iters = 0
     f = torch.zeros_like(x2)
     g = torch.zeros_like(y2)
     if eps_list:
         # a first c-transform at the first temperature
-        g = upd_g(f, eps_list[0])
+        g = upd_g(f, eps_list[0], loop_precision if fast else precision)
     err = None
     it = 0
     for it, e in enumerate(eps_list, 1):
+        if fast and exact_left is None and it > n_iter - exact_tail:
+            exact_left = n_iter - it + 1
+        prec = loop_precision if (fast and exact_left is None) else precision
+        fast_iters += prec != precision
         if symmetric:
-            f_new, g_new = upd_f(g, e), upd_g(f, e)
+            f_new, g_new = upd_f(g, e, prec), upd_g(f, e, prec)
             f, g = 0.5 * (f + f_new), 0.5 * (g + g_new)
         else:
-            f = upd_f(g, e)
-            g_new = upd_g(f, e)
-            if tol is not None and it >= len(eps_list) - max_iter and it % check_every == 0:
+            f = upd_f(g, e, prec)
+            g_new = upd_g(f, e, prec)
+            last = exact_left == 1
+            if tol is not None and it >= n_iter - max_iter and (it % check_every == 0 or last):
                 # column marginal error of the plan (f, g): sum_j |b_j exp((g - g_new)/eps) - b_j|
                 if rx is None and ry is None:
                     err = float((b * torch.expm1((g - g_new) / e).abs()).sum())
                 else:  # no fixed marginal: the change of the potential, in units of eps
                     err = float((g - g_new).abs().max() / e)
             g = g_new
-            if err is not None and err < tol:
-                break
+            if exact_left is not None:
+                exact_left -= 1
+                if exact_left == 0:
+                    break
+            elif err is not None and err < tol:
+                if not fast:
+                    break
+                exact_left = exact_tail  # converged at loop_precision: polish, then stop
     plan.f, plan.g = f, g
-    plan.info = {"iterations": it, "marginal_error": err}
+    plan.info = {"iterations": it, "marginal_error": err, "loop_precision_iterations": fast_iters}
     return plan
 
 

@@ -218,6 +218,8 @@ def hvp(
     tikhonov: float = 0.0,
     backend: str = "auto",
     precision: str = "tf32x3",
+    loop_precision: str | None = None,
+    exact_tail: int = 5,
     return_info: bool = False,
 ):
     """Hessian-vector product of the entropic OT loss (or debiased divergence), streaming.
@@ -236,6 +238,9 @@ def hvp(
         cg_tol, cg_max_iter: relative tolerance and cap of the Schur-complement CG.
         tikhonov: optional ridge on the Schur complement (0: exact, projected CG).
         backend: "auto" | "triton" | "torch"; precision: Triton dot mode (tf32x3 | ieee | tf32).
+        loop_precision, exact_tail: opt-in cheaper dot mode for the Sinkhorn iterations but
+            the last ``exact_tail`` (see :func:`solve_potentials`); the HVP passes use
+            ``precision``.
 
     Returns:
         ``H v`` with the shape of v (a pair for ``wrt="xy"``), plus an :class:`HvpInfo`
@@ -256,7 +261,8 @@ def hvp(
     if debias and potentials is not None:
         raise ValueError("potentials= is only supported with debias=False")
     skw = dict(max_iter=max_iter, tol=tol, eps_schedule=eps_schedule, backend=backend,
-               precision=precision)  # fmt: skip
+               precision=precision, loop_precision=loop_precision,
+               exact_tail=exact_tail)  # fmt: skip
     need_x, need_y = wrt in ("x", "xy"), wrt in ("y", "xy")
     plan = solve_potentials(x, y, a, b, eps=eps, reach=reach, potentials=potentials, **skw)
     hx, hy, info = _hvp_plan(plan, vx, vy, need_x=need_x, need_y=need_y, cg_tol=cg_tol,
