@@ -790,8 +790,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         )
 
     def _run_kernel_v2(self, ent, scalars, flags) -> None:
-        nunits = ent["work"].shape[0]
-        args = (ent["work"], nunits, ent["tab"], *ent["bases"], *scalars)
+        args = (ent["work"], ent["work"].shape[0], ent["tab"], *ent["bases"], *scalars)
         meta = dict(
             **flags,
             ALIGNED=ent["aligned"],
@@ -799,6 +798,30 @@ class FlashOptimizer(torch.optim.Optimizer):
             UNIT=_core.V2_UNIT,
             GROUP_SIZE=GROUP,
         )
+        self._launch_units(ent, args, meta, _core._step_kernel_v2_tuned, _core._step_kernel_v2)
+
+    def _run_kernel_v3(self, ent, scalars, flags, skip) -> None:
+        """v3: v2's launch (unit table, persistent grid, autotuning) with the cheaper tile,
+        inline PTX on the GPU, and the device skip flag when given."""
+        args = (ent["work"], ent["work"].shape[0], ent["tab"], *ent["bases"], *scalars)
+        args += (ent["skip"] if skip is None else skip,)
+        meta = dict(
+            **flags,
+            ALIGNED=ent["aligned"],
+            N16=ent["n16"],
+            CHECK_SKIP=skip is not None,
+            ASM=_use_asm(ent["tab"].device),
+            UNIT=_core.V2_UNIT,
+            GROUP_SIZE=GROUP,
+        )
+        self._launch_units(ent, args, meta, _core._step_kernel_v3_tuned, _core._step_kernel_v3)
+
+    @staticmethod
+    def _launch_units(ent, args, meta, tuned, plain) -> None:
+        """The unit-table kernels' launch (v2 and v3): persistent grid of WAVES programs per
+        SM (0: one per unit); autotuned on CUDA, with every written tensor of the bucket
+        restored after the tuning runs; else the single default config."""
+        nunits = ent["work"].shape[0]
         dev = ent["tab"].device
         if _v2_autotune(dev):
             nsm = _num_sms(dev)
@@ -809,7 +832,7 @@ class FlashOptimizer(torch.optim.Optimizer):
 
             _core._TUNE["tensors"] = ent["written"]
             try:
-                _core._step_kernel_v2_tuned[grid](*args, **meta)
+                tuned[grid](*args, **meta)
             finally:
                 if _core._TUNE["snap"] is not None:  # tuning raised: undo its runs
                     _core._tune_pre_hook({}, reset_only=True)
@@ -817,46 +840,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             return
         w = _core.V2_DEFAULT["WAVES"]
         nprog = min(nunits, _num_sms(dev) * w) if dev.type == "cuda" else min(nunits, 3)
-        _core._step_kernel_v2[(nprog,)](
-            *args, **meta, **_core.V2_DEFAULT, num_warps=_core.V2_DEFAULT_WARPS
-        )
-
-    def _run_kernel_v3(self, ent, scalars, flags, skip) -> None:
-        """v3: v2's launch (unit table, persistent grid, autotuning) with the cheaper tile,
-        inline PTX on the GPU, and the device skip flag when given."""
-        nunits = ent["work"].shape[0]
-        dev = ent["tab"].device
-        args = (ent["work"], nunits, ent["tab"], *ent["bases"], *scalars)
-        args += (ent["skip"] if skip is None else skip,)
-        meta = dict(
-            **flags,
-            ALIGNED=ent["aligned"],
-            N16=ent["n16"],
-            CHECK_SKIP=skip is not None,
-            ASM=_use_asm(dev),
-            UNIT=_core.V2_UNIT,
-            GROUP_SIZE=GROUP,
-        )
-        if _v2_autotune(dev):
-            nsm = _num_sms(dev)
-
-            def grid(m):
-                w = m["WAVES"]
-                return (min(nunits, nsm * w) if w else nunits,)
-
-            _core._TUNE["tensors"] = ent["written"]
-            try:
-                _core._step_kernel_v3_tuned[grid](*args, **meta)
-            finally:
-                if _core._TUNE["snap"] is not None:
-                    _core._tune_pre_hook({}, reset_only=True)
-                _core._TUNE["tensors"] = ()
-            return
-        w = _core.V2_DEFAULT["WAVES"]
-        nprog = min(nunits, _num_sms(dev) * w) if dev.type == "cuda" else min(nunits, 3)
-        _core._step_kernel_v3[(nprog,)](
-            *args, **meta, **_core.V2_DEFAULT, num_warps=_core.V2_DEFAULT_WARPS
-        )
+        plain[(nprog,)](*args, **meta, **_core.V2_DEFAULT, num_warps=_core.V2_DEFAULT_WARPS)
 
     def _common_hp(self, group, p) -> dict:
         return dict(
