@@ -123,9 +123,7 @@ def _tile_kernels_fn() -> Callable | None:
 def _fn_for(provider: str) -> Callable | None:
     if provider == "ours":
         return mhc_proj.birkhoff_project
-    if provider == "ours-lane16":
-        return lambda x: birkhoff_project_layout(x, layout="lane")
-    if provider in ("ours-wave", "ours-fb2", "ours-fb2-occ3", "ours-c10", "ours-c10ls"):
+    if provider in _BIRKHOFF_LAYOUT:  # the other Birkhoff providers force their layout
         lay = _BIRKHOFF_LAYOUT[provider]
         return lambda x: birkhoff_project_layout(x, layout=lay)
     if provider == "ours-sinkhorn20":

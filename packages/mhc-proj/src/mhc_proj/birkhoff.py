@@ -29,7 +29,7 @@ CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call
   instructions per fp32 line-search trial; the same decisions up to rounding (CPU: bitwise
   ``thread`` at N(0,1) on 200k matrices).
   These five are opt-in until measured on a GPU (NOTES.md). The CPU runs the same math
-  for the fb2 and c8 layouts (n = 4 float32), so the CPU tests check it; ``thread-wave``
+  for the fb2 and c10 layouts (n = 4 float32), so the CPU tests check it; ``thread-wave``
   is ``thread`` on the CPU.
 
 Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is
