@@ -1,4 +1,4 @@
-"""The rescaled-adjoint Sinkhorn-k backward (``thread-e`` / ``thread-e-occ3``;
+"""The rescaled-adjoint Sinkhorn-k backward (``thread-e`` / ``thread-e-occ3``, the default;
 ``mhc::sinkhorn_vjp_rescaled``; NOTES.md, "Sinkhorn-20 backward: rescaled adjoint").
 
 The CPU module runs the same header function for these names (any n, float32 and float64),
@@ -89,7 +89,7 @@ def test_cpu_rescaled_edge_cases(n):
 
 def test_rescaled_variant_selection(monkeypatch):
     monkeypatch.delenv(BWD_ENV, raising=False)
-    assert bwd_variant_code() == 1
+    assert bwd_variant_code() == 4  # thread-e-occ3, the default since 2026-12-01
     assert [bwd_variant_code(v) for v in E_VARIANTS] == [3, 4]
     g = torch.Generator().manual_seed(3)
     x = torch.randn(65, 4, 4, generator=g) * 2
@@ -105,6 +105,9 @@ def test_rescaled_variant_selection(monkeypatch):
     xe = x.clone().requires_grad_(True)
     _project(xe, 20, 1e-6, bwd_variant="thread-e").backward(gr)
     assert torch.equal(xe.grad, direct)
+    xf = x.clone().requires_grad_(True)
+    sinkhorn_project(xf).backward(gr)  # the default
+    assert torch.equal(xf.grad, direct)
     with pytest.raises(ValueError, match="Sinkhorn backward variant"):
         bwd_variant_code(5)
 

@@ -14,16 +14,18 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   one-log1p line search); opt-in until measured, NOTES.md.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
   Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
-  matrix recomputing from the scaling vectors; or whatever ``MHC_PROJ_SINKHORN_FWD`` /
-  ``MHC_PROJ_SINKHORN_BWD`` select). Explicit variants of the same op:
+  matrix with the rescaled-adjoint reverse sweep at 3 blocks per SM, ``thread-e-occ3``,
+  since 2026-12-01; or whatever ``MHC_PROJ_SINKHORN_FWD`` / ``MHC_PROJ_SINKHORN_BWD``
+  select). Explicit variants of the same op:
   ``ours-sinkhorn20-fullstate``: the forward on the full 16-float state (``thread``;
   default backward); ``ours-sinkhorn20-lane16``: the forward in the 16-lanes-per-matrix
   layout (fwd only); ``ours-sinkhorn20-lane-bwd``: the 16-lanes-per-matrix backward (bwd
-  and fwd_bwd only; default forward); ``ours-sinkhorn20-occ3``: the backward compiled for
-  3 resident blocks per SM (``thread-occ3``; default forward).
-  ``ours-sinkhorn20-e`` / ``ours-sinkhorn20-e-occ3``: the backward with the division-free
-  rescaled-adjoint reverse sweep (``thread-e`` / ``thread-e-occ3``; default forward;
-  opt-in until measured, NOTES.md).
+  and fwd_bwd only; default forward); ``ours-sinkhorn20-thread-bwd``: the backward default
+  until 2026-12-01 (``thread``: reverse sweep on dP; bwd and fwd_bwd only);
+  ``ours-sinkhorn20-occ3``: that backward compiled for 3 resident blocks per SM
+  (``thread-occ3``; default forward). ``ours-sinkhorn20-e`` / ``ours-sinkhorn20-e-occ3``:
+  the backward with the division-free rescaled-adjoint reverse sweep (``thread-e`` /
+  ``thread-e-occ3``, the latter the default backward; default forward).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -67,6 +69,7 @@ PROVIDERS = [
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
     "ours-sinkhorn20-fullstate",
+    "ours-sinkhorn20-thread-bwd",
     "ours-sinkhorn20-occ3",
     "ours-sinkhorn20-e",
     "ours-sinkhorn20-e-occ3",
@@ -85,6 +88,8 @@ _BIRKHOFF_LAYOUT = {
     "ours-c10": "thread-c10",
     "ours-c10ls": "thread-c10ls",
 }
+# Sinkhorn providers that differ from ours-sinkhorn20 only in the backward (no fwd rows)
+_SAME_FWD = ("ours-sinkhorn20-lane-bwd", "ours-sinkhorn20-thread-bwd")
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
 SAMPLE = 16384
 
@@ -134,6 +139,8 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="lane")
     if provider == "ours-sinkhorn20-fullstate":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="thread")
+    if provider == "ours-sinkhorn20-thread-bwd":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread")
     if provider == "ours-sinkhorn20-occ3":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-occ3")
     if provider == "ours-sinkhorn20-e":
@@ -228,7 +235,7 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
     if (
         fn is None
         or (provider == "ours-sinkhorn20-lane16" and (mode != "fwd" or device.type != "cuda"))
-        or (provider == "ours-sinkhorn20-lane-bwd" and mode == "fwd")
+        or (provider in _SAME_FWD and mode == "fwd")
     ):
         row["status"] = "skipped"
         row["error"] = "provider not importable or not applicable here"
@@ -331,7 +338,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
             for p in providers:
                 if p == "compile-sinkhorn20" and b < 1048576:
                     continue  # one static compile per shape: keep the suite short
-                if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":
+                if p in _SAME_FWD and mode == "fwd":
                     continue  # the same forward as ours-sinkhorn20
                 cases.append((p, mode, b, 1.0, False))
     for p in [
@@ -345,6 +352,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-fullstate",
+        "ours-sinkhorn20-thread-bwd",
         "ours-sinkhorn20-occ3",
         "ours-sinkhorn20-e",
         "ours-sinkhorn20-e-occ3",
@@ -357,7 +365,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
                 cases += [(p, "bwd", b, 1.0, False) for b in bwd_sizes]
             for b in [1048576, 16777216]:
                 for mode in ["fwd", "fwd_bwd"]:
-                    if p == "ours-sinkhorn20-lane-bwd" and mode == "fwd":
+                    if p in _SAME_FWD and mode == "fwd":
                         continue
                     cases.append((p, mode, b, 10.0, False))
     for p in _BIRKHOFF_LAYOUT:

@@ -24,26 +24,29 @@ argument of :func:`sinkhorn_fwd`. On the CPU, ``scaling`` runs the same header c
 CUDA kernel (IEEE divisions for its reciprocals) and the other two names the full-state
 iteration. Backward, CUDA kernels:
 
-- ``thread`` (default): one thread per matrix, the recompute formulation of
-  ``csrc/mhc_math.h`` (``sinkhorn_vjp_scaling``: one forward replay keeping the 4-float
-  scaling vector of every step, then the reverse sweep). The CPU backward runs the same
-  header code. On the H200 it measured 3.88 ms at B = 16M against the lane kernel's 16.7 ms
-  in the same run, and faster at every batch from 4K up (packages/mhc-proj/NOTES.md).
+- ``thread-e-occ3`` (default since 2026-12-01): one thread per matrix; one forward replay
+  keeping the 4-float scaling vector of every step (as ``thread``), then a division-free
+  reverse sweep on the rescaled adjoint e = dP (.) r c^T (``sinkhorn_vjp_rescaled`` in
+  ``csrc/mhc_math.h``: per step one reduction and one rank-1 update, ~36 FP instructions
+  instead of ~72), compiled for 3 resident blocks per SM. H200 (2026-12-01, same process):
+  2.78 ms at B = 16M against ``thread``'s 3.84 ms, 0.230 against 0.319 ms at 1M
+  (packages/mhc-proj/NOTES.md). The CPU runs the same reverse sweep for the ``thread-e*``
+  names (any n and dtype).
+- ``thread-e``: the same kernel with 2 resident blocks per SM (no spills; 2.96 ms at 16M).
+- ``thread``: the recompute formulation of ``sinkhorn_vjp_scaling`` (the same replay, then
+  the reverse sweep on dP with the step factors; the default until 2026-12-01, 3.84-3.88 ms
+  at B = 16M). The CPU runs its code for ``thread``, ``thread-occ3`` and ``lane``.
 - ``lane``: 16 lanes per matrix, the iteration's states kept in registers for iters = 20
-  (local memory for other iters <= 64). It stays finite for eps below ~1e-38 (eps = 0),
-  where the thread kernel's flushed subnormal denominators can give inf.
-  Selected with ``MHC_PROJ_SINKHORN_BWD=lane`` (read at each backward call) or
-  ``variant="lane"`` of :func:`sinkhorn_bwd`.
-- ``thread-e`` (opt-in until measured on a GPU): the ``thread`` kernel's replay with a
-  division-free reverse sweep on the rescaled adjoint e = dP (.) r c^T
-  (``sinkhorn_vjp_rescaled``: per step one reduction and one rank-1 update, ~36 FP
-  instructions instead of ~72); the CPU runs the same code for this name.
-  ``thread-e-occ3``: the same compiled for 3 resident blocks per SM.
-- ``thread-occ3`` (opt-in): the ``thread`` kernel compiled for 3 resident blocks per SM
+  (local memory for other iters <= 64; 16.7 ms at 16M). It stays finite for eps below
+  ~1e-38 (eps = 0), where the thread kernel's flushed subnormal denominators can give inf.
+- ``thread-occ3``: the ``thread`` kernel compiled for 3 resident blocks per SM
   instead of 2 (iters = 20: 168 registers with L1-resident spills instead of 255 without);
   the same arithmetic, so the same results. H200: slower at B = 16M (4.31 vs 3.85 ms in
   run 4, 4.24 vs 3.91 in run 3); at 1M faster in run 3 only (0.354 vs 0.422 ms; run 4:
   0.342 vs 0.330).
+
+Selected with ``MHC_PROJ_SINKHORN_BWD`` (read at each backward call) or the ``variant``
+argument of :func:`sinkhorn_bwd`.
 
 Other CUDA cases run the plain torch reference inside the op.
 """
@@ -127,17 +130,21 @@ def sinkhorn_fwd(
 BWD_ENV = "MHC_PROJ_SINKHORN_BWD"
 _BWD_VARIANTS = {"lane": 0, "thread": 1, "thread-occ3": 2, "thread-e": 3, "thread-e-occ3": 4}
 _BWD_RESCALED = (3, 4)  # the CPU runs their reverse sweep too (its variant 3)
+# measured fastest on the H200 (2026-12-01: 2.78 vs 3.84 ms at 16M, NOTES.md)
+BWD_DEFAULT = "thread-e-occ3"
 
 
 def bwd_variant_code(variant: str | int | None = None) -> int:
     """CUDA backward kernel code: ``variant`` if given, else the ``MHC_PROJ_SINKHORN_BWD``
-    environment variable, else ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix),
-    ``"thread"`` = 1 (thread per matrix, recompute from scaling vectors; default),
+    environment variable, else ``"thread-e-occ3"``. ``"lane"`` = 0 (16 lanes per matrix),
+    ``"thread"`` = 1 (thread per matrix, recompute from scaling vectors),
     ``"thread-occ3"`` = 2 (the same kernel compiled for 3 resident blocks per SM),
     ``"thread-e"`` = 3 (thread per matrix, the division-free rescaled-adjoint reverse
     sweep; the CPU runs it too), ``"thread-e-occ3"`` = 4 (that kernel compiled for 3
-    resident blocks per SM)."""
-    return _backend.choice_code(variant, BWD_ENV, _BWD_VARIANTS, "Sinkhorn backward variant")
+    resident blocks per SM; default)."""
+    return _backend.choice_code(
+        variant, BWD_ENV, _BWD_VARIANTS, "Sinkhorn backward variant", BWD_DEFAULT
+    )
 
 
 def sinkhorn_bwd(
@@ -147,9 +154,9 @@ def sinkhorn_bwd(
 
     ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"``, ``"thread"``,
     ``"thread-occ3"``, ``"thread-e"`` or ``"thread-e-occ3"``; None reads
-    ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread"``). The CPU path runs the ``thread``
-    kernel's recompute formulation, or for the ``thread-e*`` names (any n and dtype) the
-    rescaled-adjoint reverse sweep."""
+    ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread-e-occ3"``). The CPU path runs the
+    rescaled-adjoint reverse sweep for the ``thread-e*`` names (any n and dtype), else the
+    ``thread`` kernel's recompute formulation."""
     code = bwd_variant_code(variant)
     b, n = x.shape[0], x.shape[-1]
     if b == 0:
@@ -235,9 +242,9 @@ def sinkhorn_project(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -
 
     float32/bfloat16/float16 computed in float32 (float32 output); float64 in float64.
     Differentiable (exact backward of the truncated iteration; saves the logits). The CUDA
-    backward kernel is chosen by ``MHC_PROJ_SINKHORN_BWD`` (``thread`` default, ``lane``,
-    ``thread-occ3``), the forward kernel by ``MHC_PROJ_SINKHORN_FWD`` (``scaling``
-    default, ``thread``, ``lane``).
+    backward kernel is chosen by ``MHC_PROJ_SINKHORN_BWD`` (``thread-e-occ3`` default,
+    ``thread-e``, ``thread``, ``thread-occ3``, ``lane``), the forward kernel by
+    ``MHC_PROJ_SINKHORN_FWD`` (``scaling`` default, ``thread``, ``lane``).
     """
     return _project(logits, iters, eps)
 
