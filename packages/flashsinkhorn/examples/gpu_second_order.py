@@ -6,8 +6,9 @@
 Cases, in this order (each under its own time limit, all under ``--budget`` seconds):
 
 1. ``hvp``: HVP in x at n = m = 20k, d = 64: 100 Sinkhorn iterations at eps = 0.01, then
-   the Schur-complement CG (target 200 ms; the first call, with the Triton compiles, is
-   timed apart);
+   the Schur-complement CG (target 200 ms; hvp's default loop: tf32 but the last 5
+   iterations; ``hvp_exact_loop``: every iteration at tf32x3; the first call, with the
+   Triton compiles, is timed apart);
 2. ``hvp_peer``: flash-sinkhorn 0.4.1's ``hvp_x_sqeuclid`` on the same problem;
 3. ``otdd``: debiased OTDD between two synthetic MNIST-shaped datasets of 60k points
    (d = 784, Gaussian label distances), one direction;
@@ -51,7 +52,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 from flashsinkhorn.second_order import hvp, inverse_hvp, otdd  # noqa: E402
 from flashsinkhorn.second_order._plan import solve_potentials  # noqa: E402
 from flashsinkhorn.second_order.bench import _problem  # noqa: E402
-from flashsinkhorn.second_order.hvp import _grads, _hvp_plan  # noqa: E402
+from flashsinkhorn.second_order.hvp import _grads, _hvp_plan, _resolve_loop_precision  # noqa: E402
 from flashsinkhorn.second_order.otdd import otdd_gradient_flow  # noqa: E402
 
 TARGET_HVP_MS = 200.0  # issue #6: HVP at n = m = 20k, d = 64, after 100 iterations
@@ -234,8 +235,10 @@ def mnist_like(n, seed, device, shift=0.0, side=28):
 EPS, ITERS = 0.01, 100
 
 
-def case_hvp(run, precision="tf32x3", case="hvp", loop_precision=None):
-    """Ours at the issue's size: one Sinkhorn solve of 100 iterations + one HVP (CG)."""
+def case_hvp(run, precision="tf32x3", case="hvp", loop_precision="auto"):
+    """Ours at the issue's size: one Sinkhorn solve of 100 iterations + one HVP (CG), with
+    ``hvp``'s loop precision ("auto": at tf32x3 the loop runs in tf32 but its last 5)."""
+    loop = _resolve_loop_precision(loop_precision, precision, None, False)
     dev, n, d = run.dev, run.sz["hvp_n"], run.sz["hvp_d"]
     x, y, v = run.state.get("hvp_problem") or _problem(n, n, d, dev)
     run.state["hvp_problem"] = (x, y, v)
@@ -243,7 +246,7 @@ def case_hvp(run, precision="tf32x3", case="hvp", loop_precision=None):
 
     def solve():
         return solve_potentials(x, y, eps=EPS, max_iter=ITERS, precision=precision,
-                                loop_precision=loop_precision)  # fmt: skip
+                                loop_precision=loop)  # fmt: skip
 
     def full():
         plan = solve()
@@ -262,7 +265,7 @@ def case_hvp(run, precision="tf32x3", case="hvp", loop_precision=None):
     reps = run.sz["reps"] if first < 10 else 1  # a slow first call: time one more only
     run.log(f"{case}: first call (compiles + run) {first:.1f} s; timing {reps} call(s)")
     t, t20, t80, peak, hx = timed(dev, full, reps)
-    if precision == "tf32x3" and loop_precision is None:
+    if precision == "tf32x3" and loop_precision == "auto":
         run.state["hvp_ours"] = hx
     ts, _, _, _, _ = timed(dev, solve, max(1, reps - 1))
     cg = info["cg"]
@@ -270,8 +273,8 @@ def case_hvp(run, precision="tf32x3", case="hvp", loop_precision=None):
               "precision": precision, "loop_precision": loop_precision,
               "dtype": "float32"}  # fmt: skip
     provider = "ours" if precision == "tf32x3" else f"ours-{precision}"
-    if loop_precision is not None:
-        provider += f"-{loop_precision}-loop"
+    if loop_precision != "auto":
+        provider += f"-{loop_precision or 'exact'}-loop"
     run.row(case, "hvp", provider, params, t, first_s=first, t20=t20, t80=t80, metrics={
         "sinkhorn_ms": ts, "hvp_only_ms": t - ts, "cg_iters": cg.iterations,
         "cg_rel_residual": cg.residual / max(cg.initial_residual, 1e-30),
@@ -286,10 +289,10 @@ def case_hvp_tf32(run):
     case_hvp(run, precision="tf32", case="hvp_tf32")
 
 
-def case_hvp_tf32_loop(run):
-    """tf32x3 HVP passes with the Sinkhorn loop in tf32 but its last 5 iterations (opt-in
-    ``loop_precision="tf32"``; NOTES.md, "Next lever for the tf32x3 HVP")."""
-    case_hvp(run, precision="tf32x3", case="hvp_tf32_loop", loop_precision="tf32")
+def case_hvp_exact_loop(run):
+    """tf32x3 HVP passes with every Sinkhorn iteration at tf32x3 (``loop_precision=None``;
+    the default before 2026-12-01 run 10)."""
+    case_hvp(run, precision="tf32x3", case="hvp_exact_loop", loop_precision=None)
 
 
 def case_hvp_peer(run):
@@ -433,10 +436,10 @@ def case_hvp_accuracy(run):
     acc = {"float64_ref_s": time.perf_counter() - t0}
     run.log(f"hvp_accuracy: float64 reference {acc['float64_ref_s']:.1f} s")
     params = {"n": n, "m": n, "d": d, "eps": EPS, "sinkhorn_iters": ITERS}
-    for prec, loop in (("tf32x3", None), ("tf32", None), ("tf32x3", "tf32")):
+    for prec, loop in (("tf32x3", "auto"), ("tf32", "auto"), ("tf32x3", None)):
         h, info = hvp(x, y, v, eps=EPS, max_iter=ITERS, precision=prec, loop_precision=loop,
                       return_info=True)  # fmt: skip
-        key = prec if loop is None else f"{prec}_{loop}_loop"
+        key = prec if loop == "auto" else f"{prec}_exact_loop"
         acc[f"rel_err_{key}"] = float((h.double() - ref).norm() / ref.norm())
         acc[f"cg_iters_{key}"] = info.cg[0].iterations
         run.log(f"hvp_accuracy: {key} relative error {acc[f'rel_err_{key}']:.3g}")
@@ -511,7 +514,7 @@ def case_otdd_flow(run):
 CASES = [
     ("hvp", case_hvp, 45),
     ("hvp_tf32", case_hvp_tf32, 30),
-    ("hvp_tf32_loop", case_hvp_tf32_loop, 30),
+    ("hvp_exact_loop", case_hvp_exact_loop, 30),
     ("hvp_peer", case_hvp_peer, 30),
     ("otdd", case_otdd, 45),
     ("newton_step", case_newton_step, 25),

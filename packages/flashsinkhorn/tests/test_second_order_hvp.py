@@ -232,3 +232,31 @@ def test_double_backward_gpu():
     (gx,) = torch.autograd.grad(loss, xx, create_graph=True)
     (hx,) = torch.autograd.grad(gx, xx, vx.float().cuda())
     assert float((hx.double().cpu() - ref).norm() / ref.norm()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "given,precision,reach,debias,expected",
+    [
+        ("auto", "tf32x3", None, False, "tf32"),  # the measured case: tf32 loop, exact tail
+        ("auto", "tf32x3", 1.0, False, None),  # unbalanced: no gauge to absorb the offset
+        ("auto", "tf32x3", None, True, None),  # debias: self-solves not measured
+        ("auto", "ieee", None, False, None),
+        ("auto", "tf32", None, False, None),
+        (None, "tf32x3", None, False, None),  # explicit: every iteration at precision
+        ("tf32", "tf32x3", 1.0, True, "tf32"),
+    ],
+)
+def test_hvp_loop_precision_auto(given, precision, reach, debias, expected):
+    from flashsinkhorn.second_order.hvp import _resolve_loop_precision
+
+    assert _resolve_loop_precision(given, precision, reach, debias) == expected
+
+
+def test_hvp_default_loop_equals_explicit_schedule():
+    """hvp's default ("auto") is the tf32 loop on a balanced problem: the same numbers as
+    asking for it, and (torch backend: one fp32/float64 mode) as the exact loop."""
+    x, y, a, b, vx, _ = _problem(n=9, m=7, d=3, seed=12)
+    kw = dict(eps=EPS, max_iter=200, cg_tol=1e-10, backend="torch")
+    h_auto = hvp(x, y, vx, a, b, **kw)
+    assert torch.equal(h_auto, hvp(x, y, vx, a, b, loop_precision="tf32", **kw))
+    assert torch.equal(h_auto, hvp(x, y, vx, a, b, loop_precision=None, **kw))

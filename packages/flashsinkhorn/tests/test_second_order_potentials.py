@@ -213,12 +213,24 @@ def test_loop_precision_arguments_checked(bad):
         solve_potentials(x, y, eps=0.5, max_iter=3, backend="torch", **bad)
 
 
+def _gauge_free_err(p32, p64):
+    """_max_err after removing the balanced problem's gauge: (f + c, g - c) is the same plan,
+    and the Sinkhorn map leaves c where rounding puts it (eigenvalue 1), so c is not an
+    error of the plan. c is the least-squares shift, 0.5 (mean df - mean dg)."""
+    df = p32.f.double().cpu() - p64.f.cpu()
+    dg = p32.g.double().cpu() - p64.g.cpu()
+    c = 0.5 * (float(df.mean()) - float(dg.mean()))
+    scale = max(1.0, float(p64.f.abs().max()), float(p64.g.abs().max()))
+    return max(float((df - c).abs().max()), float((dg + c).abs().max())) / scale
+
+
 @pytest.mark.gpu
 def test_loop_precision_gpu_matches_tf32x3():
-    """The opt-in schedule on real tf32, on the HVP script's kind of problem (the loop
-    converges within the iterations): 95 tf32 + 5 tf32x3 iterations are as close to float64
-    as 100 tf32x3 ones (CPU emulation, scripts/mixed_precision_loop.py: the exact tail
-    removes tf32's 6e-6 to 2e-9)."""
+    """The schedule on real tf32, on the HVP script's kind of problem: 95 tf32 + 5 tf32x3
+    iterations give the same plan as 100 tf32x3 ones. The raw potentials differ by a gauge
+    shift (H200 run 10, results/run10-loop-tail.json: max error 2.2e-5 for tails of 5 to 60
+    iterations alike, 1.1e-6 for all-tf32x3; the HVP's error vs float64 was 1.40e-6 both
+    ways), so the check is gauge-free, plus the gauge-invariant dual value."""
     from flashsinkhorn.second_order.bench import _problem
 
     x, y, _ = _problem(1500, 1300, 64, torch.device("cpu"))
@@ -226,6 +238,12 @@ def test_loop_precision_gpu_matches_tf32x3():
     kw = dict(eps=0.01, max_iter=100)
     p64 = solve_potentials(x, y, backend="torch", **kw)
     xc, yc = x.float().cuda(), y.float().cuda()
-    mixed = _max_err(solve_potentials(xc, yc, loop_precision="tf32", **kw), p64)
-    exact = _max_err(solve_potentials(xc, yc, **kw), p64)
-    assert mixed < 1e-5 and mixed <= 2 * exact + 1e-7, (mixed, exact)
+    p_mixed = solve_potentials(xc, yc, loop_precision="tf32", **kw)
+    p_exact = solve_potentials(xc, yc, **kw)
+    mixed, exact = _gauge_free_err(p_mixed, p64), _gauge_free_err(p_exact, p64)
+    assert mixed < 5e-6 and mixed <= 2 * exact + 1e-7, (mixed, exact)
+
+    def dual(p):
+        return float(p.f.double().cpu().mean() + p.g.double().cpu().mean())
+
+    assert abs(dual(p_mixed) - dual(p64)) <= 2 * abs(dual(p_exact) - dual(p64)) + 1e-6
