@@ -37,7 +37,7 @@ int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, 
     word |= mhc::kInfoConverged;
   } else if (st == 0 || st == 2) {
     int it2 = 0;
-    st = st == 2 ? (variant == 3
+    st = st == 2 ? (variant >= 3
                         ? mhc::polish_matrix<N, double, true, true>(s, d, beta, fb_tol,
                                                                     fb_max_iter, it2)
                     : variant >= 1
@@ -53,7 +53,8 @@ int fp32_finish(int st, int iters, const float* s, float* d, const float* beta, 
 // The fp32 stage: variant 2 (layout "thread-c10") continues from logit range 10 (the CUDA
 // kernel birkhoff_fwd_f32_thread<N, 10>), else from 16; variant 3 ("thread-c10ls"): range
 // 10 and the one-log1p line search (birkhoff_fwd_f32_thread<N, 10, true>), whose float64
-// stage also uses it.
+// stage also uses it; variant 4 ("thread-flat"): variant 3's math in one loop for all
+// continuation stages (mhc::newton_project_flat; bitwise variant 3's results).
 template <int N>
 int fp32_stage1(const float* s, float* d, double tol, int max_iter, int& iters, double pivot_min,
                 float* beta, int variant) {
@@ -63,6 +64,9 @@ int fp32_stage1(const float* s, float* d, double tol, int max_iter, int& iters, 
   if (variant == 3)
     return mhc::project_matrix<N, float, 10, true>(s, d, float(tol), max_iter, iters,
                                                   float(pivot_min), beta);
+  if (variant == 4)
+    return mhc::project_matrix<N, float, 10, true, true>(s, d, float(tol), max_iter, iters,
+                                                        float(pivot_min), beta);
   return mhc::project_matrix<N, float>(s, d, float(tol), max_iter, iters, float(pivot_min),
                                        beta);
 }
@@ -144,8 +148,8 @@ int64_t lane16_bwd_f32(const float* t, const float* g, float* da, int64_t B) {
 }
 
 void check_variant(int variant) {
-  if (variant < 0 || variant > 3)
-    throw std::invalid_argument("birkhoff_fwd: variant must be 0, 1, 2 or 3, got " +
+  if (variant < 0 || variant > 4)
+    throw std::invalid_argument("birkhoff_fwd: variant must be 0, 1, 2, 3 or 4, got " +
                                 std::to_string(variant));
 }
 
@@ -307,7 +311,8 @@ PYBIND11_MODULE(_cpu, m) {
       },
       "variant: 0 the default, 1 the float64 stage of layout \"thread-fb2\" (plan updates in "
       "the warm-started polish), 2 that and the fp32 continuation of layout \"thread-c10\", "
-      "3 that and the one-log1p line search of \"thread-c10ls\"",
+      "3 that and the one-log1p line search of \"thread-c10ls\", 4 that in one loop for all "
+      "continuation stages (\"thread-flat\"; the same results)",
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("n"),
       py::arg("dtype"), py::arg("tol"), py::arg("max_iter"), py::arg("fallback_tol"),
       py::arg("fallback_max_iter"), py::arg("pivot_min"), py::arg("variant") = 0);

@@ -69,7 +69,10 @@ __device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, in
 // Matrices that did not converge (or are ill-conditioned) are appended to a work list.
 // CONT_RANGE: the fp32 continuation threshold (0: the default 16; layout "thread-c10": 10).
 // LSP: the one-log1p line search (mhc::armijo_log_sum; layout "thread-c10ls").
-template <int N, int CONT_RANGE = 0, bool LSP = false>
+// FLAT: one Newton loop for every continuation stage (mhc::newton_project_flat; layout
+// "thread-flat"): a warp no longer runs the plain and the continued solves one after the
+// other.
+template <int N, int CONT_RANGE = 0, bool LSP = false, bool FLAT = false>
 __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   if (b >= a.batch) return;
@@ -85,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
   }
   int iters = 0;
   float beta[N];
-  const int st = mhc::project_matrix<N, float, CONT_RANGE, LSP>(
+  const int st = mhc::project_matrix<N, float, CONT_RANGE, LSP, FLAT>(
       in, out, float(a.tol), a.max_iter, iters, float(a.pivot_min), beta);
   fwd_emit<N>(a, b, st, iters, out, beta);
 }
@@ -195,9 +198,9 @@ constexpr int kFbUpdate = 2;      // "thread-fb2": plan-updating polish, one-wav
 constexpr int kFbUpdateOcc3 = 3;  // "thread-fb2-occ3": the same, 3 blocks per SM
 constexpr int kFbUpdateLsp = 4;   // "thread-c10ls": kFbUpdate with the one-log1p search
 
-// FB: the float64 stage's variant (kFb*), CONT_RANGE: stage 1's (birkhoff_fwd_f32_thread);
-// only n = 4 instantiates other values than the defaults.
-template <int N, int FB = kFbDefault, int CONT_RANGE = 0, bool LSP = false>
+// FB: the float64 stage's variant (kFb*), CONT_RANGE, LSP, FLAT: stage 1's
+// (birkhoff_fwd_f32_thread); only n = 4 instantiates other values than the defaults.
+template <int N, int FB = kFbDefault, int CONT_RANGE = 0, bool LSP = false, bool FLAT = false>
 void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   if (a.batch == 0) return;
   const unsigned grid = blocks_for(a.batch, kThreads);
@@ -206,7 +209,7 @@ void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
     return;
   }
   cudaMemsetAsync(a.work, 0, sizeof(int), stream);
-  birkhoff_fwd_f32_thread<N, CONT_RANGE, LSP><<<grid, kThreads, 0, stream>>>(a);
+  birkhoff_fwd_f32_thread<N, CONT_RANGE, LSP, FLAT><<<grid, kThreads, 0, stream>>>(a);
   if constexpr (FB == kFbWave)
     launch_fallback_wave<N, false, 0>(a, stream);
   else if constexpr (FB == kFbUpdate)

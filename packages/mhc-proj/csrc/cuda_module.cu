@@ -255,7 +255,8 @@ __global__ void __launch_bounds__(kLaneThreads)
 // and for the backward the thread layout): 2 "thread-wave", 3 "thread-fb2", 4
 // "thread-fb2-occ3", 5 "thread-c10" (thread-fb2 with the fp32 continuation from logit range
 // 10 instead of 16), 6 "thread-c10ls" (thread-c10 whose line searches, fp32 and float64,
-// evaluate the objective change with one log1p: mhc::armijo_log_sum).
+// evaluate the objective change with one log1p: mhc::armijo_log_sum), 7 "thread-flat"
+// (thread-c10ls with one Newton loop for all continuation stages: mhc::newton_project_flat).
 constexpr int kLayoutLane = 0;
 constexpr int kLayoutThread = 1;
 constexpr int kLayoutThreadWave = 2;
@@ -263,11 +264,12 @@ constexpr int kLayoutThreadFb2 = 3;
 constexpr int kLayoutThreadFb2Occ3 = 4;
 constexpr int kLayoutThreadC10 = 5;
 constexpr int kLayoutThreadC10Ls = 6;
+constexpr int kLayoutThreadFlat = 7;
 
 void check_layout(int layout) {
-  if (layout < kLayoutLane || layout > kLayoutThreadC10Ls)
+  if (layout < kLayoutLane || layout > kLayoutThreadFlat)
     throw std::invalid_argument("birkhoff: layout must be 0 (16 lanes per matrix), 1 (thread "
-                                "per matrix), 2..6 (thread per matrix, float64 stage and "
+                                "per matrix), 2..7 (thread per matrix, float64 stage and "
                                 "continuation variants), got " +
                                 std::to_string(layout));
 }
@@ -343,6 +345,8 @@ PYBIND11_MODULE(_cuda, m) {
           launch_fwd<4, kFbUpdate, 10>(a, dtype, as_stream(stream));
         else if (n == 4 && layout == kLayoutThreadC10Ls)
           launch_fwd<4, kFbUpdateLsp, 10, true>(a, dtype, as_stream(stream));
+        else if (n == 4 && layout == kLayoutThreadFlat)
+          launch_fwd<4, kFbUpdateLsp, 10, true, true>(a, dtype, as_stream(stream));
         else if (n == 4)
           launch_fwd<4>(a, dtype, as_stream(stream));
         else

@@ -696,6 +696,59 @@ MHC_HD bool cont_next(ContState<N, S>& cs, const S (&beta)[N], int it) {
   return true;
 }
 
+// newton_project in ONE loop for every matrix (layout "thread-flat"): the plain solve is a
+// one-stage continuation with f = 1 (as = a * 1 = a, beta = 0), and a stage's end advances
+// to the next stage inside the Newton loop (next iteration: its column step) instead of
+// leaving it. Same operations in the same order as newton_project, so bitwise its results
+// on the CPU. Why (NOTES.md, 2026-12-01): on the GPU newton_project's plain solve and its
+// continuation loop are two inlined copies of the Newton loop, and each continuation stage
+// a loop of its own; a warp whose 32 matrices mix plain and continued ones (all warps at
+// N(0, 3^2) with range 10) runs the copies one after the other, and each stage's loop to its
+// slowest matrix. Here a warp runs to the largest total iteration count of its matrices
+// (plus the column steps of stage changes, a divergent branch at the loop's top).
+template <int N, typename S, int CONT_RANGE = 0, bool LSP = false>
+MHC_HD bool newton_project_flat(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter,
+                                int& iters, S (&beta)[N]) {
+  ContState<N, S> cs;
+  cont_begin<N, S, CONT_RANGE>(a, cs, beta);
+  const bool plain = cs.plain;
+  if (plain) {
+    cs.f = S(1);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) cs.phi[j] = S(0);
+  }
+  S as[N][N], c[N];
+  cont_stage<N, S>(a, cs, as, beta);
+  S stol = cont_tol(cs, tol);
+  if (!plain) MHC_PROF(stage, S);
+  NewtonIter<S> s;
+  newton_iter_init(s);
+  bool col = true;  // newton_core starts every stage with a column step
+  bool ok = false;
+  for (;;) {
+    if (col) log_col_step<N, S>(as, beta);
+    col = false;
+    const S err = plan<N, S>(as, beta, t, c);
+    const int r = newton_decide<S>(err, stol, max_iter, s);
+    if (r == kNewtonStep) {
+      MHC_NEWTON_STEP(N, S, t, c, beta, col, LSP);
+      continue;
+    }
+    if (cs.last) {
+      ok = r == kNewtonConverged;
+      break;
+    }
+    cont_next<N, S>(cs, beta, s.it);  // an intermediate stage ended (converged or not)
+    cont_stage<N, S>(a, cs, as, beta);
+    stol = cont_tol(cs, tol);
+    MHC_PROF(stage, S);
+    newton_iter_init(s);
+    col = true;
+  }
+  iters = cs.total + s.it;
+  return ok;
+}
+
 // The projection of one matrix. Small logit ranges: one Newton solve. Large ranges:
 // continuation (ContState above); this keeps every stage well conditioned and makes
 // logits of magnitude 1e4 converge in tens of iterations.
@@ -1108,18 +1161,41 @@ MHC_HD void sinkhorn_vjp_rescaled(const S (&a)[N][N], S (&g)[N][N], int iters, S
 // project_matrix's status from the solve's outcome and the final T. Ill-conditioned (nearly
 // disconnected) matrices are flagged so the caller polishes them in float64: there fp32
 // rounding of the potentials shows up in T and, amplified, in its VJP.
+// Large logits: the fp32 plan rounds a + beta to ~range x 2^-24, and T inherits that
+// error amplified by its sensitivity to the logits, which the pivot does not measure: at
+// N(0, 1e4^2) ~85 of 1M matrices (two-permutation mixtures, an 8-cycle support, pivot
+// ~0.1) met the marginal tolerance in fp32 but sat 3e-6..2.6e-5 from the float64 solution
+// (error ~ range x 9e-10 at most, CPU). A range above kPolishRange therefore also sends a
+// matrix to the float64 polish (<= 1e-6 below it; at N(0, 10^2) ranges are ~20-80: no
+// change there; at 1e4 it is the other 0.01% of the matrices).
+constexpr double kPolishRange = 1024.0;
 template <int N, typename S>
-MHC_HD int projection_status(bool ok, const S (&t)[N][N], S pivot_min) {
+MHC_HD int projection_status(bool ok, const S (&t)[N][N], S pivot_min, S range = S(0)) {
   if (!ok) return 0;
-  if (pivot_min > S(0) && min_pivot<N, S>(t) < pivot_min) return 2;
+  if (pivot_min > S(0) && (range > S(kPolishRange) || min_pivot<N, S>(t) < pivot_min)) return 2;
   return 1;
 }
 
+// The logit range of a (row maxima 0): max_ij -a_ij (cont_begin's measure).
+template <int N, typename S>
+MHC_HD S logit_range(const S (&a)[N][N]) {
+  S range = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) range = m_max(range, -a[i][j]);
+  }
+  return range;
+}
+
 // Status of one projection: 1 converged, 0 not converged, 2 converged but
-// ill-conditioned (min pivot < pivot_min; its potentials go to beta_out for a warm-started
+// ill-conditioned (min pivot < pivot_min, or logit range > kPolishRange when pivot_min > 0;
+// its potentials go to beta_out for a warm-started
 // float64 polish), -1 non-finite input (the output is NaN; no other matrix is affected).
 // CONT_RANGE: newton_project's continuation threshold (0: Limits<S>::cont_range).
-template <int N, typename S, int CONT_RANGE = 0, bool LSP = false, typename In, typename Out>
+// FLAT: newton_project_flat (the same results; one loop for all stages, layout "thread-flat").
+template <int N, typename S, int CONT_RANGE = 0, bool LSP = false, bool FLAT = false,
+          typename In, typename Out>
 MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& iters,
                           S pivot_min = S(0), float* beta_out = nullptr) {
   S a[N][N], t[N][N];
@@ -1130,13 +1206,15 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
     return -1;
   }
   S beta[N];
-  const bool ok = newton_project<N, S, CONT_RANGE, LSP>(a, t, tol, max_iter, iters, beta);
+  const bool ok = FLAT ? newton_project_flat<N, S, CONT_RANGE, LSP>(a, t, tol, max_iter, iters, beta)
+                      : newton_project<N, S, CONT_RANGE, LSP>(a, t, tol, max_iter, iters, beta);
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
     MHC_UNROLL
     for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
   }
-  const int st = projection_status<N, S>(ok, t, pivot_min);
+  const int st =
+      projection_status<N, S>(ok, t, pivot_min, pivot_min > S(0) ? logit_range<N, S>(a) : S(0));
   if (st == 2 && beta_out) {
     MHC_UNROLL
     for (int j = 0; j < N; ++j) beta_out[j] = float(beta[j]);

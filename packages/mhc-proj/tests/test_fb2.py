@@ -25,6 +25,15 @@ accuracy suite's 1e-5.
   of the same exact one) and flags different on at most 1 in 1000 matrices.
 - ``thread-c10ls``: ``thread-c10`` with the one-log1p line search: the same bounds (CPU:
   bitwise ``thread`` at sigma 1, within 9.5e-7 of ``thread-c10`` elsewhere).
+- ``thread-flat``: ``thread-c10ls`` with one Newton loop for all continuation stages
+  (``mhc::newton_project_flat``): the same operations in the same order, so the CPU tests
+  require bitwise ``thread-c10ls``; on the GPU the c10 bounds against ``thread``.
+
+Large logits (every layout; ``mhc::projection_status``): a matrix whose logit range exceeds
+``kPolishRange`` = 1024 goes to the float64 polish even when its fp32 solve converged with a
+good pivot. Before, at 1e4 N(0,1), ~85 of 1M such matrices kept their fp32 T, 3e-6..2.6e-5
+from the float64 solution (the GPU test below failed on one: ``thread`` 2.58e-5 from
+float64, ``thread-c10``, which had polished it, 4.8e-9; CPU, the same numbers).
 """
 
 import pytest
@@ -46,6 +55,7 @@ from mhc_proj.birkhoff import (
 from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref
 
 FB_LAYOUTS = ["thread-wave", "thread-fb2", "thread-fb2-occ3"]
+C10_LAYOUTS = ["thread-c10", "thread-c10ls", "thread-flat"]
 DISTS = {
     "N(0,1)": lambda b, g: torch.randn(b, 4, 4, generator=g),
     "N(0,10^2)": lambda b, g: torch.randn(b, 4, 4, generator=g) * 10,
@@ -114,13 +124,15 @@ def test_cpu_fb2_matches_thread_and_reference(dist, batch):
         if dist in SMALL:
             ref = birkhoff_project_ref(x.double())
             assert float((t_new.double() - ref).abs().max()) <= 1e-5
-    for layout in ("thread-c10", "thread-c10ls"):
+    for layout in C10_LAYOUTS:
         t_c, i_c = _fwd(x, layout)
         _compare(t_c, i_c, t_old, i_old, bitwise=dist == "N(0,1)", c10=True)
         assert float(marginal_error(t_c).max()) <= 5.5e-6
         if dist in SMALL:
             ref = birkhoff_project_ref(x.double())
             assert float((t_c.double() - ref).abs().max()) <= 1e-5
+    # thread-flat: thread-c10ls's operations in one loop: bitwise its results and info words
+    _compare(*_fwd(x, "thread-flat"), *_fwd(x, "thread-c10ls"), bitwise=True)
 
 
 @pytest.mark.parametrize("sigma", [1.0, 10.0])
@@ -134,7 +146,7 @@ def test_cpu_fb2_backward_accuracy(sigma):
     dref = birkhoff_vjp_ref(ref, gr.double())
     scale = dref.abs().flatten(1).amax(1)
     p99 = {}
-    for layout in ("thread", "thread-fb2", "thread-c10", "thread-c10ls"):
+    for layout in ("thread", "thread-fb2", "thread-c10", "thread-c10ls", "thread-flat"):
         t = _fwd(x, layout)[0]
         rel = (birkhoff_bwd(t, gr).double() - dref).abs().flatten(1).amax(1) / scale
         p99[layout] = float(torch.quantile(rel, 0.99))
@@ -142,6 +154,49 @@ def test_cpu_fb2_backward_accuracy(sigma):
     assert p99["thread-fb2"] <= 1.01 * p99["thread"] + 1e-9, p99
     assert p99["thread-c10"] <= 1.25 * p99["thread"] + 1e-9, p99
     assert p99["thread-c10ls"] <= 1.25 * p99["thread"] + 1e-9, p99
+    assert p99["thread-flat"] == p99["thread-c10ls"], p99
+
+
+# two matrices of the GPU test's 1M batch at 1e4 N(0,1) (seed 1048576 + 50, indices 587465,
+# 457514) whose fp32 solve converged with a good pivot 2.6e-5 and 2.0e-5 from float64
+LARGE_RANGE = [
+    [
+        [16500.330078125, -13193.6455078125, -10880.693359375, 4320.31494140625],
+        [-6123.0068359375, 4400.9755859375, -18403.779296875, -9075.4755859375],
+        [8019.298828125, -505.8584289550781, -506.7779846191406, -5586.5537109375],
+        [3192.551513671875, 6379.47509765625, -3451.74755859375, -10111.5283203125],
+    ],
+    [
+        [16339.7158203125, -9954.3154296875, 26002.37109375, -6396.04443359375],
+        [-10170.8876953125, -576.2408447265625, -8338.1591796875, 2040.2342529296875],
+        [11317.53125, 8591.591796875, -11255.5576171875, -12389.4609375],
+        [-18734.6796875, -8176.7431640625, 17811.759765625, 8045.0625],
+    ],
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_large_range_goes_to_float64(device):
+    """Logit range > 1024: every fp32 layout polishes the matrix in float64, so T is within
+    1e-6 of the float64 solve (the CPU's float64 Newton to 1e-13, converged here) even for
+    the two-permutation mixtures whose fp32 plans cannot resolve the logits' low bits; a
+    range below it keeps the fp32 result (ranges up to ~80 at N(0,10^2): unchanged)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.tensor(LARGE_RANGE), torch.randn(62, 4, 4, generator=g) * 1e4])
+    ref, iref = birkhoff_fwd(x.double(), 1e-13, 200, True)
+    conv = _flags(iref)[0].bool()
+    assert bool(conv[:2].all())
+    layouts = ["thread", "thread-fb2"] + C10_LAYOUTS + (["lane"] if device == "cuda" else [])
+    for layout in layouts:
+        t, info = (v.cpu() for v in _fwd(x.to(device), layout))
+        assert bool(_flags(info)[1].all()), layout  # all of them in the float64 stage
+        err = (t.double() - ref).abs().amax((1, 2))[conv]
+        assert float(err.max()) <= 1e-6, (layout, float(err.max()))
+    # just below the range: the fp32 result stands (no float64 stage for this one)
+    y = torch.zeros(1, 4, 4)
+    y[0, 0, 1] = -1000.0
+    _, iy = _fwd(y.to(device), "thread")
+    assert int(_flags(iy.cpu())[1][0]) == 0
 
 
 def test_cpu_fb2_edge_cases():
@@ -156,11 +211,11 @@ def test_cpu_fb2_edge_cases():
     bad = torch.zeros(257, dtype=torch.bool)
     bad[[6, 7]] = True
     t_old, i_old = _fwd(x, "thread")
-    for layout in ("thread-fb2", "thread-c10", "thread-c10ls"):
+    for layout in ["thread-fb2"] + C10_LAYOUTS:
         t_new, i_new = _fwd(x, layout)
         assert torch.isnan(t_new[bad]).all() and torch.isfinite(t_new[~bad]).all()
         assert torch.equal(i_new[bad], i_old[bad])
-        c10 = layout.startswith("thread-c10")
+        c10 = layout in C10_LAYOUTS
         _compare(t_new[~bad], i_new[~bad], t_old[~bad], i_old[~bad], c10=c10)
         assert float(marginal_error(t_new[~bad]).max()) <= 5.5e-6
     # empty batch, float64 input and n != 4: the layout changes nothing there
@@ -173,7 +228,7 @@ def test_cpu_fb2_edge_cases():
     )
     for n in (2, 3, 5, 8):
         xn = torch.randn(301, n, n, generator=g) * 10
-        for layout in ("thread-fb2", "thread-c10", "thread-c10ls"):
+        for layout in ["thread-fb2"] + C10_LAYOUTS:
             assert torch.equal(_fwd(xn, layout)[0], _fwd(xn, "thread")[0])
 
 
@@ -201,8 +256,10 @@ def test_cpu_fb2_saves_float64_plans():
     t3, p3 = profile(x, 3)  # thread-c10ls: the same work counts as c10 up to rounding
     assert float((t3.double() - t2.double()).abs().max()) <= MAX_DT_C10
     assert abs(float(p3[:, 0].double().mean() - p2[:, 0].double().mean())) <= 0.02
+    t4, p4 = profile(x, 4)  # thread-flat: c10ls's work, counted the same way
+    assert torch.equal(t4, t3) and torch.equal(p4, p3)
     with pytest.raises(ValueError, match="variant"):
-        profile(x[:1], 4)
+        profile(x[:1], 5)
 
 
 def test_fb_layout_selection(monkeypatch):
@@ -211,6 +268,7 @@ def test_fb_layout_selection(monkeypatch):
     assert [layout_code(v) for v in FB_LAYOUTS] == [2, 3, 4]
     assert [layout_code(v) for v in (2, 3, 4, 5, 6)] == [2, 3, 4, 5, 6]
     assert layout_code("thread-c10") == 5 and layout_code("thread-c10ls") == 6
+    assert layout_code("thread-flat") == 7 and layout_code(7) == 7
     x = torch.randn(301, 4, 4, generator=torch.Generator().manual_seed(2)) * 10
     gr = torch.randn_like(x)
     t_exp = _fwd(x, "thread-fb2")[0]
@@ -225,12 +283,12 @@ def test_fb_layout_selection(monkeypatch):
     t_p.backward(gr)
     assert torch.equal(t_p.detach(), t_exp) and torch.equal(xp.grad, xe.grad)
     # the backward is thread's for every fb layout
-    for layout in FB_LAYOUTS + ["thread-c10", "thread-c10ls"]:
+    for layout in FB_LAYOUTS + C10_LAYOUTS:
         assert torch.equal(birkhoff_bwd(t_exp, gr, layout), birkhoff_bwd(t_exp, gr, "thread"))
     with pytest.raises(ValueError, match="Birkhoff layout"):
         layout_code("thread-fb3")
     with pytest.raises(ValueError, match="Birkhoff layout"):
-        layout_code(7)
+        layout_code(8)
 
 
 # ---------------------------------------------------------------- GPU
@@ -259,7 +317,7 @@ def test_cuda_fb_layouts_vs_thread(dist, batch):
     if dist in SMALL and batch <= 100003:
         ref = birkhoff_project_ref(xc.double()).cpu()  # pure torch: on the GPU, in seconds
         assert float((res["thread-fb2"][0].double() - ref).abs().max()) <= 1e-5
-    for layout in ("thread-c10", "thread-c10ls"):
+    for layout in C10_LAYOUTS:
         t_c, i_c = (v.cpu() for v in _fwd(xc, layout))
         _compare(t_c, i_c, t_old, i_old, c10=True)
         assert float(marginal_error(t_c).max()) <= 5.5e-6
@@ -272,7 +330,7 @@ def test_cuda_fb_layouts_vs_thread(dist, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", FB_LAYOUTS + ["thread-c10", "thread-c10ls"])
+@pytest.mark.parametrize("layout", FB_LAYOUTS + C10_LAYOUTS)
 def test_cuda_fb_layouts_nan_isolation_and_graph(layout):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(513, 4, 4, generator=g) * 10
@@ -311,7 +369,7 @@ def test_cuda_fb2_accuracy_1m():
     dref = birkhoff_vjp_ref(ref, gr.cuda().double())
     scale = dref.abs().flatten(1).amax(1)
     p99 = {}
-    for layout in ("thread", "thread-fb2", "thread-c10", "thread-c10ls"):
+    for layout in ["thread", "thread-fb2"] + C10_LAYOUTS:
         t, info = _fwd(x.cuda(), layout)
         assert bool(_flags(info)[0].bool().all())
         assert float((t.double() - ref).abs().max()) <= 1e-5

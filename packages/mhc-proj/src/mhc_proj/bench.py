@@ -11,7 +11,8 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   ``thread-fb2`` (that plus a polish that updates its plans) or ``thread-fb2-occ3`` (the same
   capped at 3 blocks per SM); ``ours-c10``: layout ``thread-c10`` (``thread-fb2`` with the
   fp32 continuation from logit range 10); ``ours-c10ls``: ``thread-c10ls`` (that with the
-  one-log1p line search); opt-in until measured, NOTES.md.
+  one-log1p line search); ``ours-flat``: ``thread-flat`` (``thread-c10ls`` with one Newton
+  loop for all continuation stages); opt-in, NOTES.md.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
   Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
   matrix with the rescaled-adjoint reverse sweep at 3 blocks per SM, ``thread-e-occ3``,
@@ -65,6 +66,7 @@ PROVIDERS = [
     "ours-fb2-occ3",
     "ours-c10",
     "ours-c10ls",
+    "ours-flat",
     "ours-sinkhorn20",
     "ours-sinkhorn20-lane16",
     "ours-sinkhorn20-lane-bwd",
@@ -87,6 +89,7 @@ _BIRKHOFF_LAYOUT = {
     "ours-fb2-occ3": "thread-fb2-occ3",
     "ours-c10": "thread-c10",
     "ours-c10ls": "thread-c10ls",
+    "ours-flat": "thread-flat",
 }
 # Sinkhorn providers that differ from ours-sinkhorn20 only in the backward (no fwd rows)
 _SAME_FWD = ("ours-sinkhorn20-lane-bwd", "ours-sinkhorn20-thread-bwd")
@@ -349,6 +352,7 @@ def gpu_suite(providers: list[str]) -> list[tuple]:
         "ours-fb2-occ3",
         "ours-c10",
         "ours-c10ls",
+        "ours-flat",
         "ours-sinkhorn20",
         "ours-sinkhorn20-lane-bwd",
         "ours-sinkhorn20-fullstate",

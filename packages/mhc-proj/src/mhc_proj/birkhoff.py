@@ -28,9 +28,16 @@ CUDA layouts for n = 4 float32 (forward stage 1 and backward), selected per call
   objective change with one log1p instead of n (``armijo_log_sum``): ~100 fewer
   instructions per fp32 line-search trial; the same decisions up to rounding (CPU: bitwise
   ``thread`` at N(0,1) on 200k matrices).
-  These five are opt-in until measured on a GPU (NOTES.md). The CPU runs the same math
-  for the fb2 and c10 layouts (n = 4 float32), so the CPU tests check it; ``thread-wave``
-  is ``thread`` on the CPU.
+  H200 (2026-12-01, NOTES.md), forward at B = 16M: ``thread-c10ls`` 1.65 / 5.42 ms at
+  N(0,1) / N(0,10^2) against ``thread``'s 1.91 / 10.15, but 3.49 / 5.91 ms at N(0,2^2) /
+  N(0,3^2) against 2.46 / 4.06 (a warp runs its plain and its continued solves one after
+  the other); the others within 5% of ``thread`` at N(0,10^2) or slower.
+- ``thread-flat``: ``thread-c10ls`` with the continuation stages and the plain solve in one
+  Newton loop (``mhc::newton_project_flat``): bitwise ``thread-c10ls``'s results on the
+  CPU; made for N(0,2^2)-N(0,3^2), not yet measured on a GPU.
+  These six are opt-in (NOTES.md). The CPU runs the same math for the fb2, c10 and flat
+  layouts (n = 4 float32), so the CPU tests check it; ``thread-wave`` is ``thread`` on the
+  CPU.
 
 Other CUDA cases (n != 4, float64) and the CPU have one layout and ignore the setting (it is
 still validated, so a misspelt value fails everywhere).
@@ -84,9 +91,10 @@ _LAYOUTS = {
     "thread-fb2-occ3": 4,
     "thread-c10": 5,
     "thread-c10ls": 6,
+    "thread-flat": 7,
 }
 # layout code -> the CPU birkhoff_fwd variant that runs the same math (n = 4 float32)
-_CPU_VARIANT = {3: 1, 4: 1, 5: 2, 6: 3}
+_CPU_VARIANT = {3: 1, 4: 1, 5: 2, 6: 3, 7: 4}
 
 
 def layout_code(layout: str | int | None = None) -> int:
@@ -94,8 +102,9 @@ def layout_code(layout: str | int | None = None) -> int:
     ``MHC_PROJ_BIRKHOFF_LAYOUT`` environment variable (read at each call), else
     ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per
     matrix; default), ``"thread-wave"`` = 2, ``"thread-fb2"`` = 3, ``"thread-fb2-occ3"`` = 4,
-    ``"thread-c10"`` = 5, ``"thread-c10ls"`` = 6 (thread per matrix with other float64
-    stages, continuation or line search, module docstring). Used for n = 4 float32; the
+    ``"thread-c10"`` = 5, ``"thread-c10ls"`` = 6, ``"thread-flat"`` = 7 (thread per matrix
+    with other float64 stages, continuation, line search or loop structure, module
+    docstring). Used for n = 4 float32; the
     CPU has no lane layout."""
     return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout")
 
