@@ -1,6 +1,8 @@
-"""GPU micro-benchmark of the finiteness pre-pass alone, v2 vs v3, on the large layout.
+"""GPU micro-benchmark of the finiteness pre-pass alone (v2 vs v3, or the kernels named in
+the second argument, e.g. ``v3,v4``) on the large layout.
 
-    PYTHONPATH=packages/flashoptim/src python3 packages/flashoptim/scripts/prepass_bench.py
+    PYTHONPATH=packages/flashoptim/src python3 packages/flashoptim/scripts/prepass_bench.py \
+        [OUT.json] [v3,v4]
 
 Times the device work of ``FlashOptimizer._nonfinite`` with device flags (flag fill +
 pre-pass launches, no host sync) over 20 back-to-back calls with CUDA events, and prints
@@ -27,7 +29,8 @@ def main() -> int:
         p.grad = (torch.randn(p.shape, device=dev, generator=gen) * 1e-3).bfloat16()
     n = sum(p.numel() for p in ps)
     out = {}
-    for kernel in ("v2", "v3"):
+    kernels = sys.argv[2].split(",") if len(sys.argv) > 2 else ["v2", "v3"]
+    for kernel in kernels:
         opt = fo.FlashAdamW(ps, lr=1e-4, kernel=kernel)
         opt.step()  # tables, states, compiles
         preps = [opt._prepare(g, opt._grads(g)) for g in opt.param_groups]

@@ -73,6 +73,7 @@ def _sig_v2(p_dt="bf16"):
     sig["first"] = "i32"
     sig["step_mix"] = "i32"
     sig["skip_flag"] = "*i32"
+    sig["epoch"] = "i32"  # v4 only (dropped for the others by the argument filter)
     return sig
 
 
@@ -83,7 +84,7 @@ MODES = {  # name: (KIND, HAS_MOM)
 }
 
 
-def compile_step(fn, mode="adamw", extra=None, block=1024, warps=4, sr=True):
+def compile_step(fn, mode="adamw", extra=None, block=1024, warps=4, sr=True, pf=2):
     kind, has_mom = MODES[mode]
     sig = _sig_v2()
     consts = dict(
@@ -98,9 +99,10 @@ def compile_step(fn, mode="adamw", extra=None, block=1024, warps=4, sr=True):
         SCALE_F32=False,
         ALIGNED=True,
         N16=True,
-        UNIT=_core.V2_UNIT,
+        UNIT=_core.V4_UNIT if fn is _core._step_kernel_v4 else _core.V2_UNIT,
         BLOCK=block,
         WAVES=8,
+        PF=pf,  # v4 only
         GROUP_SIZE=32,
         SCALARS_ON_DEVICE=False,
         CHECK_SKIP=True,
@@ -256,7 +258,9 @@ def report(name, k, per_thread_elems, dump=None):
 def compile_prepass(fn, block=1024, warps=4):
     """The finiteness pre-pass (v2: one unit per program; v3: persistent), bf16 gradients."""
     sig = {"units": "*i32", "nunits": "i32", "tab": "*i64", "g_base": "*bf16", "flag": "*i32"}
-    consts = dict(ALIGNED=True, N16=True, G_DTYPE=1, UNIT=_core.V2_UNIT, BLOCK=block)
+    sig["mark"] = "i32"  # v4 only
+    unit = _core.V4_UNIT if fn is _core._nonfinite_kernel_v4 else _core.V2_UNIT
+    consts = dict(ALIGNED=True, N16=True, G_DTYPE=1, UNIT=unit, BLOCK=block)
     argnames = fn.arg_names
     consts = {k: v for k, v in consts.items() if k in argnames}
     for k in consts:
@@ -309,9 +313,10 @@ def compile_matrix(fn):
             SCALE_F32=False,
             ALIGNED=True,
             N16=True,
-            UNIT=_core.V2_UNIT,
+            UNIT=_core.V4_UNIT if fn is _core._step_kernel_v4 else _core.V2_UNIT,
             BLOCK=1024,
             WAVES=8,
+            PF=2,
             GROUP_SIZE=32,
             SCALARS_ON_DEVICE=False,
             CHECK_SKIP=True,
@@ -338,28 +343,35 @@ def main(argv=None):
     ap.add_argument("--mode", default="adamw,sgd,lion")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--prepass", action="store_true", help="also the finiteness pre-passes")
-    ap.add_argument("--matrix", action="store_true", help="v3: compile every mode, regs/spills")
+    ap.add_argument("--matrix", action="store_true", help="compile every mode, regs/spills")
+    ap.add_argument("--block", type=int, default=1024)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--pf", type=int, default=2, help="v4: L2 prefetch distance in tiles")
     a = ap.parse_args(argv)
     ks = ["v2", "v3"] if a.kernel == "all" else a.kernel.split(",")
     if a.matrix:
-        compile_matrix(_core._step_kernel_v3)
+        for kv in ks if a.kernel != "all" else ["v3"]:
+            compile_matrix(getattr(_core, f"_step_kernel_{kv}"))
         return 0
     if a.prepass:
-        for kv, fn in [("v2", _core._nonfinite_kernel_v2), ("v3", _core._nonfinite_kernel_v3)]:
-            # both: 2048 elements (one unit) per loop trip / program over 128 threads
-            report(f"prepass-{kv}", compile_prepass(fn), 2048 / 128, a.dump)
+        for kv, fn, e in [
+            ("v2", _core._nonfinite_kernel_v2, 2048),  # one unit per program
+            ("v3", _core._nonfinite_kernel_v3, 2048),  # one unit per loop trip (unrolled)
+            ("v4", _core._nonfinite_kernel_v4, 1024),  # one tile per loop trip
+        ]:
+            report(f"prepass-{kv}", compile_prepass(fn), e / 128, a.dump)
     for mode in a.mode.split(","):
         for kv in ks:
             if kv == "v2":
                 k = compile_step(_core._step_kernel_v2, mode)
             else:
-                fn = getattr(_core, "_step_kernel_v3", None)
+                fn = getattr(_core, f"_step_kernel_{kv}", None)
                 if fn is None:
-                    print("no v3 kernel")
+                    print(f"no {kv} kernel")
                     continue
-                k = compile_step(fn, mode)
-            # 1024 elements per iteration over 128 threads
-            report(f"{kv}-{mode}", k, 1024 / 128, a.dump)
+                k = compile_step(fn, mode, block=a.block, warps=a.warps, pf=a.pf)
+            # one tile (BLOCK elements) per iteration over the program's threads
+            report(f"{kv}-{mode}", k, a.block / (32 * a.warps), a.dump)
     return 0
 
 

@@ -81,7 +81,7 @@ def _steps(opt):
 
 
 @pytest.mark.parametrize("name,Opt,kw", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("kernel", ["v2", "v1", "v3"])
+@pytest.mark.parametrize("kernel", ["v2", "v1", "v3", "v4"])
 def test_capturable_bitwise(name, Opt, kw, kernel):
     """Several steps with an LR schedule (float lr eager, float64 tensor lr capturable),
     stochastic rounding, two param groups and bf16 + fp16 + fp32 parameters; step 0 (SGD's
@@ -212,7 +212,7 @@ def test_capturable_errors(monkeypatch):
         opt.step_param(p)
 
 
-@pytest.mark.parametrize("kernel", ["v2", "v3"])
+@pytest.mark.parametrize("kernel", ["v2", "v3", "v4"])
 def test_default_path_unchanged_scalar_flag(kernel):
     """The default path launches with SCALARS_ON_DEVICE=False (its compiled code does not
     change); capturable launches with True."""

@@ -114,7 +114,7 @@ def test_fsdp2_world_size_one_matches_unsharded():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3", "v4"])
 def test_many_small_tensors_repeated_steps_match_cpu_path(kernel, monkeypatch):
     """2,050 tensors, 5 steps through the cached launch plan, kernel vs CPU path: after each
     step the codes agree within ties (v2 with its default config: autotuning is tested in

@@ -28,7 +28,7 @@ CASES = [
 ]
 
 
-KERNELS = pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+KERNELS = pytest.mark.parametrize("kernel", ["v1", "v2", "v3", "v4"])
 
 
 def _run_pair(Opt, kw, sizes, dtype, device, steps=3, kernel="v1", **okw):
@@ -187,7 +187,7 @@ def test_gpu_kernel_large_vs_cpu_path(kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["v2", "v3"])
+@pytest.mark.parametrize("kernel", ["v2", "v3", "v4"])
 def test_gpu_v2_autotune_applies_the_step_once(monkeypatch, kernel):
     """Autotuning benchmarks the in-place kernel many times on the live bucket; the snapshot
     hooks must restore every tensor of the bucket (not only the base tensors) so that the
@@ -196,7 +196,7 @@ def test_gpu_v2_autotune_applies_the_step_once(monkeypatch, kernel):
     monkeypatch.delenv("FLASHOPTIM_NO_AUTOTUNE", raising=False)
     from flashoptim import _core
 
-    tuned = _core._step_kernel_v2_tuned if kernel == "v2" else _core._step_kernel_v3_tuned
+    tuned = getattr(_core, f"_step_kernel_{kernel}_tuned")
     n0 = len(tuned.cache)
     sizes = (1_000_003, 4097, 3 * 2048 + 5)  # three tensors: two are not base tensors
     a, b, ps, qs = _run_pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, "cuda", kernel=kernel)

@@ -31,9 +31,12 @@ GPU_PROVIDERS = [
     "ours",
     "ours_v1",  # the first (v1) kernel, same options as the row above; "ours" is v3
     "ours_v2",  # kernel v2 (the default before v3: same layout, costlier element math)
+    "ours_v4",  # kernel v4 (opt-in: v3's math over chunks, L2 prefetch, epoch flag)
+    "ours_v4_lazy",  # v4, the non-finite flag read at the next step (no host sync per step)
     "ours_nocheck",
     "ours_v1_nocheck",
     "ours_v2_nocheck",
+    "ours_v4_nocheck",
     "ours_graph",  # capturable=True, the step captured in a CUDA graph and replayed
     "torch_fused_fp32",
     "torch_fused_bf16",
@@ -41,10 +44,12 @@ GPU_PROVIDERS = [
     "ours_sgd",
     "ours_v1_sgd",
     "ours_v2_sgd",
+    "ours_v4_sgd",
     "flashoptim_0.1.4_sgd",
     "ours_lion",
     "ours_v1_lion",
     "ours_v2_lion",
+    "ours_v4_lion",
     "bnb_adamw8bit",
     "torchao_adamw8bit",  # last: torch.compile on its first step
 ]
@@ -64,8 +69,9 @@ MOVED = {
     "ours_lion": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
 }
 MOVED["ours_graph"] = MOVED["ours"]  # same kernels (+ a few scalar ops), no host time
-for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion", "ours_graph"):
-    for _v in ("ours_v1", "ours_v2", "ours_v3"):
+MOVED["ours_lazy"] = MOVED["ours"]  # same kernels, no host sync
+for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion", "ours_graph", "ours_lazy"):
+    for _v in ("ours_v1", "ours_v2", "ours_v3", "ours_v4"):
         MOVED[_k.replace("ours", _v)] = MOVED[_k]
 
 
@@ -108,8 +114,8 @@ def load_peer_flashoptim(path: str | None = None):
 
 def make_optimizer(provider: str, params, peer_path=None):
     lr = 1e-4
-    # "ours" is the default kernel (v3); "ours_v1" / "ours_v2" / "ours_v3" name one explicitly
-    if provider.startswith(("ours_v1", "ours_v2", "ours_v3")):
+    # "ours" is the default kernel (v3); "ours_v1" .. "ours_v4" name one explicitly
+    if provider.startswith(("ours_v1", "ours_v2", "ours_v3", "ours_v4")):
         kw = dict(kernel=provider[5:7])
         provider = provider.replace(provider[:7], "ours")
     else:
@@ -143,6 +149,10 @@ def _make_ours(provider, params, lr, kw):
         return fo.FlashAdamW(params, lr=lr, **kw)
     if provider == "ours_nocheck":
         return fo.FlashAdamW(params, lr=lr, check_finite=False, **kw)
+    if provider == "ours_lazy":  # v4: the skip flag read at the next step, no sync per step
+        opt = fo.FlashAdamW(params, lr=lr, **kw)
+        opt._lazy_skip = True
+        return opt
     if provider == "ours_graph":  # a tensor lr on device, as an LR schedule would need
         lr_t = torch.tensor(lr, dtype=torch.float64, device=params[0].device)
         return fo.FlashAdamW(params, lr=lr_t, capturable=True, **kw)
@@ -158,9 +168,10 @@ def _v2_config(kernel: str = "v2") -> str | None:
     from . import _core
 
     cfg = getattr(_core._step_kernel_v2_tuned, "best_config", None)
-    cfg3 = getattr(_core._step_kernel_v3_tuned, "best_config", None)
-    if cfg3 is not None and kernel == "v3":
-        cfg = cfg3
+    other = getattr(_core, f"_step_kernel_{kernel}_tuned", None)
+    cfg_k = getattr(other, "best_config", None)
+    if cfg_k is not None and kernel in ("v3", "v4"):
+        cfg = cfg_k
     if cfg is None:
         return None
     return f"{cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}"
@@ -267,7 +278,7 @@ def bench_one(provider, layout, device, warmup, reps, peer_path=None) -> dict:
         if isinstance(opt, fo.FlashOptimizer):
             m["bytes_per_param_counted"] = fo.memory_report(opt)["bytes_per_param"]
             m["kernel"] = opt.kernel
-            if opt.kernel in ("v2", "v3") and device.type == "cuda":
+            if opt.kernel in ("v2", "v3", "v4") and device.type == "cuda":
                 m["v2_config"] = _v2_config(opt.kernel)
         res["metrics"] = m
     except ImportError as e:
@@ -372,6 +383,8 @@ def main(argv=None) -> int:
         "ours_v2_lion",
         "ours_v3_sgd",
         "ours_v3_lion",
+        "ours_v4_sgd",
+        "ours_v4_lion",
         "flashoptim_0.1.4_sgd",
         "torchao_adamw8bit",
     )

@@ -22,6 +22,10 @@ from ._core import ADAM, GROUP, LION, SGD
 BLOCK = int(os.environ.get("FLASHOPTIM_BLOCK", "1024"))
 NUM_WARPS = int(os.environ.get("FLASHOPTIM_NUM_WARPS", "4"))
 _P_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# v4 with on_nonfinite="skip": resolve the device non-finite flag lazily (a non-blocking copy
+# read at the next step / skipped_steps / state_dict) instead of a host sync in every step.
+# Opt-in (FLASHOPTIM_LAZY_SKIP=1 or ``opt._lazy_skip = True``) until the GPU has measured it.
+_LAZY_SKIP = os.environ.get("FLASHOPTIM_LAZY_SKIP", "0") == "1"
 
 
 def _v2_autotune(dev: torch.device) -> bool:
@@ -102,7 +106,11 @@ class FlashOptimizer(torch.optim.Optimizer):
             from the environment variable FLASHOPTIM_KERNEL. They compute the same codes,
             scales and rounding (bitwise under the interpreter; on the GPU v3's approximate
             reciprocal can move a tie by one code, as the GPU already may against the CPU
-            path). FLASHOPTIM_NO_AUTOTUNE=1 runs v2/v3 with their single default config.
+            path). FLASHOPTIM_NO_AUTOTUNE=1 runs v2/v3/v4 with their single default config.
+            "v4" (opt-in, not yet GPU-measured): v3's element math over chunks of 16,384
+            elements with an L2 bulk prefetch of the coming tiles (a tuning choice) and a
+            per-step epoch in one persistent non-finite flag (no flag memset per step);
+            bitwise v3 under the interpreter.
         capturable: ``step()`` makes no host sync and no host decision on device data, so it
             can be captured in a ``torch.cuda.CUDAGraph`` after one eager warm-up step. The
             step counts live on device (one per bucket, incremented there), the step's
@@ -148,8 +156,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
         kernel = kernel or os.environ.get("FLASHOPTIM_KERNEL", "v3") or "v3"
-        if kernel not in ("v1", "v2", "v3"):
-            raise ValueError(f"kernel must be 'v1', 'v2' or 'v3'; got {kernel!r}")
+        if kernel not in ("v1", "v2", "v3", "v4"):
+            raise ValueError(f"kernel must be 'v1', 'v2', 'v3' or 'v4'; got {kernel!r}")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise'; got {on_nonfinite!r}")
         if capturable and on_nonfinite == "raise":
@@ -175,6 +183,10 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.capturable = bool(capturable)
         self._dskip: dict = {}  # capturable: device -> int64 [1] count of skipped steps
         self._dflag: dict = {}  # capturable: device -> int32 [1] non-finite flag of the step
+        self._eflag: dict = {}  # v4 eager: device -> int32 [1] epoch of the last bad step
+        self._epoch = 0  # v4 eager: the current checked step's mark (never reset by a skip)
+        self._lazy_skip = _LAZY_SKIP
+        self._pending = None  # lazy skip: (event, host flag values, mark, plans) of a step
         self._plans: dict = {}
         self._release_enabled = False
         super().__init__(params, defaults)
@@ -252,10 +264,11 @@ class FlashOptimizer(torch.optim.Optimizer):
             bad = bad or not bool(torch.isfinite(g).all())
         return bad
 
-    def _nonfinite(self, preps, flags: dict | None = None) -> bool:
+    def _nonfinite(self, preps, flags: dict | None = None, mark: int = 1) -> bool:
         """One check for the whole step: a Triton pre-pass per bucket writing one flag per
         device, then a single host sync; torch.isfinite for CPU-path tensors. With ``flags``
-        (capturable: zeroed persistent device flags) only the pre-passes run, no sync."""
+        (capturable: zeroed persistent device flags) only the pre-passes run, no sync.
+        ``mark``: the value a v4 pre-pass writes into the flag (its epoch; 1 elsewhere)."""
         on_device = flags is not None
         flags = {} if flags is None else flags
         cpu_ps = []
@@ -269,7 +282,24 @@ class FlashOptimizer(torch.optim.Optimizer):
                 if dev not in flags:
                     flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
                 nb = ent["work"].shape[0]
-                if nb and ent["use_v2"] and self.kernel == "v3":
+                if nb and ent["use_v2"] and self.kernel == "v4":
+                    w = _core.V4_PREPASS_WAVES
+                    nprog = min(nb, _num_sms(dev) * w) if dev.type == "cuda" else min(nb, 3)
+                    _core._nonfinite_kernel_v4[(nprog,)](
+                        ent["work"],
+                        nb,
+                        ent["tab"],
+                        ent["bases"][1],
+                        flags[dev],
+                        mark,
+                        ALIGNED=ent["aligned"],
+                        N16=ent["n16"],
+                        G_DTYPE=_P_CODE[ent["bases"][1].dtype],
+                        UNIT=_core.V4_UNIT,
+                        BLOCK=1024,
+                        num_warps=4,
+                    )
+                elif nb and ent["use_v2"] and self.kernel == "v3":
                     w = _core.V3_PREPASS_WAVES  # persistent: programs per SM
                     nprog = min(nb, _num_sms(dev) * w) if dev.type == "cuda" else min(nb, 3)
                     _core._nonfinite_kernel_v3[(nprog,)](
@@ -325,6 +355,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._resolve_pending()
         preps = [self._prepare(g, ps) for g in self.param_groups if (ps := self._grads(g))]
         if self.capturable:
             self._step_on_device(preps)
@@ -343,7 +374,7 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _deferred_check(self, preps) -> bool:
         """v3 with cached plans whose buckets all run the v3 kernel: the step kernels read
         the pre-pass's device flag themselves, so the host syncs once after the launches."""
-        return self.kernel == "v3" and all(
+        return self.kernel in ("v3", "v4") and all(
             prep["plan"] is not None
             and all(b["ent"] is not None and b["ent"]["use_v2"] for b in prep["buckets"])
             for prep in preps
@@ -354,22 +385,85 @@ class FlashOptimizer(torch.optim.Optimizer):
         once when it is set, so nothing is written), then one sync. On a non-finite
         gradient the host step counts advanced by ``_commit`` are taken back."""
         flags: dict = {}
-        self._nonfinite(preps, flags)
+        mark = 1
+        if self.kernel == "v4":  # persistent flags, a new epoch per checked step: no memset
+            if self._epoch >= 2**31 - 2:
+                for f in self._eflag.values():
+                    f.zero_()
+                self._epoch = 0
+            self._epoch += 1
+            mark = self._epoch
+            for prep in preps:
+                for b in prep["buckets"]:
+                    dev = b["ent"]["tab"].device
+                    if dev not in self._eflag:
+                        self._eflag[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+                    flags[dev] = self._eflag[dev]
+        self._nonfinite(preps, flags, mark)
         for prep in preps:
             self._commit(prep, skip=flags)
         if not flags:
             return loss
-        bad = sum(f.to("cpu", non_blocking=False).item() for f in flags.values()) > 0
+        plans = [prep["plan"] for prep in preps]
+        if (
+            self.kernel == "v4"
+            and self._lazy_skip
+            and self.on_nonfinite == "skip"
+            and len(flags) == 1
+        ):
+            (f,) = flags.values()
+            if f.is_cuda:  # the flag's value reaches pinned host memory with the stream
+                host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+                host.copy_(f, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+            else:
+                host, ev = f.clone(), None
+            self._pending = (ev, host, mark, plans)
+            return loss
+        vals = [f.to("cpu", non_blocking=False).item() for f in flags.values()]
+        bad = any(v == mark for v in vals) if self.kernel == "v4" else sum(vals) > 0
         if bad:
-            for prep in preps:
-                plan = prep["plan"]
-                for st in plan["states"]:
-                    st["step"] -= 1
-                plan["step"] -= 1
+            self._take_back(plans)
             if self.on_nonfinite == "raise":
                 raise NonFiniteGradError("non-finite gradient: step not taken")
             self.skipped_steps += 1
         return loss
+
+    @staticmethod
+    def _take_back(plans) -> None:
+        """A skipped step: undo the step counts ``_commit`` advanced on the host."""
+        for plan in plans:
+            for st in plan["states"]:
+                st["step"] -= 1
+            plan["step"] -= 1
+
+    def _resolve_pending(self) -> None:
+        """Lazy skip (v4): read the previous step's flag (its copy was enqueued after that
+        step's kernels; by the next step it has long landed) and, if that step was skipped,
+        take back its step counts and count it. Called before every step, by
+        ``skipped_steps``, ``state_dict`` and ``load_state_dict``."""
+        pend = self.__dict__.get("_pending")
+        if pend is None:
+            return
+        self._pending = None
+        ev, host, mark, plans = pend
+        if ev is not None:
+            ev.synchronize()
+        if int(host[0]) == mark:
+            self._take_back(plans)
+            self.__dict__["_skipped_steps"] = self.__dict__.get("_skipped_steps", 0) + 1
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (host count; eager mode)."""
+        self._resolve_pending()
+        return self.__dict__.get("_skipped_steps", 0)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._resolve_pending()
+        self.__dict__["_skipped_steps"] = int(value)
 
     @torch.no_grad()
     def step_param(self, p: torch.Tensor) -> None:
@@ -378,6 +472,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             return
         if self.capturable:
             raise ValueError("gradient release (step_param) is not supported with capturable=True")
+        self._resolve_pending()
         for group in self.param_groups:
             if any(q is p for q in group["params"]):
                 prep = self._prepare(group, [p], cache=False)
@@ -698,7 +793,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         tab = torch.tensor(rows, dtype=torch.int64, device=p0.device)
         unit = _core.V2_UNIT
         # v3: v2's unit table and indexing (int32 offsets), cheaper element math
-        use_v2 = self.kernel in ("v2", "v3") and max(r[7] for r in rows) <= 2**31 - 2 * unit
+        if self.kernel == "v4":  # v4: chunks of V4_UNIT elements in the same table format
+            unit = _core.V4_UNIT
+        use_v2 = self.kernel in ("v2", "v3", "v4") and max(r[7] for r in rows) <= 2**31 - 2 * unit
         # only the chosen kernel's work table is kept: both would cost 0.012 bytes/param
         size = unit if use_v2 else BLOCK
         nw = [(r[7] + size - 1) // size for r in rows]
@@ -732,6 +829,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             scalars = (scal,) + (0.0,) * 10 + (0, 0)
         flags = self._flags(ent, group, hp)
         flags["SCALARS_ON_DEVICE"] = scal is not None
+        if ent["use_v2"] and self.kernel == "v4":
+            self._run_kernel_v4(ent, scalars, flags, skip)
+            return
         if ent["use_v2"] and self.kernel == "v3":
             self._run_kernel_v3(ent, scalars, flags, skip)
             return
@@ -816,8 +916,31 @@ class FlashOptimizer(torch.optim.Optimizer):
         )
         self._launch_units(ent, args, meta, _core._step_kernel_v3_tuned, _core._step_kernel_v3)
 
+    def _run_kernel_v4(self, ent, scalars, flags, skip) -> None:
+        """v4: v3's launch over the chunk table, L2 prefetch (GPU), epoch-marked skip flag."""
+        args = (ent["work"], ent["work"].shape[0], ent["tab"], *ent["bases"], *scalars)
+        args += (ent["skip"] if skip is None else skip, self._epoch if skip is not None else 0)
+        meta = dict(
+            **flags,
+            ALIGNED=ent["aligned"],
+            N16=ent["n16"],
+            CHECK_SKIP=skip is not None,
+            ASM=_use_asm(ent["tab"].device),
+            UNIT=_core.V4_UNIT,
+            GROUP_SIZE=GROUP,
+        )
+        self._launch_units(
+            ent,
+            args,
+            meta,
+            _core._step_kernel_v4_tuned,
+            _core._step_kernel_v4,
+            _core.V4_DEFAULT,
+            _core.V4_DEFAULT_WARPS,
+        )
+
     @staticmethod
-    def _launch_units(ent, args, meta, tuned, plain) -> None:
+    def _launch_units(ent, args, meta, tuned, plain, default=None, warps=None) -> None:
         """The unit-table kernels' launch (v2 and v3): persistent grid of WAVES programs per
         SM (0: one per unit); autotuned on CUDA, with every written tensor of the bucket
         restored after the tuning runs; else the single default config."""
@@ -838,9 +961,14 @@ class FlashOptimizer(torch.optim.Optimizer):
                     _core._tune_pre_hook({}, reset_only=True)
                 _core._TUNE["tensors"] = ()
             return
-        w = _core.V2_DEFAULT["WAVES"]
-        nprog = min(nunits, _num_sms(dev) * w) if dev.type == "cuda" else min(nunits, 3)
-        plain[(nprog,)](*args, **meta, **_core.V2_DEFAULT, num_warps=_core.V2_DEFAULT_WARPS)
+        default = _core.V2_DEFAULT if default is None else default
+        warps = _core.V2_DEFAULT_WARPS if warps is None else warps
+        w = default["WAVES"]
+        if dev.type != "cuda":
+            nprog = min(nunits, 3)
+        else:
+            nprog = min(nunits, _num_sms(dev) * w) if w else nunits
+        plain[(nprog,)](*args, **meta, **default, num_warps=warps)
 
     def _common_hp(self, group, p) -> dict:
         return dict(
@@ -924,6 +1052,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         torch's loader would cast floating states to the parameter dtype (fp32 scales and
         states to bf16), so the states are mapped to parameters here, unchanged.
         """
+        self._resolve_pending()
         groups = state_dict["param_groups"]
         saved = state_dict["state"]
         if len(groups) != len(self.param_groups):
@@ -1008,7 +1137,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         DTensor with the parameter's placements, and each group scale is repeated per element
         (``<state>_scale_per_element``), so torch.distributed.checkpoint can save, load and
         reshard it; plain parameters keep the compact layout."""
-        skipped = self.skipped_steps
+        skipped = self.skipped_steps  # (resolves a lazy skip first)
         if self.capturable:
             self.sync_steps()
             if self._dskip:
