@@ -161,7 +161,9 @@ def test_triton_potentials_gpu(precision, tol):
 @needs_interp
 def test_loop_precision_runs_all_but_the_tail_cheaper(monkeypatch):
     """Fixed iterations: the first c-transform and all but the last exact_tail iterations
-    at loop_precision, the tail at precision; the default schedule is unchanged."""
+    at loop_precision, the tail at precision; the default schedule is unchanged. (Six
+    iterations do not converge: the fallback check is switched off here, tested below.)"""
+    monkeypatch.setattr(_plan, "TAIL_TOL", float("inf"))
     calls = _spy(monkeypatch)
     x, y, _, _, _ = _data(19, 17, 4, False)
     p = solve_potentials(x.float(), y.float(), eps=0.1, max_iter=6, backend="triton",
@@ -173,6 +175,31 @@ def test_loop_precision_runs_all_but_the_tail_cheaper(monkeypatch):
     solve_potentials(x.float(), y.float(), eps=0.1, max_iter=6, backend="triton",
                      loop_precision="tf32", exact_tail=10)  # fmt: skip
     assert calls == ["tf32"] + ["tf32x3"] * 12  # a tail longer than the loop: all exact
+
+
+@needs_interp
+def test_loop_precision_falls_back_when_the_tail_still_moves(monkeypatch):
+    """Six iterations do not converge: the exact tail still changes the potentials, so the
+    solve is redone with every iteration at precision (the same numbers as asking for it)."""
+    calls = _spy(monkeypatch)
+    x, y, _, _, _ = _data(19, 17, 4, False)
+    kw = dict(eps=0.1, max_iter=6, backend="triton")
+    p = solve_potentials(x.float(), y.float(), loop_precision="tf32", exact_tail=2, **kw)
+    assert p.info["loop_precision_fallback"] is True
+    assert calls == ["tf32"] * (1 + 2 * 4) + ["tf32x3"] * (2 * 2) + ["tf32x3"] * (1 + 2 * 6)
+    exact = solve_potentials(x.float(), y.float(), **kw)
+    assert exact.info["loop_precision_fallback"] is False
+    assert torch.equal(p.f, exact.f) and torch.equal(p.g, exact.g)
+
+
+@needs_interp
+def test_loop_precision_keeps_the_cheap_loop_when_converged(monkeypatch):
+    calls = _spy(monkeypatch)
+    x, y, _, _, _ = _data(19, 17, 4, False, seed=2)
+    p = solve_potentials(x.float(), y.float(), eps=0.5, max_iter=150, backend="triton",
+                         loop_precision="tf32", exact_tail=3)  # fmt: skip
+    assert p.info["loop_precision_fallback"] is False
+    assert calls == ["tf32"] * (1 + 2 * 147) + ["tf32x3"] * (2 * 3)
 
 
 @needs_interp
