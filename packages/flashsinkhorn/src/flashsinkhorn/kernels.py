@@ -362,6 +362,198 @@ if HAS_TRITON:
             )
 
 
+# ----------------------------------------------------------------------------------------
+# Opt-in variants of the iteration kernel (no V): FLASHSINKHORN_SOFTMIN_VARIANT
+# ----------------------------------------------------------------------------------------
+#
+# In `_softmin_kernel` each tile waits for its own dot before its exps, so inside one CTA
+# the tensor cores (wgmma) and the exp units (MUFU) take turns (NOTES.md, "What would
+# remain"). The variants below try to overlap them, selected at launch by the environment
+# variable FLASHSINKHORN_SOFTMIN_VARIANT (default: the unchanged kernel):
+#
+# - "pipe": software-pipelined loop, FA3's intra-warpgroup pipelining idea written in
+#   Triton: the dot of column tile j + 1 is issued before the exp / online-LSE work of tile
+#   j (first tile's dot peeled before the loop, last tile's exps after it). Triton's Hopper
+#   pass (asyncLaunchDots, WGMMAPipeline.cpp) keeps a wgmma in flight across other work only
+#   if its result is yielded to the next iteration AND a `wait 0` precedes every use of that
+#   result in the loop body; otherwise it puts `wait 0` right after the dot. So the loop
+#   starts with a tiny "fence" dot (BLOCK_M x 16 x 16 of zeros, kept alive by adding its
+#   exact zero to the running sum): its `wait 0` retires tile j's dot at the top of the
+#   body, tile j + 1's dot is then issued and stays in flight during tile j's exps.
+# - "pipe_nofence": the same loop without the fence (control: Triton then waits right after
+#   each dot, so the order changes but nothing overlaps).
+# - "ws": the default loop as `tl.range(..., warp_specialize=True)` (Triton's automatic
+#   warp specialization; its pass runs for sm_100 in the nvidia backend, so on Hopper this
+#   is expected to compile to the default schedule).
+# - "stages": the default loop as `tl.range(..., num_stages=LOOP_STAGES)` (pipelines the
+#   bias / label loads too, not only the dot operands).
+#
+# Features: labels, damping, batch and every precision are supported by every variant; the
+# plan-application pass (with V) always uses `_softmin_kernel` (explicit fallback).
+
+SOFTMIN_VARIANTS = ("default", "pipe", "pipe_nofence", "ws", "stages")
+_VARIANT_MODE = {"pipe": 1, "pipe_nofence": 2, "ws": 3, "stages": 4}
+# (BLOCK_M, BLOCK_N, warps, stages) forced for the variant kernel (None: autotuned on the
+# GPU, the fixed config under the interpreter); scripts/sweep_softmin_variants.py sets it
+VARIANT_CONFIG = None
+if os.environ.get("FLASHSINKHORN_VARIANT_CONFIG"):  # e.g. "128,64,8,3"
+    VARIANT_CONFIG = tuple(int(v) for v in os.environ["FLASHSINKHORN_VARIANT_CONFIG"].split(","))
+
+
+def softmin_variant() -> str:
+    """The softmin kernel variant selected by FLASHSINKHORN_SOFTMIN_VARIANT (read at each
+    launch; "" or unset means "default")."""
+    v = os.environ.get("FLASHSINKHORN_SOFTMIN_VARIANT", "") or "default"
+    if v not in SOFTMIN_VARIANTS:
+        raise ValueError(
+            f"FLASHSINKHORN_SOFTMIN_VARIANT must be one of {SOFTMIN_VARIANTS}; got {v!r}"
+        )
+    return v
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _lse_tile(
+        m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+        dot_scale, inv_eps2, w_scale, HAS_LABELS: tl.constexpr,
+    ):  # fmt: skip
+        """Scores of one tile from its dot ``s`` (bias FMA, label term) folded into the
+        running max / sum: the same arithmetic as `_softmin_kernel`'s loop body."""
+        bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
+        s = s * dot_scale + bias[None, :]
+        if HAS_LABELS:
+            wv = _label_tile(LYb, W, lx, cols, row_mask, col_mask, K2)
+            s = s - (w_scale * inv_eps2) * wv
+        m_new, l_i, alpha, p = _online_lse_step(m_i, l_i, s)
+        return m_new, l_i
+
+    @triton.jit
+    def _softmin_variant_kernel(
+        X, Y, BIAS, CX, OUT, LSE, LX, LY, W,
+        N, M, D, K2, N_KEY, M_KEY,
+        dot_scale, inv_eps2, eps_ln2, damping, w_scale,
+        BLOCK_D: tl.constexpr, NUM_D: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_LABELS: tl.constexpr, HAS_LSE: tl.constexpr, PREC: tl.constexpr,
+        MODE: tl.constexpr, LOOP_STAGES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_b64 = tl.program_id(1).to(tl.int64)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < N
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        Xb = X + pid_b64 * N * D
+        Yb = Y + pid_b64 * M * D
+        BIASb = BIAS + pid_b64 * M
+        LYb = LY + pid_b64 * M
+
+        x0 = rows  # placeholder, read only with one feature chunk
+        if NUM_D == 1:
+            x0 = _load_rows(Xb, rows, row_mask, offs_d, D, D, EVEN_D)
+        lx = rows  # placeholder, read only with labels
+        if HAS_LABELS:
+            lx = tl.load(LX + pid_b64 * N + rows, mask=row_mask, other=0)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+        if MODE == 1 or MODE == 2:
+            # software-pipelined: dot(tile j + 1) is issued before the exps of tile j
+            last = (tl.cdiv(M, BLOCK_N) - 1) * BLOCK_N  # start of the last (maybe partial) tile
+            s_nxt = _row_stationary_dot(
+                x0, Xb, Yb, rows, offs_n, row_mask, offs_n < M, D,
+                NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            if MODE == 1 and NUM_D == 1:
+                fence_b = tl.zeros((16, 16), dtype=Y.dtype.element_ty)
+            for start in tl.range(0, last, BLOCK_N, num_stages=LOOP_STAGES):
+                if MODE == 1 and NUM_D == 1:
+                    # the fence dot: exact zeros (l_i is finite), its wait retires dot(j)
+                    fence_a = (l_i[:, None] * tl.zeros((1, 16), dtype=tl.float32)).to(
+                        Y.dtype.element_ty
+                    )
+                    fz = tl.dot(fence_a, fence_b, input_precision=PREC)
+                    l_i = l_i + tl.sum(fz, 1)
+                nxt = start + BLOCK_N + offs_n
+                s_new = _row_stationary_dot(
+                    x0, Xb, Yb, rows, nxt, row_mask, nxt < M, D,
+                    NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                cols = start + offs_n
+                m_i, l_i = _lse_tile(
+                    m_i, l_i, s_nxt, BIASb, LYb, W, lx, cols, row_mask, cols < M, K2,
+                    dot_scale, inv_eps2, w_scale, HAS_LABELS,
+                )  # fmt: skip
+                s_nxt = s_new
+            cols = last + offs_n
+            m_i, l_i = _lse_tile(
+                m_i, l_i, s_nxt, BIASb, LYb, W, lx, cols, row_mask, cols < M, K2,
+                dot_scale, inv_eps2, w_scale, HAS_LABELS,
+            )  # fmt: skip
+        elif MODE == 3:
+            for start in tl.range(0, M, BLOCK_N, warp_specialize=True):
+                cols = start + offs_n
+                col_mask = cols < M
+                s = _row_stationary_dot(
+                    x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                    NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                m_i, l_i = _lse_tile(
+                    m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+                    dot_scale, inv_eps2, w_scale, HAS_LABELS,
+                )  # fmt: skip
+        else:
+            for start in tl.range(0, M, BLOCK_N, num_stages=LOOP_STAGES):
+                cols = start + offs_n
+                col_mask = cols < M
+                s = _row_stationary_dot(
+                    x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                    NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                m_i, l_i = _lse_tile(
+                    m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+                    dot_scale, inv_eps2, w_scale, HAS_LABELS,
+                )  # fmt: skip
+
+        lse2 = m_i + tl.log2(l_i)
+        cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        out = damping * (cx - eps_ln2 * lse2)
+        tl.store(OUT + pid_b64 * N + rows, out, mask=row_mask)
+        if HAS_LSE:
+            tl.store(LSE + pid_b64 * N + rows, lse2, mask=row_mask)
+
+    def _variant_configs():
+        if _no_autotune():
+            bm, bn, w, st = _FIXED
+            return [
+                triton.Config(
+                    {"BLOCK_M": bm, "BLOCK_N": bn, "LOOP_STAGES": st}, num_warps=w, num_stages=st
+                )
+            ]
+        return [
+            triton.Config(
+                {
+                    "BLOCK_M": c.kwargs["BLOCK_M"],
+                    "BLOCK_N": c.kwargs["BLOCK_N"],
+                    "LOOP_STAGES": c.num_stages,
+                },
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            )  # fmt: skip
+            for c in _configs()
+        ]
+
+    _softmin_variant_tuned = triton.autotune(
+        configs=_variant_configs(),
+        key=["N_KEY", "M_KEY", "D", "HAS_LABELS", "PREC", "MODE"],
+        prune_configs_by=None if _no_autotune() else {"early_config_prune": _prune},
+    )(_softmin_variant_kernel)
+
+
 if HAS_TRITON:
     # autotuned entry point for the iteration kernel (no V); the plan-application variant
     # (HAS_V) runs once per solve and uses one fixed config (no compile storm on the GPU).
@@ -433,6 +625,13 @@ def _softmin_triton(
         lx = ly = W = out
         K2, w_scale = 1, 0.0
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
+    variant = softmin_variant()
+    if variant != "default" and DV == 0:  # with V: always _softmin_kernel (fallback)
+        _launch_variant(
+            variant, grid, dev, x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2,
+            eps, c2, damping, w_scale, BLOCK_D, NUM_D, labels is not None, want_lse, prec,
+        )  # fmt: skip
+        return out, (lse if want_lse else None), None
     extra = {}
     if DV > 0:
         kern = _softmin_kernel
@@ -476,6 +675,27 @@ def _softmin_triton(
             **extra,
         )
     return out, (lse if want_lse else None), (vbar if DV > 0 else None)
+
+
+def _launch_variant(
+    variant, grid, dev, x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2,
+    eps, c2, damping, w_scale, BLOCK_D, NUM_D, has_labels, want_lse, prec,
+):  # fmt: skip
+    """Launch `_softmin_variant_kernel` (autotuned, or at VARIANT_CONFIG when set)."""
+    extra = {}
+    kern = _softmin_variant_tuned
+    if VARIANT_CONFIG is not None:
+        bm, bn, w, st = VARIANT_CONFIG
+        kern = _softmin_variant_kernel
+        extra = dict(BLOCK_M=bm, BLOCK_N=bn, LOOP_STAGES=st, num_warps=w, num_stages=st)
+    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+        kern[grid](
+            x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2, _bucket(N), _bucket(M),
+            float(c2 * LOG2E / eps), float(LOG2E / eps), float(eps * LN2), float(damping),
+            float(w_scale),
+            BLOCK_D=BLOCK_D, NUM_D=NUM_D, EVEN_D=BLOCK_D * NUM_D == D, HAS_LABELS=has_labels,
+            HAS_LSE=want_lse, PREC=prec, MODE=_VARIANT_MODE[variant], **extra,
+        )  # fmt: skip
 
 
 class _nullctx:

@@ -1,0 +1,139 @@
+"""Static sm_90 view of the softmin kernel variants, without a GPU.
+
+    PYTHONPATH=packages/flashsinkhorn/src python3 \
+        packages/flashsinkhorn/scripts/softmin_variants_sm90.py
+
+Compiles (Triton AOT, target ``cuda:90``, the local Triton) the default ``_softmin_kernel``
+and each ``_softmin_variant_kernel`` mode (kernels.py, FLASHSINKHORN_SOFTMIN_VARIANT) at
+d = 64 and d = 512, and prints registers / stack bytes (cuobjdump) and the order of the
+tensor-core and exp instructions inside the main loop of the PTX: ``D8`` = 8 wgmma issued,
+``C`` = commit, ``W0`` = wgmma.wait_group 0, ``E34`` = 34 ex2, ``B`` = bar.sync, ``A`` =
+cp.async.wait. A loop where the tile's wgmma is issued and the ex2 follow before any ``W0``
+keeps the dot in flight during the exps (the overlap the "pipe" variant is for).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashsinkhorn import kernels as K
+
+TARGET = GPUTarget("cuda", 90, 32)
+TOKENS = (
+    ("D", r"wgmma\.mma_async"),
+    ("C", r"wgmma\.commit_group"),
+    ("W", r"wgmma\.wait_group"),
+    ("E", r"ex2\.approx"),
+    ("B", r"\bbar\.sync|\bbarrier\.sync"),
+    ("A", r"cp\.async\.wait"),
+)
+
+
+def _signature(fn, constexprs, bf16):
+    types = {}
+    for names, t in (
+        ("X Y BIAS CX OUT LSE V VBAR W", "*fp32"),
+        ("LX LY", "*i32"),
+        ("N M D DV K2 N_KEY M_KEY", "i32"),
+        ("dot_scale inv_eps2 eps_ln2 damping w_scale", "fp32"),
+    ):
+        types.update({k: t for k in names.split()})
+    if bf16:
+        types["X"] = types["Y"] = "*bf16"
+    return {k: ("constexpr" if k in constexprs else types[k]) for k in fn.arg_names}
+
+
+def _loop_schedule(ptx):
+    """Token string of the PTX loop with the most ex2 (label ... backward bra)."""
+    lines = ptx.splitlines()
+    labels = {}
+    best = ""
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(\$L__BB\w+):", line)
+        if m:
+            labels[m.group(1)] = i
+        b = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\w+);", line)
+        if b and b.group(1) in labels:
+            body = lines[labels[b.group(1)] : i + 1]
+            toks = []
+            for ln in body:
+                for name, pat in TOKENS:
+                    if re.search(pat, ln):
+                        arg = ""
+                        if name == "W":
+                            arg = re.search(r"wait_group(?:\.sync\.aligned)?\s+(\d+)", ln).group(1)
+                        toks.append(name + arg)
+            out, prev, n = [], None, 0
+            for t in toks + [None]:
+                if t == prev:
+                    n += 1
+                    continue
+                if prev is not None:
+                    out.append(prev + (str(n) if prev[0] in "DE" else ""))
+                prev, n = t, 1
+            s = " ".join(out)
+            if s.count("E") and len(s) > len(best):
+                best = s
+    return best
+
+
+def _compile(fn, constexprs, warps, stages, bf16):
+    sig = _signature(fn, constexprs, bf16)
+    # what the JIT specializes at the 50k problem: 16-byte aligned pointers, and N, M, D
+    # multiples of 16 (without it 16-bit loads are scalar and never use cp.async)
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, k in enumerate(fn.arg_names)
+        if sig[k].startswith("*") or k in ("N", "M", "D")
+    }
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(k.asm["cubin"])
+        fh.flush()
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", fh.name], capture_output=True, text=True
+        ).stdout
+    res = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
+    return res, _loop_schedule(k.asm["ptx"])
+
+
+def main():
+    print(f"triton {triton.__version__}, target sm_90 (static compile, no GPU)\n")
+    print("| kernel | d | operands | config (BM, BN, warps, stages) | registers, stack | "
+          "main loop (PTX order) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    cases = [(64, "tf32", False), (64, "bf16", True), (512, "tf32", False)]
+    configs = {64: [(128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3)],
+               512: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2),
+                     (128, 64, 8, 3), (64, 64, 4, 3)]}  # fmt: skip
+    for d, label, bf16 in cases:
+        block_d = 64 if d > 128 else d
+        num_d = d // block_d
+        base = dict(BLOCK_D=block_d, NUM_D=num_d, EVEN_D=True, HAS_LABELS=False, HAS_LSE=False,
+                    PREC="tf32")  # fmt: skip
+        for bm, bn, w, st in configs[d]:
+            kinds = [("default", K._softmin_kernel,
+                      dict(base, BLOCK_DV=16, HAS_V=False, BLOCK_M=bm, BLOCK_N=bn))]  # fmt: skip
+            for name, mode in K._VARIANT_MODE.items():
+                c = dict(base, MODE=mode, LOOP_STAGES=st, BLOCK_M=bm, BLOCK_N=bn)
+                kinds.append((name, K._softmin_variant_kernel, c))
+            for name, fn, c in kinds:
+                try:
+                    res, sched = _compile(fn, c, w, st, bf16)
+                except Exception as e:  # noqa: BLE001 - a variant that fails is a row
+                    res, sched = "compile error", repr(e)[:120]
+                print(f"| {name} | {d} | {label} | {bm}, {bn}, {w}, {st} | {res} | {sched} |",
+                      flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
