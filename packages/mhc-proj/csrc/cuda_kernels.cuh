@@ -71,9 +71,10 @@ __device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, in
 // LSP: the one-log1p line search (mhc::armijo_log_sum; layout "thread-c10ls").
 // FLAT: one Newton loop for every continuation stage (mhc::newton_project_flat; layout
 // "thread-flat"): a warp no longer runs the plain and the continued solves one after the
-// other.
+// other. Left alone ptxas gives it 88 registers (5 blocks = 20 warps per SM, against
+// thread-c10ls's 72 and 7 blocks): capped at 7 blocks of 128 here (0: no cap, as before).
 template <int N, int CONT_RANGE = 0, bool LSP = false, bool FLAT = false>
-__global__ void __launch_bounds__(kThreads) birkhoff_fwd_f32_thread(FwdArgs a) {
+__global__ void __launch_bounds__(kThreads, FLAT ? 6 : 0) birkhoff_fwd_f32_thread(FwdArgs a) {
   const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   if (b >= a.batch) return;
   constexpr int E = N * N;

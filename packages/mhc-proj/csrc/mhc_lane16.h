@@ -178,8 +178,8 @@ MHC_HD int project_matrix(L& l, const V& x, V& t, V& beta, float tol, int max_it
   const V a = x - l.row_max(x);
   const bool ok = newton_project(l, a, t, tol, max_iter, iters, beta);
   if (!ok) return 0;
-  if (pivot_min > 0.0f) {  // mhc::projection_status: large range or small pivot
-    if (l.uni(l.all_max(-a)) > float(kPolishRange)) return 2;
+  if (pivot_min > 0.0f) {  // mhc::projection_status: large potential spread or small pivot
+    if (l.uni(l.all_max(beta)) + l.uni(l.all_max(-beta)) > float(kPolishSpread)) return 2;
     float w[4][4];
     weights(l, t, w);
     if (min_pivot_w<4, float>(w) < pivot_min) return 2;

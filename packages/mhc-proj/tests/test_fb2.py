@@ -29,11 +29,12 @@ accuracy suite's 1e-5.
   (``mhc::newton_project_flat``): the same operations in the same order, so the CPU tests
   require bitwise ``thread-c10ls``; on the GPU the c10 bounds against ``thread``.
 
-Large logits (every layout; ``mhc::projection_status``): a matrix whose logit range exceeds
-``kPolishRange`` = 1024 goes to the float64 polish even when its fp32 solve converged with a
-good pivot. Before, at 1e4 N(0,1), ~85 of 1M such matrices kept their fp32 T, 3e-6..2.6e-5
-from the float64 solution (the GPU test below failed on one: ``thread`` 2.58e-5 from
-float64, ``thread-c10``, which had polished it, 4.8e-9; CPU, the same numbers).
+Large logits (every layout; ``mhc::projection_status``): a matrix whose fp32 potentials
+spread over more than ``kPolishSpread`` = 1024 goes to the float64 polish even when its fp32
+solve converged with a good pivot. Before, at 1e4 N(0,1), ~85 of 1M such matrices kept
+their fp32 T, 3e-6..2.6e-5 from the float64 solution (the GPU test below failed on one:
+``thread`` 2.58e-5 from float64, ``thread-c10``, which had polished it, 4.8e-9; CPU, the
+same numbers).
 """
 
 import pytest
@@ -177,10 +178,10 @@ LARGE_RANGE = [
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_large_range_goes_to_float64(device):
-    """Logit range > 1024: every fp32 layout polishes the matrix in float64, so T is within
-    1e-6 of the float64 solve (the CPU's float64 Newton to 1e-13, converged here) even for
-    the two-permutation mixtures whose fp32 plans cannot resolve the logits' low bits; a
-    range below it keeps the fp32 result (ranges up to ~80 at N(0,10^2): unchanged)."""
+    """Potentials spread over > 1024 (logits ~1e4 that carry mass): every fp32 layout
+    polishes the matrix in float64, so T is within 1e-6 of the float64 solve (the CPU's
+    float64 Newton to 1e-13, converged here) even for the two-permutation mixtures whose
+    fp32 plans cannot resolve the logits' low bits. A large range alone does not (below)."""
     g = torch.Generator().manual_seed(4)
     x = torch.cat([torch.tensor(LARGE_RANGE), torch.randn(62, 4, 4, generator=g) * 1e4])
     ref, iref = birkhoff_fwd(x.double(), 1e-13, 200, True)
@@ -192,7 +193,7 @@ def test_large_range_goes_to_float64(device):
         assert bool(_flags(info)[1].all()), layout  # all of them in the float64 stage
         err = (t.double() - ref).abs().amax((1, 2))[conv]
         assert float(err.max()) <= 1e-6, (layout, float(err.max()))
-    # just below the range: the fp32 result stands (no float64 stage for this one)
+    # a logit at -1000 that carries no mass: small potentials, the fp32 result stands
     y = torch.zeros(1, 4, 4)
     y[0, 0, 1] = -1000.0
     _, iy = _fwd(y.to(device), "thread")
