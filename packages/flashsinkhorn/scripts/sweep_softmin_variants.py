@@ -82,7 +82,7 @@ def _fixed_default(o, precision, cfg):
     num_d = -(-D // block_d)
     bm, bn, w, st = cfg
     grid = (-(-n // bm), B, 1)
-    K._softmin_kernel[grid](
+    _LAST["kernel"] = K._softmin_kernel[grid](
         x, y, bias, cx, out, out, out, out, out, out, out, n, m, D, 0, 1,
         K._bucket(n), K._bucket(m), 2.0 * K.LOG2E / EPS, K.LOG2E / EPS, EPS * K.LN2, 1.0, 0.0,
         BLOCK_D=block_d, NUM_D=num_d, EVEN_D=block_d * num_d == D, BLOCK_DV=16, HAS_V=False,
@@ -90,6 +90,32 @@ def _fixed_default(o, precision, cfg):
         num_stages=st,
     )  # fmt: skip
     return out
+
+
+_LAST = {}  # the compiled kernel of the last launch (its PTX, registers, spills)
+_launch_variant = K._launch_variant
+
+
+def _recording_launch_variant(*args):
+    _LAST["kernel"] = _launch_variant(*args)
+    return _LAST["kernel"]
+
+
+K._launch_variant = _recording_launch_variant  # softmin() looks it up at every call
+
+
+def _kernel_facts(kernel):
+    """Registers, spills and the main loop's instruction order of a launched kernel."""
+    facts = {}
+    try:
+        from softmin_variants_sm90 import _loop_schedule  # same folder
+
+        facts["loop"] = _loop_schedule(kernel.asm["ptx"])
+        facts["regs"] = getattr(kernel, "n_regs", None)
+        facts["spills"] = getattr(kernel, "n_spills", None)
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        facts["facts_error"] = repr(e)[:120]
+    return facts
 
 
 def _pass_fn(o, precision, variant, cfg):
@@ -146,9 +172,9 @@ def main(out_path, budget_s=150.0):
         with open(out_path, "w") as fh:
             json.dump(dict(meta=meta, rows=rows), fh, indent=1)
 
-    print("| d | operands | kernel | config (BM, BN, warps, stages) | ms (p20-p80) | "
-          "x default autotuned | max abs diff vs default |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| d | operands | kernel | config (BM, BN, warps, stages) | ms (p20-p80) | x default "
+          "autotuned | max abs diff vs default | regs, spills | main loop (PTX) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     groups = ((64, "tf32"), (64, "bf16"), (512, "tf32"), (512, "bf16"))
     # "ws" rows last: a Triton pass that aborts the process would cost nothing else
     todo = [(d, p, *r) for d, p in groups for r in _plan(d) if r[1] != "ws"]
@@ -167,8 +193,11 @@ def main(out_path, budget_s=150.0):
         try:
             fn = _pass_fn(o, precision, variant, cfg)
             ms, p20, p80 = _median_ms(fn)
+            _LAST.clear()
             out = fn()
             torch.cuda.synchronize()
+            if _LAST.get("kernel") is not None:
+                row.update(_kernel_facts(_LAST["kernel"]))
             row.update(ms=ms, p20=p20, p80=p80, finite=bool(torch.isfinite(out).all()))
             if key not in refs:  # the first row of a group: the autotuned default
                 refs[key] = (out.clone(), ms)
@@ -185,12 +214,13 @@ def main(out_path, budget_s=150.0):
         dump()
         c = ", ".join(map(str, cfg)) if cfg else "autotuned"
         if "error" in row:
-            print(f"| {d} | {precision} | {label} | {c} | error: {row['error'][:80]} | | |",
+            print(f"| {d} | {precision} | {label} | {c} | error: {row['error'][:80]} | | | | |",
                   flush=True)  # fmt: skip
         else:
             print(f"| {d} | {precision} | {label} | {c} | {ms:.3f} ({p20:.3f}-{p80:.3f}) | "
                   f"{row['ratio_vs_default_autotuned']:.3f} | "
-                  f"{row['max_abs_diff_vs_default']:.2e} |", flush=True)  # fmt: skip
+                  f"{row['max_abs_diff_vs_default']:.2e} | {row.get('regs')}, "
+                  f"{row.get('spills')} | {row.get('loop', '')} |", flush=True)  # fmt: skip
     meta["total_s"] = round(time.time() - t0, 1)
     dump()
     print(f"total {meta['total_s']} s", flush=True)

@@ -681,7 +681,8 @@ def _launch_variant(
     variant, grid, dev, x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2,
     eps, c2, damping, w_scale, BLOCK_D, NUM_D, has_labels, want_lse, prec,
 ):  # fmt: skip
-    """Launch `_softmin_variant_kernel` (autotuned, or at VARIANT_CONFIG when set)."""
+    """Launch `_softmin_variant_kernel` (autotuned, or at VARIANT_CONFIG when set); returns
+    what Triton's launch returns (the compiled kernel: the sweep script reads its PTX)."""
     extra = {}
     kern = _softmin_variant_tuned
     if VARIANT_CONFIG is not None:
@@ -689,7 +690,7 @@ def _launch_variant(
         kern = _softmin_variant_kernel
         extra = dict(BLOCK_M=bm, BLOCK_N=bn, LOOP_STAGES=st, num_warps=w, num_stages=st)
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
-        kern[grid](
+        return kern[grid](
             x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2, _bucket(N), _bucket(M),
             float(c2 * LOG2E / eps), float(LOG2E / eps), float(eps * LN2), float(damping),
             float(w_scale),
