@@ -1,6 +1,7 @@
 """Offline instruction count of the step kernels for sm_90 (no GPU needed).
 
-    python packages/flashoptim/scripts/sass_count.py [--kernel v2|v3|all] [--dump DIR]
+    python packages/flashoptim/scripts/sass_count.py [--kernel v2|v3|v4|all] [--dump DIR]
+        [--prepass] [--matrix] [--block 1024 --warps 4] [--pf 2  (v4's L2 prefetch)]
 
 Compiles the v2/v3 step kernel (and the finiteness pre-passes) with ``triton.compile`` for
 ``cuda:90``, disassembles the cubin with the bundled ``nvdisasm``/``cuobjdump`` and counts
@@ -260,7 +261,9 @@ def compile_prepass(fn, block=1024, warps=4):
     sig = {"units": "*i32", "nunits": "i32", "tab": "*i64", "g_base": "*bf16", "flag": "*i32"}
     sig["mark"] = "i32"  # v4 only
     unit = _core.V4_UNIT if fn is _core._nonfinite_kernel_v4 else _core.V2_UNIT
-    consts = dict(ALIGNED=True, N16=True, G_DTYPE=1, UNIT=unit, BLOCK=block)
+    consts = dict(
+        ALIGNED=True, N16=True, G_DTYPE=1, UNIT=unit, SUB=_core.V4_PREPASS_SUB, BLOCK=block
+    )
     argnames = fn.arg_names
     consts = {k: v for k, v in consts.items() if k in argnames}
     for k in consts:
@@ -357,7 +360,7 @@ def main(argv=None):
         for kv, fn, e in [
             ("v2", _core._nonfinite_kernel_v2, 2048),  # one unit per program
             ("v3", _core._nonfinite_kernel_v3, 2048),  # one unit per loop trip (unrolled)
-            ("v4", _core._nonfinite_kernel_v4, 1024),  # one tile per loop trip
+            ("v4", _core._nonfinite_kernel_v4, 2048),  # one SUB (2 tiles) per loop trip
         ]:
             report(f"prepass-{kv}", compile_prepass(fn), e / 128, a.dump)
     for mode in a.mode.split(","):

@@ -299,10 +299,11 @@ def test_v4_every_tuning_config_equals_v3(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_v4_vs_v3_one_step(monkeypatch):
-    """GPU (inline PTX, L2 prefetch): one step of v4 and v3 from identical states on
-    1M + odd elements, autotuned (every v4 config runs, prefetch distances included).
-    Same tile code, so the results are bitwise equal."""
-    monkeypatch.delenv("FLASHOPTIM_NO_AUTOTUNE", raising=False)
+    """GPU (inline PTX, L2 prefetch at the default PF 2): three steps of v4 and v3 on
+    1M + odd elements and whole chunks, checked each step. Same tile code, so the results
+    are bitwise equal (every tuning config, PF 0/1/4 included, runs in
+    test_gpu_v2_autotune_applies_the_step_once[v4] against the CPU path)."""
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     torch.manual_seed(0)
     sizes = (1_000_003, 4097, 31, 3 * U)
     for Opt, kw in OPTS:
@@ -362,3 +363,31 @@ def test_v4_lazy_skip_equals_v3(Opt, kw):
         opt.step()
     _assert_bitwise(runs)
     assert v4.skipped_steps == 3 and v4.state[qs4[0]]["step"] == 4
+
+
+@pytest.mark.gpu
+def test_gpu_v4_lazy_skip(monkeypatch):
+    """GPU path of the lazy skip (pinned copy + event): NaN in steps 2 and 3, v4 lazy and
+    v3 stay bitwise equal, with the same skipped steps and step counts once read."""
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
+    torch.manual_seed(0)
+    sizes = (100_003, U)
+    ps = [torch.randn(n, device="cuda").bfloat16() for n in sizes]
+    runs = []
+    for kernel in ("v3", "v4"):
+        qs = [p.clone().requires_grad_() for p in ps]
+        opt = fo.FlashAdamW(qs, lr=1e-3, kernel=kernel)
+        opt._lazy_skip = kernel == "v4"
+        runs.append((opt, qs))
+    for s in range(6):
+        gs = [torch.randn(n, device="cuda").bfloat16() for n in sizes]
+        if s in (2, 3):
+            gs[s % 2][-1] = float("nan")
+        for opt, qs in runs:
+            for q, g in zip(qs, gs):
+                q.grad = g.clone()
+            opt.step()
+        _assert_bitwise(runs)
+    (a, qa), (b, qb) = runs
+    assert a.skipped_steps == b.skipped_steps == 2
+    assert a.state[qa[0]]["step"] == b.state[qb[0]]["step"] == 4

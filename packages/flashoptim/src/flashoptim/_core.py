@@ -1657,24 +1657,28 @@ _step_kernel_v3_tuned = triton.autotune(
 # meanwhile. v4 changes the indexing and the memory pipeline, not the arithmetic
 # (``_tile_update_v3`` is v3's, so the codes are v3's bit for bit):
 #
-# * a work-table entry is a CHUNK of ``V4_UNIT`` = 16,384 elements of one tensor (v3: 2,048):
+# * a work-table entry is a CHUNK of ``V4_UNIT`` = 8,192 elements of one tensor (v3: 2,048):
 #   the chain of dependent table loads (unit -> tensor row -> array offsets), the 64-bit base
-#   pointers and the rounding key (~150 SASS per warp) are paid once per 16 tiles of 1,024
-#   instead of once per 2; the tile loop runs over the tiles the tensor has (a dynamic
-#   bound), so small tensors do not pay for empty tiles.
+#   pointers and the rounding key (~144 SASS per warp: ~9 per element at v3's one unit per
+#   program, ~2.3 here) are paid once per 8 tiles of 1,024 instead of once per 2; the tile
+#   loop runs over the tiles the tensor has (a dynamic bound), so small tensors do not pay
+#   for empty tiles. Not larger: one program per chunk runs ~8 x 8 tiles' time on its SM
+#   (~34 us for the 537M case), and the last programs of the grid set the end (tail).
 # * ``PF`` > 0 (GPU, ALIGNED buckets): at every tile s = 0 mod PF, thread 0 of the program
-#   asks the TMA unit to prefetch tiles s+PF .. s+2PF-1 of every array into L2
+#   asks the TMA unit to prefetch tiles s+1 .. s+PF of the chunk, every array, into L2
 #   (``cp.async.bulk.prefetch.L2``: one instruction per array, no registers, no data
 #   returned), so the loads of the coming tiles are in flight while this one computes and
-#   the program's own loads hit L2. Bytes held in L2: <= 2 PF tiles x ~7 KB per program
-#   (PF 1: ~15 MB at 8 programs per SM on 132 SMs; the H200's L2 is 50 MB).
+#   the program's own loads hit L2. Bytes held in L2: <= PF tiles x ~7 KB per program
+#   (PF 2: ~15 MB at 8 programs per SM on 132 SMs; the H200's L2 is 50 MB). Cost: ~100
+#   (mostly uniform-datapath) instructions per warp per prefetch, ~12 per element at PF 1,
+#   ~3 at PF 4 (sass_count.py --pf): the tuner weighs that against the latency hidden.
 #   (A register double-buffer of the next tile's loads was tried offline first: 113.6 SASS
 #   per element instead of 95.4, the int8 vectors unpacked into loop-carried registers.)
 #
 # ``CHECK_SKIP`` compares the device flag with a per-step ``epoch`` (the pre-pass writes
 # ``atomic_max(flag, epoch)``): one persistent flag per device, no memset launch per step.
 
-V4_UNIT = 16384  # elements per work-table entry (chunk); every BLOCK of v4 divides it
+V4_UNIT = 8192  # elements per work-table entry (chunk); every BLOCK of v4 divides it
 V4_DEFAULT = dict(BLOCK=1024, WAVES=0, PF=2)
 V4_DEFAULT_WARPS = 4
 
@@ -1729,14 +1733,14 @@ def _prefetch_range(
         mov.u32 $0, 0;
         }""",
         "=r,l,l,l,l,l,l,l,r,r,r,r,r,r,r",
-        [
-            pp + start + z,
-            gp + start + z,
-            cp + start + z,
-            mp + start + z,
-            msp + g0 + z,
-            vp + start + z,
-            vsp + g0 + z,
+        [  # addresses as int64 (triton 3.6 will not broadcast pointers of mixed types)
+            (pp + start + z).to(tl.int64),
+            (gp + start + z).to(tl.int64),
+            (cp + start + z).to(tl.int64),
+            (mp + start + z).to(tl.int64),
+            (msp + g0 + z).to(tl.int64),
+            (vp + start + z).to(tl.int64),
+            (vsp + g0 + z).to(tl.int64),
             _nbytes16(ne, pp) + z,
             _nbytes16(ne, gp) + z,
             _nbytes16(ne_c, cp) + z,
@@ -1836,7 +1840,7 @@ def _step_kernel_v4(
     UNIT: tl.constexpr,
     BLOCK: tl.constexpr,
     WAVES: tl.constexpr,
-    PF: tl.constexpr,  # L2 prefetch in blocks of PF tiles (0: none; only with ASM and ALIGNED)
+    PF: tl.constexpr,  # L2 prefetch of PF tiles every PF tiles (0: none; ASM and ALIGNED only)
     GROUP_SIZE: tl.constexpr,
     SCALARS_ON_DEVICE: tl.constexpr,
 ):
@@ -1889,31 +1893,10 @@ def _step_kernel_v4(
         base = lu * UNIT  # int32, a multiple of UNIT
         nt = (tl.minimum(n - base, UNIT) + BLOCK - 1) // BLOCK  # tiles of this chunk, >= 1
         lim = tl.minimum(n, base + UNIT)  # the chunk's end
-        if (
-            ASM and ALIGNED and PF > 1
-        ):  # tiles 1 .. PF-1 now; at tile s = 0 mod PF, tiles s+PF .. s+2PF-1
-            _prefetch_tiles(
-                pp,
-                gp,
-                cp,
-                mp,
-                msp,
-                vp,
-                vsp,
-                base + BLOCK,
-                PF - 1,
-                lim,
-                KIND,
-                ECC,
-                QUANT,
-                HAS_MOM,
-                BLOCK,
-                GROUP_SIZE,
-            )
         for s in range(0, nt):
             start = base + s * BLOCK
             if ASM and ALIGNED and PF > 0:
-                if s % PF == 0:
+                if s % PF == 0:  # tiles s+1 .. s+PF of the chunk into L2
                     _prefetch_tiles(
                         pp,
                         gp,
@@ -1922,7 +1905,7 @@ def _step_kernel_v4(
                         msp,
                         vp,
                         vsp,
-                        start + PF * BLOCK,
+                        start + BLOCK,
                         PF,
                         lim,
                         KIND,
@@ -1977,6 +1960,9 @@ def _step_kernel_v4(
 V4_PREPASS_WAVES = 12
 
 
+V4_PREPASS_SUB = 2048  # elements per trip of the v4 pre-pass (v3's unit: fine load balance)
+
+
 @triton.jit(do_not_specialize=["nunits", "mark"])
 def _nonfinite_kernel_v4(
     units,
@@ -1989,11 +1975,14 @@ def _nonfinite_kernel_v4(
     N16: tl.constexpr,
     G_DTYPE: tl.constexpr,  # 0 fp32, 1 bf16, 2 fp16
     UNIT: tl.constexpr,
+    SUB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """v3's exponent-field pre-pass over v4's chunk table: a persistent grid, per chunk a
-    loop over the tiles the tensor has (not over all UNIT // BLOCK), per element one AND and
-    one packed max, one reduction and at most one atomic per program."""
+    """v3's exponent-field pre-pass over v4's chunk table, SUB elements per trip of the
+    persistent loop (chunk ``w // (UNIT / SUB)``, part ``w % (UNIT / SUB)``, so the grid
+    stays balanced at v3's granularity): per element one AND and one packed max, one
+    reduction and at most one atomic per program; ``mark`` instead of 1."""
+    S: tl.constexpr = UNIT // SUB
     if G_DTYPE == 0:
         EXP: tl.constexpr = 0x7F800000
     elif G_DTYPE == 1:
@@ -2004,13 +1993,11 @@ def _nonfinite_kernel_v4(
         acc = tl.zeros([BLOCK], dtype=tl.int32)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.int16)
-    for u in range(tl.program_id(0), nunits, tl.num_programs(0)):
-        row, lu, n = _v2_unit(units, u, tab, N16)
+    for w in range(tl.program_id(0), nunits * S, tl.num_programs(0)):
+        row, lu, n = _v2_unit(units, w // S, tab, N16)
         gp = _array_ptr(g_base, row, 1, ALIGNED)
-        base = lu * UNIT
-        end = tl.minimum(n - base, UNIT) + base
-        for start in range(base, end, BLOCK):
-            off = start + tl.arange(0, BLOCK)
+        for k in tl.static_range(SUB // BLOCK):
+            off = lu * UNIT + (w % S) * SUB + k * BLOCK + tl.arange(0, BLOCK)
             g = tl.load(gp + off, mask=off < n, other=0.0)
             if G_DTYPE == 0:
                 e = g.to(tl.int32, bitcast=True) & EXP
@@ -2022,14 +2009,15 @@ def _nonfinite_kernel_v4(
 
 
 def _v4_configs():
-    """v3's pick (BLOCK 1024, 4 warps, 8 elements per thread) with L2 prefetch blocks of 2,
-    none, or 1 tile, one chunk per program; persistent (8 per SM) at PF 2; BLOCK 2048 /
-    8 warps at PF 1. The tuner's pick (printed by the bench) says whether the prefetch pays."""
+    """v3's pick (BLOCK 1024, 4 warps, 8 elements per thread) with L2 prefetch of 2 tiles,
+    none, or 4 tiles, one chunk per program; persistent (8 per SM) at PF 2; BLOCK 2048 /
+    8 warps at PF 1 (2,048 elements ahead). The tuner's pick (printed by the bench) says
+    whether the prefetch pays."""
     cfg = triton.Config
     return [
         cfg(dict(BLOCK=1024, WAVES=0, PF=2), num_warps=4, num_stages=1),
         cfg(dict(BLOCK=1024, WAVES=0, PF=0), num_warps=4, num_stages=1),
-        cfg(dict(BLOCK=1024, WAVES=0, PF=1), num_warps=4, num_stages=1),
+        cfg(dict(BLOCK=1024, WAVES=0, PF=4), num_warps=4, num_stages=1),
         cfg(dict(BLOCK=1024, WAVES=8, PF=2), num_warps=4, num_stages=1),
         cfg(dict(BLOCK=2048, WAVES=0, PF=1), num_warps=8, num_stages=1),
     ]

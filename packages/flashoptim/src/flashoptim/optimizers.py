@@ -284,7 +284,8 @@ class FlashOptimizer(torch.optim.Optimizer):
                 nb = ent["work"].shape[0]
                 if nb and ent["use_v2"] and self.kernel == "v4":
                     w = _core.V4_PREPASS_WAVES
-                    nprog = min(nb, _num_sms(dev) * w) if dev.type == "cuda" else min(nb, 3)
+                    nsub = nb * (_core.V4_UNIT // _core.V4_PREPASS_SUB)
+                    nprog = min(nsub, _num_sms(dev) * w) if dev.type == "cuda" else min(nsub, 3)
                     _core._nonfinite_kernel_v4[(nprog,)](
                         ent["work"],
                         nb,
@@ -296,6 +297,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                         N16=ent["n16"],
                         G_DTYPE=_P_CODE[ent["bases"][1].dtype],
                         UNIT=_core.V4_UNIT,
+                        SUB=_core.V4_PREPASS_SUB,
                         BLOCK=1024,
                         num_warps=4,
                     )
