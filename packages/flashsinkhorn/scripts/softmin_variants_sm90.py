@@ -3,13 +3,16 @@
     PYTHONPATH=packages/flashsinkhorn/src python3 \
         packages/flashsinkhorn/scripts/softmin_variants_sm90.py
 
-Compiles (Triton AOT, target ``cuda:90``, the local Triton) the default ``_softmin_kernel``
-and each ``_softmin_variant_kernel`` mode (kernels.py, FLASHSINKHORN_SOFTMIN_VARIANT) at
-d = 64 and d = 512, and prints registers / stack bytes (cuobjdump) and the order of the
-tensor-core and exp instructions inside the main loop of the PTX: ``D8`` = 8 wgmma issued,
-``C`` = commit, ``W0`` = wgmma.wait_group 0, ``E34`` = 34 ex2, ``B`` = bar.sync, ``A`` =
-cp.async.wait. A loop where the tile's wgmma is issued and the ex2 follow before any ``W0``
-keeps the dot in flight during the exps (the overlap the "pipe" variant is for).
+Compiles (Triton AOT, target ``cuda:90``, the local Triton and its ptxas) the default
+``_softmin_kernel`` and each ``_softmin_variant_kernel`` mode (kernels.py,
+FLASHSINKHORN_SOFTMIN_VARIANT) at d = 64 and d = 512 and prints registers / stack bytes
+and the order of the tensor-core and exp instructions in the SASS (after ptxas, which
+reorders): ``H8`` = 8 HGMMA (wgmma) issued, ``DEP`` = WARPGROUP.DEPBAR (wait for wgmma),
+``E34`` = 34 MUFU.EX2, ``BAR`` = bar.sync, ``BRA`` = branch (the main loop is between the
+first two BRA). "serialized" is ptxas waiting after every wgmma (as many DEPBAR as HGMMA):
+it does that to a whole kernel when an in-flight accumulator register is read. A loop where
+HGMMA and EX2 interleave with no DEPBAR between them runs the tile's dot during the exps
+(the overlap the "pipe" variant is for).
 """
 
 from __future__ import annotations
@@ -26,14 +29,6 @@ from triton.compiler import ASTSource
 from flashsinkhorn import kernels as K
 
 TARGET = GPUTarget("cuda", 90, 32)
-TOKENS = (
-    ("D", r"wgmma\.mma_async"),
-    ("C", r"wgmma\.commit_group"),
-    ("W", r"wgmma\.wait_group"),
-    ("E", r"ex2\.approx"),
-    ("B", r"\bbar\.sync|\bbarrier\.sync"),
-    ("A", r"cp\.async\.wait"),
-)
 
 
 def _signature(fn, constexprs, bf16):
@@ -48,40 +43,6 @@ def _signature(fn, constexprs, bf16):
     if bf16:
         types["X"] = types["Y"] = "*bf16"
     return {k: ("constexpr" if k in constexprs else types[k]) for k in fn.arg_names}
-
-
-def _loop_schedule(ptx):
-    """Token string of the PTX loop with the most ex2 (label ... backward bra)."""
-    lines = ptx.splitlines()
-    labels = {}
-    best = ""
-    for i, line in enumerate(lines):
-        m = re.match(r"\s*(\$L__BB\w+):", line)
-        if m:
-            labels[m.group(1)] = i
-        b = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\w+);", line)
-        if b and b.group(1) in labels:
-            body = lines[labels[b.group(1)] : i + 1]
-            toks = []
-            for ln in body:
-                for name, pat in TOKENS:
-                    if re.search(pat, ln):
-                        arg = ""
-                        if name == "W":
-                            arg = re.search(r"wait_group(?:\.sync\.aligned)?\s+(\d+)", ln).group(1)
-                        toks.append(name + arg)
-            out, prev, n = [], None, 0
-            for t in toks + [None]:
-                if t == prev:
-                    n += 1
-                    continue
-                if prev is not None:
-                    out.append(prev + (str(n) if prev[0] in "DE" else ""))
-                prev, n = t, 1
-            s = " ".join(out)
-            if s.count("E") and len(s) > len(best):
-                best = s
-    return best
 
 
 def _compile(fn, constexprs, warps, stages, bf16):
@@ -103,13 +64,44 @@ def _compile(fn, constexprs, warps, stages, bf16):
             [tool, "--dump-resource-usage", fh.name], capture_output=True, text=True
         ).stdout
     res = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
-    return res, _loop_schedule(k.asm["ptx"])
+    return res, sass_order(k.asm["cubin"])
+
+
+SASS_TOKENS = (
+    ("H", r"HGMMA"),
+    ("DEP", r"WARPGROUP\.DEPBAR"),
+    ("E", r"MUFU\.EX2"),
+    ("BAR", r"\bBAR\.SYNC"),
+    ("BRA", r"\bBRA\b"),
+)
+
+
+def sass_order(cubin):
+    """Compressed order of HGMMA / DEPBAR / EX2 / BAR / BRA in the SASS of a cubin, and
+    whether ptxas serialized the wgmma (a DEPBAR per HGMMA). Needs Triton's cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        sass = subprocess.run([tool, "-sass", fh.name], capture_output=True, text=True).stdout
+    toks = [name for line in sass.splitlines() for name, pat in SASS_TOKENS if re.search(pat, line)]
+    out, prev, n = [], None, 0
+    for t in toks + [None]:
+        if t == prev:
+            n += 1
+            continue
+        if prev is not None:
+            out.append(prev + (str(n) if n > 1 else ""))
+        prev, n = t, 1
+    n_h, n_dep = toks.count("H"), toks.count("DEP")
+    serialized = n_h > 2 and n_dep >= n_h - 1
+    return ("serialized: " if serialized else "") + " ".join(out)
 
 
 def main():
     print(f"triton {triton.__version__}, target sm_90 (static compile, no GPU)\n")
     print("| kernel | d | operands | config (BM, BN, warps, stages) | registers, stack | "
-          "main loop (PTX order) |")  # fmt: skip
+          "SASS order |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     cases = [(64, "tf32", False), (64, "bf16", True), (512, "tf32", False)]
     configs = {64: [(128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3)],

@@ -105,14 +105,14 @@ K._launch_variant = _recording_launch_variant  # softmin() looks it up at every 
 
 
 def _kernel_facts(kernel):
-    """Registers, spills and the main loop's instruction order of a launched kernel."""
+    """Registers, spills and the SASS order of HGMMA / wait / EX2 of a launched kernel."""
     facts = {}
     try:
-        from softmin_variants_sm90 import _loop_schedule  # same folder
-
-        facts["loop"] = _loop_schedule(kernel.asm["ptx"])
         facts["regs"] = getattr(kernel, "n_regs", None)
         facts["spills"] = getattr(kernel, "n_spills", None)
+        from softmin_variants_sm90 import sass_order  # same folder
+
+        facts["sass"] = sass_order(kernel.asm["cubin"])
     except Exception as e:  # noqa: BLE001 - diagnostics only
         facts["facts_error"] = repr(e)[:120]
     return facts
@@ -173,7 +173,7 @@ def main(out_path, budget_s=150.0):
             json.dump(dict(meta=meta, rows=rows), fh, indent=1)
 
     print("| d | operands | kernel | config (BM, BN, warps, stages) | ms (p20-p80) | x default "
-          "autotuned | max abs diff vs default | regs, spills | main loop (PTX) |")  # fmt: skip
+          "autotuned | max abs diff vs default | regs, spills | SASS order |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     groups = ((64, "tf32"), (64, "bf16"), (512, "tf32"), (512, "bf16"))
     # "ws" rows last: a Triton pass that aborts the process would cost nothing else
@@ -220,7 +220,7 @@ def main(out_path, budget_s=150.0):
             print(f"| {d} | {precision} | {label} | {c} | {ms:.3f} ({p20:.3f}-{p80:.3f}) | "
                   f"{row['ratio_vs_default_autotuned']:.3f} | "
                   f"{row['max_abs_diff_vs_default']:.2e} | {row.get('regs')}, "
-                  f"{row.get('spills')} | {row.get('loop', '')} |", flush=True)  # fmt: skip
+                  f"{row.get('spills')} | {row.get('sass', '')} |", flush=True)  # fmt: skip
     meta["total_s"] = round(time.time() - t0, 1)
     dump()
     print(f"total {meta['total_s']} s", flush=True)

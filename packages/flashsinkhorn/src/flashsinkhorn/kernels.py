@@ -378,10 +378,17 @@ if HAS_TRITON:
 #   if its result is yielded to the next iteration AND a `wait 0` precedes every use of that
 #   result in the loop body; otherwise it puts `wait 0` right after the dot. So the loop
 #   starts with a tiny "fence" dot (BLOCK_M x 16 x 16 of zeros, kept alive by adding its
-#   exact zero to the running sum): its `wait 0` retires tile j's dot at the top of the
-#   body, tile j + 1's dot is then issued and stays in flight during tile j's exps.
-# - "pipe_nofence": the same loop without the fence (control: Triton then waits right after
-#   each dot, so the order changes but nothing overlaps).
+#   exact zero to the running sum) whose `wait 0` satisfies that rule; tile j + 1's dot is
+#   then issued and stays in flight during tile j's exps. A second fence after the exps
+#   (its input depends on the new running sum, so ptxas cannot hoist it) retires dot(j + 1)
+#   before the loop's end copies its registers into the loop-carried tile: ptxas
+#   serializes every wgmma of a kernel in which an in-flight accumulator is read ("C7514"),
+#   which a single fence leaves happening (static sm_90 compile, scripts/
+#   softmin_variants_sm90.py: with both fences the 8 HGMMA of a tile interleave with its
+#   EX2 and no wait between them). tf32x3 splits the dot in three products that Triton
+#   waits on one by one, so it gains nothing there.
+# - "pipe_nofence": the same loop without the fences (control: Triton then waits right
+#   after each dot, so the order changes but nothing overlaps).
 # - "ws": the default loop as `tl.range(..., warp_specialize=True)` (Triton's automatic
 #   warp specialization; its pass runs for sm_100 in the nvidia backend, so on Hopper this
 #   is expected to compile to the default schedule).
@@ -414,17 +421,29 @@ def softmin_variant() -> str:
 if HAS_TRITON:
 
     @triton.jit
-    def _lse_tile(
-        m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+    def _tile_scores(
+        s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
         dot_scale, inv_eps2, w_scale, HAS_LABELS: tl.constexpr,
     ):  # fmt: skip
-        """Scores of one tile from its dot ``s`` (bias FMA, label term) folded into the
-        running max / sum: the same arithmetic as `_softmin_kernel`'s loop body."""
+        """Scores (log2 units) of one tile from its dot ``s``: bias FMA and label term, the
+        same arithmetic as `_softmin_kernel`'s loop body."""
         bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
         s = s * dot_scale + bias[None, :]
         if HAS_LABELS:
             wv = _label_tile(LYb, W, lx, cols, row_mask, col_mask, K2)
             s = s - (w_scale * inv_eps2) * wv
+        return s
+
+    @triton.jit
+    def _lse_tile(
+        m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+        dot_scale, inv_eps2, w_scale, HAS_LABELS: tl.constexpr,
+    ):  # fmt: skip
+        """`_tile_scores` folded into the running max / sum."""
+        s = _tile_scores(
+            s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+            dot_scale, inv_eps2, w_scale, HAS_LABELS,
+        )  # fmt: skip
         m_new, l_i, alpha, p = _online_lse_step(m_i, l_i, s)
         return m_new, l_i
 
@@ -470,13 +489,13 @@ if HAS_TRITON:
             )  # fmt: skip
             if MODE == 1 and NUM_D == 1:
                 fence_b = tl.zeros((16, 16), dtype=Y.dtype.element_ty)
+                fence_a = tl.zeros((BLOCK_M, 16), dtype=Y.dtype.element_ty)
             for start in tl.range(0, last, BLOCK_N, num_stages=LOOP_STAGES):
                 if MODE == 1 and NUM_D == 1:
-                    # the fence dot: exact zeros (l_i is finite), its wait retires dot(j)
-                    fence_a = (l_i[:, None] * tl.zeros((1, 16), dtype=tl.float32)).to(
-                        Y.dtype.element_ty
-                    )
-                    fz = tl.dot(fence_a, fence_b, input_precision=PREC)
+                    # the fence dot: exact zeros that depend on the loop index (not
+                    # hoisted, no wait on this tile's sums); its wait retires dot(j)
+                    fence_c = tl.zeros((BLOCK_M, 16), dtype=tl.float32) * start
+                    fz = tl.dot(fence_a, fence_b, fence_c, input_precision=PREC)
                     l_i = l_i + tl.sum(fz, 1)
                 nxt = start + BLOCK_N + offs_n
                 s_new = _row_stationary_dot(
@@ -488,6 +507,15 @@ if HAS_TRITON:
                     m_i, l_i, s_nxt, BIASb, LYb, W, lx, cols, row_mask, cols < M, K2,
                     dot_scale, inv_eps2, w_scale, HAS_LABELS,
                 )  # fmt: skip
+                if MODE == 1 and NUM_D == 1:
+                    # second fence: retire dot(j + 1) after the exps, before the loop's end
+                    # copies its registers into the loop-carried tile (ptxas serializes every
+                    # wgmma of a kernel in which an in-flight accumulator is read)
+                    # (its accumulator input depends on the new running sum, so that ptxas
+                    # cannot issue it, and its wait, before the exps)
+                    fence_c = l_i[:, None] * tl.zeros((1, 16), dtype=tl.float32)
+                    fz = tl.dot(fence_a, fence_b, fence_c, input_precision=PREC)
+                    l_i = l_i + tl.sum(fz, 1)
                 s_nxt = s_new
             cols = last + offs_n
             m_i, l_i = _lse_tile(
