@@ -17,11 +17,13 @@ t0=$SECONDS
 ts() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$out/log.txt"; }
 python3 -c "import flashoptim, torch, triton; print('ours:', flashoptim.__file__, torch.__version__, triton.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$out/log.txt"
 ts "gpu tests"
+# every test file, v4's and the kernel comparisons first (pytest keeps the order of files
+# named one by one; a directory argument would be collected in name order)
+T=packages/flashoptim/tests
+files="$T/test_v4.py $T/test_kernels.py $T/test_gpu.py"
+for f in "$T"/test_*.py; do case " $files " in *" $f "*) ;; *) files="$files $f" ;; esac; done
 timeout -k 5 150 python3 -m pytest -v -rfE -p no:cacheprovider -c pyproject.toml --rootdir . \
-  -m gpu -k "not v1" \
-  packages/flashoptim/tests/test_v4.py packages/flashoptim/tests/test_kernels.py \
-  packages/flashoptim/tests \
-  >"$out/tests-gpu.txt" 2>&1
+  -m gpu -k "not v1" $files >"$out/tests-gpu.txt" 2>&1
 ts "gpu tests rc=$? $(tail -1 "$out/tests-gpu.txt")"
 ts "bench"
 timeout -k 5 120 python3 -m flashoptim.bench --layout large --layout small --reps 20 \
