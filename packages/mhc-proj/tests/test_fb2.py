@@ -265,7 +265,7 @@ def test_cpu_fb2_saves_float64_plans():
 
 def test_fb_layout_selection(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
-    assert layout_code() == 1
+    assert layout_code() == 7  # DEFAULT_LAYOUT, thread-flat
     assert [layout_code(v) for v in FB_LAYOUTS] == [2, 3, 4]
     assert [layout_code(v) for v in (2, 3, 4, 5, 6)] == [2, 3, 4, 5, 6]
     assert layout_code("thread-c10") == 5 and layout_code("thread-c10ls") == 6

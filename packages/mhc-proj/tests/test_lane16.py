@@ -106,7 +106,7 @@ def test_emulated_lane_forward_matches_thread_path(dist, batch):
     x = DISTS[dist](batch, g)
     t_lane, i_lane, violations = emulated_fwd(x)
     assert violations == 0
-    t_thread, i_thread = birkhoff_fwd(x, TOL_F32, 30, True)
+    t_thread, i_thread = birkhoff_fwd(x, TOL_F32, 30, True, layout="thread")
     _compare_fwd(t_lane, i_lane, t_thread, i_thread)
     if dist in SMALL:
         ref = birkhoff_project_ref(x.double())
@@ -121,7 +121,7 @@ def test_emulated_lane_forward_edge_cases():
     x[9] = 0.0  # uniform logits: T = 1/4 everywhere, converged at once
     x[10] = torch.eye(4) * 1e30  # huge finite logits
     t_lane, i_lane, v = emulated_fwd(x)
-    t_thread, i_thread = birkhoff_fwd(x, TOL_F32, 30, True)
+    t_thread, i_thread = birkhoff_fwd(x, TOL_F32, 30, True, layout="thread")
     assert v == 0
     bad = torch.zeros(64, dtype=torch.bool)
     bad[[3, 8]] = True
@@ -132,7 +132,7 @@ def test_emulated_lane_forward_edge_cases():
     # stops before the first Newton step (fp32), then float64 finishes
     for tol, max_iter in [(1e-9, 30), (TOL_F32, 0)]:
         t_lane, i_lane, v = emulated_fwd(x[~bad], tol, max_iter)
-        t_thread, i_thread = birkhoff_fwd(x[~bad], tol, max_iter, True)
+        t_thread, i_thread = birkhoff_fwd(x[~bad], tol, max_iter, True, layout="thread")
         assert v == 0
         assert torch.equal(_flags(i_lane)[1], _flags(i_thread)[1])
         assert float((t_lane - t_thread).abs().max()) <= MAX_DT
@@ -143,7 +143,7 @@ def test_emulated_lane_backward(sigma):
     g = torch.Generator().manual_seed(int(sigma) + 40)
     x = torch.randn(4000, 4, 4, generator=g) * sigma
     gr = torch.randn(4000, 4, 4, generator=g)
-    t = birkhoff_fwd(x, TOL_F32, 30, False)[0]
+    t = birkhoff_fwd(x, TOL_F32, 30, False, layout="thread")[0]
     d_lane, v = emulated_bwd(t, gr)
     assert v == 0
     d_thread = birkhoff_bwd(t, gr)
@@ -153,7 +153,7 @@ def test_emulated_lane_backward(sigma):
     rel = _bwd_rel(d_lane, ref)
     assert float(rel.quantile(0.99)) <= 1e-4 and float(rel.median()) <= 1e-6
     # permutation-like T (huge logits): finite, and the thread path's result
-    t_big = birkhoff_fwd(x * 1e4, TOL_F32, 30, False)[0]
+    t_big = birkhoff_fwd(x * 1e4, TOL_F32, 30, False, layout="thread")[0]
     d_big, v = emulated_bwd(t_big, gr)
     assert v == 0 and torch.isfinite(d_big).all()
     assert float((d_big - birkhoff_bwd(t_big, gr)).abs().max()) <= 1e-5
@@ -161,7 +161,7 @@ def test_emulated_lane_backward(sigma):
 
 def test_layout_selection(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
-    assert layout_code() == 1  # thread per matrix: the default
+    assert layout_code() == 7  # thread per matrix, thread-flat: the default
     assert [layout_code(v) for v in ("lane", "thread", 0, 1)] == [0, 1, 0, 1]
     monkeypatch.setenv(LAYOUT_ENV, "lane")
     assert layout_code() == 0 and layout_code("thread") == 1

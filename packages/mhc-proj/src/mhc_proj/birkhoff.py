@@ -93,6 +93,10 @@ _LAYOUTS = {
     "thread-c10ls": 6,
     "thread-flat": 7,
 }
+# The default since 2026-12-01 (H200 run of packages/mhc-proj/results/run6-*: fwd at 16M
+# 0.91x / 1.06x / 0.88x / 0.55x the time of "thread" at logits N(0, sigma^2), sigma 1 / 2 /
+# 3 / 10; GPU tests vs thread and float64 passed): c10ls's math in one Newton loop.
+DEFAULT_LAYOUT = "thread-flat"
 # layout code -> the CPU birkhoff_fwd variant that runs the same math (n = 4 float32)
 _CPU_VARIANT = {3: 1, 4: 1, 5: 2, 6: 3, 7: 4}
 
@@ -100,13 +104,13 @@ _CPU_VARIANT = {3: 1, 4: 1, 5: 2, 6: 3, 7: 4}
 def layout_code(layout: str | int | None = None) -> int:
     """CUDA kernel layout code: ``layout`` if given (a name or its code), else the
     ``MHC_PROJ_BIRKHOFF_LAYOUT`` environment variable (read at each call), else
-    ``"thread"``. ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per
-    matrix; default), ``"thread-wave"`` = 2, ``"thread-fb2"`` = 3, ``"thread-fb2-occ3"`` = 4,
-    ``"thread-c10"`` = 5, ``"thread-c10ls"`` = 6, ``"thread-flat"`` = 7 (thread per matrix
-    with other float64 stages, continuation, line search or loop structure, module
-    docstring). Used for n = 4 float32; the
-    CPU has no lane layout."""
-    return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout")
+    ``DEFAULT_LAYOUT`` (``"thread-flat"``). ``"lane"`` = 0 (16 lanes per matrix),
+    ``"thread"`` = 1 (thread per matrix; the default before 2026-12-01),
+    ``"thread-wave"`` = 2, ``"thread-fb2"`` = 3, ``"thread-fb2-occ3"`` = 4, ``"thread-c10"``
+    = 5, ``"thread-c10ls"`` = 6, ``"thread-flat"`` = 7 (thread per matrix with other float64
+    stages, continuation, line search or loop structure, module docstring). Used for n = 4
+    float32; the CPU has no lane layout and runs the thread variants' math."""
+    return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout", DEFAULT_LAYOUT)
 
 
 # ---------------------------------------------------------------- launchers
