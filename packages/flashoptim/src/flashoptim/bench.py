@@ -25,6 +25,7 @@ import time
 import torch
 
 import flashoptim as fo
+from flashoptim.optimizers import DEFAULT_KERNEL
 
 CEILING_TBPS = 4.21  # H200 device-to-device copy, read + write
 GPU_PROVIDERS = [
@@ -114,12 +115,12 @@ def load_peer_flashoptim(path: str | None = None):
 
 def make_optimizer(provider: str, params, peer_path=None):
     lr = 1e-4
-    # "ours" is the default kernel (v3); "ours_v1" .. "ours_v4" name one explicitly
+    # "ours" is the default kernel (optimizers.DEFAULT_KERNEL); "ours_v1" .. "ours_v4" name one
     if provider.startswith(("ours_v1", "ours_v2", "ours_v3", "ours_v4")):
         kw = dict(kernel=provider[5:7])
         provider = provider.replace(provider[:7], "ours")
     else:
-        kw = dict(kernel="v3") if provider.startswith("ours") else {}
+        kw = dict(kernel=DEFAULT_KERNEL) if provider.startswith("ours") else {}
     if provider.startswith("ours"):
         return _make_ours(provider, params, lr, kw)
     if provider.startswith("torch_fused"):
