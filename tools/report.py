@@ -102,7 +102,15 @@ def tables_for(doc: dict) -> str:
             if OURS in providers:
                 for p in peers_here:
                     peer = by_provider.get(p)
-                    ok = ours and peer and ours.get("status") == "ok" and peer.get("status") == "ok"
+                    ok = (
+                        ours
+                        and peer
+                        and ours.get("status") == "ok"
+                        and peer.get("status") == "ok"
+                        # accuracy-only rows (e.g. hvp_accuracy) are "ok" without a time
+                        and ours.get("time_ms") is not None
+                        and peer.get("time_ms") is not None
+                    )
                     cells.append(f"{peer['time_ms'] / ours['time_ms']:.2f}x" if ok else "—")
                 metrics = (ours or {}).get("metrics") or {}
                 cells += [_fmt(metrics.get(k)) for k in metric_keys]
