@@ -226,3 +226,143 @@ def test_property_doubly_stochastic(n, b, log_scale, seed):
     if 10.0**log_scale < 100:
         t2 = birkhoff_project(x + r + c)
         assert (t2 - t).abs().max() <= 1e-4 * max(1.0, math.sqrt(n))
+
+
+# ---------------------------------------------------------------- eager fast path vs the op
+def _op_path(x, gr):
+    """T and dA through the torch.library ops and their registered autograd (what
+    torch.compile sees), on the (B, n, n) compute-dtype copy of ``x``."""
+    n = x.shape[-1]
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    tol, it = (1e-13, 100) if dtype == torch.float64 else (4e-6, 30)
+    xr = x.detach().clone().requires_grad_(x.requires_grad)
+    xc = xr.to(dtype).reshape(-1, n, n).contiguous()
+    t, _ = torch.ops.mhc_proj.birkhoff_fwd.default(xc, tol, it, False)
+    t = t.reshape(x.shape)
+    if not x.requires_grad:
+        return t, None
+    t.backward(gr)
+    return t.detach(), xr.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 4, 4), (2, 3, 4, 4), (4, 4), (7, 3, 3), (2, 1, 6, 6)])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_fast_path_bitwise_op_path(device, dtype, shape, strided, requires_grad):
+    """The eager path (one autograd.Function, no reshapes, C++ apply) gives bitwise the
+    results of the custom ops with their registered autograd, forward and gradient, and of
+    ``Function.apply`` and the return_info path."""
+    from mhc_proj.birkhoff import _BirkhoffProject
+
+    g = _gen(sum(shape) + 10 * strided)
+    base = torch.randn(*shape[:-1], shape[-1] + 3, generator=g, dtype=torch.float64) * 3
+    base = base.to(device=device, dtype=dtype)
+    x = base[..., : shape[-1]] if strided else base[..., : shape[-1]].contiguous()
+    assert x.is_contiguous() != strided
+    gr = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
+    gr = gr.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    x.requires_grad_(requires_grad)
+    t = birkhoff_project(x)
+    assert t.shape == x.shape and t.requires_grad == requires_grad
+    t_op, d_op = _op_path(x, gr)
+    assert torch.equal(t.detach(), t_op)
+    t_info, _ = birkhoff_project(x.detach(), return_info=True)
+    assert torch.equal(t.detach(), t_info)
+    c_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    tol, it = (1e-13, 100) if dtype == torch.float64 else (4e-6, 30)
+    t_apply = _BirkhoffProject.apply(x, c_dtype, tol, it, None)
+    assert torch.equal(t_apply.detach(), t_op)
+    if requires_grad:
+        t.backward(gr)
+        assert x.grad.dtype == dtype and x.grad.shape == x.shape
+        d_fast = x.grad.clone()
+        x.grad = None
+        t_apply.backward(gr)
+        assert torch.equal(x.grad, d_fast)
+        # the op path's gradient is computed in the compute dtype, then cast by autograd
+        assert torch.equal(d_op, d_fast)
+        x.grad = None
+        xi = x.detach().clone().requires_grad_(True)
+        birkhoff_project(xi, return_info=True)[0].backward(gr)
+        assert torch.equal(xi.grad, d_fast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_bitwise_eager(dtype):
+    """torch.compile (fullgraph, the custom ops) and the eager path: the same T and dA."""
+    torch._dynamo.reset()
+    x = (torch.randn(2, 5, 4, 4, generator=_gen(11), dtype=torch.float64) * 2).to(dtype)
+    gr = torch.randn(2, 5, 4, 4, generator=_gen(12), dtype=dtype)
+    cf = torch.compile(lambda a: birkhoff_project(a), fullgraph=True, backend="aot_eager")
+    xc = x.clone().requires_grad_(True)
+    tc = cf(xc)
+    tc.backward(gr)
+    xe = x.clone().requires_grad_(True)
+    te = birkhoff_project(xe)
+    te.backward(gr)
+    assert torch.equal(tc.detach(), te.detach()) and torch.equal(xc.grad, xe.grad)
+
+
+def test_layout_env_cache(monkeypatch):
+    """The environment is read at each call; the name lookup is cached for the last value,
+    a bad value raises at each call, and a value changed back is honoured."""
+    from mhc_proj.birkhoff import LAYOUT_ENV, layout_code
+
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    assert layout_code() == 7
+    monkeypatch.setenv(LAYOUT_ENV, "thread")
+    assert layout_code() == 1 and layout_code() == 1
+    monkeypatch.setenv(LAYOUT_ENV, "lane")
+    assert layout_code() == 0
+    monkeypatch.setenv(LAYOUT_ENV, "")
+    assert layout_code() == 7
+    x = torch.randn(3, 4, 4, generator=_gen(13))
+    monkeypatch.setenv(LAYOUT_ENV, "bogus")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Birkhoff layout"):
+            birkhoff_project(x)
+    monkeypatch.setenv(LAYOUT_ENV, "thread-c10")
+    assert layout_code() == 5
+    t5 = birkhoff_project(x * 10)
+    monkeypatch.delenv(LAYOUT_ENV)
+    from mhc_proj.birkhoff import birkhoff_fwd
+
+    assert torch.equal(t5, birkhoff_fwd((x * 10).contiguous(), 4e-6, 30, False, layout=5)[0])
+
+
+def test_functorch_transform_uses_function_apply():
+    """Under a functorch transform the eager path goes through Function.apply (the C++
+    apply is only taken outside transforms): the same error as Function.apply itself."""
+    from mhc_proj.birkhoff import _BirkhoffProject
+
+    x = torch.randn(3, 4, 4, generator=_gen(14))
+    with pytest.raises(RuntimeError) as direct:
+        torch.func.grad(lambda a: _BirkhoffProject.apply(a, torch.float32, 4e-6, 30, None).sum())(x)
+    with pytest.raises(RuntimeError) as public:
+        torch.func.grad(lambda a: birkhoff_project(a).sum())(x)
+    assert str(public.value) == str(direct.value)
+
+
+@pytest.mark.gpu
+def test_cuda_side_stream_and_raw_stream_handle():
+    """The launchers take the raw handle of the caller's current stream: results on a side
+    stream (forward and backward) are bitwise those on the default stream."""
+    from mhc_proj import _backend
+
+    x = torch.randn(4099, 4, 4, generator=_gen(15)).cuda() * 3
+    gr = torch.randn(4099, 4, 4, generator=_gen(16)).cuda()
+    xd = x.clone().requires_grad_(True)
+    t = birkhoff_project(xd)
+    t.backward(gr)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        assert _backend.stream(x) == s.cuda_stream
+        xs = x.clone().requires_grad_(True)
+        ts = birkhoff_project(xs)
+        ts.backward(gr)
+    torch.cuda.current_stream().wait_stream(s)
+    assert _backend.stream(x) == torch.cuda.current_stream().cuda_stream
+    assert torch.equal(t.detach(), ts.detach()) and torch.equal(xd.grad, xs.grad)

@@ -14,12 +14,20 @@ import torch
 
 _cuda_module: ModuleType | None = None
 _cuda_error: BaseException | None = None
+_cpu_module: ModuleType | None = None
+# The current CUDA device and raw stream handle without building torch.cuda.Stream / device
+# objects (what torch.compile's generated code calls); absent from CPU-only torch builds.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def cpu() -> ModuleType:
-    from mhc_proj import _cpu
+    global _cpu_module
+    if _cpu_module is None:
+        from mhc_proj import _cpu
 
-    return _cpu
+        _cpu_module = _cpu
+    return _cpu_module
 
 
 def cuda_available() -> bool:
@@ -33,7 +41,9 @@ def cuda_available() -> bool:
 
 def cuda() -> ModuleType:
     global _cuda_module, _cuda_error
-    if _cuda_module is None and _cuda_error is None:
+    if _cuda_module is not None:
+        return _cuda_module
+    if _cuda_error is None:
         try:
             _cuda_module = importlib.import_module("mhc_proj._cuda")
         except ImportError as e:  # built without a CUDA compiler or with MHC_PROJ_CUDA=OFF
@@ -48,9 +58,9 @@ def cuda() -> ModuleType:
 
 
 def for_tensor(x: torch.Tensor) -> ModuleType:
-    if x.device.type == "cuda":
+    if x.is_cuda:
         return cuda()
-    if x.device.type == "cpu":
+    if x.is_cpu:
         return cpu()
     raise ValueError(f"mhc_proj supports CPU and CUDA tensors; got device {x.device}")
 
@@ -68,12 +78,17 @@ _NO_GUARD = _NoGuard()
 
 def on_device(x: torch.Tensor):
     """A device guard for ``x``'s GPU, skipped when it is already current (cheap path)."""
-    if x.device.index is None or x.device.index == torch.cuda.current_device():
+    index = x.get_device()
+    current = _get_device() if _get_device is not None else torch.cuda.current_device()
+    if index == current:
         return _NO_GUARD
-    return torch.cuda.device(x.device)
+    return torch.cuda.device(index)
 
 
 def stream(x: torch.Tensor) -> int:
+    """The raw handle of the current stream of ``x``'s GPU (``x`` is a CUDA tensor)."""
+    if _raw_stream is not None:
+        return _raw_stream(x.get_device())
     return torch.cuda.current_stream(x.device).cuda_stream
 
 

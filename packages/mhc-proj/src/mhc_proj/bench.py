@@ -80,9 +80,12 @@ PROVIDERS = [
     "tile-kernels-sinkhorn",
 ]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-# Birkhoff providers -> their CUDA kernel layout (bwd-only and graph modes call the launchers)
+# Birkhoff providers -> their CUDA kernel layout (bwd-only and graph modes call the launchers).
+# "ours": None, the default layout (MHC_PROJ_BIRKHOFF_LAYOUT or DEFAULT_LAYOUT) in every mode;
+# until 2026-12-01 afternoon its bwd-only and graph rows pinned "thread" while its eager
+# rows followed the default (thread-flat since run 6).
 _BIRKHOFF_LAYOUT = {
-    "ours": "thread",
+    "ours": None,
     "ours-lane16": "lane",
     "ours-wave": "thread-wave",
     "ours-fb2": "thread-fb2",

@@ -45,6 +45,7 @@ still validated, so a misspelt value fails everywhere).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -110,10 +111,97 @@ def layout_code(layout: str | int | None = None) -> int:
     = 5, ``"thread-c10ls"`` = 6, ``"thread-flat"`` = 7 (thread per matrix with other float64
     stages, continuation, line search or loop structure, module docstring). Used for n = 4
     float32; the CPU has no lane layout and runs the thread variants' math."""
+    if layout is None:
+        return _env_layout_code()
     return _backend.choice_code(layout, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout", DEFAULT_LAYOUT)
 
 
+_DEFAULT_CODE = _LAYOUTS[DEFAULT_LAYOUT]
+_env_get = os.environ.get
+_env_seen: tuple[str | None, int] = (None, _DEFAULT_CODE)  # last value read, its code
+
+
+def _env_layout_code() -> int:
+    """``layout_code(None)``: the environment variable, read at each call; the name lookup
+    is cached for the last value seen (a bad value is not cached: it raises each time)."""
+    global _env_seen
+    value = _env_get(LAYOUT_ENV)
+    if not value:
+        return _DEFAULT_CODE
+    if value == _env_seen[0]:
+        return _env_seen[1]
+    code = _backend.choice_code(value, LAYOUT_ENV, _LAYOUTS, "Birkhoff layout", DEFAULT_LAYOUT)
+    _env_seen = (value, code)
+    return code
+
+
 # ---------------------------------------------------------------- launchers
+# The public launchers validate and resolve the layout; ``_fwd`` / ``_bwd`` take a resolved
+# code and contiguous tensors of any shape (..., n, n) (the kernels see B = numel / n^2
+# matrices one after the other), so the eager path needs no reshapes.
+def _fwd(
+    x: torch.Tensor,
+    tol: float,
+    max_iter: int,
+    info: torch.Tensor | None,
+    code: int,
+    fallback_tol: float = FALLBACK_TOL,
+    fallback_max_iter: int = FALLBACK_MAX_ITER,
+    pivot_min: float = PIVOT_MIN,
+) -> torch.Tensor:
+    """T for contiguous float32/float64 ``x`` (..., n, n); fills ``info`` (B,) int32 if given."""
+    n = x.shape[-1]
+    b = x.numel() // (n * n)
+    if x.data_ptr() % 16:  # _backend.aligned: the CUDA kernels use 16-byte loads
+        x = x.clone()
+    out = torch.empty_like(x)
+    if b == 0:
+        return out
+    info_ptr = 0 if info is None else info.data_ptr()
+    dt = 1 if x.dtype == torch.float64 else 0
+    if x.is_cuda:
+        mod = _backend.cuda()
+        with _backend.on_device(x):
+            # fallback work list: count, indices, then n fp32 potentials per entry
+            work = torch.empty(1 + b + b * n, dtype=torch.int32, device=x.device)
+            mod.birkhoff_fwd(
+                x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n, dt, tol,
+                max_iter, fallback_tol, fallback_max_iter, pivot_min, _backend.stream(x), code,
+            )  # fmt: skip
+    else:  # one layout on the CPU; the fb2 layouts' float64 stage is its variant 1
+        variant = _CPU_VARIANT.get(code, 0) if n == 4 and dt == 0 else 0
+        _backend.cpu().birkhoff_fwd(
+            x.data_ptr(), out.data_ptr(), info_ptr, b, n, dt, tol, max_iter, fallback_tol,
+            fallback_max_iter, pivot_min, variant,
+        )  # fmt: skip
+    return out
+
+
+def _bwd(t: torch.Tensor, grad: torch.Tensor, layout: str | int | None) -> torch.Tensor:
+    """dA for contiguous ``t`` and ``grad`` of the same shape (..., n, n) and dtype. The
+    layout is resolved (and the environment read) on CUDA only: the CPU has one backward."""
+    n = t.shape[-1]
+    b = t.numel() // (n * n)
+    if t.data_ptr() % 16:
+        t = t.clone()
+    if grad.data_ptr() % 16:
+        grad = grad.clone()
+    out = torch.empty_like(t)
+    if b == 0:
+        return out
+    dt = 1 if t.dtype == torch.float64 else 0
+    if t.is_cuda:
+        code = layout_code(layout)
+        mod = _backend.cuda()
+        with _backend.on_device(t):
+            mod.birkhoff_bwd(
+                t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, dt, _backend.stream(t), code
+            )
+    else:
+        _backend.cpu().birkhoff_bwd(t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, dt)
+    return out
+
+
 def birkhoff_fwd(
     x: torch.Tensor,
     tol: float,
@@ -130,30 +218,12 @@ def birkhoff_fwd(
     ``layout``: see :func:`layout_code` (CUDA n = 4 float32 only; ignored elsewhere).
     """
     code = layout_code(layout)
-    b, n = x.shape[0], x.shape[-1]
-    x = _backend.aligned(x)
-    out = torch.empty_like(x)
-    info = torch.empty(b if want_info else 0, dtype=torch.int32, device=x.device)
-    if b == 0:
-        return out, info
-    mod = _backend.for_tensor(x)
-    info_ptr = info.data_ptr() if want_info else 0
-    if x.is_cuda:
-        with _backend.on_device(x):
-            # fallback work list: count, indices, then n fp32 potentials per entry
-            work = torch.empty(1 + b + b * n, dtype=torch.int32, device=x.device)
-            mod.birkhoff_fwd(
-                x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n,
-                _backend.dtype_code(x), tol, max_iter, fallback_tol, fallback_max_iter,
-                pivot_min, _backend.stream(x), code,
-            )  # fmt: skip
-    else:  # one layout on the CPU; the fb2 layouts' float64 stage is its variant 1
-        fp32_4 = n == 4 and x.dtype == torch.float32
-        variant = _CPU_VARIANT.get(code, 0) if fp32_4 else 0
-        mod.birkhoff_fwd(
-            x.data_ptr(), out.data_ptr(), info_ptr, b, n, _backend.dtype_code(x), tol,
-            max_iter, fallback_tol, fallback_max_iter, pivot_min, variant,
-        )  # fmt: skip
+    _backend.for_tensor(x)  # a clear error for other devices / a missing CUDA module
+    info = torch.empty(x.shape[0] if want_info else 0, dtype=torch.int32, device=x.device)
+    out = _fwd(
+        x, tol, max_iter, info if want_info else None, code, fallback_tol, fallback_max_iter,
+        pivot_min,
+    )  # fmt: skip
     return out, info
 
 
@@ -162,24 +232,9 @@ def birkhoff_bwd(
 ) -> torch.Tensor:
     """Implicit VJP on (B, n, n) contiguous ``t`` and ``grad`` of the same dtype.
     ``layout``: see :func:`layout_code` (CUDA n = 4 float32 only; ignored elsewhere)."""
-    code = layout_code(layout)
-    b, n = t.shape[0], t.shape[-1]
-    t, grad = _backend.aligned(t), _backend.aligned(grad)
-    out = torch.empty_like(t)
-    if b == 0:
-        return out
-    mod = _backend.for_tensor(t)
-    if t.is_cuda:
-        with _backend.on_device(t):
-            mod.birkhoff_bwd(
-                t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, _backend.dtype_code(t),
-                _backend.stream(t), code,
-            )  # fmt: skip
-    else:  # one layout on the CPU
-        mod.birkhoff_bwd(
-            t.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, _backend.dtype_code(t)
-        )
-    return out
+    code = layout_code(layout)  # validated on every device
+    _backend.for_tensor(t)
+    return _bwd(t, grad, code)
 
 
 # ---------------------------------------------------------------- custom ops
@@ -220,48 +275,70 @@ def _backward(ctx, grad_t, grad_info):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _BirkhoffFunction(torch.autograd.Function):
-    """Eager fast path: the same launchers without the custom-op dispatch overhead
-    (tens of microseconds per call, which dominate at small batches). Under
-    ``torch.compile`` the custom op above is used instead."""
+# ---------------------------------------------------------------- eager autograd
+# Eager calls skip the torch.library dispatch (tens of microseconds per call, which is what
+# eager calls at small and medium batches measure: NOTES.md); torch.compile sees the custom
+# ops above (``_project`` branches on torch.compiler.is_compiling()). Both run the same
+# kernels on the same contiguous data, so their results are bitwise equal (tests).
+class _BirkhoffProject(torch.autograd.Function):
+    """The eager path, one autograd node for the whole public call: the cast to the compute
+    dtype happens inside forward and backward instead of as separate autograd nodes (each
+    costs microseconds of host time per call), and the kernels run on the (..., n, n)
+    tensors as they are (contiguous), so no reshape or view either. With ``want_info`` it
+    also returns the info words in the shape ``logits.shape[:-2]`` (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, x, tol, max_iter, want_info, layout=None):
-        t, info = birkhoff_fwd(x, tol, max_iter, want_info, layout=layout)
+    def forward(ctx, logits, compute_dtype, tol, max_iter, layout, want_info=False):
+        x = logits if logits.dtype == compute_dtype else logits.to(compute_dtype)
+        code = _env_layout_code() if layout is None else layout_code(layout)
+        ctx.layout = layout  # None: the environment at backward time decides
+        ctx.in_dtype = logits.dtype
+        if not want_info:
+            t = _fwd(x.contiguous(), tol, max_iter, None, code)
+            ctx.save_for_backward(t)
+            return t
+        info = torch.empty(logits.shape[:-2], dtype=torch.int32, device=logits.device)
+        t = _fwd(x.contiguous(), tol, max_iter, info, code)
         ctx.save_for_backward(t)
         ctx.mark_non_differentiable(info)
-        ctx.layout = layout  # None: the environment at backward time decides
+        ctx.set_materialize_grads(False)  # no zero gradient for info; grad_t may be None
         return t, info
 
     @staticmethod
-    def backward(ctx, grad_t, grad_info):
+    def backward(ctx, grad_t, *grad_info):
+        if grad_t is None:
+            return None, None, None, None, None, None
         (t,) = ctx.saved_tensors
-        g = grad_t.to(t.dtype).contiguous()
-        return birkhoff_bwd(t, g, ctx.layout), None, None, None, None
+        if grad_t.dtype != t.dtype:
+            grad_t = grad_t.to(t.dtype)
+        da = _bwd(t, grad_t.contiguous(), ctx.layout)
+        if ctx.in_dtype != t.dtype:
+            da = da.to(ctx.in_dtype)
+        return da, None, None, None, None, None
 
 
-class _BirkhoffProject(torch.autograd.Function):
-    """Eager path without info, one autograd node for the whole public call: the cast to
-    the compute dtype and the (..., n, n) <-> (B, n, n) reshapes happen inside forward
-    and backward instead of as separate autograd nodes (each costs microseconds of host
-    time per call, which is what eager calls at small batches measure)."""
+def _direct_apply(fn: type[torch.autograd.Function]):
+    """``fn.apply`` without its Python wrapper (~2 us per call on the CPU host), or None
+    when this torch lacks the pieces. ``Function.apply`` binds default arguments (only for
+    functions with a ``setup_context``; these have none), unwraps dead functorch wrappers and
+    then calls the C++ apply; the caller uses it only while no functorch transform is
+    active (else ``fn.apply``, whose error it keeps), and unwraps the tensor itself."""
+    try:
+        c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, fn)
+        unwrap = torch._C._functorch.unwrap_if_dead
+        active = torch._C._are_functorch_transforms_active
+    except (AttributeError, KeyError, TypeError):
+        return None
 
-    @staticmethod
-    def forward(ctx, logits, compute_dtype, tol, max_iter, layout):
-        n = logits.shape[-1]
-        x = logits.to(compute_dtype).reshape(-1, n, n).contiguous()
-        t, _ = birkhoff_fwd(x, tol, max_iter, False, layout=layout)
-        ctx.save_for_backward(t)
-        ctx.layout = layout  # None: the environment at backward time decides
-        ctx.in_dtype = logits.dtype
-        return t.view(logits.shape)
+    def apply(logits, *args):
+        if active():
+            return fn.apply(logits, *args)
+        return c_apply(unwrap(logits), *args)
 
-    @staticmethod
-    def backward(ctx, grad_t):
-        (t,) = ctx.saved_tensors
-        g = grad_t.reshape(t.shape).to(t.dtype).contiguous()
-        da = birkhoff_bwd(t, g, ctx.layout).view(grad_t.shape).to(ctx.in_dtype)
-        return da, None, None, None, None
+    return apply
+
+
+_project_apply = _direct_apply(_BirkhoffProject) or _BirkhoffProject.apply
 
 
 # ---------------------------------------------------------------- public API
@@ -273,12 +350,13 @@ def _check(logits: object) -> torch.Tensor:
             "logits must have a floating dtype (float32, bfloat16, float16 or float64); "
             f"got {logits.dtype}"
         )
-    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
-        raise ValueError(f"logits must have shape (..., n, n); got {tuple(logits.shape)}")
-    n = logits.shape[-1]
+    shape = logits.shape
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise ValueError(f"logits must have shape (..., n, n); got {tuple(shape)}")
+    n = shape[-1]
     if not N_MIN <= n <= N_MAX:
         raise ValueError(f"logits: n must be in {N_MIN}..{N_MAX}; got n={n}")
-    if logits.device.type not in ("cpu", "cuda"):
+    if not (logits.is_cuda or logits.is_cpu):
         raise ValueError(f"logits must be on a CPU or CUDA device; got {logits.device}")
     return logits
 
@@ -307,15 +385,17 @@ def birkhoff_project(
         (implicit backward, only T saved). With ``return_info``: ``(T, info)``.
 
     The kernel layout (n = 4 float32) is read from ``MHC_PROJ_BIRKHOFF_LAYOUT`` at each
-    call (``thread`` default, ``lane``, ``thread-wave``, ``thread-fb2``,
+    call (``thread-flat`` default, ``thread``, ``lane``, ``thread-wave``, ``thread-fb2``,
     ``thread-fb2-occ3``, ``thread-c10``, ``thread-c10ls``); see the module docstring.
+    Eager calls run one ``autograd.Function`` (no ``torch.library`` dispatch); under
+    ``torch.compile`` the custom ops ``mhc_proj::birkhoff_fwd`` / ``birkhoff_bwd`` (the same
+    kernels, bitwise the same results).
     """
-    return _project(logits, tol=tol, max_iter=max_iter, return_info=return_info)
+    return _project(logits, tol, max_iter, return_info, None)
 
 
 def _project(
     logits: torch.Tensor,
-    *,
     tol: float | None = None,
     max_iter: int | None = None,
     return_info: bool = False,
@@ -326,9 +406,7 @@ def _project(
     by the benchmark."""
     if layout is not None:
         layout_code(layout)  # validate before the forward runs
-    logits = _check(logits)
-    shape = logits.shape
-    n = shape[-1]
+    _check(logits)
     if logits.dtype == torch.float64:
         dtype = torch.float64
         tol = TOL_F64 if tol is None else float(tol)
@@ -341,22 +419,27 @@ def _project(
         raise ValueError(f"tol must be > 0; got {tol}")
     if max_iter < 0:
         raise ValueError(f"max_iter must be >= 0; got {max_iter}")
-    compiling = torch.compiler.is_compiling()
-    if not return_info and not compiling:
-        return _BirkhoffProject.apply(logits, dtype, tol, max_iter, layout)
+    if not torch.compiler.is_compiling():
+        if not return_info:
+            return _project_apply(logits, dtype, tol, max_iter, layout)
+        t, info = _project_apply(logits, dtype, tol, max_iter, layout, True)
+        return t, _info(info)
+    shape = logits.shape
+    n = shape[-1]
     x = logits.to(dtype).reshape(-1, n, n).contiguous()
-    if compiling:
-        t, info = _fwd_op(x, tol, max_iter, return_info)
-    else:
-        t, info = _BirkhoffFunction.apply(x, tol, max_iter, return_info, layout)
+    t, info = _fwd_op(x, tol, max_iter, return_info)
     t = t.reshape(shape)
     if not return_info:
         return t
-    lead = shape[:-2]
-    return t, ProjectionInfo(
-        iterations=(info & 0xFFFF).reshape(lead),
-        converged=((info & _INFO_CONVERGED) != 0).reshape(lead),
-        fallback=((info & _INFO_FALLBACK) != 0).reshape(lead),
+    return t, _info(info.reshape(shape[:-2]))
+
+
+def _info(info: torch.Tensor) -> ProjectionInfo:
+    # .bitwise_and(c).bool() is (info & c) != 0 with one op fewer (~2 us each on the CPU)
+    return ProjectionInfo(
+        iterations=info.bitwise_and(0xFFFF),
+        converged=info.bitwise_and(_INFO_CONVERGED).bool(),
+        fallback=info.bitwise_and(_INFO_FALLBACK).bool(),
     )
 
 
