@@ -12,6 +12,7 @@ import math
 import operator
 import os
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -22,6 +23,13 @@ from ._core import ADAM, GROUP, LION, SGD
 BLOCK = int(os.environ.get("FLASHOPTIM_BLOCK", "1024"))
 NUM_WARPS = int(os.environ.get("FLASHOPTIM_NUM_WARPS", "4"))
 _P_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# C-level getters for the per-step passes over thousands of parameters (``map``, no
+# Python frame per tensor)
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
+_GET_DEVICE = torch.Tensor.get_device
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 # v4 with on_nonfinite="skip": resolve the device non-finite flag lazily (a non-blocking copy
 # read at the next step / skipped_steps / state_dict) instead of a host sync in every step.
 # Opt-in (FLASHOPTIM_LAZY_SKIP=1 or ``opt._lazy_skip = True``) until the GPU has measured it.
@@ -72,6 +80,17 @@ class NonFiniteGradError(RuntimeError):
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 parameter or gradient), else the tensor."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _index_buckets(ps: list, buckets: list) -> None:
+    """A plan's buckets get ``idx``: their parameters' positions in ``ps`` (for the
+    gradient rebase); a single bucket holding every parameter in order needs none."""
+    if len(buckets) == 1 and len(buckets[0]["ps"]) == len(ps):
+        buckets[0]["idx"] = None
+        return
+    pos = {id(p): i for i, p in enumerate(ps)}
+    for b in buckets:
+        b["idx"] = [pos[id(p)] for p in b["ps"]]
 
 
 def _global_index_base(p: torch.Tensor) -> int:
@@ -261,6 +280,17 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _grads(self, group):
         return [p for p in group["params"] if p.grad is not None]
 
+    def _grads_of(self, group) -> tuple[list, list]:
+        """(parameters with a gradient, their gradients) of a group: one read of every
+        ``.grad`` per step (C-level ``map``; the attribute read is the host's largest
+        per-parameter cost with thousands of tensors)."""
+        params = group["params"]
+        grads = list(map(_GRAD, params))
+        if any(map(operator.is_, grads, repeat(None))):
+            ps = [p for p, g in zip(params, grads) if g is not None]
+            return ps, [g for g in grads if g is not None]
+        return params, grads
+
     def _found_nonfinite_torch(self, params) -> bool:
         bad = False
         for p in params:
@@ -363,13 +393,20 @@ class FlashOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._resolve_pending()
-        preps = [self._prepare(g, ps) for g in self.param_groups if (ps := self._grads(g))]
+        # lazy skip: a pending flag of the previous step is read after this step's host
+        # work and pre-pass launch (its copy lands meanwhile); ``_prepare`` reads it first
+        # when a plan must be rebuilt (that reads the step counts)
+        preps = []
+        for g in self.param_groups:
+            ps, gs = self._grads_of(g)
+            if ps:
+                preps.append(self._prepare(g, ps, grads=gs))
         if self.capturable:
             self._step_on_device(preps)
             return loss
         if self.check_finite and self._deferred_check(preps):
             return self._step_checked_on_device(preps, loss)
+        self._resolve_pending()
         if self.check_finite and self._nonfinite(preps):
             if self.on_nonfinite == "raise":
                 raise NonFiniteGradError("non-finite gradient: step not taken")
@@ -408,6 +445,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                         self._eflag[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
                     flags[dev] = self._eflag[dev]
         self._nonfinite(preps, flags, mark)
+        self._resolve_pending()  # lazy skip: the previous step's counts, before this step's
         for prep in preps:
             self._commit(prep, skip=flags)
         if not flags:
@@ -494,20 +532,24 @@ class FlashOptimizer(torch.optim.Optimizer):
                 return
         raise ValueError("parameter is not managed by this optimizer")
 
-    def _prepare(self, group, ps, cache: bool = True) -> dict:
+    def _prepare(self, group, ps, cache: bool = True, grads: list | None = None) -> dict:
         """Buckets and offset tables for this step; no state changes (a skipped step must
-        leave everything as it was)."""
+        leave everything as it was). ``grads``: ``[p.grad for p in ps]`` when the caller
+        has read them already. A cached plan is reused when the parameters are the same
+        objects and every gradient is at the same address (the host's per-step cost with
+        thousands of tensors: one ``.grad`` read and one ``data_ptr`` per parameter)."""
         plan = self._plans.get(id(group)) if cache else None
         if plan is not None and plan["n"] == len(ps) and all(map(operator.is_, plan["ps"], ps)):
+            gs = list(map(_GRAD, ps)) if grads is None else grads
             if plan["dt"]:
-                gptrs = tuple([_local(p.grad).data_ptr() for p in ps])
-            else:
-                gptrs = tuple([p.grad.data_ptr() for p in ps])
+                gs = list(map(_local, gs))
+            gptrs = tuple(map(_DATA_PTR, gs))
             if gptrs == plan["gptrs"]:
                 return dict(group=group, plan=plan, buckets=plan["buckets"], cache=cache)
-            if not self.capturable and self._rebase_grads(plan, ps):
+            if not self.capturable and self._rebase_grads(plan, gs, gptrs):
                 plan["gptrs"] = gptrs
                 return dict(group=group, plan=plan, buckets=plan["buckets"], cache=cache)
+        self._resolve_pending()  # lazy skip: the step counts below must be resolved
         if self.capturable:
             if _capturing():
                 raise RuntimeError(
@@ -554,6 +596,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if dev not in self._dflag:
             self._dflag[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
             self._dskip[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
+        _index_buckets(ps, out)
         plan = dict(
             n=len(ps),
             ps=list(ps),
@@ -670,13 +713,16 @@ class FlashOptimizer(torch.optim.Optimizer):
         group = prep["group"]
         plan = prep["plan"]
         if plan is not None:  # fast path: one step count for all, cached tables
-            for st in plan["states"]:
-                st["step"] += 1
-            plan["step"] += 1
+            step = plan["step"] + 1
             for b in plan["buckets"]:  # hp per bucket: ecc depends on the parameter dtype
                 ent = b["ent"]
                 flag = None if skip is None else skip[ent["tab"].device]
-                self._run_kernel(ent, group, self._hp(group, b["ps"][0]), plan["step"], skip=flag)
+                self._run_kernel(ent, group, self._hp(group, b["ps"][0]), step, skip=flag)
+            # the host counts after the launches: this loop (one dict update per parameter)
+            # runs while the device steps, before the caller's sync
+            plan["step"] = step
+            for st in plan["states"]:
+                st["step"] += 1
             return
         for b in prep["buckets"]:
             step = b["step"] + 1
@@ -702,6 +748,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         steps = {b["step"] for b in bs}
         if prep["cache"] and all(b["ent"] is not None for b in bs) and len(steps) == 1:
             ps = prep["ps"]
+            _index_buckets(ps, bs)
             self._plans[id(group)] = dict(
                 n=len(ps),
                 ps=list(ps),
@@ -712,32 +759,43 @@ class FlashOptimizer(torch.optim.Optimizer):
                 buckets=bs,
             )
 
-    def _rebase_grads(self, plan, ps) -> bool:
+    def _rebase_grads(self, plan, gs, gptrs) -> bool:
         """New gradient tensors, same parameters (FSDP2 and ``zero_grad(set_to_none=True)``
         hand out fresh ``.grad`` storage every step): rewrite only the gradient column of each
-        bucket's offset table instead of rebuilding the plan. False: rebuild (a gradient
-        changed dtype, device or layout)."""
+        bucket's offset table instead of rebuilding the plan. ``gs``: the (local) gradients
+        of ``plan["ps"]``, ``gptrs`` their addresses. False: rebuild (a gradient changed
+        dtype, device or layout). Checks and offsets run over whole lists (C-level ``map``,
+        one torch op per bucket), not per parameter in Python."""
         updates = []
         for b in plan["buckets"]:
             ent = b["ent"]
-            gs = [_local(p.grad) for p in b["ps"]]
-            base = gs[0]
+            idx = b["idx"]
+            if idx is None:  # the plan's only bucket: every parameter, in order
+                bgs, bptrs = gs, gptrs
+            else:
+                pick = operator.itemgetter(*idx)
+                bgs, bptrs = (
+                    (list(pick(gs)), pick(gptrs))
+                    if len(idx) > 1
+                    else ([gs[idx[0]]], (gptrs[idx[0]],))
+                )
             old = ent["bases"][1]
-            if any(
-                g.dtype != old.dtype or g.device != old.device or not g.is_contiguous() for g in gs
+            if (
+                set(map(_DTYPE, bgs)) != {old.dtype}
+                or set(map(_GET_DEVICE, bgs)) != {old.get_device()}
+                or not all(map(_IS_CONTIGUOUS, bgs))
             ):
                 return False
+            base = bgs[0]
             es = base.element_size()
-            offs, aligned = [], True
-            for g in gs:
-                d = g.data_ptr() - base.data_ptr()
-                if d % es:
-                    return False
-                offs.append(d // es)
-                aligned = aligned and (d // es) % 16 == 0 and g.data_ptr() % 16 == 0
+            ptr = torch.tensor(bptrs, dtype=torch.int64)
+            d = ptr - bptrs[0]
+            if bool((d % es).any()):
+                return False
+            offs = d // es
+            aligned = bool(((offs % 16 == 0) & (ptr % 16 == 0)).all())
             updates.append((ent, base, offs, aligned))
-        for ent, base, offs, aligned in updates:
-            col = torch.tensor(offs, dtype=torch.int64)
+        for ent, base, col, aligned in updates:
             if ent["tab"].is_cuda:
                 # pinned + non_blocking: no host sync; the caching host allocator keeps the
                 # buffer alive until the copy has run on the stream

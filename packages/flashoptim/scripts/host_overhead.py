@@ -1,0 +1,123 @@
+"""Host (Python) time of ``step()`` for many tensors, without a GPU.
+
+    TRITON_INTERPRET=1 PYTHONPATH=packages/flashoptim/src \
+        python packages/flashoptim/scripts/host_overhead.py [--layout small] [--steps 50]
+        [--profile default] [--json OUT]
+
+Builds the bench's layout (``small``: 2,050 bf16 tensors, 54.6M params) on the CPU with
+``backend="triton"`` and the default kernel, and replaces every Triton kernel launch by a
+no-op (``kernel[grid](...)`` returns at once), so what is timed is the host path alone:
+plan lookup, gradient pointer check, flag handling, step bookkeeping, launch arguments.
+Triton's own launch cost (argument binding, ~tens of us per launch on the GPU host) and the
+device work are not in it. Scenarios: ``default`` (check_finite, skip: the bench's
+``ours``), ``nocheck``, ``lazy`` (v4 lazy skip), ``newgrads`` (default, with fresh
+``.grad`` tensors every step, as ``zero_grad(set_to_none=True)`` or FSDP2 give).
+Prints the median ms per step of each; ``--profile NAME`` prints cProfile's top entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import flashoptim as fo  # noqa: E402
+from flashoptim import _core  # noqa: E402
+from flashoptim.bench import layout_shapes  # noqa: E402
+
+_KERNELS = [n for n in dir(_core) if n.startswith(("_step_kernel", "_nonfinite_kernel"))]
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return _noop
+
+
+def patch_launches() -> None:
+    """Every step / pre-pass kernel of ``_core`` becomes a no-op launch."""
+    for name in _KERNELS:
+        setattr(_core, name, _NoLaunch())
+
+
+def build(layout: str, scenario: str):
+    shapes = layout_shapes(layout)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.empty(s, dtype=torch.bfloat16)) for s in shapes]
+    for p in params:
+        p.data.normal_(0, 0.02, generator=gen)
+    sets = [[torch.full(p.shape, 1e-3, dtype=torch.bfloat16) for p in params]]
+    if scenario == "newgrads":  # two sets of gradient tensors, alternated step to step
+        sets.append([g.clone() for g in sets[0]])
+    for p, g in zip(params, sets[0], strict=True):
+        p.grad = g
+    kw = dict(backend="triton")
+    if scenario == "nocheck":
+        kw["check_finite"] = False
+    opt = fo.FlashAdamW(params, lr=1e-4, **kw)
+    if scenario == "lazy":
+        opt._lazy_skip = True
+    opt.step()  # states, tables, plan
+
+    def before(i):  # not timed: the gradient assignment is the training loop's work
+        if len(sets) > 1:
+            for p, g in zip(params, sets[i % 2], strict=True):
+                p.grad = g
+
+    return opt, before
+
+
+def time_steps(opt, before, n: int) -> tuple[float, float, float]:
+    ts = []
+    for i in range(n):
+        before(i)
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2], ts[len(ts) // 5], ts[4 * len(ts) // 5]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layout", default="small")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--scenarios", default="default,nocheck,lazy,newgrads")
+    ap.add_argument("--profile", default=None, help="scenario to profile with cProfile")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    patch_launches()
+    out = {}
+    for sc in a.scenarios.split(","):
+        opt, before = build(a.layout, sc)
+        time_steps(opt, before, 3)
+        med, p20, p80 = time_steps(opt, before, a.steps)
+        out[sc] = dict(ms=med, p20=p20, p80=p80)
+        print(f"{a.layout} {sc}: {med:.3f} ms/step host ({p20:.3f}-{p80:.3f}), kernel {opt.kernel}")
+        if sc == a.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(a.steps):
+                before(i)
+                opt.step()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+        del opt, before
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
