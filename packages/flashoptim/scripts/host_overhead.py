@@ -35,8 +35,11 @@ from flashoptim.bench import layout_shapes  # noqa: E402
 _KERNELS = [n for n in dir(_core) if n.startswith(("_step_kernel", "_nonfinite_kernel"))]
 
 
+_LAUNCHES: list = []  # perf_counter() of every no-op launch
+
+
 def _noop(*args, **kwargs):
-    return None
+    _LAUNCHES.append(time.perf_counter())
 
 
 class _NoLaunch:
@@ -77,15 +80,28 @@ def build(layout: str, scenario: str):
     return opt, before
 
 
-def time_steps(opt, before, n: int) -> tuple[float, float, float]:
-    ts = []
+def time_steps(opt, before, n: int) -> dict:
+    """Median ms per step (p20, p80) and the median ms from the call to the first and to
+    the last launch (what the device waits for before its work starts / ends)."""
+    ts, first, last = [], [], []
     for i in range(n):
         before(i)
+        _LAUNCHES.clear()
         t0 = time.perf_counter()
         opt.step()
         ts.append((time.perf_counter() - t0) * 1e3)
+        if _LAUNCHES:
+            first.append((_LAUNCHES[0] - t0) * 1e3)
+            last.append((_LAUNCHES[-1] - t0) * 1e3)
     ts.sort()
-    return ts[len(ts) // 2], ts[len(ts) // 5], ts[4 * len(ts) // 5]
+    med = lambda x: sorted(x)[len(x) // 2] if x else None  # noqa: E731
+    return dict(
+        ms=ts[len(ts) // 2],
+        p20=ts[len(ts) // 5],
+        p80=ts[4 * len(ts) // 5],
+        to_first_launch=med(first),
+        to_last_launch=med(last),
+    )
 
 
 def main(argv=None) -> int:
@@ -101,9 +117,12 @@ def main(argv=None) -> int:
     for sc in a.scenarios.split(","):
         opt, before = build(a.layout, sc)
         time_steps(opt, before, 3)
-        med, p20, p80 = time_steps(opt, before, a.steps)
-        out[sc] = dict(ms=med, p20=p20, p80=p80)
-        print(f"{a.layout} {sc}: {med:.3f} ms/step host ({p20:.3f}-{p80:.3f}), kernel {opt.kernel}")
+        r = out[sc] = time_steps(opt, before, a.steps)
+        print(
+            f"{a.layout} {sc}: {r['ms']:.3f} ms/step host ({r['p20']:.3f}-{r['p80']:.3f}),"
+            f" first launch at {r['to_first_launch']:.3f}, last at {r['to_last_launch']:.3f}"
+            f" ms, kernel {opt.kernel}"
+        )
         if sc == a.profile:
             pr = cProfile.Profile()
             pr.enable()

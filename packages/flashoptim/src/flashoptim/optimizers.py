@@ -8,6 +8,7 @@ hyperparameters); on CPU the same arithmetic runs in plain torch.
 
 from __future__ import annotations
 
+import array
 import math
 import operator
 import os
@@ -788,7 +789,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                 return False
             base = bgs[0]
             es = base.element_size()
-            ptr = torch.tensor(bptrs, dtype=torch.int64)
+            ptr = torch.frombuffer(array.array("q", bptrs), dtype=torch.int64)
             d = ptr - bptrs[0]
             if bool((d % es).any()):
                 return False
