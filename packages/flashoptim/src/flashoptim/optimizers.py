@@ -281,16 +281,22 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _grads(self, group):
         return [p for p in group["params"] if p.grad is not None]
 
-    def _grads_of(self, group) -> tuple[list, list]:
-        """(parameters with a gradient, their gradients) of a group: one read of every
-        ``.grad`` per step (C-level ``map``; the attribute read is the host's largest
-        per-parameter cost with thousands of tensors)."""
+    def _grads_of(self, group) -> tuple[list, list, tuple | None]:
+        """(parameters with a gradient, their gradients, the gradients' ``data_ptr()`` or
+        None) of a group: one read of every ``.grad`` and one ``data_ptr()`` per step
+        (C-level ``map``: with thousands of tensors these reads are the host's step time).
+        The addresses double as the check that every parameter has a gradient (a None
+        raises TypeError); None when some has none or a gradient has no plain storage."""
         params = group["params"]
         grads = list(map(_GRAD, params))
+        try:
+            return params, grads, tuple(map(_DATA_PTR, grads))
+        except (TypeError, RuntimeError):
+            pass
         if any(map(operator.is_, grads, repeat(None))):
             ps = [p for p, g in zip(params, grads) if g is not None]
-            return ps, [g for g in grads if g is not None]
-        return params, grads
+            return ps, [g for g in grads if g is not None], None
+        return params, grads, None
 
     def _found_nonfinite_torch(self, params) -> bool:
         bad = False
@@ -399,9 +405,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         # when a plan must be rebuilt (that reads the step counts)
         preps = []
         for g in self.param_groups:
-            ps, gs = self._grads_of(g)
+            ps, gs, ptrs = self._grads_of(g)
             if ps:
-                preps.append(self._prepare(g, ps, grads=gs))
+                preps.append(self._prepare(g, ps, grads=gs, gptrs=ptrs))
         if self.capturable:
             self._step_on_device(preps)
             return loss
@@ -488,8 +494,9 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _resolve_pending(self) -> None:
         """Lazy skip (v4): read the previous step's flag (its copy was enqueued after that
         step's kernels; by the next step it has long landed) and, if that step was skipped,
-        take back its step counts and count it. Called before every step, by
-        ``skipped_steps``, ``state_dict`` and ``load_state_dict``."""
+        take back its step counts and count it. Called by every step before its step
+        kernels' launch (after its pre-pass launch on cached plans, before a plan rebuild
+        otherwise), by ``skipped_steps``, ``state_dict`` and ``load_state_dict``."""
         pend = self.__dict__.get("_pending")
         if pend is None:
             return
@@ -533,18 +540,23 @@ class FlashOptimizer(torch.optim.Optimizer):
                 return
         raise ValueError("parameter is not managed by this optimizer")
 
-    def _prepare(self, group, ps, cache: bool = True, grads: list | None = None) -> dict:
+    def _prepare(
+        self, group, ps, cache: bool = True, grads: list | None = None, gptrs=None
+    ) -> dict:
         """Buckets and offset tables for this step; no state changes (a skipped step must
-        leave everything as it was). ``grads``: ``[p.grad for p in ps]`` when the caller
-        has read them already. A cached plan is reused when the parameters are the same
-        objects and every gradient is at the same address (the host's per-step cost with
-        thousands of tensors: one ``.grad`` read and one ``data_ptr`` per parameter)."""
+        leave everything as it was). ``grads`` / ``gptrs``: ``[p.grad for p in ps]`` and
+        their ``data_ptr()`` when the caller has read them already. A cached plan is reused
+        when the parameters are the same objects and every gradient is at the same address
+        (the host's per-step cost with thousands of tensors: one ``.grad`` read and one
+        ``data_ptr`` per parameter)."""
         plan = self._plans.get(id(group)) if cache else None
         if plan is not None and plan["n"] == len(ps) and all(map(operator.is_, plan["ps"], ps)):
             gs = list(map(_GRAD, ps)) if grads is None else grads
             if plan["dt"]:
                 gs = list(map(_local, gs))
-            gptrs = tuple(map(_DATA_PTR, gs))
+                gptrs = None
+            if gptrs is None:
+                gptrs = tuple(map(_DATA_PTR, gs))
             if gptrs == plan["gptrs"]:
                 return dict(group=group, plan=plan, buckets=plan["buckets"], cache=cache)
             if not self.capturable and self._rebase_grads(plan, gs, gptrs):
