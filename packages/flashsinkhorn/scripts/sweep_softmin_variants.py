@@ -6,11 +6,11 @@
 Times ONE softmin pass (the Sinkhorn half-iteration, no V) at n = m = 50k for d = 64 and
 d = 512, tf32 and bf16 operands, in one process: the default kernel autotuned (what the
 solvers run), the default kernel at fixed configs, and each variant (kernels.py: "pipe",
-"pipe_nofence", "stages", "ws") at a few (BLOCK_M, BLOCK_N, warps, stages) configs (and, at
+"pipe_nofence", "stages") at a few (BLOCK_M, BLOCK_N, warps, stages) configs (and, at
 d = 512, the default kernel at larger tiles). CUDA events, median of REPS calls after
 WARMUP. For every row, the max abs difference of its output potential against the
 autotuned default's (same operands, same precision; the potentials are O(0.1) in cost units
-at eps = 0.01). Rows are in priority order (d = 64 tf32 first, the "ws" rows last); the JSON
+at eps = 0.01). Rows are in priority order (d = 64 tf32 first); the JSON
 is rewritten after every row, and no row starts after BUDGET_S seconds (default 150,
 compiles included). A config that fails to compile or launch is a row with its error.
 """
@@ -53,7 +53,6 @@ def _plan(d):
         rows += [("stages", "stages", (128, 128, 8, 3))]
     else:
         rows += [("default", "default", c) for c in BIG_D512]
-    rows += [("ws", "ws", ref)]
     return rows
 
 
@@ -177,8 +176,7 @@ def main(out_path, budget_s=150.0):
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     groups = ((64, "tf32"), (64, "bf16"), (512, "tf32"), (512, "bf16"))
     # "ws" rows last: a Triton pass that aborts the process would cost nothing else
-    todo = [(d, p, *r) for d, p in groups for r in _plan(d) if r[1] != "ws"]
-    todo += [(d, p, *r) for d, p in groups for r in _plan(d) if r[1] == "ws"]
+    todo = [(d, p, *r) for d, p in groups for r in _plan(d)]
     refs, key, o = {}, None, None
     for d, precision, label, variant, cfg in todo:
         if time.time() - t0 > budget_s:

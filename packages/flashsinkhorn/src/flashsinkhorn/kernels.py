@@ -389,17 +389,17 @@ if HAS_TRITON:
 #   waits on one by one, so it gains nothing there.
 # - "pipe_nofence": the same loop without the fences (control: Triton then waits right
 #   after each dot, so the order changes but nothing overlaps).
-# - "ws": the default loop as `tl.range(..., warp_specialize=True)` (Triton's automatic
-#   warp specialization; its pass runs for sm_100 in the nvidia backend, so on Hopper this
-#   is expected to compile to the default schedule).
+# - "ws" (`tl.range(..., warp_specialize=True)`) was tried and removed: on Hopper with Triton
+#   3.6 it compiled to the default kernel's SASS (H200 run 13: 1.03x at d = 64, within noise)
+#   and failed to compile at 4 warps; the pass targets sm_100.
 # - "stages": the default loop as `tl.range(..., num_stages=LOOP_STAGES)` (pipelines the
 #   bias / label loads too, not only the dot operands).
 #
 # Features: labels, damping, batch and every precision are supported by every variant; the
 # plan-application pass (with V) always uses `_softmin_kernel` (explicit fallback).
 
-SOFTMIN_VARIANTS = ("default", "pipe", "pipe_nofence", "ws", "stages")
-_VARIANT_MODE = {"pipe": 1, "pipe_nofence": 2, "ws": 3, "stages": 4}
+SOFTMIN_VARIANTS = ("default", "pipe", "pipe_nofence", "stages")
+_VARIANT_MODE = {"pipe": 1, "pipe_nofence": 2, "stages": 4}
 # (BLOCK_M, BLOCK_N, warps, stages) forced for the variant kernel (None: autotuned on the
 # GPU, the fixed config under the interpreter); scripts/sweep_softmin_variants.py sets it
 VARIANT_CONFIG = None
@@ -522,18 +522,6 @@ if HAS_TRITON:
                 m_i, l_i, s_nxt, BIASb, LYb, W, lx, cols, row_mask, cols < M, K2,
                 dot_scale, inv_eps2, w_scale, HAS_LABELS,
             )  # fmt: skip
-        elif MODE == 3:
-            for start in tl.range(0, M, BLOCK_N, warp_specialize=True):
-                cols = start + offs_n
-                col_mask = cols < M
-                s = _row_stationary_dot(
-                    x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
-                    NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-                m_i, l_i = _lse_tile(
-                    m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
-                    dot_scale, inv_eps2, w_scale, HAS_LABELS,
-                )  # fmt: skip
         else:
             for start in tl.range(0, M, BLOCK_N, num_stages=LOOP_STAGES):
                 cols = start + offs_n
