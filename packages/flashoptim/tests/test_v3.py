@@ -39,11 +39,11 @@ def _grad(kind, n, dtype, gen):
     return g.to(dtype)
 
 
-def _pair(Opt, kw, sizes, dtype, kinds, steps=3, **okw):
+def _pair(Opt, kw, sizes, dtype, kinds, steps=3, kernels=("v2", "v3"), **okw):
     gen = torch.Generator().manual_seed(0)
     ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype).to(DEV) for n in sizes]
     out = []
-    for kernel in ("v2", "v3"):
+    for kernel in kernels:
         qs = [p.clone().requires_grad_() for p in ps]
         opt = Opt(qs, lr=1e-2, backend="triton", kernel=kernel, check_finite=False, **kw, **okw)
         out.append((opt, qs))

@@ -908,11 +908,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             scalars = (scal,) + (0.0,) * 10 + (0, 0)
         flags = self._flags(ent, group, hp)
         flags["SCALARS_ON_DEVICE"] = scal is not None
-        if ent["use_v2"] and self.kernel == "v4":
-            self._run_kernel_v4(ent, scalars, flags, skip)
-            return
-        if ent["use_v2"] and self.kernel == "v3":
-            self._run_kernel_v3(ent, scalars, flags, skip)
+        if ent["use_v2"] and self.kernel in ("v3", "v4"):
+            self._run_kernel_v3(ent, scalars, flags, skip, v4=self.kernel == "v4")
             return
         if ent["use_v2"]:
             self._run_kernel_v2(ent, scalars, flags)
@@ -979,48 +976,34 @@ class FlashOptimizer(torch.optim.Optimizer):
         )
         self._launch_units(ent, args, meta, _core._step_kernel_v2_tuned, _core._step_kernel_v2)
 
-    def _run_kernel_v3(self, ent, scalars, flags, skip) -> None:
+    def _run_kernel_v3(self, ent, scalars, flags, skip, v4=False) -> None:
         """v3: v2's launch (unit table, persistent grid, autotuning) with the cheaper tile,
-        inline PTX on the GPU, and the device skip flag when given."""
+        inline PTX on the GPU, and the device skip flag when given. ``v4``: the same over the
+        chunk table, with L2 prefetch (GPU) and the epoch-marked skip flag (one more
+        argument: the step's epoch)."""
         args = (ent["work"], ent["work"].shape[0], ent["tab"], *ent["bases"], *scalars)
         args += (ent["skip"] if skip is None else skip,)
+        if v4:
+            args += (self._epoch if skip is not None else 0,)
         meta = dict(
             **flags,
             ALIGNED=ent["aligned"],
             N16=ent["n16"],
             CHECK_SKIP=skip is not None,
             ASM=_use_asm(ent["tab"].device),
-            UNIT=_core.V2_UNIT,
+            UNIT=_core.V4_UNIT if v4 else _core.V2_UNIT,
             GROUP_SIZE=GROUP,
         )
-        self._launch_units(ent, args, meta, _core._step_kernel_v3_tuned, _core._step_kernel_v3)
-
-    def _run_kernel_v4(self, ent, scalars, flags, skip) -> None:
-        """v4: v3's launch over the chunk table, L2 prefetch (GPU), epoch-marked skip flag."""
-        args = (ent["work"], ent["work"].shape[0], ent["tab"], *ent["bases"], *scalars)
-        args += (ent["skip"] if skip is None else skip, self._epoch if skip is not None else 0)
-        meta = dict(
-            **flags,
-            ALIGNED=ent["aligned"],
-            N16=ent["n16"],
-            CHECK_SKIP=skip is not None,
-            ASM=_use_asm(ent["tab"].device),
-            UNIT=_core.V4_UNIT,
-            GROUP_SIZE=GROUP,
-        )
-        self._launch_units(
-            ent,
-            args,
-            meta,
-            _core._step_kernel_v4_tuned,
-            _core._step_kernel_v4,
-            _core.V4_DEFAULT,
-            _core.V4_DEFAULT_WARPS,
-        )
+        if v4:
+            kernels = (_core._step_kernel_v4_tuned, _core._step_kernel_v4)
+            self._launch_units(ent, args, meta, *kernels, _core.V4_DEFAULT, _core.V4_DEFAULT_WARPS)
+        else:
+            kernels = (_core._step_kernel_v3_tuned, _core._step_kernel_v3)
+            self._launch_units(ent, args, meta, *kernels)
 
     @staticmethod
     def _launch_units(ent, args, meta, tuned, plain, default=None, warps=None) -> None:
-        """The unit-table kernels' launch (v2 and v3): persistent grid of WAVES programs per
+        """The unit-table kernels' launch (v2, v3 and v4): persistent grid of WAVES programs per
         SM (0: one per unit); autotuned on CUDA, with every written tensor of the bucket
         restored after the tuning runs; else the single default config."""
         nunits = ent["work"].shape[0]
