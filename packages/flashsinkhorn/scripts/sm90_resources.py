@@ -50,20 +50,25 @@ def _types(ptr="", i32="", fp32="", i32ptr=""):
     return out
 
 
+def cubin_resources(cubin: bytes) -> str:
+    """ "REG:n STACK:n" of a compiled kernel, from the cuobjdump shipped with Triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", fh.name], capture_output=True, text=True
+        ).stdout
+    return " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
+
+
 def _report(name, fn, types, constexprs, warps, stages):
     names = list(fn.arg_names)
     sig = {k: ("constexpr" if k in constexprs else types[k]) for k in names}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(k.asm["cubin"])
-        fh.flush()
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", fh.name], capture_output=True, text=True
-        ).stdout
-    res = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
+    res = cubin_resources(k.asm["cubin"])
     counts = ", ".join(f"{p} {len(re.findall(r, ptx))}" for p, r in PATTERNS.items())
     print(f"| {name} | {warps} warps, {stages} stages | {res} | {counts} |")
 

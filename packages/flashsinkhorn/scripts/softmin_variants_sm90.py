@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -27,6 +28,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashsinkhorn import kernels as K
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_resources import cubin_resources  # noqa: E402  (the sibling script's helper)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -56,15 +60,7 @@ def _compile(fn, constexprs, warps, stages, bf16):
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(k.asm["cubin"])
-        fh.flush()
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", fh.name], capture_output=True, text=True
-        ).stdout
-    res = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
-    return res, sass_order(k.asm["cubin"])
+    return cubin_resources(k.asm["cubin"]), sass_order(k.asm["cubin"])
 
 
 SASS_TOKENS = (
