@@ -1059,6 +1059,25 @@ MHC_HD void sk_scaling_step_bwd(const S (&p0)[N][N], const S (&other)[N], const 
   }
 }
 
+// The forward replay both VJPs below start with: sm = rowsoftmax(a), p0 = sm + eps, one = 1,
+// and vec[k] = the vector step k of the scaling form updated (c for even k, r for odd k),
+// steps = 2 iters - 1 calls of sk_scaling_step (the forward's, bitwise). steps is a
+// compile-time constant after inlining when the caller's ITERS > 0 (the loop unrolls and
+// vec stays in registers on the GPU).
+template <int N, typename S>
+MHC_HD void sk_replay(const S (&a)[N][N], int steps, S eps, S (&sm)[N][N], S (&p0)[N][N],
+                      S (&one)[N], S (*vec)[N]) {
+  sk_p0<N, S>(a, eps, sm, p0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) one[i] = S(1);
+  MHC_UNROLL
+  for (int k = 0; k < steps; ++k) {
+    const S(&other)[N] = k >= 1 ? vec[k - 1] : one;
+    const S(&in)[N] = k >= 2 ? vec[k - 2] : one;
+    sk_scaling_step<N, S>(p0, other, in, vec[k], (k & 1) == 0, eps);
+  }
+}
+
 // Exact VJP of sinkhorn_step's iteration (iters iterations, 2 iters - 1 steps) at logits a:
 // g holds the output gradient on entry and dA on return. vec: workspace of 2 iters - 1
 // vectors of N. ITERS > 0: compile-time iteration count (iters is ignored; the loops unroll
@@ -1068,16 +1087,7 @@ MHC_HD void sinkhorn_vjp_scaling(const S (&a)[N][N], S (&g)[N][N], int iters, S 
                                  S (*vec)[N]) {
   const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
   S sm[N][N], p0[N][N], one[N];
-  sk_p0<N, S>(a, eps, sm, p0);
-  MHC_UNROLL
-  for (int i = 0; i < N; ++i) one[i] = S(1);
-  // forward replay: vec[k] = the vector step k updated (c for even k, r for odd k)
-  MHC_UNROLL
-  for (int k = 0; k < steps; ++k) {
-    const S(&other)[N] = k >= 1 ? vec[k - 1] : one;
-    const S(&in)[N] = k >= 2 ? vec[k - 2] : one;
-    sk_scaling_step<N, S>(p0, other, in, vec[k], (k & 1) == 0, eps);
-  }
+  sk_replay<N, S>(a, steps, eps, sm, p0, one, vec);
   // reverse sweep on the adjoint of the state (g: adjoint of the output state on entry)
   MHC_UNROLL
   for (int k = steps - 1; k >= 0; --k) {
@@ -1107,15 +1117,7 @@ MHC_HD void sinkhorn_vjp_rescaled(const S (&a)[N][N], S (&g)[N][N], int iters, S
                                   S (*vec)[N]) {
   const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
   S sm[N][N], p0[N][N], one[N];
-  sk_p0<N, S>(a, eps, sm, p0);
-  MHC_UNROLL
-  for (int i = 0; i < N; ++i) one[i] = S(1);
-  MHC_UNROLL
-  for (int k = 0; k < steps; ++k) {
-    const S(&other)[N] = k >= 1 ? vec[k - 1] : one;
-    const S(&in)[N] = k >= 2 ? vec[k - 2] : one;
-    sk_scaling_step<N, S>(p0, other, in, vec[k], (k & 1) == 0, eps);
-  }
+  sk_replay<N, S>(a, steps, eps, sm, p0, one, vec);
   // e = G (.) r c^T: the last step is a column step (even), so c = vec[steps - 1] and
   // r = vec[steps - 2] (1 for iters = 1)
   {
