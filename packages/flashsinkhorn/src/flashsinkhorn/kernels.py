@@ -394,12 +394,31 @@ if HAS_TRITON:
 #   and failed to compile at 4 warps; the pass targets sm_100.
 # - "stages": the default loop as `tl.range(..., num_stages=LOOP_STAGES)` (pipelines the
 #   bias / label loads too, not only the dot operands).
+# - "shift": no running max. The caller passes `guess`, an estimate of the potential the
+#   pass returns (in the Sinkhorn loops: the potential being updated); the kernel turns it
+#   into a fixed per-row shift sh_i = lse2 estimate - SHIFT_CENTER (log2 units) and sums
+#   exp2(score - sh_i): per score one FFMA, one FADD, one exp2, one FADD, and per tile no
+#   row max (FMNMX + shuffles), no rescale exp2 and no dependence of the exps on a
+#   reduction. Exact whatever the guess: a row whose sum is not in [2^-60, FLT_MAX]
+#   (overflow, everything flushed, NaN from a non-finite guess) is recomputed, in the same
+#   kernel, by a second tile loop with the online max that runs only for row blocks that
+#   have such a row (no host sync). Without a guess (first pass) the launcher runs the
+#   default kernel (explicit fallback).
 #
 # Features: labels, damping, batch and every precision are supported by every variant; the
 # plan-application pass (with V) always uses `_softmin_kernel` (explicit fallback).
 
-SOFTMIN_VARIANTS = ("default", "pipe", "pipe_nofence", "stages")
-_VARIANT_MODE = {"pipe": 1, "pipe_nofence": 2, "stages": 4}
+SOFTMIN_VARIANTS = ("default", "pipe", "pipe_nofence", "stages", "shift")
+_VARIANT_MODE = {"pipe": 1, "pipe_nofence": 2, "stages": 4, "shift": 8}
+# "shift": the fixed shift aims the row sum at 2^SHIFT_CENTER, so the guess may be off by
+# -92 .. +95 log2 units (about -64 .. +66 in units of eps) before a row needs the fallback
+SHIFT_CENTER = 32.0
+# diagnostics: set to a (1,) int32 tensor on the kernels' device and every "shift" launch
+# adds the number of rows it recomputed with the running max (None: not counted)
+SHIFT_FALLBACK_ROWS = None
+# a row is safe when its shifted sum is in [2^-60, float32 max]: above is inf (an
+# overflowed term) or NaN; below, the flushed terms (< 2^-126 each, at most M of them) may
+# matter (relative error <= M 2^-66: below float32 rounding for M up to 2^40)
 # (BLOCK_M, BLOCK_N, warps, stages) forced for the variant kernel (None: autotuned on the
 # GPU, the fixed config under the interpreter); scripts/sweep_softmin_variants.py sets it
 VARIANT_CONFIG = None
@@ -419,6 +438,9 @@ def softmin_variant() -> str:
 
 
 if HAS_TRITON:
+    _SHIFT_C = tl.constexpr(SHIFT_CENTER)
+    _SHIFT_LO = tl.constexpr(2.0**-60)
+    _SHIFT_HI = tl.constexpr(3.4028234663852886e38)
 
     @triton.jit
     def _tile_scores(
@@ -449,12 +471,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _softmin_variant_kernel(
-        X, Y, BIAS, CX, OUT, LSE, LX, LY, W,
+        X, Y, BIAS, CX, OUT, LSE, LX, LY, W, GUESS, FALLBACK,
         N, M, D, K2, N_KEY, M_KEY,
         dot_scale, inv_eps2, eps_ln2, damping, w_scale,
         BLOCK_D: tl.constexpr, NUM_D: tl.constexpr, EVEN_D: tl.constexpr,
         HAS_LABELS: tl.constexpr, HAS_LSE: tl.constexpr, PREC: tl.constexpr,
-        MODE: tl.constexpr, LOOP_STAGES: tl.constexpr,
+        MODE: tl.constexpr, COUNT_FALLBACK: tl.constexpr, LOOP_STAGES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         pid_m = tl.program_id(0)
@@ -480,7 +502,47 @@ if HAS_TRITON:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
-        if MODE == 1 or MODE == 2:
+        if MODE == 8:
+            # fixed shift (log2 units): the guess of out = damping (cx - eps ln2 lse2)
+            # solved for lse2, minus SHIFT_CENTER; sum exp2(score - sh) with no running max
+            cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+            guess = tl.load(GUESS + pid_b64 * N + rows, mask=row_mask, other=0.0)
+            sh = (cx - guess / damping) / eps_ln2 - _SHIFT_C
+            l_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for start in range(0, M, BLOCK_N):
+                cols = start + offs_n
+                col_mask = cols < M
+                s = _row_stationary_dot(
+                    x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                    NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                s = _tile_scores(
+                    s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+                    dot_scale, inv_eps2, w_scale, HAS_LABELS,
+                )  # fmt: skip
+                l_s += tl.sum(tl.exp2(s - sh[:, None]), 1)
+            # unsafe rows (NaN fails both tests): recomputed below with the running max
+            safe = (l_s >= _SHIFT_LO) & (l_s <= _SHIFT_HI)
+            bad = (safe == 0) & row_mask
+            n_bad = tl.sum(bad.to(tl.int32), 0)
+            if n_bad > 0:
+                if COUNT_FALLBACK:  # diagnostics (tests, sweep): rows recomputed
+                    tl.atomic_add(FALLBACK, n_bad)
+                # not software-pipelined (num_stages=1): a second pipelined loop in the
+                # kernel took the registers from 70 to 120 (static sm_90 compile, tf32,
+                # 128 x 64, 8 warps); this loop runs only for blocks with a bad guess
+                for start in tl.range(0, M, BLOCK_N, num_stages=1):
+                    cols = start + offs_n
+                    col_mask = cols < M
+                    s = _row_stationary_dot(
+                        x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                        NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+                    )  # fmt: skip
+                    m_i, l_i = _lse_tile(
+                        m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+                        dot_scale, inv_eps2, w_scale, HAS_LABELS,
+                    )  # fmt: skip
+        elif MODE == 1 or MODE == 2:
             # software-pipelined: dot(tile j + 1) is issued before the exps of tile j
             last = (tl.cdiv(M, BLOCK_N) - 1) * BLOCK_N  # start of the last (maybe partial) tile
             s_nxt = _row_stationary_dot(
@@ -536,7 +598,10 @@ if HAS_TRITON:
                 )  # fmt: skip
 
         lse2 = m_i + tl.log2(l_i)
-        cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if MODE == 8:
+            lse2 = tl.where(bad, lse2, sh + tl.log2(l_s))
+        else:
+            cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
         out = damping * (cx - eps_ln2 * lse2)
         tl.store(OUT + pid_b64 * N + rows, out, mask=row_mask)
         if HAS_LSE:
@@ -596,7 +661,7 @@ def _bucket(n: int) -> int:
 
 
 def _softmin_triton(
-    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center
+    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center, guess=None
 ):
     B, N, D = x.shape
     M = y.shape[1]
@@ -642,10 +707,14 @@ def _softmin_triton(
         K2, w_scale = 1, 0.0
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
     variant = softmin_variant()
+    if variant == "shift" and guess is None:
+        variant = "default"  # no estimate of the result (first pass): the default kernel
     if variant != "default" and DV == 0:  # with V: always _softmin_kernel (fallback)
+        guess = out if guess is None else guess.to(f32).contiguous()
         _launch_variant(
             variant, grid, dev, x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2,
             eps, c2, damping, w_scale, BLOCK_D, NUM_D, labels is not None, want_lse, prec,
+            guess,
         )  # fmt: skip
         return out, (lse if want_lse else None), None
     extra = {}
@@ -695,10 +764,11 @@ def _softmin_triton(
 
 def _launch_variant(
     variant, grid, dev, x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2,
-    eps, c2, damping, w_scale, BLOCK_D, NUM_D, has_labels, want_lse, prec,
+    eps, c2, damping, w_scale, BLOCK_D, NUM_D, has_labels, want_lse, prec, guess,
 ):  # fmt: skip
     """Launch `_softmin_variant_kernel` (autotuned, or at VARIANT_CONFIG when set); returns
-    what Triton's launch returns (the compiled kernel: the sweep script reads its PTX)."""
+    what Triton's launch returns (the compiled kernel: the sweep script reads its PTX).
+    ``guess``: the (B, N) fp32 estimate of ``out`` ("shift"; any tensor otherwise)."""
     extra = {}
     kern = _softmin_variant_tuned
     if VARIANT_CONFIG is not None:
@@ -707,11 +777,14 @@ def _launch_variant(
         extra = dict(BLOCK_M=bm, BLOCK_N=bn, LOOP_STAGES=st, num_warps=w, num_stages=st)
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
         return kern[grid](
-            x, y, bias, cx, out, lse, lx, ly, W, N, M, D, K2, _bucket(N), _bucket(M),
+            x, y, bias, cx, out, lse, lx, ly, W, guess,
+            out if SHIFT_FALLBACK_ROWS is None else SHIFT_FALLBACK_ROWS,
+            N, M, D, K2, _bucket(N), _bucket(M),
             float(c2 * LOG2E / eps), float(LOG2E / eps), float(eps * LN2), float(damping),
             float(w_scale),
             BLOCK_D=BLOCK_D, NUM_D=NUM_D, EVEN_D=BLOCK_D * NUM_D == D, HAS_LABELS=has_labels,
-            HAS_LSE=want_lse, PREC=prec, MODE=_VARIANT_MODE[variant], **extra,
+            HAS_LSE=want_lse, PREC=prec, MODE=_VARIANT_MODE[variant],
+            COUNT_FALLBACK=SHIFT_FALLBACK_ROWS is not None, **extra,
         )  # fmt: skip
 
 
@@ -788,6 +861,7 @@ def softmin(
     backend: str = "auto",
     want_lse: bool = False,
     center: torch.Tensor | None = None,
+    guess: torch.Tensor | None = None,
 ):
     """Streaming c-transform (fused row-LSE update) for batched clouds.
 
@@ -809,6 +883,11 @@ def softmin(
             call; loops should pass centered operands once and ``center=None``). For the
             squared-Euclidean cost pass ``cx = s|x - c|^2``, ``cy = s|y - c|^2``: same
             cost, smaller operands, better tf32/bf16 accuracy.
+        guess: optional (B, N) estimate of ``out`` (in the Sinkhorn loops: the potential
+            being updated). Read only by the opt-in kernel FLASHSINKHORN_SOFTMIN_VARIANT=shift
+            (triton backend, no ``v``), which uses it as a fixed per-row shift instead of a
+            running max; the result is exact whatever the guess (rows it does not fit are
+            recomputed with the running max in the same kernel). Ignored otherwise.
 
     Returns:
         ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
@@ -818,8 +897,9 @@ def softmin(
     be = resolve_backend(backend, x.device)
     if be == "triton":
         return _softmin_triton(
-            x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center
-        )
+            x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
+            guess,
+        )  # fmt: skip
     return _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse, center)
 
 

@@ -113,8 +113,8 @@ def _sinkhorn_forward(
         g_bb = self_upd(pyy, zb, e, dmp)
     for e in eps_list:
         dmp = _damp(e, rho)
-        ft_ba = pxy.sm_x(g_ab, e, dmp)[0]
-        gt_ab = pxy.sm_y(f_ba, e, dmp)[0]
+        ft_ba = pxy.sm_x(g_ab, e, dmp, guess=f_ba)[0]
+        gt_ab = pxy.sm_y(f_ba, e, dmp, guess=g_ab)[0]
         if debias:
             ft_aa = self_upd(pxx, f_aa, e, dmp)
             gt_bb = self_upd(pyy, g_bb, e, dmp)
@@ -132,8 +132,8 @@ def _sinkhorn_forward(
 
     # gradients assembled in place in the softmax-average buffers as soon as each is ready
     # (memory: at most three N x D buffers alive, also with debias)
-    F_ba, _, Ty = pxy.sm_x(g_ab, e, dmp, v=y if need_grad_x else None)
-    G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None)
+    F_ba, _, Ty = pxy.sm_x(g_ab, e, dmp, v=y if need_grad_x else None, guess=f_ba)
+    G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
     # L1 marginal error of the last loop plan, from what the last step already computed
     out["marginal_error"] = (a * torch.expm1((f_ba - F_ba) / e).abs()).sum(-1) + (

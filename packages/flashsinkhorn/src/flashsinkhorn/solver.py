@@ -222,8 +222,9 @@ class Problem:
         lx, ly, W, s = self.labels
         return (ly, lx, W.t(), s)
 
-    def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False):
-        """f-side update: ``damping * softmin_j`` over the columns (rows = x)."""
+    def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False, guess=None):
+        """f-side update: ``damping * softmin_j`` over the columns (rows = x); ``guess``:
+        the current f (read only by the opt-in "shift" kernel, see kernels.softmin)."""
         return softmin(
             self.Xk,
             self.Yk,
@@ -239,10 +240,11 @@ class Problem:
             precision=self.precision,
             backend=self.backend,
             want_lse=want_lse,
+            guess=guess,
         )
 
-    def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False):
-        """g-side update (rows = y)."""
+    def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
+        """g-side update (rows = y); ``guess``: the current g."""
         return softmin(
             self.Yk,
             self.Xk,
@@ -258,6 +260,7 @@ class Problem:
             precision=self.precision,
             backend=self.backend,
             want_lse=want_lse,
+            guess=guess,
         )
 
 
@@ -479,8 +482,8 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
         g = prob.sm_y(f, e0, _damp(e0, ry))[0]
         f = prob.sm_x(torch.zeros_like(g), e0, _damp(e0, rx))[0]
         for e in eps_list:
-            ft = prob.sm_x(g, e, _damp(e, rx))[0]
-            gt = prob.sm_y(f, e, _damp(e, ry))[0]
+            ft = prob.sm_x(g, e, _damp(e, rx), guess=f)[0]
+            gt = prob.sm_y(f, e, _damp(e, ry), guess=g)[0]
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
     err = torch.full((B,), float("inf"), device=f.device)
     n_iter = 0
@@ -491,16 +494,16 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
         # where it is read: on check iterations and the last one
         measure = it == max_iter or (check and it % check_every == 0)
         if schedule == "alternating":
-            fn = prob.sm_x(g, eps, _damp(eps, rx))[0]
+            fn = prob.sm_x(g, eps, _damp(eps, rx), guess=f)[0]
             if measure:
                 ea = _l1_err(prob.a, f, fn, eps)
-            gn = prob.sm_y(fn, eps, _damp(eps, ry))[0]
+            gn = prob.sm_y(fn, eps, _damp(eps, ry), guess=g)[0]
             if measure:
                 eb = _l1_err(prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
-            ft = prob.sm_x(g, eps, _damp(eps, rx))[0]
-            gt = prob.sm_y(f, eps, _damp(eps, ry))[0]
+            ft = prob.sm_x(g, eps, _damp(eps, rx), guess=f)[0]
+            gt = prob.sm_y(f, eps, _damp(eps, ry), guess=g)[0]
             if measure:
                 ea = _l1_err(prob.a, f, ft, eps)
                 eb = _l1_err(prob.b, g, gt, eps)
