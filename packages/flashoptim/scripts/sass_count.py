@@ -78,6 +78,8 @@ def _sig_v2(p_dt="bf16"):
     return sig
 
 
+LEAN_ARG = [0]  # --lean (v4's LEAN constexpr)
+
 MODES = {  # name: (KIND, HAS_MOM)
     "adamw": (0, True),
     "sgd": (1, True),
@@ -108,6 +110,7 @@ def compile_step(fn, mode="adamw", extra=None, block=1024, warps=4, sr=True, pf=
         SCALARS_ON_DEVICE=False,
         CHECK_SKIP=True,
         ASM=True,
+        LEAN=LEAN_ARG[0],  # v4 only
     )
     consts.update(extra or {})
     argnames = fn.arg_names
@@ -196,6 +199,29 @@ def loop_body(ins):
     return best or ins
 
 
+def inner_loop(ins):
+    """Instructions of the largest backward branch range that holds no other backward branch
+    (v4: the tile loop; ``loop_body`` is the chunk loop around it, prologue included)."""
+    best = None
+    for addr, op, args in ins:
+        if op.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)", args)
+            if not m or int(m.group(1), 16) >= addr:
+                continue
+            tgt = int(m.group(1), 16)
+            body = [x for x in ins if tgt <= x[0] <= addr]
+            inner = [
+                x
+                for x in body[:-1]
+                if x[1].startswith("BRA")
+                and re.search(r"0x([0-9a-f]+)", x[2])
+                and tgt <= int(re.search(r"0x([0-9a-f]+)", x[2]).group(1), 16) < x[0]
+            ]
+            if not inner and (best is None or len(body) > len(best)):
+                best = body
+    return best or ins
+
+
 def summary(ins):
     c = collections.Counter(classify(op) for _, op, _ in ins)
     ops = collections.Counter(op.split(".")[0] for _, op, _ in ins)
@@ -244,12 +270,18 @@ def report(name, k, per_thread_elems, dump=None):
         f"{name}: {len(ins)} SASS total, loop body {n} ({n / e:.1f}/elem), regs {regs}, "
         f"spills {spills}"
     )
+    tl_body = inner_loop(ins)
+    ct, _ = summary(tl_body)
+    if len(tl_body) != n:
+        print(f"   tile loop {len(tl_body)} ({len(tl_body) / e:.1f}/elem)")
     print("   per elem: " + ", ".join(f"{kk} {v / e:.2f}" for kk, v in sorted(c.items())))
     print("   top ops: " + ", ".join(f"{o}:{v}" for o, v in ops.most_common(18)))
     return dict(
         total=len(ins),
         body=n,
         per_elem=n / e,
+        tile_loop_per_elem=len(tl_body) / e,
+        tile_classes={k2: v / e for k2, v in ct.items()},
         classes={k2: v / e for k2, v in c.items()},
         regs=regs,
         spills=spills,
@@ -350,7 +382,9 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--pf", type=int, default=2, help="v4: L2 prefetch distance in tiles")
+    ap.add_argument("--lean", type=int, default=0, help="v4: LEAN tile math (0 v3's, 1, 2)")
     a = ap.parse_args(argv)
+    LEAN_ARG[0] = a.lean
     ks = ["v2", "v3"] if a.kernel == "all" else a.kernel.split(",")
     if a.matrix:
         for kv in ks if a.kernel != "all" else ["v3"]:

@@ -1137,6 +1137,28 @@ def _q_bf16(pf, ECC: tl.constexpr):
 
 
 @triton.jit
+def _draw_lean(off, ib, key, LEAN: tl.constexpr):
+    """v3's rounding draw ``(_mix32((off + ib) ^ key) >> 8) * 2**-24``, bit for bit, in fewer
+    integer ops. With x = a ^ key, a = off + ib: x ^ (x >> 16) = hi ^ (hi >> 16) ^ (a & 7)
+    for hi = (a & ~7) ^ key (the low 3 bits of a do not reach bit 16). LEAN 2 (the launcher
+    has checked ib % 8 == 0 for every tensor of the bucket): a thread's 8 consecutive
+    elements share hi, so the first round is one XOR per element. Last round: (h >> 8) as
+    a float is (h & ~0xFF) * 2**-8 exactly (at most 24 significant bits): one LOP3 fewer."""
+    if LEAN == 2:
+        a = off.to(tl.uint32) + (ib & 0xFFFFFFF8)
+        hi = (a & 0xFFFFFFF8) ^ key
+        x = (hi ^ (hi >> 16)) ^ (a & 7)
+    else:
+        x = (off.to(tl.uint32) + ib) ^ key
+        x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    h = (x ^ (x >> 16)) & 0xFFFFFF00
+    return h.to(tl.float32) * 2.3283064365386963e-10  # 2**-32
+
+
+@triton.jit
 def _tile_loads_v3(
     pp,
     gp,
@@ -1225,6 +1247,7 @@ def _tile_update_v3(
     HAS_MOM: tl.constexpr,
     SCALE_F32: tl.constexpr,
     ASM: tl.constexpr,
+    LEAN: tl.constexpr = 0,
 ):
     """The rest of ``_step_tile_v3`` after its loads (``_tile_loads_v3``): decode, update,
     requantize and store, split the master weight and store."""
@@ -1337,8 +1360,11 @@ def _tile_update_v3(
                 iq = _pow2(-_correction_exp(pn, P_DTYPE, ECC))
             r = (th - pnf) * iq
             if SR:
-                h = _mix32((off.to(tl.uint32) + ib) ^ key)
-                u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+                if LEAN > 0:
+                    u = _draw_lean(off, ib, key, LEAN)
+                else:
+                    h = _mix32((off.to(tl.uint32) + ib) ^ key)
+                    u = (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
                 t = r + u
             else:
                 t = r + 0.5
@@ -1386,6 +1412,7 @@ def _step_tile_v3(
     HAS_MOM: tl.constexpr,
     SCALE_F32: tl.constexpr,
     ASM: tl.constexpr,
+    LEAN: tl.constexpr = 0,
 ):
     """``_step_tile`` with v3's cheaper element math (same codes under the interpreter):
     ``_tile_loads_v3`` then ``_tile_update_v3``."""
@@ -1435,6 +1462,7 @@ def _step_tile_v3(
         HAS_MOM,
         SCALE_F32,
         ASM,
+        LEAN,
     )
 
 
@@ -1843,6 +1871,7 @@ def _step_kernel_v4(
     PF: tl.constexpr,  # L2 prefetch of PF tiles every PF tiles (0: none; ASM and ALIGNED only)
     GROUP_SIZE: tl.constexpr,
     SCALARS_ON_DEVICE: tl.constexpr,
+    LEAN: tl.constexpr = 0,  # 0: v3's tile math; 1, 2: the leaner one (_tile_update_v3)
 ):
     if CHECK_SKIP:
         if tl.load(skip_flag) == epoch:
@@ -1953,6 +1982,7 @@ def _step_kernel_v4(
                 HAS_MOM,
                 SCALE_F32,
                 ASM,
+                LEAN,
             )
 
 
@@ -2025,7 +2055,7 @@ def _v4_configs():
 
 _step_kernel_v4_tuned = triton.autotune(
     configs=_v4_configs(),
-    key=_TUNE_KEY,
+    key=_TUNE_KEY + ["LEAN"],
     pre_hook=_tune_pre_hook,
     post_hook=_tune_post_hook,
     do_bench=_quick_bench,

@@ -35,6 +35,9 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 # read at the next step / skipped_steps / state_dict) instead of a host sync in every step.
 # Opt-in (FLASHOPTIM_LAZY_SKIP=1 or ``opt._lazy_skip = True``) until the GPU has measured it.
 _LAZY_SKIP = os.environ.get("FLASHOPTIM_LAZY_SKIP", "0") == "1"
+# v4: the leaner tile math (fewer instructions per element, same bits; _core._tile_update_v3
+# LEAN). Opt-in (FLASHOPTIM_LEAN=1 or ``opt._lean = True``) until the GPU has measured it.
+_LEAN = os.environ.get("FLASHOPTIM_LEAN", "0") == "1"
 
 
 def _v2_autotune(dev: torch.device) -> bool:
@@ -212,6 +215,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._eflag: dict = {}  # v4 eager: device -> int32 [1] epoch of the last bad step
         self._epoch = 0  # v4 eager: the current checked step's mark (never reset by a skip)
         self._lazy_skip = _LAZY_SKIP
+        self._lean = _LEAN
         self._pending = None  # lazy skip: (event, host flag values, mark, plans) of a step
         self._plans: dict = {}
         self._release_enabled = False
@@ -894,6 +898,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             skip=torch.zeros(1, dtype=torch.int32, device=p0.device),
             dtype=p0.dtype,
             n16=all(r[7] % 16 == 0 for r in rows),
+            ib8=all(r[9] % 8 == 0 for r in rows),  # rounding-stream bases (LEAN 2)
         )
 
     def _run_kernel(self, ent, group, hp, step, scal=None, skip=None) -> None:
@@ -995,6 +1000,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             GROUP_SIZE=GROUP,
         )
         if v4:
+            meta["LEAN"] = (2 if ent["ib8"] else 1) if self._lean else 0
             kernels = (_core._step_kernel_v4_tuned, _core._step_kernel_v4)
             self._launch_units(ent, args, meta, *kernels, _core.V4_DEFAULT, _core.V4_DEFAULT_WARPS)
         else:
