@@ -356,8 +356,10 @@ def compile_matrix(fn):
             SCALARS_ON_DEVICE=False,
             CHECK_SKIP=True,
             ASM=True,
+            LEAN=LEAN_ARG[0],
         )
         consts.update(extra)
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
         if consts["SCALARS_ON_DEVICE"]:
             sig["lr"] = "*i32"
         for k in consts:

@@ -1137,6 +1137,29 @@ def _q_bf16(pf, ECC: tl.constexpr):
 
 
 @triton.jit
+def _store_scales(ptr, s, mask, SCALE_F32: tl.constexpr):
+    """Store the group scales ``s`` ([groups], the layout ``tl.max`` left them in) where
+    ``mask``: one predicated ``st.global`` per thread from registers (the threads of a group
+    hold the same value and write the same address), instead of ``tl.store``'s conversion to
+    a blocked layout through shared memory (STS, 2 BAR.SYNC, LDS per scale and tile). bf16
+    scales are ceil-rounded, so their fp32 bits' high half is the bf16 value."""
+    b = s.to(tl.uint32, bitcast=True)
+    if SCALE_F32:
+        st: tl.constexpr = "st.global.b32"
+    else:
+        st: tl.constexpr = "st.global.b16"
+        b = b >> 16
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p " + st + " [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r",
+        [ptr.to(tl.int64), b, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _draw_lean(off, ib, key, LEAN: tl.constexpr):
     """v3's rounding draw ``(_mix32((off + ib) ^ key) >> 8) * 2**-24``, bit for bit, in fewer
     integer ops. With x = a ^ key, a = off + ib: x ^ (x >> 16) = hi ^ (hi >> 16) ^ (a & 7)
@@ -1320,7 +1343,10 @@ def _tile_update_v3(
             # and v2's clamp is a no-op (non-finite m, check_finite=False: other garbage)
             t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + 0.5
             tl.store(mp + off, _floor_bits(t, ASM).to(tl.int8), mask=mask)
-            tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
+            if LEAN > 0 and ASM:
+                _store_scales(msp + goff, ms_new, gmask, SCALE_F32)
+            else:
+                tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
         else:
             tl.store(mp + off, m, mask=mask)
     if KIND == 0:
@@ -1335,7 +1361,10 @@ def _tile_update_v3(
             lo = tl.minimum(svg, 7.888609052210118e-31) * 1.2676506002282294e30
             t = tl.maximum(svg * inv[:, None] + 0.5, lo)
             tl.store(vp + off, _floor_bits(t, ASM).to(tl.uint8), mask=mask)
-            tl.store(vsp + goff, vs_new.to(vsp.dtype.element_ty), mask=gmask)
+            if LEAN > 0 and ASM:
+                _store_scales(vsp + goff, vs_new, gmask, SCALE_F32)
+            else:
+                tl.store(vsp + goff, vs_new.to(vsp.dtype.element_ty), mask=gmask)
         else:
             tl.store(vp + off, v, mask=mask)
 
