@@ -219,8 +219,11 @@ void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps, int varia
 // header (scaling vectors, N numbers per step), the same code the CUDA thread-per-matrix
 // backward runs.
 // variant 3 (CUDA "thread-e"): the rescaled-adjoint reverse sweep
-// (mhc::sinkhorn_vjp_rescaled); other variants: mhc::sinkhorn_vjp_scaling.
+// (mhc::sinkhorn_vjp_rescaled); variant 4 (CUDA "thread-r-occ3" / "thread-rs"): the same
+// sweep after the reciprocal-form replay (mhc::sinkhorn_vjp_recip); other variants:
+// mhc::sinkhorn_vjp_scaling.
 constexpr int kSkBwdRescaled = 3;
+constexpr int kSkBwdRecip = 4;
 
 template <int N, typename S>
 void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S eps,
@@ -232,7 +235,10 @@ void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S
     S a[N][N], d[N][N];
     load<N, S>(src + b * E, a);
     load<N, S>(gsrc + b * E, d);
-    if (variant == kSkBwdRescaled)
+    if (variant == kSkBwdRecip) {
+      mhc::SkVecArray<N, S> store{vec.get()};
+      mhc::sinkhorn_vjp_recip<N, S>(a, d, iters, eps, store);
+    } else if (variant == kSkBwdRescaled)
       mhc::sinkhorn_vjp_rescaled<N, S>(a, d, iters, eps, vec.get());
     else
       mhc::sinkhorn_vjp_scaling<N, S>(a, d, iters, eps, vec.get());
@@ -377,14 +383,15 @@ PYBIND11_MODULE(_cpu, m) {
       "sinkhorn_bwd",
       [](std::uintptr_t src, std::uintptr_t g, std::uintptr_t dst, int64_t B, int n, int iters,
          double eps, int dtype, int variant) {
-        if (variant < 0 || variant > kSkBwdRescaled)
-          throw std::invalid_argument("sinkhorn_bwd: variant must be 0..3, got " +
+        if (variant < 0 || variant > kSkBwdRecip)
+          throw std::invalid_argument("sinkhorn_bwd: variant must be 0..4, got " +
                                       std::to_string(variant));
         py::gil_scoped_release nogil;
         dispatch_n<SkBwdF>(n, src, g, dst, B, iters, eps, dtype, variant);
       },
-      "variant 3 (\"thread-e\"): the rescaled-adjoint reverse sweep; else the recompute "
-      "formulation of the thread kernel",
+      "variant 3 (\"thread-e\"): the rescaled-adjoint reverse sweep; 4 (\"thread-r*\"): "
+      "the same after the reciprocal-form replay; else the recompute formulation of the "
+      "thread kernel",
       py::arg("src"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
       py::arg("iters"), py::arg("eps"), py::arg("dtype"), py::arg("variant") = 1);
 }

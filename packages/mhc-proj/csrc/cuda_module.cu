@@ -162,6 +162,109 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
   st_4x4(dst + b * 16, g);
 }
 
+// Reciprocal-form replay + rescaled reverse sweep (mhc::sinkhorn_vjp_recip; the CPU module
+// runs the same code with its variant 4). KS = 0 (variant 5, "thread-r-occ3"): the 39 step
+// vectors in registers, MIN_BLOCKS = 3 as thread-e-occ3. KS > 0 (variant 6, "thread-rs"):
+// the first KS step vectors (written first by the replay, read last by the reverse sweep)
+// in dynamic shared memory, one 16-byte slot per thread and step ([slot][thread]: a warp's
+// STS.128 / LDS.128 touch 512 consecutive bytes, no bank conflicts), the other 39 - KS in
+// registers; KS = 27 is 54 KB per block, so 4 blocks of 128 fit the 228 KB per SM, and
+// MIN_BLOCKS = 4 caps the registers at 128: 16 warps per SM instead of 12. No
+// __syncthreads: each thread reads only its own slots. ITERS == 0: run-time count (<= 64),
+// the vectors in local memory.
+constexpr int kSkThreads = 128;
+constexpr int kSkStash = 27;
+
+template <int KS, int K>
+struct SkVecStash {
+  float4* smem;  // this thread's slot 0; slot k at smem[k * kSkThreads]
+  float reg[K - KS][4];
+  __device__ __forceinline__ void put(int k, const float (&x)[4]) {
+    if (k < KS) {
+      smem[k * kSkThreads] = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) reg[k - KS][j] = x[j];
+    }
+  }
+  __device__ __forceinline__ void get(int k, float (&x)[4]) const {
+    if (k < KS) {
+      const float4 v = smem[k * kSkThreads];
+      x[0] = v.x;
+      x[1] = v.y;
+      x[2] = v.z;
+      x[3] = v.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[j] = reg[k - KS][j];
+    }
+  }
+};
+
+// L2 prefetch of `bytes` (a multiple of 16, 16-byte aligned) from p: one bulk request
+// (sm_90's cp.async.bulk.prefetch); nothing on older architectures.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+template <int ITERS, int MIN_BLOCKS, int KS>
+__global__ void __launch_bounds__(kSkThreads, MIN_BLOCKS)
+    sinkhorn4_bwd_recip(const float* __restrict__ src, const float* __restrict__ grad,
+                        float* __restrict__ dst, int64_t batch, int iters, float eps) {
+  const int64_t b0 = blockIdx.x * int64_t(kSkThreads);
+  const int64_t b = b0 + threadIdx.x;
+  // G is loaded after the replay (~1k instructions later): bring the block's 8 KB of G to
+  // L2 now, so that load does not wait for HBM
+  if (threadIdx.x == 0)
+    prefetch_l2_bulk(grad + b0 * 16, unsigned(min(int64_t(kSkThreads), batch - b0)) * 64u);
+  if (b >= batch) return;
+  float a[4][4], g[4][4], sm[4][4], p0[4][4], r[4], c[4];
+  ldg_4x4(src + b * 16, a);
+  auto run = [&](auto& vec) {
+    mhc::sk_recip_replay<4, float, ITERS>(a, iters, eps, sm, p0, r, c, vec);
+    ldg_4x4(grad + b * 16, g);  // after the replay: G is not live across it
+    mhc::sk_recip_reverse<4, float, ITERS>(sm, p0, r, c, g, iters, vec);
+  };
+  if constexpr (ITERS > 0 && KS > 0) {
+    extern __shared__ float4 sk_stash[];
+    SkVecStash<KS, 2 * ITERS - 1> vec{sk_stash + threadIdx.x};
+    run(vec);
+  } else {
+    constexpr int kSlots = ITERS > 0 ? 2 * ITERS - 1 : 2 * kMaxSinkhornIters - 1;
+    float v[kSlots][4];
+    mhc::SkVecArray<4, float> vec{v};
+    run(vec);
+  }
+  st_4x4(dst + b * 16, g);
+}
+
+// Launches variant 5 or 6 (iters != 20: the run-time-count kernel for both).
+void launch_sinkhorn_bwd_recip(int variant, const float* xs, const float* gs, float* out,
+                               int64_t B, int iters, float eps, cudaStream_t s) {
+  const unsigned tgrid = unsigned((B + kSkThreads - 1) / kSkThreads);
+  if (iters != 20) {
+    sinkhorn4_bwd_recip<0, 0, 0><<<tgrid, kSkThreads, 0, s>>>(xs, gs, out, B, iters, eps);
+  } else if (variant == 5) {
+    sinkhorn4_bwd_recip<20, 3, 0><<<tgrid, kSkThreads, 0, s>>>(xs, gs, out, B, iters, eps);
+  } else {
+    constexpr int kBytes = kSkStash * kSkThreads * int(sizeof(float4));
+    auto* kernel = sinkhorn4_bwd_recip<20, 4, kSkStash>;
+    // above 48 KB of dynamic shared memory needs the opt-in, once per device
+    static unsigned configured = 0;  // bit d: device d done (the binding holds the GIL)
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 32 || !(configured & (1u << dev))) {
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared);
+      if (dev < 32) configured |= 1u << dev;
+    }
+    kernel<<<tgrid, kSkThreads, kBytes, s>>>(xs, gs, out, B, iters, eps);
+  }
+}
+
 // ---------------------------------------------------------------- Birkhoff, n = 4, 16 lanes
 // The published layout for the Newton forward and the implicit backward (layout code 0,
 // opt-in: 5.9x slower forward, 2.6x slower backward than thread per matrix at B = 16M on
@@ -425,6 +528,12 @@ PYBIND11_MODULE(_cuda, m) {
                                       std::to_string(iters));
         if (B == 0) return;
         const cudaStream_t s = as_stream(stream);
+        if (variant == 5 || variant == 6) {
+          launch_sinkhorn_bwd_recip(variant, ptr<const float>(src), ptr<const float>(g),
+                                    ptr<float>(dst), B, iters, float(eps), s);
+          check_launch("sinkhorn_bwd");
+          return;
+        }
         if (variant >= 1 && variant <= 4) {
           const unsigned tgrid = unsigned((B + 127) / 128);
           const float* xs = ptr<const float>(src);
@@ -451,7 +560,9 @@ PYBIND11_MODULE(_cuda, m) {
         if (variant != 0)
           throw std::invalid_argument("sinkhorn_bwd: variant must be 0 (16 lanes per matrix), "
                                       "1 (thread per matrix), 2 (thread, 3 blocks/SM), 3 "
-                                      "(thread, rescaled adjoint) or 4 (3, 3 blocks/SM), got " +
+                                      "(thread, rescaled adjoint), 4 (3, 3 blocks/SM), 5 (reciprocal replay, 3 "
+                                      "blocks/SM) or 6 (5 with a shared-memory stash, 4 "
+                                      "blocks/SM), got " +
                                       std::to_string(variant));
         const unsigned grid = unsigned((B * 16 + 255) / 256);
         if (iters == 20)

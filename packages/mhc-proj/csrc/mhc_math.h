@@ -1163,6 +1163,132 @@ MHC_HD void sinkhorn_vjp_rescaled(const S (&a)[N][N], S (&g)[N][N], int iters, S
   softmax_rows_bwd<N, S>(sm, g);
 }
 
+// The rescaled VJP with the replay in reciprocal form (CUDA backward variants 5 and 6,
+// "thread-r-occ3" / "thread-rs"; CPU variant 4; NOTES.md, "Sinkhorn-20 backward: reciprocal
+// replay"). A column step c' = c / (c (.) u + eps), u = P0^T r, is c' = 1 / ĉ' with
+//   ĉ' = u + eps ĉ,   ĉ = 1 / c (the previous column step's denominator, kept),
+// so a step is N multiplications (eps ĉ, the mat-vec's start), N^2 FMAs and N reciprocals:
+// 2 N fewer instructions than sk_scaling_step (no in (.) u + eps, no in * rcp), and the
+// reciprocal follows the mat-vec directly (a shorter dependency chain). Mathematically the
+// same iteration; the rounding differs (not bitwise sinkhorn_fwd_scaling's vectors). The
+// reverse sweep is sinkhorn_vjp_rescaled's. The step vectors go through `vec`, a storage
+// with put(k, v) / get(k, v) (copies of N numbers): the replay writes each once, the
+// reverse reads each once (vec[k - 1] at step k; vec[k] is the previous step's read), so a
+// kernel can keep some of them outside registers (shared memory) without changing the math.
+// The replay's last r, c stay in registers for e = G (.) r c^T.
+template <int N, typename S>
+MHC_HD void sk_recip_step(const S (&p0)[N][N], const S (&other)[N], S (&hat)[N], S (&out)[N],
+                          bool column, S eps) {
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) hat[j] *= eps;
+  sk_matvec_acc<N, S>(p0, other, hat, column);
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) out[j] = m_rcp_approx(hat[j]);
+}
+
+// Plain-array storage for sinkhorn_vjp_recip (the CPU, and the CUDA kernels' registers or
+// local memory): slot k at v[k].
+template <int N, typename S>
+struct SkVecArray {
+  S (*v)[N];
+  MHC_HD void put(int k, const S (&x)[N]) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) v[k][j] = x[j];
+  }
+  MHC_HD void get(int k, S (&x)[N]) const {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) x[j] = v[k][j];
+  }
+};
+
+// Phase 1 of sinkhorn_vjp_recip: sm = rowsoftmax(a), p0 = sm + eps, the replay into vec,
+// and the final r, c. Split from phase 2 so a kernel can load G between them (G is not
+// live during the replay).
+template <int N, typename S, int ITERS = 0, typename Store>
+MHC_HD void sk_recip_replay(const S (&a)[N][N], int iters, S eps, S (&sm)[N][N],
+                            S (&p0)[N][N], S (&r)[N], S (&c)[N], Store& vec) {
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+  S rh[N], ch[N];
+  sk_p0<N, S>(a, eps, sm, p0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) r[i] = c[i] = rh[i] = ch[i] = S(1);
+  // slot k = the vector step k updated (c for even k, r for odd k)
+  MHC_UNROLL
+  for (int k = 0; k < steps; ++k) {
+    if ((k & 1) == 0) {
+      sk_recip_step<N, S>(p0, r, ch, c, true, eps);
+      vec.put(k, c);
+    } else {
+      sk_recip_step<N, S>(p0, c, rh, r, false, eps);
+      vec.put(k, r);
+    }
+  }
+}
+
+// Phase 2: g = the output gradient on entry, dA on return; r, c: phase 1's final vectors.
+template <int N, typename S, int ITERS = 0, typename Store>
+MHC_HD void sk_recip_reverse(const S (&sm)[N][N], const S (&p0)[N][N], const S (&r)[N],
+                             const S (&c)[N], S (&g)[N][N], int iters, Store& vec) {
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+  // e = G (.) r c^T with the final vectors (r = 1 for iters = 1)
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) g[i][j] = (g[i][j] * r[i]) * c[j];
+  }
+  // sinkhorn_vjp_rescaled's reverse sweep: out = slot k, other = slot k - 1 (1 for k = 0)
+  S out[N];
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) out[j] = c[j];
+  MHC_UNROLL
+  for (int k = steps - 1; k >= 0; --k) {
+    const bool column = (k & 1) == 0;
+    S other[N];
+    if (k >= 1) {
+      vec.get(k - 1, other);
+    } else {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) other[j] = S(1);
+    }
+    S h[N];
+    MHC_UNROLL
+    for (int l = 0; l < N; ++l) h[l] = S(0);
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) {
+        if (column)
+          h[j] += g[i][j] * p0[i][j];
+        else
+          h[i] += g[i][j] * p0[i][j];
+      }
+    }
+    MHC_UNROLL
+    for (int l = 0; l < N; ++l) h[l] *= out[l];
+    MHC_UNROLL
+    for (int i = 0; i < N; ++i) {
+      MHC_UNROLL
+      for (int j = 0; j < N; ++j) {
+        if (column)
+          g[i][j] -= other[i] * h[j];
+        else
+          g[i][j] -= h[i] * other[j];
+      }
+    }
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) out[j] = other[j];
+  }
+  softmax_rows_bwd<N, S>(sm, g);
+}
+
+template <int N, typename S, int ITERS = 0, typename Store>
+MHC_HD void sinkhorn_vjp_recip(const S (&a)[N][N], S (&g)[N][N], int iters, S eps,
+                               Store& vec) {
+  S sm[N][N], p0[N][N], r[N], c[N];
+  sk_recip_replay<N, S, ITERS>(a, iters, eps, sm, p0, r, c, vec);
+  sk_recip_reverse<N, S, ITERS>(sm, p0, r, c, g, iters, vec);
+}
+
 // ---------------------------------------------------------------- per-matrix drivers
 // project_matrix's status from the solve's outcome and the final T. Ill-conditioned (nearly
 // disconnected) matrices are flagged so the caller polishes them in float64: there fp32

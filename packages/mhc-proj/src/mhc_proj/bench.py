@@ -27,6 +27,9 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   (``thread-occ3``; default forward). ``ours-sinkhorn20-e`` / ``ours-sinkhorn20-e-occ3``:
   the backward with the division-free rescaled-adjoint reverse sweep (``thread-e`` /
   ``thread-e-occ3``, the latter the default backward; default forward).
+  ``ours-sinkhorn20-rs`` / ``ours-sinkhorn20-r-occ3``: that sweep after the
+  reciprocal-form replay (``thread-rs``: step vectors partly in shared memory, 4 blocks
+  per SM; ``thread-r-occ3``: in registers, 3 blocks per SM; opt-in, NOTES.md).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -75,6 +78,8 @@ PROVIDERS = [
     "ours-sinkhorn20-occ3",
     "ours-sinkhorn20-e",
     "ours-sinkhorn20-e-occ3",
+    "ours-sinkhorn20-rs",
+    "ours-sinkhorn20-r-occ3",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -153,6 +158,10 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e")
     if provider == "ours-sinkhorn20-e-occ3":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e-occ3")
+    if provider == "ours-sinkhorn20-rs":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-rs")
+    if provider == "ours-sinkhorn20-r-occ3":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-r-occ3")
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":

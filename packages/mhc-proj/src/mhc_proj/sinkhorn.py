@@ -33,6 +33,13 @@ iteration. Backward, CUDA kernels:
   (packages/mhc-proj/NOTES.md). The CPU runs the same reverse sweep for the ``thread-e*``
   names (any n and dtype).
 - ``thread-e``: the same kernel with 2 resident blocks per SM (no spills; 2.96 ms at 16M).
+- ``thread-rs`` and ``thread-r-occ3`` (opt-in, not GPU-measured yet): the same reverse
+  sweep after a replay in reciprocal form (``sinkhorn_vjp_recip``: the step's denominator
+  1/c' = P0^T r + eps / c is kept and c' is one reciprocal of it, 8 fewer instructions per
+  step), G loaded after the replay (L2-prefetched at the start). ``thread-rs`` keeps the
+  first 27 of the 39 step vectors in shared memory: 128 registers, no spills, 4 blocks
+  (16 warps) per SM; ``thread-r-occ3`` keeps all in registers at 3 blocks per SM (spills
+  as ``thread-e-occ3``). The CPU runs the same math for both names.
 - ``thread``: the recompute formulation of ``sinkhorn_vjp_scaling`` (the same replay, then
   the reverse sweep on dP with the step factors; the default until 2026-12-01, 3.84-3.88 ms
   at B = 16M). The CPU runs its code for ``thread``, ``thread-occ3`` and ``lane``.
@@ -128,8 +135,17 @@ def sinkhorn_fwd(
 
 
 BWD_ENV = "MHC_PROJ_SINKHORN_BWD"
-_BWD_VARIANTS = {"lane": 0, "thread": 1, "thread-occ3": 2, "thread-e": 3, "thread-e-occ3": 4}
+_BWD_VARIANTS = {
+    "lane": 0,
+    "thread": 1,
+    "thread-occ3": 2,
+    "thread-e": 3,
+    "thread-e-occ3": 4,
+    "thread-r-occ3": 5,
+    "thread-rs": 6,
+}
 _BWD_RESCALED = (3, 4)  # the CPU runs their reverse sweep too (its variant 3)
+_BWD_RECIP = (5, 6)  # ... and the reciprocal-form replay of these (its variant 4)
 # measured fastest on the H200 (2026-12-01: 2.78 vs 3.84 ms at 16M, NOTES.md)
 BWD_DEFAULT = "thread-e-occ3"
 
@@ -141,7 +157,9 @@ def bwd_variant_code(variant: str | int | None = None) -> int:
     ``"thread-occ3"`` = 2 (the same kernel compiled for 3 resident blocks per SM),
     ``"thread-e"`` = 3 (thread per matrix, the division-free rescaled-adjoint reverse
     sweep; the CPU runs it too), ``"thread-e-occ3"`` = 4 (that kernel compiled for 3
-    resident blocks per SM; default)."""
+    resident blocks per SM; default), ``"thread-r-occ3"`` = 5 (the same sweep after a
+    replay in reciprocal form, 3 blocks per SM), ``"thread-rs"`` = 6 (5 with the first 27
+    step vectors in shared memory, 4 blocks per SM; the CPU runs the math of 5 and 6)."""
     return _backend.choice_code(
         variant, BWD_ENV, _BWD_VARIANTS, "Sinkhorn backward variant", BWD_DEFAULT
     )
@@ -153,10 +171,11 @@ def sinkhorn_bwd(
     """Exact VJP of the truncated iteration (recomputes the forward from ``x``).
 
     ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"``, ``"thread"``,
-    ``"thread-occ3"``, ``"thread-e"`` or ``"thread-e-occ3"``; None reads
-    ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread-e-occ3"``). The CPU path runs the
-    rescaled-adjoint reverse sweep for the ``thread-e*`` names (any n and dtype), else the
-    ``thread`` kernel's recompute formulation."""
+    ``"thread-occ3"``, ``"thread-e"``, ``"thread-e-occ3"``, ``"thread-r-occ3"`` or
+    ``"thread-rs"``; None reads ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread-e-occ3"``).
+    The CPU path runs the rescaled-adjoint reverse sweep for the ``thread-e*`` names, that
+    sweep after the reciprocal-form replay for the ``thread-r*`` names (any n and dtype),
+    else the ``thread`` kernel's recompute formulation."""
     code = bwd_variant_code(variant)
     b, n = x.shape[0], x.shape[-1]
     if b == 0:
@@ -179,7 +198,7 @@ def sinkhorn_bwd(
                 _backend.stream(x),
             )
     else:
-        cpu_variant = 3 if code in _BWD_RESCALED else 1
+        cpu_variant = 4 if code in _BWD_RECIP else 3 if code in _BWD_RESCALED else 1
         mod.sinkhorn_bwd(
             x.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, iters, eps,
             _backend.dtype_code(x), cpu_variant,
@@ -243,7 +262,8 @@ def sinkhorn_project(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -
     float32/bfloat16/float16 computed in float32 (float32 output); float64 in float64.
     Differentiable (exact backward of the truncated iteration; saves the logits). The CUDA
     backward kernel is chosen by ``MHC_PROJ_SINKHORN_BWD`` (``thread-e-occ3`` default,
-    ``thread-e``, ``thread``, ``thread-occ3``, ``lane``), the forward kernel by
+    ``thread-e``, ``thread-rs``, ``thread-r-occ3``, ``thread``, ``thread-occ3``, ``lane``),
+    the forward kernel by
     ``MHC_PROJ_SINKHORN_FWD`` (``scaling`` default, ``thread``, ``lane``).
     """
     return _project(logits, iters, eps)
