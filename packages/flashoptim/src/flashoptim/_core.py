@@ -1160,6 +1160,58 @@ def _store_scales(ptr, s, mask, SCALE_F32: tl.constexpr):
 
 
 @triton.jit
+def _bf16_f32(x, ASM: tl.constexpr):
+    """bf16 -> fp32; on the GPU two integer ops per register of two (SHL of the low half, AND
+    of the high one), where ptxas unpacks a high half with PRMT and a shift."""
+    if ASM:
+        y = tl.inline_asm_elementwise(
+            "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }",
+            "=r,=r,r",
+            [x],
+            dtype=tl.uint32,
+            is_pure=True,
+            pack=2,
+        )
+        return y.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+# bf16 pairs (two 16-bit halves of one register): q = 2**k of the correction code at each
+# bf16 value (``_q_bf16``) or 1/q, as fp32 bits, in 3 SIMD16 ops per pair plus the unpack;
+# the 16-bit constants per ECC: (K1, K2) = ((8 + ECC) << 7, (7 + ECC) << 7):
+#   q:   max(h & 0x7F80, K1) - K2             (>= 0x80, no borrow between the halves)
+#   1/q: min((0x7F00 + K2) - (h & 0x7F80), 0x7F00 + K2 - K1)  (exponents of q, 1/q sum to 254)
+
+
+@triton.jit
+def _q_bf16x2(p, ECC: tl.constexpr, INV: tl.constexpr):
+    """fp32 q (INV: 1/q) of the correction code at the bf16 values ``p`` (GPU only): the
+    same bits as ``_q_bf16`` (INV: ``0x7F000000 - _q_bf16``) on the register of two."""
+    if ECC == 8:
+        if INV:
+            op: tl.constexpr = "sub.u32 e, 0x86808680, e; mov.b32 k, 0x7E807E80; min.u16x2 e, e, k;"
+        else:
+            op: tl.constexpr = "mov.b32 k, 0x08000800; max.u16x2 e, e, k; sub.u32 e, e, 0x07800780;"
+    else:
+        if INV:
+            op: tl.constexpr = "sub.u32 e, 0x8A808A80, e; mov.b32 k, 0x7E807E80; min.u16x2 e, e, k;"
+        else:
+            op: tl.constexpr = "mov.b32 k, 0x0C000C00; max.u16x2 e, e, k; sub.u32 e, e, 0x0B800B80;"
+    y = tl.inline_asm_elementwise(
+        "{ .reg .b32 e, k; and.b32 e, $2, 0x7F807F80; "
+        + op
+        + " shl.b32 $0, e, 16; and.b32 $1, e, 0xFFFF0000; }",
+        "=r,=r,r",
+        [p],
+        dtype=tl.uint32,
+        is_pure=True,
+        pack=2,
+    )
+    return y.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _draw_lean(off, ib, key, LEAN: tl.constexpr):
     """v3's rounding draw ``(_mix32((off + ib) ^ key) >> 8) * 2**-24``, bit for bit, in fewer
     integer ops. With x = a ^ key, a = off + ib: x ^ (x >> 16) = hi ^ (hi >> 16) ^ (a & 7)
@@ -1274,12 +1326,23 @@ def _tile_update_v3(
 ):
     """The rest of ``_step_tile_v3`` after its loads (``_tile_loads_v3``): decode, update,
     requantize and store, split the master weight and store."""
-    g = g_raw.to(tl.float32)
+    if LEAN > 0 and g_raw.dtype == tl.bfloat16:
+        g = _bf16_f32(g_raw, ASM)
+    else:
+        g = g_raw.to(tl.float32)
     if ECC > 0:
         c = c_raw.to(tl.int32).to(tl.float32)
         if P_DTYPE == 1:
-            pf = p.to(tl.float32)
-            th = pf + c * _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
+            if LEAN > 0:
+                pf = _bf16_f32(p, ASM)
+                if ASM:
+                    q = _q_bf16x2(p, ECC, False)
+                else:
+                    q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
+            else:
+                pf = p.to(tl.float32)
+                q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
+            th = pf + c * q
         else:
             th = p.to(tl.float32) + c * _pow2(_correction_exp(p, P_DTYPE, ECC))
     else:
@@ -1358,7 +1421,10 @@ def _tile_update_v3(
             # where svg == 0 (then t = 0.5): a nonzero svg = sqrt(v) is >= sqrt(2**-149) >
             # 2**-100, so min(svg, 2**-100) * 2**100 is that lo (exact, no overflow). svg <= s,
             # so t < 255.5 + 2**-12 and v2's clamp at 255 is a no-op.
-            lo = tl.minimum(svg, 7.888609052210118e-31) * 1.2676506002282294e30
+            if LEAN > 0:  # the same lo (1 for svg > 0 or NaN, 0 for svg == 0) in one FSET
+                lo = tl.where(svg <= 0.0, 0.0, 1.0)
+            else:
+                lo = tl.minimum(svg, 7.888609052210118e-31) * 1.2676506002282294e30
             t = tl.maximum(svg * inv[:, None] + 0.5, lo)
             tl.store(vp + off, _floor_bits(t, ASM).to(tl.uint8), mask=mask)
             if LEAN > 0 and ASM:
@@ -1372,7 +1438,16 @@ def _tile_update_v3(
         tl.store(pp + off, th, mask=mask)
     else:
         if P_DTYPE == 1:
-            if ASM:  # cvt.rn.bf16.f32 (one F2F): same RNE as below for finite th
+            if ASM and LEAN > 0:  # cvt.rn.bf16x2.f32: one F2FP per two, the same RNE
+                pn = tl.inline_asm_elementwise(
+                    "cvt.rn.bf16x2.f32 $0, $2, $1;",
+                    "=r,f,f",
+                    [th],
+                    dtype=tl.bfloat16,
+                    is_pure=True,
+                    pack=2,
+                )
+            elif ASM:  # cvt.rn.bf16.f32 (one F2F): same RNE as below for finite th
                 pn = th.to(tl.bfloat16)
             else:  # the interpreter's bf16 cast is not RNE: integer rounding as in v2
                 b = th.to(tl.uint32, bitcast=True)
@@ -1382,8 +1457,13 @@ def _tile_update_v3(
             pn = th.to(tl.float16)
         tl.store(pp + off, pn, mask=mask)
         if ECC > 0:
-            pnf = pn.to(tl.float32)
-            if P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
+            if LEAN > 0 and P_DTYPE == 1:
+                pnf = _bf16_f32(pn, ASM)
+            else:
+                pnf = pn.to(tl.float32)
+            if P_DTYPE == 1 and LEAN > 0 and ASM:
+                iq = _q_bf16x2(pn, ECC, True)
+            elif P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
                 iq = (0x7F000000 - _q_bf16(pnf, ECC)).to(tl.float32, bitcast=True)
             else:
                 iq = _pow2(-_correction_exp(pn, P_DTYPE, ECC))
