@@ -1167,9 +1167,10 @@ MHC_HD void sinkhorn_vjp_rescaled(const S (&a)[N][N], S (&g)[N][N], int iters, S
 // "thread-r-occ3" / "thread-rs"; CPU variant 4; NOTES.md, "Sinkhorn-20 backward: reciprocal
 // replay"). A column step c' = c / (c (.) u + eps), u = P0^T r, is c' = 1 / ĉ' with
 //   ĉ' = u + eps ĉ,   ĉ = 1 / c (the previous column step's denominator, kept),
-// so a step is N multiplications (eps ĉ, the mat-vec's start), N^2 FMAs and N reciprocals:
-// 2 N fewer instructions than sk_scaling_step (no in (.) u + eps, no in * rcp), and the
-// reciprocal follows the mat-vec directly (a shorter dependency chain). Mathematically the
+// so a step is N multiplications (eps ĉ, the mat-vec's start, off the dependency chain),
+// N^2 FMAs and N reciprocals: N fewer instructions than sk_scaling_step's N^2 + 3 N (no
+// in (.) u + eps; no in * rcp), and the reciprocal follows the mat-vec directly (a shorter
+// dependency chain per step: mat-vec, MUFU instead of mat-vec, FFMA, MUFU, FMUL). Mathematically the
 // same iteration; the rounding differs (not bitwise sinkhorn_fwd_scaling's vectors). The
 // reverse sweep is sinkhorn_vjp_rescaled's. The step vectors go through `vec`, a storage
 // with put(k, v) / get(k, v) (copies of N numbers): the replay writes each once, the

@@ -35,8 +35,8 @@ iteration. Backward, CUDA kernels:
 - ``thread-e``: the same kernel with 2 resident blocks per SM (no spills; 2.96 ms at 16M).
 - ``thread-rs`` and ``thread-r-occ3`` (opt-in, not GPU-measured yet): the same reverse
   sweep after a replay in reciprocal form (``sinkhorn_vjp_recip``: the step's denominator
-  1/c' = P0^T r + eps / c is kept and c' is one reciprocal of it, 8 fewer instructions per
-  step), G loaded after the replay (L2-prefetched at the start). ``thread-rs`` keeps the
+  1/c' = P0^T r + eps / c is kept and c' is one reciprocal of it: 4 fewer instructions
+  per step and a shorter dependency chain), G loaded after the replay (L2-prefetched at the start). ``thread-rs`` keeps the
   first 27 of the 39 step vectors in shared memory: 128 registers, no spills, 4 blocks
   (16 warps) per SM; ``thread-r-occ3`` keeps all in registers at 3 blocks per SM (spills
   as ``thread-e-occ3``). The CPU runs the same math for both names.
