@@ -36,10 +36,11 @@ iteration. Backward, CUDA kernels:
 - ``thread-rs`` and ``thread-r-occ3`` (opt-in, not GPU-measured yet): the same reverse
   sweep after a replay in reciprocal form (``sinkhorn_vjp_recip``: the step's denominator
   1/c' = P0^T r + eps / c is kept and c' is one reciprocal of it: 4 fewer instructions
-  per step and a shorter dependency chain), G loaded after the replay (L2-prefetched at the start). ``thread-rs`` keeps the
-  first 27 of the 39 step vectors in shared memory: 128 registers, no spills, 4 blocks
-  (16 warps) per SM; ``thread-r-occ3`` keeps all in registers at 3 blocks per SM (spills
-  as ``thread-e-occ3``). The CPU runs the same math for both names.
+  per step and a shorter dependency chain), G loaded after the replay (L2-prefetched at
+  the start). ``thread-rs`` keeps the first 27 of the 39 step vectors in shared memory:
+  128 registers, no spills, 4 blocks (16 warps) per SM; ``thread-r-occ3`` keeps all in
+  registers at 3 blocks per SM (spills as ``thread-e-occ3``). The CPU runs the same math
+  for both names.
 - ``thread``: the recompute formulation of ``sinkhorn_vjp_scaling`` (the same replay, then
   the reverse sweep on dP with the step factors; the default until 2026-12-01, 3.84-3.88 ms
   at B = 16M). The CPU runs its code for ``thread``, ``thread-occ3`` and ``lane``.
