@@ -117,17 +117,29 @@ def test_lean_env_default_off():
     assert opt._lean == fopt._LEAN
 
 
+GPU_SIZES = (1_000_003, 4097, 31, 3 * U, 1)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_lean_equals_default(monkeypatch, dtype):
-    """GPU, inline PTX, default config: lean vs default tile math, 3 steps, every optimizer,
-    1M + odd elements, whole chunks, a skipped step; bitwise."""
+@pytest.mark.parametrize("Opt,kw", OPTS)
+def test_gpu_lean_equals_default(monkeypatch, Opt, kw):
+    """GPU, inline PTX, default config: lean vs default tile math, bf16, 3 steps of 1M + odd
+    elements and whole chunks with zero / randn / mixed-magnitude gradients; bitwise. AdamW
+    also with a NaN in step 1 (skipped by both)."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
-    sizes = (1_000_003, 4097, 31, 3 * U, 1)
-    for Opt, kw in OPTS:
-        out = _pair(Opt, kw, sizes, dtype, ("randn", "mixed", "zero"), dev="cuda")
+    out = _pair(Opt, kw, GPU_SIZES, torch.bfloat16, ("randn", "mixed", "zero"), dev="cuda")
+    _assert_bitwise(out)
+    if Opt is fo.FlashAdamW:
+        out = _pair(Opt, kw, GPU_SIZES, torch.bfloat16, ("randn",), dev="cuda", nan_step=1)
+        assert out[0][0].skipped_steps == out[1][0].skipped_steps == 1
         _assert_bitwise(out)
-    out = _pair(fo.FlashAdamW, {}, sizes, dtype, ("randn",), steps=3, dev="cuda", nan_step=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_lean_other_dtypes(monkeypatch, dtype):
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
+    out = _pair(fo.FlashAdamW, {}, GPU_SIZES, dtype, ("randn", "mixed"), dev="cuda")
     _assert_bitwise(out)
 
 
@@ -135,24 +147,33 @@ def test_gpu_lean_equals_default(monkeypatch, dtype):
 @pytest.mark.parametrize(
     "okw",
     [
+        dict(master_weight_bits=32),  # int16 corrections: the ECC 16 constants of _q_bf16x2
+        dict(scale_dtype=torch.float32),  # st.global.b32 of the scales
         dict(stochastic_rounding=False),
-        dict(master_weight_bits=32),
         dict(master_weight_bits=None),
         dict(quantize=False),
-        dict(scale_dtype=torch.float32),
     ],
 )
 def test_gpu_lean_equals_default_options(monkeypatch, okw):
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
-    out = _pair(
-        fo.FlashAdamW,
-        {},
-        (7, 300, 2 * U + 33, 100_000),
-        torch.bfloat16,
-        ("mixed",),
-        dev="cuda",
-        **okw,
-    )
+    sizes = (7, 300, 2 * U + 33, 100_000)
+    out = _pair(fo.FlashAdamW, {}, sizes, torch.bfloat16, ("mixed", "randn"), dev="cuda", **okw)
+    _assert_bitwise(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    _core._v4_configs()[1:],
+    ids=lambda c: "B{BLOCK}_W{WAVES}_PF{PF}".format(**c.kwargs) + f"_w{c.num_warps}",
+)
+def test_gpu_lean_every_config(monkeypatch, cfg):
+    """The other tuning configs (PF 0 / 4, persistent, BLOCK 2048 on 8 warps) as the single
+    default config: lean vs default, AdamW, bitwise."""
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
+    monkeypatch.setattr(_core, "V4_DEFAULT", dict(cfg.kwargs))
+    monkeypatch.setattr(_core, "V4_DEFAULT_WARPS", cfg.num_warps)
+    out = _pair(fo.FlashAdamW, {}, GPU_SIZES, torch.bfloat16, ("mixed", "randn"), dev="cuda")
     _assert_bitwise(out)
 
 
