@@ -206,9 +206,12 @@ def _ours_iterations(x, y, eps, k, precision, backend):
     )  # fmt: skip
     f = torch.zeros_like(a)
     g = torch.zeros_like(b)
-    for _ in range(k):
-        ft = prob.sm_x(g, eps)[0]
-        gt = prob.sm_y(f, eps)[0]
+    for it in range(k):
+        # the current potentials as guesses (read by the opt-in "shift" kernel only), as in
+        # solver._run: not the zeros of the first iteration
+        gf, gg = (f, g) if it > 0 else (None, None)
+        ft = prob.sm_x(g, eps, guess=gf)[0]
+        gt = prob.sm_y(f, eps, guess=gg)[0]
         f, g = 0.5 * (f + ft), 0.5 * (g + gt)
     return f, g
 

@@ -493,17 +493,20 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
         # the marginal error (a few small elementwise kernels per side) is measured only
         # where it is read: on check iterations and the last one
         measure = it == max_iter or (check and it % check_every == 0)
+        # the current potentials as guesses of the updates ("shift" kernel), except the
+        # zeros the loop starts from without eps-scaling
+        gf, gg = (f, g) if (eps_list or it > 1) else (None, None)
         if schedule == "alternating":
-            fn = prob.sm_x(g, eps, _damp(eps, rx), guess=f)[0]
+            fn = prob.sm_x(g, eps, _damp(eps, rx), guess=gf)[0]
             if measure:
                 ea = _l1_err(prob.a, f, fn, eps)
-            gn = prob.sm_y(fn, eps, _damp(eps, ry), guess=g)[0]
+            gn = prob.sm_y(fn, eps, _damp(eps, ry), guess=gg)[0]
             if measure:
                 eb = _l1_err(prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
-            ft = prob.sm_x(g, eps, _damp(eps, rx), guess=f)[0]
-            gt = prob.sm_y(f, eps, _damp(eps, ry), guess=g)[0]
+            ft = prob.sm_x(g, eps, _damp(eps, rx), guess=gf)[0]
+            gt = prob.sm_y(f, eps, _damp(eps, ry), guess=gg)[0]
             if measure:
                 ea = _l1_err(prob.a, f, ft, eps)
                 eb = _l1_err(prob.b, g, gt, eps)
