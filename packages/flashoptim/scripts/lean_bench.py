@@ -10,7 +10,8 @@ with ``opt._lean = True``); after one step each (tables, states, compile or auto
 per round). Reports medians (p20/p80), GB/s of the bytes the step must move
 (``flashoptim.bench.MOVED``) and their fraction of the 4.21 TB/s copy ceiling, new / old,
 the v4 config each used, and whether both ended bit for bit equal (same steps, same
-gradients: they must). Writes OUTDIR/lean_bench.json (after every row) and lean_bench.txt.
+gradients: they must). Writes OUTDIR/lean_bench[TAG].json (after every row) and .txt.
+``--config`` sets the single config both sides run under FLASHOPTIM_NO_AUTOTUNE=1.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 import torch
 
 import flashoptim as fo
-from flashoptim import bench
+from flashoptim import _core, bench
 from flashoptim import optimizers as fopt
 
 ROWS = {  # name: (optimizer class, kwargs, bytes moved per param)
@@ -114,9 +115,20 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", default="adamw_nocheck,adamw,sgd,lion")
     ap.add_argument("--smoke", action="store_true", help="tiny tensors on the CPU (interpreter)")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="BLOCK,WAVES,PF,warps for both sides (with FLASHOPTIM_NO_AUTOTUNE=1), e.g. 2048,0,1,4",
+    )
+    ap.add_argument("--tag", default="", help="suffix of the output files")
     a = ap.parse_args(argv)
     os.makedirs(a.outdir, exist_ok=True)
+    if a.config:
+        blk, waves, pf, warps = (int(x) for x in a.config.split(","))
+        _core.V4_DEFAULT = dict(BLOCK=blk, WAVES=waves, PF=pf)
+        _core.V4_DEFAULT_WARPS = warps
     res = dict(env=bench.env_info(), ceiling_tbps=bench.CEILING_TBPS, rows=[])
+    res["default_config"] = dict(_core.V4_DEFAULT, warps=_core.V4_DEFAULT_WARPS)
     lines = [
         "| row | old ms | new ms | new/old | old of ceiling | new of ceiling | bitwise |",
         "|---|---|---|---|---|---|---|",
@@ -127,7 +139,7 @@ def main(argv=None) -> int:
         except Exception as e:  # report, keep going
             r = dict(row=name, error=f"{type(e).__name__}: {e}"[:500])
         res["rows"].append(r)
-        with open(os.path.join(a.outdir, "lean_bench.json"), "w") as f:
+        with open(os.path.join(a.outdir, f"lean_bench{a.tag}.json"), "w") as f:
             json.dump(res, f, indent=1)
         if "error" in r:
             line = f"| {name} | error: {r['error']} |"
@@ -143,7 +155,7 @@ def main(argv=None) -> int:
         lines.append(line)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    with open(os.path.join(a.outdir, "lean_bench.txt"), "w") as f:
+    with open(os.path.join(a.outdir, f"lean_bench{a.tag}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0
 
