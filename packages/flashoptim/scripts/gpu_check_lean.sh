@@ -3,8 +3,8 @@
 #   bash packages/flashoptim/scripts/gpu_check_lean.sh OUTDIR
 # 1. GPU tests of tests/test_lean.py (lean vs default tile math, bitwise on the GPU: bf16
 #    AdamW/Adam/SGD/Lion incl. a skipped step; fp16/fp32; int16 corrections, fp32 scales,
-#    no SR, no master, fp32 states; every other tuning config), in three pytest processes
-#    at once (Triton compiles are the cost)                                 <= 50 s
+#    no SR, no master, fp32 states; every other tuning config; unaligned gradient
+#    views), in three pytest processes at once (Triton compiles are the cost)   <= 50 s
 # 2. ONE process, old vs new interleaved, 537M params (8 x 8192^2 bf16): AdamW without and
 #    with the finiteness check, SGD momentum, Lion; median of 30 CUDA-event steps each,
 #    ms and fraction of the 4.21 TB/s ceiling; the single default config (BLOCK 1024,
@@ -27,7 +27,7 @@ timeout -k 2 48 $PT "$T" -k "test_gpu_lean_equals_default and not options" >"$ou
 pa=$!
 timeout -k 2 48 $PT "$T" -k "options or other_dtypes" >"$out/tests-b.txt" 2>&1 &
 pb=$!
-timeout -k 2 48 $PT "$T" -k "every_config" >"$out/tests-c.txt" 2>&1 &
+timeout -k 2 48 $PT "$T" -k "every_config or unaligned" >"$out/tests-c.txt" 2>&1 &
 pc=$!
 wait $pa; ra=$?
 wait $pb; rb=$?

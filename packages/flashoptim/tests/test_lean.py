@@ -196,3 +196,30 @@ def test_lean_draw_equals_uniform_ref(ib, lean):
     _k[(n // 4096,)](out, ib, key, LEAN=lean, BLOCK=4096)
     ref = _core.uniform_ref(seed, step, torch.arange(n, dtype=torch.int64) + ib)
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_lean_unaligned_grads(monkeypatch):
+    """Gradients as views into one flat buffer at an odd element offset (the bucket's
+    vectorized path off, ALIGNED False): lean vs default, AdamW and Lion, bitwise."""
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
+    sizes = (64, 4096, 48, 1000)
+    for Opt in (fo.FlashAdamW, fo.FlashLion):
+        torch.manual_seed(1)
+        ps = [torch.randn(n, device="cuda").bfloat16() for n in sizes]
+        out = []
+        for lean in (False, True):
+            qs = [p.clone().requires_grad_() for p in ps]
+            opt = Opt(qs, lr=1e-2, weight_decay=0.1, kernel="v4", backend="triton")
+            opt._lean = lean
+            out.append((opt, qs))
+        for _ in range(3):
+            buf = torch.randn(sum(sizes) + 64, device="cuda").bfloat16()
+            for opt, qs in out:
+                off = 1
+                for q in qs:
+                    q.grad = buf[off : off + q.numel()]
+                    off += q.numel() + 3
+                opt.step()
+        assert not next(iter(out[1][0]._plans.values()))["buckets"][0]["ent"]["aligned"]
+        _assert_bitwise(out)
