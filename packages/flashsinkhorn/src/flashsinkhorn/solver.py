@@ -285,7 +285,28 @@ def kernel_operands(X, Y, center, precision="tf32", backend="auto"):
             kdt = torch.bfloat16 if precision == "bf16" else torch.float32
             Xk = Xk.to(kdt).contiguous()
             Yk = Xk if same else Yk.to(kdt).contiguous()
+            if precision == "tf32":
+                # tf32 operands rounded to nearest once, here, instead of converted by the
+                # tensor cores inside every pass: the H200 run of 2026-12-01 measured the
+                # SamplesLoss value 2.3e-5 off float64 with raw fp32 operands (flash-sinkhorn,
+                # which rounds its operands, 9.4e-8); a float64 emulation of this loop gives
+                # 1.3e-4 for truncated operands and 1.4e-7 for rounded ones (NOTES.md)
+                Xk = round_to_tf32(Xk)
+                Yk = Xk if same else round_to_tf32(Yk)
         return Xk, Yk
+
+
+def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to the nearest tf32 value (10 explicit mantissa bits, ties to
+    even), as fp32: a new tensor whose tf32 tensor-core products are exact. Finite values
+    only round to finite values, except those above the largest tf32 value, which round to
+    +-inf as in any round-to-nearest; inf stays inf (NaN is not expected here: the
+    solvers reject non-finite inputs)."""
+    if t.dtype != torch.float32:
+        raise TypeError(f"round_to_tf32: t must be float32, got {t.dtype}")
+    bits = t.contiguous().view(torch.int32)
+    lsb = (bits >> 13) & 1  # the last kept mantissa bit: ties go to the even neighbour
+    return ((bits + (0x0FFF + lsb)) & ~0x1FFF).view(torch.float32)
 
 
 def common_center(x, y):
