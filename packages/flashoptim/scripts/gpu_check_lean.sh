@@ -4,7 +4,7 @@
 # 1. GPU tests of tests/test_lean.py (lean vs default tile math, bitwise on the GPU: bf16
 #    AdamW/Adam/SGD/Lion incl. a skipped step; fp16/fp32; int16 corrections, fp32 scales,
 #    no SR, no master, fp32 states; every other tuning config; unaligned gradient
-#    views), in three pytest processes at once (Triton compiles are the cost)   <= 50 s
+#    views), in four pytest processes at once (Triton compiles are the cost)    <= 52 s
 # 2. ONE process, old vs new interleaved, 537M params (8 x 8192^2 bf16): AdamW without and
 #    with the finiteness check, SGD momentum, Lion; median of 30 CUDA-event steps each,
 #    ms and fraction of the 4.21 TB/s ceiling; the single default config (BLOCK 1024,
@@ -23,16 +23,19 @@ timeout 10 python3 -c "import flashoptim, torch, triton; print('ours:', flashopt
 ts "gpu tests"
 T=packages/flashoptim/tests/test_lean.py
 PT="python3 -m pytest -v -rfE -p no:cacheprovider -c pyproject.toml --rootdir . -m gpu"
-timeout -k 2 48 $PT "$T" -k "test_gpu_lean_equals_default and not options" >"$out/tests-a.txt" 2>&1 &
-pa=$!
-timeout -k 2 48 $PT "$T" -k "options or other_dtypes" >"$out/tests-b.txt" 2>&1 &
-pb=$!
-timeout -k 2 48 $PT "$T" -k "every_config or unaligned" >"$out/tests-c.txt" 2>&1 &
-pc=$!
-wait $pa; ra=$?
-wait $pb; rb=$?
-wait $pc; rc=$?
-ts "gpu tests rc=$ra,$rb,$rc | $(tail -1 "$out/tests-a.txt") | $(tail -1 "$out/tests-b.txt") | $(tail -1 "$out/tests-c.txt")"
+# four processes (most important first): bf16 per optimizer; storage options; fp16/fp32
+# and unaligned gradients; the other tuning configs
+pids=""
+n=0
+for k in "test_gpu_lean_equals_default and not options" "options" "other_dtypes or unaligned" "every_config"; do
+  n=$((n + 1))
+  timeout -k 2 50 $PT "$T" -k "$k" >"$out/tests-$n.txt" 2>&1 &
+  pids="$pids $!"
+done
+rcs=""
+for p in $pids; do wait "$p"; rcs="$rcs $?"; done
+ts "gpu tests rc=$rcs"
+for f in "$out"/tests-?.txt; do ts "  $(basename "$f"): $(tail -1 "$f")"; done
 ts "bench"
 FLASHOPTIM_NO_AUTOTUNE=1 timeout -k 2 55 python3 packages/flashoptim/scripts/lean_bench.py "$out" \
   --reps 30 >"$out/bench.txt" 2>&1
