@@ -224,6 +224,20 @@ void sinkhorn_fwd_t(const S* src, S* dst, int64_t B, int iters, S eps, int varia
 // mhc::sinkhorn_vjp_scaling.
 constexpr int kSkBwdRescaled = 3;
 constexpr int kSkBwdRecip = 4;
+constexpr int kSkBwdRecipPipe = 5;  // CUDA "thread-rp": the two-matrix pipeline, one "thread"
+
+// The thread-rp kernel's view of its matrices (here: all B, contiguous).
+template <int N, typename S>
+struct SkIoHost {
+  const S* src;
+  const S* gsrc;
+  S* dst;
+  int64_t n;
+  int64_t count() const { return n; }
+  void load_a(int64_t i, S (&a)[N][N]) const { load<N, S>(src + i * N * N, a); }
+  void load_g(int64_t i, S (&g)[N][N]) const { load<N, S>(gsrc + i * N * N, g); }
+  void store(int64_t i, const S (&d)[N][N]) const { ::store<N, S>(d, dst + i * N * N); }
+};
 
 template <int N, typename S>
 void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S eps,
@@ -231,6 +245,12 @@ void sinkhorn_bwd_t(const S* src, const S* gsrc, S* dst, int64_t B, int iters, S
   constexpr int E = N * N;
   const int steps = 2 * iters - 1;
   std::unique_ptr<S[][N]> vec(new S[steps][N]);
+  if (variant == kSkBwdRecipPipe) {
+    SkIoHost<N, S> io{src, gsrc, dst, B};
+    mhc::SkVecArray<N, S> store{vec.get()};
+    mhc::sinkhorn_vjp_recip_pipe<N, S>(io, iters, eps, store);
+    return;
+  }
   for (int64_t b = 0; b < B; ++b) {
     S a[N][N], d[N][N];
     load<N, S>(src + b * E, a);
@@ -383,15 +403,15 @@ PYBIND11_MODULE(_cpu, m) {
       "sinkhorn_bwd",
       [](std::uintptr_t src, std::uintptr_t g, std::uintptr_t dst, int64_t B, int n, int iters,
          double eps, int dtype, int variant) {
-        if (variant < 0 || variant > kSkBwdRecip)
-          throw std::invalid_argument("sinkhorn_bwd: variant must be 0..4, got " +
+        if (variant < 0 || variant > kSkBwdRecipPipe)
+          throw std::invalid_argument("sinkhorn_bwd: variant must be 0..5, got " +
                                       std::to_string(variant));
         py::gil_scoped_release nogil;
         dispatch_n<SkBwdF>(n, src, g, dst, B, iters, eps, dtype, variant);
       },
       "variant 3 (\"thread-e\"): the rescaled-adjoint reverse sweep; 4 (\"thread-r*\"): "
-      "the same after the reciprocal-form replay; else the recompute formulation of the "
-      "thread kernel",
+      "the same after the reciprocal-form replay; 5 (\"thread-rp\"): 4 as a two-matrix "
+      "pipeline; else the recompute formulation of the thread kernel",
       py::arg("src"), py::arg("grad"), py::arg("out"), py::arg("batch"), py::arg("n"),
       py::arg("iters"), py::arg("eps"), py::arg("dtype"), py::arg("variant") = 1);
 }

@@ -209,6 +209,11 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) 
 #endif
 }
 
+// L2 prefetch of the line holding p (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 template <int ITERS, int MIN_BLOCKS, int KS>
 __global__ void __launch_bounds__(kSkThreads, MIN_BLOCKS)
     sinkhorn4_bwd_recip(const float* __restrict__ src, const float* __restrict__ grad,
@@ -240,10 +245,91 @@ __global__ void __launch_bounds__(kSkThreads, MIN_BLOCKS)
   st_4x4(dst + b * 16, g);
 }
 
+// Variant 7, "thread-rp": mhc::sinkhorn_vjp_recip_pipe, two matrices in flight per thread
+// (the reverse sweep of one interleaved with the replay of the next; the CPU module runs
+// the same code with its variant 5). Persistent: 3 blocks of 128 per SM, thread t takes
+// matrices t, t + T, t + 2T, ... (T = grid x 128). Slots 0..36 in shared memory (74 KB
+// per block; 3 blocks fit 228 KB), 37..38 in registers; the mirrored slot mapping
+// alternates per matrix (compile-time, two phases per loop trip). A and G of a phase are
+// L2-prefetched one phase ahead. iters = 20 only (other counts: variant 6's kernels).
+constexpr int kSkPipeStash = 37;
+constexpr int kSkPipeBlocksPerSm = 3;
+
+struct SkIoStrided {
+  const float* src;
+  const float* grad;
+  float* dst;
+  int64_t first, stride, n;
+  __device__ __forceinline__ int64_t count() const { return n; }
+  __device__ __forceinline__ int64_t at(int64_t i) const { return (first + i * stride) * 16; }
+  __device__ __forceinline__ void load_a(int64_t i, float (&a)[4][4]) const {
+    ldg_4x4(src + at(i), a);
+    // load_a(i) runs in the phase before matrix i's reverse: prefetch matrix i + 1's A
+    // (loaded one phase later) and G (two phases later), both 32-byte halves
+    if (i + 1 < n) {
+      const int64_t o = at(i + 1);
+      prefetch_l2(src + o);
+      prefetch_l2(src + o + 8);
+      prefetch_l2(grad + o);
+      prefetch_l2(grad + o + 8);
+    }
+  }
+  __device__ __forceinline__ void load_g(int64_t i, float (&g)[4][4]) const {
+    ldg_4x4(grad + at(i), g);
+  }
+  __device__ __forceinline__ void store(int64_t i, const float (&d)[4][4]) const {
+    st_4x4(dst + at(i), d);
+  }
+};
+
+template <int KS>
+__global__ void __launch_bounds__(kSkThreads, kSkPipeBlocksPerSm)
+    sinkhorn4_bwd_pipe(const float* __restrict__ src, const float* __restrict__ grad,
+                       float* __restrict__ dst, int64_t batch, float eps) {
+  const int64_t t = blockIdx.x * int64_t(kSkThreads) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * kSkThreads;
+  if (t >= batch) return;
+  SkIoStrided io{src, grad, dst, t, stride, (batch - t + stride - 1) / stride};
+  extern __shared__ float4 sk_stash[];
+  SkVecStash<KS, 39> vec{sk_stash + threadIdx.x};
+  mhc::sinkhorn_vjp_recip_pipe<4, float, 20>(io, 20, eps, vec);
+}
+
 // Launches variant 5 or 6 (iters != 20: the run-time-count kernel for both).
+// Opt-in to > 48 KB of dynamic shared memory (and the largest carveout), once per device.
+template <typename K>
+void sk_smem_opt_in(K* kernel, int bytes, unsigned& configured) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 32 && (configured & (1u << dev))) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                       cudaSharedmemCarveoutMaxShared);
+  if (dev < 32) configured |= 1u << dev;
+}
+
 void launch_sinkhorn_bwd_recip(int variant, const float* xs, const float* gs, float* out,
                                int64_t B, int iters, float eps, cudaStream_t s) {
   const unsigned tgrid = unsigned((B + kSkThreads - 1) / kSkThreads);
+  if (variant == 7 && iters == 20) {
+    constexpr int kBytes = kSkPipeStash * kSkThreads * int(sizeof(float4));
+    auto* kernel = sinkhorn4_bwd_pipe<kSkPipeStash>;
+    static unsigned configured = 0;  // bit d: device d done (the binding holds the GIL)
+    sk_smem_opt_in(kernel, kBytes, configured);
+    static int sms[32] = {0};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    int nsm = dev < 32 ? sms[dev] : 0;
+    if (nsm == 0) {
+      cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
+      if (dev < 32) sms[dev] = nsm;
+    }
+    const int64_t resident = int64_t(nsm) * kSkPipeBlocksPerSm;
+    const unsigned grid = unsigned(tgrid < resident ? tgrid : resident);
+    kernel<<<grid, kSkThreads, kBytes, s>>>(xs, gs, out, B, eps);
+    return;
+  }
+  if (variant == 7) variant = 6;  // other iteration counts: variant 6's kernels
   if (iters != 20) {
     sinkhorn4_bwd_recip<0, 0, 0><<<tgrid, kSkThreads, 0, s>>>(xs, gs, out, B, iters, eps);
   } else if (variant == 5) {
@@ -251,16 +337,8 @@ void launch_sinkhorn_bwd_recip(int variant, const float* xs, const float* gs, fl
   } else {
     constexpr int kBytes = kSkStash * kSkThreads * int(sizeof(float4));
     auto* kernel = sinkhorn4_bwd_recip<20, 4, kSkStash>;
-    // above 48 KB of dynamic shared memory needs the opt-in, once per device
     static unsigned configured = 0;  // bit d: device d done (the binding holds the GIL)
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev >= 32 || !(configured & (1u << dev))) {
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared);
-      if (dev < 32) configured |= 1u << dev;
-    }
+    sk_smem_opt_in(kernel, kBytes, configured);
     kernel<<<tgrid, kSkThreads, kBytes, s>>>(xs, gs, out, B, iters, eps);
   }
 }
@@ -528,7 +606,7 @@ PYBIND11_MODULE(_cuda, m) {
                                       std::to_string(iters));
         if (B == 0) return;
         const cudaStream_t s = as_stream(stream);
-        if (variant == 5 || variant == 6) {
+        if (variant >= 5 && variant <= 7) {
           launch_sinkhorn_bwd_recip(variant, ptr<const float>(src), ptr<const float>(g),
                                     ptr<float>(dst), B, iters, float(eps), s);
           check_launch("sinkhorn_bwd");
@@ -561,8 +639,8 @@ PYBIND11_MODULE(_cuda, m) {
           throw std::invalid_argument("sinkhorn_bwd: variant must be 0 (16 lanes per matrix), "
                                       "1 (thread per matrix), 2 (thread, 3 blocks/SM), 3 "
                                       "(thread, rescaled adjoint), 4 (3, 3 blocks/SM), 5 (reciprocal replay, 3 "
-                                      "blocks/SM) or 6 (5 with a shared-memory stash, 4 "
-                                      "blocks/SM), got " +
+                                      "blocks/SM), 6 (5 with a shared-memory stash, 4 "
+                                      "blocks/SM) or 7 (6 as a two-matrix pipeline), got " +
                                       std::to_string(variant));
         const unsigned grid = unsigned((B * 16 + 255) / 256);
         if (iters == 20)

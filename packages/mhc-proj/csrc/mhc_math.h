@@ -1226,6 +1226,49 @@ MHC_HD void sk_recip_replay(const S (&a)[N][N], int iters, S eps, S (&sm)[N][N],
   }
 }
 
+// One step of the rescaled reverse sweep (sinkhorn_vjp_rescaled's): step k's output vector
+// in `out` (registers), its other vector = slot k - 1 of vec (1 for k = 0), read here and
+// left in `out` for step k - 1.
+template <int N, typename S, typename Store>
+MHC_HD void sk_rescaled_step_bwd(const S (&p0)[N][N], S (&g)[N][N], S (&out)[N], int k,
+                                 Store& vec) {
+  const bool column = (k & 1) == 0;
+  S other[N];
+  if (k >= 1) {
+    vec.get(k - 1, other);
+  } else {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) other[j] = S(1);
+  }
+  S h[N];
+  MHC_UNROLL
+  for (int l = 0; l < N; ++l) h[l] = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      if (column)
+        h[j] += g[i][j] * p0[i][j];
+      else
+        h[i] += g[i][j] * p0[i][j];
+    }
+  }
+  MHC_UNROLL
+  for (int l = 0; l < N; ++l) h[l] *= out[l];
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      if (column)
+        g[i][j] -= other[i] * h[j];
+      else
+        g[i][j] -= h[i] * other[j];
+    }
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) out[j] = other[j];
+}
+
 // Phase 2: g = the output gradient on entry, dA on return; r, c: phase 1's final vectors.
 template <int N, typename S, int ITERS = 0, typename Store>
 MHC_HD void sk_recip_reverse(const S (&sm)[N][N], const S (&p0)[N][N], const S (&r)[N],
@@ -1242,43 +1285,7 @@ MHC_HD void sk_recip_reverse(const S (&sm)[N][N], const S (&p0)[N][N], const S (
   MHC_UNROLL
   for (int j = 0; j < N; ++j) out[j] = c[j];
   MHC_UNROLL
-  for (int k = steps - 1; k >= 0; --k) {
-    const bool column = (k & 1) == 0;
-    S other[N];
-    if (k >= 1) {
-      vec.get(k - 1, other);
-    } else {
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) other[j] = S(1);
-    }
-    S h[N];
-    MHC_UNROLL
-    for (int l = 0; l < N; ++l) h[l] = S(0);
-    MHC_UNROLL
-    for (int i = 0; i < N; ++i) {
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) {
-        if (column)
-          h[j] += g[i][j] * p0[i][j];
-        else
-          h[i] += g[i][j] * p0[i][j];
-      }
-    }
-    MHC_UNROLL
-    for (int l = 0; l < N; ++l) h[l] *= out[l];
-    MHC_UNROLL
-    for (int i = 0; i < N; ++i) {
-      MHC_UNROLL
-      for (int j = 0; j < N; ++j) {
-        if (column)
-          g[i][j] -= other[i] * h[j];
-        else
-          g[i][j] -= h[i] * other[j];
-      }
-    }
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) out[j] = other[j];
-  }
+  for (int k = steps - 1; k >= 0; --k) sk_rescaled_step_bwd<N, S>(p0, g, out, k, vec);
   softmax_rows_bwd<N, S>(sm, g);
 }
 
@@ -1288,6 +1295,95 @@ MHC_HD void sinkhorn_vjp_recip(const S (&a)[N][N], S (&g)[N][N], int iters, S ep
   S sm[N][N], p0[N][N], r[N], c[N];
   sk_recip_replay<N, S, ITERS>(a, iters, eps, sm, p0, r, c, vec);
   sk_recip_reverse<N, S, ITERS>(sm, p0, r, c, g, iters, vec);
+}
+
+// Two matrices in flight per thread (CUDA backward variant 7, "thread-rp"; CPU variant 5):
+// the reverse sweep of matrix i runs step by step interleaved with the replay of matrix
+// i + 1, so each thread carries an FMA-only chain (reverse) and a MUFU-heavy chain (replay)
+// at once. The slots are shared: at combined step t the reverse reads slot K - 2 - t of
+// matrix i (K = 2 iters - 1 slots) and has consumed slots K - 1 - t..K - 1; the replay
+// writes slot t of matrix i + 1 into the place of matrix i's slot K - 1 - t (read at step
+// t - 1; slot K - 1 is never read back, the reverse starts from the replay's final c).
+// So matrix i + 1's slot k lives where matrix i's slot K - 1 - k did: the mapping mirrors
+// from one matrix to the next (SkMirror<FLIP>), and a thread needs K slots in all, as
+// sinkhorn_vjp_recip. Io: count(), load_a(i, a), load_g(i, g), store(i, d) over the
+// thread's matrices 0..count - 1; the last matrix's phase replays a copy of itself (results
+// dropped) so every phase has the same code. Same operations as sinkhorn_vjp_recip per
+// matrix: the same results (bitwise on the CPU).
+template <bool FLIP, typename Store>
+struct SkMirror {
+  Store& s;
+  int last;  // K - 1
+  template <typename V>
+  MHC_HD void put(int k, const V& x) {
+    s.put(FLIP ? last - k : k, x);
+  }
+  template <typename V>
+  MHC_HD void get(int k, V& x) const {
+    s.get(FLIP ? last - k : k, x);
+  }
+};
+
+template <int N, typename S>
+struct SkReplayed {  // a replayed matrix: softmax, P0, final r and c
+  S sm[N][N], p0[N][N], r[N], c[N];
+};
+
+// Reverse matrix i (state cur, vectors in mirror FLIP) interleaved with the replay of
+// matrix i + 1 (or of i again, if last) into nxt and mirror !FLIP.
+template <int N, typename S, int ITERS, bool FLIP, typename Io, typename Store>
+MHC_HD void sk_pipe_phase(Io& io, int64_t i, int iters, S eps, Store& vec,
+                          SkReplayed<N, S>& cur, SkReplayed<N, S>& nxt) {
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+  SkMirror<FLIP, Store> vin{vec, steps - 1};
+  SkMirror<!FLIP, Store> vout{vec, steps - 1};
+  S g[N][N], rh[N], ch[N], out[N];
+  {
+    S a[N][N];
+    io.load_a(i + 1 < io.count() ? i + 1 : i, a);
+    sk_p0<N, S>(a, eps, nxt.sm, nxt.p0);
+  }
+  io.load_g(i, g);
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) nxt.r[j] = nxt.c[j] = rh[j] = ch[j] = S(1);
+  MHC_UNROLL
+  for (int a = 0; a < N; ++a) {
+    MHC_UNROLL
+    for (int b = 0; b < N; ++b) g[a][b] = (g[a][b] * cur.r[a]) * cur.c[b];
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) out[j] = cur.c[j];
+  MHC_UNROLL
+  for (int t = 0; t < steps; ++t) {
+    sk_rescaled_step_bwd<N, S>(cur.p0, g, out, steps - 1 - t, vin);
+    if ((t & 1) == 0) {
+      sk_recip_step<N, S>(nxt.p0, nxt.r, ch, nxt.c, true, eps);
+      vout.put(t, nxt.c);
+    } else {
+      sk_recip_step<N, S>(nxt.p0, nxt.c, rh, nxt.r, false, eps);
+      vout.put(t, nxt.r);
+    }
+  }
+  softmax_rows_bwd<N, S>(cur.sm, g);
+  io.store(i, g);
+}
+
+template <int N, typename S, int ITERS = 0, typename Io, typename Store>
+MHC_HD void sinkhorn_vjp_recip_pipe(Io& io, int iters, S eps, Store& vec) {
+  const int64_t n = io.count();
+  if (n <= 0) return;
+  const int steps = 2 * (ITERS > 0 ? ITERS : iters) - 1;
+  SkReplayed<N, S> x, y;
+  {
+    S a[N][N];
+    io.load_a(0, a);
+    SkMirror<false, Store> v0{vec, steps - 1};
+    sk_recip_replay<N, S, ITERS>(a, iters, eps, x.sm, x.p0, x.r, x.c, v0);
+  }
+  for (int64_t i = 0; i < n; i += 2) {  // two phases per trip: the mirror alternates
+    sk_pipe_phase<N, S, ITERS, false>(io, i, iters, eps, vec, x, y);
+    if (i + 1 < n) sk_pipe_phase<N, S, ITERS, true>(io, i + 1, iters, eps, vec, y, x);
+  }
 }
 
 // ---------------------------------------------------------------- per-matrix drivers

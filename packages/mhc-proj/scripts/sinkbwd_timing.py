@@ -11,7 +11,7 @@ process (``mhc_proj.bench.copy_ceiling_gbps``). Writes OUT/sinkbwd.json and
 OUT/sinkbwd.md; prints the table.
 
     python packages/mhc-proj/scripts/sinkbwd_timing.py --out OUT \
-        --batch 16777216 1048576 --variants thread-e-occ3 thread-rs thread-r-occ3
+        --batch 16777216 1048576 --variants thread-e-occ3 thread-rs thread-rp thread-r-occ3
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[16777216, 1048576])
-    ap.add_argument("--variants", nargs="+", default=[BWD_DEFAULT, "thread-rs", "thread-r-occ3"])
+    ap.add_argument(
+        "--variants", nargs="+", default=[BWD_DEFAULT, "thread-rs", "thread-rp", "thread-r-occ3"]
+    )
     ap.add_argument("--modes", nargs="+", default=["bwd", "fwd_bwd"])
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--sigma", type=float, default=1.0)

@@ -1,5 +1,6 @@
-"""The reciprocal-replay Sinkhorn-k backward (``thread-rs`` / ``thread-r-occ3``, opt-in;
-``mhc::sinkhorn_vjp_recip``; NOTES.md, "Sinkhorn-20 backward: reciprocal replay").
+"""The reciprocal-replay Sinkhorn-k backward (``thread-rs`` / ``thread-r-occ3`` /
+``thread-rp``, opt-in; ``mhc::sinkhorn_vjp_recip``, ``sinkhorn_vjp_recip_pipe``; NOTES.md,
+"Sinkhorn-20 backward: reciprocal replay").
 
 The replay keeps each step's denominator (1/c' = P0^T r + eps / c) and takes one reciprocal
 of it, then runs the rescaled reverse sweep of ``thread-e``. The CPU module runs the same
@@ -19,7 +20,7 @@ from mhc_proj import sinkhorn_project, sinkhorn_project_ref
 from mhc_proj.sinkhorn import BWD_DEFAULT, BWD_ENV, _project, bwd_variant_code, sinkhorn_bwd
 
 F32_EPS = torch.finfo(torch.float32).eps
-R_VARIANTS = ["thread-rs", "thread-r-occ3"]
+R_VARIANTS = ["thread-rs", "thread-r-occ3", "thread-rp"]
 
 
 def _ref_grad(x, gr, iters, eps):
@@ -88,11 +89,26 @@ def test_cpu_recip_leading_dims_through_autograd(shape, sigma, monkeypatch):
         assert xd.grad.shape == x.shape
     monkeypatch.delenv(BWD_ENV)
     assert torch.equal(grads["thread-rs"], grads["thread-r-occ3"])  # the same CPU math
+    assert torch.equal(grads["thread-rs"], grads["thread-rp"])
     scale = ref.abs().max()
     assert float((grads["thread-rs"].double() - ref).abs().max() / scale) < _bwd_bound(x) / 3
     xe = x.clone().requires_grad_(True)
     _project(xe, 20, 1e-6, bwd_variant="thread-rs").backward(gr)
     assert torch.equal(xe.grad, grads["thread-rs"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [2, 4, 5])
+@pytest.mark.parametrize("iters", [1, 2, 20])
+def test_cpu_pipeline_bitwise_per_matrix(dtype, n, iters):
+    """thread-rp (two matrices in flight, mirrored slots, a dummy replay after the last
+    matrix) gives bitwise the per-matrix results for odd and even batch sizes."""
+    g = torch.Generator().manual_seed(n * 10 + iters)
+    for batch in (1, 2, 3, 4, 7, 64, 101):
+        x = torch.randn(batch, n, n, generator=g, dtype=dtype) * 3
+        gr = torch.randn(batch, n, n, generator=g, dtype=dtype)
+        want = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-rs")
+        assert torch.equal(sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-rp"), want), batch
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -120,12 +136,13 @@ def test_cpu_recip_edge_cases(n):
 def test_recip_variant_selection(monkeypatch):
     monkeypatch.delenv(BWD_ENV, raising=False)
     assert bwd_variant_code() == 4  # the default stays thread-e-occ3
-    assert [bwd_variant_code(v) for v in R_VARIANTS] == [6, 5]
+    assert [bwd_variant_code(v) for v in R_VARIANTS] == [6, 5, 7]
     g = torch.Generator().manual_seed(3)
     x = torch.randn(65, 4, 4, generator=g) * 2
     gr = torch.randn(65, 4, 4, generator=g)
     direct = sinkhorn_bwd(x, gr, 20, 1e-6, variant="thread-rs")
     assert torch.equal(direct, sinkhorn_bwd(x, gr, 20, 1e-6, variant="thread-r-occ3"))
+    assert torch.equal(direct, sinkhorn_bwd(x, gr, 20, 1e-6, variant="thread-rp"))
     assert not torch.equal(direct, sinkhorn_bwd(x, gr, 20, 1e-6, variant="thread-e"))
     with pytest.raises(ValueError, match="Sinkhorn backward variant"):
         bwd_variant_code("thread-r")

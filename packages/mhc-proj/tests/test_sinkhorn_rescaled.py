@@ -109,7 +109,7 @@ def test_rescaled_variant_selection(monkeypatch):
     sinkhorn_project(xf).backward(gr)  # the default
     assert torch.equal(xf.grad, direct)
     with pytest.raises(ValueError, match="Sinkhorn backward variant"):
-        bwd_variant_code(7)
+        bwd_variant_code(8)
 
 
 # ---------------------------------------------------------------- GPU

@@ -29,7 +29,8 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   ``thread-e-occ3``, the latter the default backward; default forward).
   ``ours-sinkhorn20-rs`` / ``ours-sinkhorn20-r-occ3``: that sweep after the
   reciprocal-form replay (``thread-rs``: step vectors partly in shared memory, 4 blocks
-  per SM; ``thread-r-occ3``: in registers, 3 blocks per SM; opt-in, NOTES.md).
+  per SM; ``thread-r-occ3``: in registers, 3 blocks per SM; opt-in, NOTES.md);
+  ``ours-sinkhorn20-rp``: ``thread-rp`` (two matrices in flight per thread).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.
 - ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
@@ -80,6 +81,7 @@ PROVIDERS = [
     "ours-sinkhorn20-e-occ3",
     "ours-sinkhorn20-rs",
     "ours-sinkhorn20-r-occ3",
+    "ours-sinkhorn20-rp",
     "torch-sinkhorn20",
     "compile-sinkhorn20",
     "tile-kernels-sinkhorn",
@@ -162,6 +164,8 @@ def _fn_for(provider: str) -> Callable | None:
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-rs")
     if provider == "ours-sinkhorn20-r-occ3":
         return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-r-occ3")
+    if provider == "ours-sinkhorn20-rp":
+        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-rp")
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":

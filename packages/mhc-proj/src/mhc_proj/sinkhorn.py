@@ -40,7 +40,11 @@ iteration. Backward, CUDA kernels:
   the start). ``thread-rs`` keeps the first 27 of the 39 step vectors in shared memory:
   128 registers, no spills, 4 blocks (16 warps) per SM; ``thread-r-occ3`` keeps all in
   registers at 3 blocks per SM (spills as ``thread-e-occ3``). The CPU runs the same math
-  for both names.
+  for both names. ``thread-rp`` (opt-in, not GPU-measured): the same math with two
+  matrices in flight per thread, the reverse sweep of one interleaved step by step with
+  the replay of the next (FMA and MUFU work in one instruction stream; the step vectors
+  share 39 slots in mirrored order, 37 in shared memory); persistent grid of 3 blocks per
+  SM, 164 registers, no spills. iters != 20 runs ``thread-rs``'s kernel.
 - ``thread``: the recompute formulation of ``sinkhorn_vjp_scaling`` (the same replay, then
   the reverse sweep on dP with the step factors; the default until 2026-12-01, 3.84-3.88 ms
   at B = 16M). The CPU runs its code for ``thread``, ``thread-occ3`` and ``lane``.
@@ -144,9 +148,11 @@ _BWD_VARIANTS = {
     "thread-e-occ3": 4,
     "thread-r-occ3": 5,
     "thread-rs": 6,
+    "thread-rp": 7,
 }
 _BWD_RESCALED = (3, 4)  # the CPU runs their reverse sweep too (its variant 3)
 _BWD_RECIP = (5, 6)  # ... and the reciprocal-form replay of these (its variant 4)
+_BWD_RECIP_PIPE = 7  # the two-matrix pipeline of that math (its variant 5)
 # measured fastest on the H200 (2026-12-01: 2.78 vs 3.84 ms at 16M, NOTES.md)
 BWD_DEFAULT = "thread-e-occ3"
 
@@ -160,7 +166,10 @@ def bwd_variant_code(variant: str | int | None = None) -> int:
     sweep; the CPU runs it too), ``"thread-e-occ3"`` = 4 (that kernel compiled for 3
     resident blocks per SM; default), ``"thread-r-occ3"`` = 5 (the same sweep after a
     replay in reciprocal form, 3 blocks per SM), ``"thread-rs"`` = 6 (5 with the first 27
-    step vectors in shared memory, 4 blocks per SM; the CPU runs the math of 5 and 6)."""
+    step vectors in shared memory, 4 blocks per SM; the CPU runs the math of 5 and 6),
+    ``"thread-rp"`` = 7 (that math with two matrices in flight per thread: the reverse
+    sweep of one interleaved with the replay of the next; persistent, 3 blocks per SM;
+    the CPU runs the same pipeline)."""
     return _backend.choice_code(
         variant, BWD_ENV, _BWD_VARIANTS, "Sinkhorn backward variant", BWD_DEFAULT
     )
@@ -172,8 +181,9 @@ def sinkhorn_bwd(
     """Exact VJP of the truncated iteration (recomputes the forward from ``x``).
 
     ``variant`` picks the CUDA kernel (n = 4 float32): ``"lane"``, ``"thread"``,
-    ``"thread-occ3"``, ``"thread-e"``, ``"thread-e-occ3"``, ``"thread-r-occ3"`` or
-    ``"thread-rs"``; None reads ``MHC_PROJ_SINKHORN_BWD`` (default ``"thread-e-occ3"``).
+    ``"thread-occ3"``, ``"thread-e"``, ``"thread-e-occ3"``, ``"thread-r-occ3"``,
+    ``"thread-rs"`` or ``"thread-rp"``; None reads ``MHC_PROJ_SINKHORN_BWD`` (default
+    ``"thread-e-occ3"``).
     The CPU path runs the rescaled-adjoint reverse sweep for the ``thread-e*`` names, that
     sweep after the reciprocal-form replay for the ``thread-r*`` names (any n and dtype),
     else the ``thread`` kernel's recompute formulation."""
@@ -199,7 +209,10 @@ def sinkhorn_bwd(
                 _backend.stream(x),
             )
     else:
-        cpu_variant = 4 if code in _BWD_RECIP else 3 if code in _BWD_RESCALED else 1
+        if code == _BWD_RECIP_PIPE:
+            cpu_variant = 5
+        else:
+            cpu_variant = 4 if code in _BWD_RECIP else 3 if code in _BWD_RESCALED else 1
         mod.sinkhorn_bwd(
             x.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, iters, eps,
             _backend.dtype_code(x), cpu_variant,
@@ -263,7 +276,8 @@ def sinkhorn_project(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -
     float32/bfloat16/float16 computed in float32 (float32 output); float64 in float64.
     Differentiable (exact backward of the truncated iteration; saves the logits). The CUDA
     backward kernel is chosen by ``MHC_PROJ_SINKHORN_BWD`` (``thread-e-occ3`` default,
-    ``thread-e``, ``thread-rs``, ``thread-r-occ3``, ``thread``, ``thread-occ3``, ``lane``),
+    ``thread-e``, ``thread-rs``, ``thread-rp``, ``thread-r-occ3``, ``thread``,
+    ``thread-occ3``, ``lane``),
     the forward kernel by
     ``MHC_PROJ_SINKHORN_FWD`` (``scaling`` default, ``thread``, ``lane``).
     """
