@@ -295,7 +295,6 @@ __global__ void __launch_bounds__(kSkThreads, kSkPipeBlocksPerSm)
   mhc::sinkhorn_vjp_recip_pipe<4, float, 20>(io, 20, eps, vec);
 }
 
-// Launches variant 5 or 6 (iters != 20: the run-time-count kernel for both).
 // Opt-in to > 48 KB of dynamic shared memory (and the largest carveout), once per device.
 template <typename K>
 void sk_smem_opt_in(K* kernel, int bytes, unsigned& configured) {
@@ -308,6 +307,7 @@ void sk_smem_opt_in(K* kernel, int bytes, unsigned& configured) {
   if (dev < 32) configured |= 1u << dev;
 }
 
+// Launches variant 5, 6 or 7 (iters != 20: the run-time-count kernel for all three).
 void launch_sinkhorn_bwd_recip(int variant, const float* xs, const float* gs, float* out,
                                int64_t B, int iters, float eps, cudaStream_t s) {
   const unsigned tgrid = unsigned((B + kSkThreads - 1) / kSkThreads);
