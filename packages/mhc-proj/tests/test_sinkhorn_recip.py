@@ -19,6 +19,9 @@ import torch
 from mhc_proj import sinkhorn_project, sinkhorn_project_ref
 from mhc_proj.sinkhorn import BWD_DEFAULT, BWD_ENV, _project, bwd_variant_code, sinkhorn_bwd
 
+# the rescaled-adjoint kernel (the default before thread-rs): an independent implementation
+PREVIOUS_DEFAULT = "thread-e-occ3"
+
 F32_EPS = torch.finfo(torch.float32).eps
 R_VARIANTS = ["thread-rs", "thread-r-occ3", "thread-rp"]
 
@@ -68,7 +71,7 @@ def test_cpu_recip_within_rounding_bound(batch, iters, sigma):
     err = float((d - ref).abs().max() / scale)
     assert err < _bwd_bound(x) / 3, err
     if batch >= 127:
-        default = sinkhorn_bwd(x, gr, iters, 1e-6, variant=BWD_DEFAULT).double()
+        default = sinkhorn_bwd(x, gr, iters, 1e-6, variant=PREVIOUS_DEFAULT).double()
         per, per_old = _per_matrix(d, ref), _per_matrix(default, ref)
         assert float(per.quantile(0.99)) <= 1.5 * float(per_old.quantile(0.99)) + 1e-7
 
@@ -81,7 +84,7 @@ def test_cpu_recip_leading_dims_through_autograd(shape, sigma, monkeypatch):
     gr = torch.randn(*shape, generator=g)
     ref = _ref_grad(x, gr, 20, 1e-6)
     grads = {}
-    for v in R_VARIANTS + [BWD_DEFAULT]:
+    for v in R_VARIANTS + [PREVIOUS_DEFAULT]:
         monkeypatch.setenv(BWD_ENV, v)
         xd = x.clone().requires_grad_(True)
         sinkhorn_project(xd).backward(gr)
@@ -135,7 +138,7 @@ def test_cpu_recip_edge_cases(n):
 
 def test_recip_variant_selection(monkeypatch):
     monkeypatch.delenv(BWD_ENV, raising=False)
-    assert bwd_variant_code() == 4  # the default stays thread-e-occ3
+    assert BWD_DEFAULT == "thread-rs" and bwd_variant_code() == 6  # since 2026-12-01 evening
     assert [bwd_variant_code(v) for v in R_VARIANTS] == [6, 5, 7]
     g = torch.Generator().manual_seed(3)
     x = torch.randn(65, 4, 4, generator=g) * 2
@@ -162,7 +165,7 @@ def test_cuda_recip_vs_reference_and_default(batch, iters, sigma):
     bound = _bwd_bound(x)
     cpu = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-rs").double()
     xc, gc = x.cuda(), gr.cuda()
-    default = sinkhorn_bwd(xc, gc, iters, 1e-6, variant=BWD_DEFAULT).cpu().double()
+    default = sinkhorn_bwd(xc, gc, iters, 1e-6, variant=PREVIOUS_DEFAULT).cpu().double()
     assert float((default - ref).abs().max() / scale) < bound
     for variant in R_VARIANTS:
         d = sinkhorn_bwd(xc, gc, iters, 1e-6, variant=variant).cpu().double()

@@ -15,9 +15,9 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   loop for all continuation stages); opt-in, NOTES.md.
 - ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
   Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
-  matrix with the rescaled-adjoint reverse sweep at 3 blocks per SM, ``thread-e-occ3``,
-  since 2026-12-01; or whatever ``MHC_PROJ_SINKHORN_FWD`` / ``MHC_PROJ_SINKHORN_BWD``
-  select). Explicit variants of the same op:
+  matrix, reciprocal-form replay and rescaled-adjoint reverse sweep with step vectors
+  partly in shared memory, ``thread-rs``, since 2026-12-01 evening; or whatever
+  ``MHC_PROJ_SINKHORN_FWD`` / ``MHC_PROJ_SINKHORN_BWD`` select). Explicit variants of the same op:
   ``ours-sinkhorn20-fullstate``: the forward on the full 16-float state (``thread``;
   default backward); ``ours-sinkhorn20-lane16``: the forward in the 16-lanes-per-matrix
   layout (fwd only); ``ours-sinkhorn20-lane-bwd``: the 16-lanes-per-matrix backward (bwd
@@ -26,10 +26,11 @@ Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
   ``ours-sinkhorn20-occ3``: that backward compiled for 3 resident blocks per SM
   (``thread-occ3``; default forward). ``ours-sinkhorn20-e`` / ``ours-sinkhorn20-e-occ3``:
   the backward with the division-free rescaled-adjoint reverse sweep (``thread-e`` /
-  ``thread-e-occ3``, the latter the default backward; default forward).
+  ``thread-e-occ3``, the latter the default backward until 2026-12-01 evening; default
+  forward).
   ``ours-sinkhorn20-rs`` / ``ours-sinkhorn20-r-occ3``: that sweep after the
   reciprocal-form replay (``thread-rs``: step vectors partly in shared memory, 4 blocks
-  per SM; ``thread-r-occ3``: in registers, 3 blocks per SM; opt-in, NOTES.md);
+  per SM, the default backward; ``thread-r-occ3``: in registers, 3 blocks per SM; NOTES.md);
   ``ours-sinkhorn20-rp``: ``thread-rp`` (two matrices in flight per thread).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
 - ``compile-sinkhorn20``: that function under ``torch.compile``.

@@ -153,23 +153,24 @@ _BWD_VARIANTS = {
 _BWD_RESCALED = (3, 4)  # the CPU runs their reverse sweep too (its variant 3)
 _BWD_RECIP = (5, 6)  # ... and the reciprocal-form replay of these (its variant 4)
 _BWD_RECIP_PIPE = 7  # the two-matrix pipeline of that math (its variant 5)
-# measured fastest on the H200 (2026-12-01: 2.78 vs 3.84 ms at 16M, NOTES.md)
-BWD_DEFAULT = "thread-e-occ3"
+# measured fastest on the H200: thread-rs since 2026-12-01 evening (run 10, one process:
+# bwd 2.01 vs thread-e-occ3's 2.54 ms at 16M, fwd+bwd 2.97 vs 3.53; NOTES.md)
+BWD_DEFAULT = "thread-rs"
 
 
 def bwd_variant_code(variant: str | int | None = None) -> int:
     """CUDA backward kernel code: ``variant`` if given, else the ``MHC_PROJ_SINKHORN_BWD``
-    environment variable, else ``"thread-e-occ3"``. ``"lane"`` = 0 (16 lanes per matrix),
-    ``"thread"`` = 1 (thread per matrix, recompute from scaling vectors),
-    ``"thread-occ3"`` = 2 (the same kernel compiled for 3 resident blocks per SM),
-    ``"thread-e"`` = 3 (thread per matrix, the division-free rescaled-adjoint reverse
-    sweep; the CPU runs it too), ``"thread-e-occ3"`` = 4 (that kernel compiled for 3
-    resident blocks per SM; default), ``"thread-r-occ3"`` = 5 (the same sweep after a
-    replay in reciprocal form, 3 blocks per SM), ``"thread-rs"`` = 6 (5 with the first 27
-    step vectors in shared memory, 4 blocks per SM; the CPU runs the math of 5 and 6),
-    ``"thread-rp"`` = 7 (that math with two matrices in flight per thread: the reverse
-    sweep of one interleaved with the replay of the next; persistent, 3 blocks per SM;
-    the CPU runs the same pipeline)."""
+    environment variable, else ``BWD_DEFAULT`` (``"thread-rs"``).
+    ``"lane"`` = 0 (16 lanes per matrix), ``"thread"`` = 1 (thread per matrix, recompute
+    from scaling vectors), ``"thread-occ3"`` = 2 (the same kernel compiled for 3 resident
+    blocks per SM), ``"thread-e"`` = 3 (thread per matrix, the division-free
+    rescaled-adjoint reverse sweep; the CPU runs it too), ``"thread-e-occ3"`` = 4 (that
+    kernel compiled for 3 resident blocks per SM; the default until 2026-12-01 evening),
+    ``"thread-r-occ3"`` = 5 (the same sweep after a replay in reciprocal form, 3 blocks per
+    SM), ``"thread-rs"`` = 6 (5 with the first 27 step vectors in shared memory, 4 blocks
+    per SM; the default; the CPU runs the math of 5 and 6), ``"thread-rp"`` = 7 (that math
+    with two matrices in flight per thread: the reverse sweep of one interleaved with the
+    replay of the next; persistent, 3 blocks per SM; the CPU runs the same pipeline)."""
     return _backend.choice_code(
         variant, BWD_ENV, _BWD_VARIANTS, "Sinkhorn backward variant", BWD_DEFAULT
     )
