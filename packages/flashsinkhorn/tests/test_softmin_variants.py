@@ -1,5 +1,6 @@
-"""The opt-in softmin kernel variants (FLASHSINKHORN_SOFTMIN_VARIANT, kernels.py) against
-the float64 oracle (CPU interpreter) and against the default kernel (GPU)."""
+"""The softmin kernel variants (FLASHSINKHORN_SOFTMIN_VARIANT, kernels.py; "shift" is the
+default) against the float64 oracle (CPU interpreter) and against the running-max kernel
+(GPU)."""
 
 import math
 
@@ -169,6 +170,7 @@ def test_shift_solve_end_to_end(monkeypatch, schedule, eps_scaling):
     x, y, a, b = clouds(45, 38, 3, dtype=torch.float32, seed=3)
     kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule,
               backend="triton", precision="ieee", reach=2.0)  # fmt: skip
+    monkeypatch.setenv("FLASHSINKHORN_SOFTMIN_VARIANT", "default")  # the running-max kernel
     base = fs.solve(x, y, a, b, **kw)
     monkeypatch.setenv("FLASHSINKHORN_SOFTMIN_VARIANT", "shift")
     calls = _count_variant_launches(monkeypatch)
@@ -193,8 +195,10 @@ def test_shift_samples_loss_end_to_end(monkeypatch):
         v.backward()
         return v.detach(), xx.grad
 
+    monkeypatch.setenv("FLASHSINKHORN_SOFTMIN_VARIANT", "default")  # the running-max kernel
     v0, g0 = run()
-    monkeypatch.setenv("FLASHSINKHORN_SOFTMIN_VARIANT", "shift")
+    monkeypatch.delenv("FLASHSINKHORN_SOFTMIN_VARIANT")  # unset: "shift", the default
+    assert K.softmin_variant() == "shift"
     calls = _count_variant_launches(monkeypatch)
     v1, g1 = run()
     assert len(calls) > 5 and set(calls) == {"shift"}
@@ -222,6 +226,8 @@ def test_softmin_variant_name_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="FLASHSINKHORN_SOFTMIN_VARIANT"):
         K.softmin_variant()
     monkeypatch.setenv("FLASHSINKHORN_SOFTMIN_VARIANT", "")
+    assert K.softmin_variant() == K.DEFAULT_SOFTMIN_VARIANT == "shift"
+    monkeypatch.setenv("FLASHSINKHORN_SOFTMIN_VARIANT", "default")
     assert K.softmin_variant() == "default"
 
 

@@ -363,13 +363,13 @@ if HAS_TRITON:
 
 
 # ----------------------------------------------------------------------------------------
-# Opt-in variants of the iteration kernel (no V): FLASHSINKHORN_SOFTMIN_VARIANT
+# Variants of the iteration kernel (no V): FLASHSINKHORN_SOFTMIN_VARIANT ("shift" is the default)
 # ----------------------------------------------------------------------------------------
 #
 # In `_softmin_kernel` each tile waits for its own dot before its exps, so inside one CTA
 # the tensor cores (wgmma) and the exp units (MUFU) take turns (NOTES.md, "What would
 # remain"). The variants below try to overlap them, selected at launch by the environment
-# variable FLASHSINKHORN_SOFTMIN_VARIANT (default: the unchanged kernel):
+# variable FLASHSINKHORN_SOFTMIN_VARIANT (unset: "shift" where the caller passes a guess):
 #
 # - "pipe": software-pipelined loop, FA3's intra-warpgroup pipelining idea written in
 #   Triton: the dot of column tile j + 1 is issued before the exp / online-LSE work of tile
@@ -426,10 +426,19 @@ if os.environ.get("FLASHSINKHORN_VARIANT_CONFIG"):  # e.g. "128,64,8,3"
     VARIANT_CONFIG = tuple(int(v) for v in os.environ["FLASHSINKHORN_VARIANT_CONFIG"].split(","))
 
 
+# The iteration passes' kernel when FLASHSINKHORN_SOFTMIN_VARIANT is unset: "shift" since
+# the H200 run of 2026-12-01 evening (one 50k pass, d = 64: tf32 2.09 -> 1.94 ms, bf16 1.44
+# -> 1.36, d = 512 tf32 10.40 -> 10.11; SamplesLoss fwd 34.4 -> 32.1 ms; 0 rows recomputed,
+# outputs within 6e-8 of the running-max kernel; NOTES.md). Passes without a guess (the
+# first one, plan applications, the public softmin without `guess`) run `_softmin_kernel`.
+DEFAULT_SOFTMIN_VARIANT = "shift"
+
+
 def softmin_variant() -> str:
     """The softmin kernel variant selected by FLASHSINKHORN_SOFTMIN_VARIANT (read at each
-    launch; "" or unset means "default")."""
-    v = os.environ.get("FLASHSINKHORN_SOFTMIN_VARIANT", "") or "default"
+    launch; "" or unset means DEFAULT_SOFTMIN_VARIANT; "default" is the running-max kernel
+    `_softmin_kernel`)."""
+    v = os.environ.get("FLASHSINKHORN_SOFTMIN_VARIANT", "") or DEFAULT_SOFTMIN_VARIANT
     if v not in SOFTMIN_VARIANTS:
         raise ValueError(
             f"FLASHSINKHORN_SOFTMIN_VARIANT must be one of {SOFTMIN_VARIANTS}; got {v!r}"
@@ -884,10 +893,11 @@ def softmin(
             squared-Euclidean cost pass ``cx = s|x - c|^2``, ``cy = s|y - c|^2``: same
             cost, smaller operands, better tf32/bf16 accuracy.
         guess: optional (B, N) estimate of ``out`` (in the Sinkhorn loops: the potential
-            being updated). Read only by the opt-in kernel FLASHSINKHORN_SOFTMIN_VARIANT=shift
-            (triton backend, no ``v``), which uses it as a fixed per-row shift instead of a
-            running max; the result is exact whatever the guess (rows it does not fit are
-            recomputed with the running max in the same kernel). Ignored otherwise.
+            being updated). Read only by the "shift" kernel (the default of
+            FLASHSINKHORN_SOFTMIN_VARIANT; triton backend, no ``v``), which uses it as a
+            fixed per-row shift instead of a running max; the result is exact whatever the
+            guess (rows it does not fit are recomputed with the running max in the same
+            kernel). Ignored otherwise.
 
     Returns:
         ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
