@@ -79,12 +79,19 @@ def _sig_v2(p_dt="bf16"):
 
 
 LEAN_ARG = [0]  # --lean (v4's LEAN constexpr)
+PARTS_ARG = [None]  # --parts (v4's PARTS bits; None: all at LEAN > 0, none at LEAN 0)
 
 MODES = {  # name: (KIND, HAS_MOM)
     "adamw": (0, True),
     "sgd": (1, True),
     "lion": (2, True),
 }
+
+
+def _parts():
+    if PARTS_ARG[0] is not None:
+        return PARTS_ARG[0]
+    return _core.LEAN_ALL if LEAN_ARG[0] else 0
 
 
 def compile_step(fn, mode="adamw", extra=None, block=1024, warps=4, sr=True, pf=2):
@@ -111,6 +118,7 @@ def compile_step(fn, mode="adamw", extra=None, block=1024, warps=4, sr=True, pf=
         CHECK_SKIP=True,
         ASM=True,
         LEAN=LEAN_ARG[0],  # v4 only
+        PARTS=_parts(),  # v4 only
     )
     consts.update(extra or {})
     argnames = fn.arg_names
@@ -357,6 +365,7 @@ def compile_matrix(fn):
             CHECK_SKIP=True,
             ASM=True,
             LEAN=LEAN_ARG[0],
+            PARTS=_parts(),
         )
         consts.update(extra)
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -385,8 +394,10 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--pf", type=int, default=2, help="v4: L2 prefetch distance in tiles")
     ap.add_argument("--lean", type=int, default=0, help="v4: LEAN tile math (0 v3's, 1, 2)")
+    ap.add_argument("--parts", type=lambda x: int(x, 0), default=None, help="v4: PARTS bits")
     a = ap.parse_args(argv)
     LEAN_ARG[0] = a.lean
+    PARTS_ARG[0] = a.parts
     ks = ["v2", "v3"] if a.kernel == "all" else a.kernel.split(",")
     if a.matrix:
         for kv in ks if a.kernel != "all" else ["v3"]:

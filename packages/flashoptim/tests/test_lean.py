@@ -4,7 +4,10 @@ Same bits as v4's default (v3's) tile math: under the interpreter on odd sizes, 
 gradients, every storage option, fp16/fp32 parameters, AdamW/Adam/SGD/Lion, a skipped step
 with a non-finite gradient, and both rounding-stream cases (LEAN 2: every tensor's global
 index base is a multiple of 8, LEAN 1: not). On the GPU the inline-PTX parts (byte
-decodes, packed bf16 conversions, group-scale stores) run too: bitwise against the default.
+decodes, packed bf16 conversions, group-scale stores) run too: bitwise against the default
+with the same ``LEAN_PIN`` bit (explicit fma: without it LLVM orders the two products of
+``v * b2 + one_m_b2 * g * g`` and alike differently in the two codes, so a different product
+is fused: the 1-ulp fp32 differences the H200 found on 2026-12-01).
 """
 
 import pytest
@@ -26,8 +29,11 @@ OPTS = [
 ]
 
 
-def _pair(Opt, kw, sizes, dtype, kinds, steps=3, dev=DEV, nan_step=None, **okw):
-    """Two v4 optimizers on the same parameters and gradients, default and lean tile math."""
+def _pair(Opt, kw, sizes, dtype, kinds, steps=3, dev=DEV, nan_step=None, parts=None, **okw):
+    """Two v4 optimizers on the same parameters and gradients, default and lean tile math.
+    ``parts``: the lean side's GPU parts (default FLASHOPTIM_LEAN_PARTS or all); the default
+    side gets their ``LEAN_PIN`` bit (the explicit fma both sides need to agree bitwise)."""
+    parts = fopt._lean_parts(True, parts)
     gen = torch.Generator().manual_seed(0)
     ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype).to(dev) for n in sizes]
     out = []
@@ -35,6 +41,7 @@ def _pair(Opt, kw, sizes, dtype, kinds, steps=3, dev=DEV, nan_step=None, **okw):
         qs = [p.clone().requires_grad_() for p in ps]
         opt = Opt(qs, lr=1e-2, backend="triton", kernel="v4", **kw, **okw)
         opt._lean = lean
+        opt._lean_parts = parts if lean else parts & _core.LEAN_PIN
         out.append((opt, qs))
     for s in range(steps):
         grads = [
@@ -110,6 +117,34 @@ def test_lean_rounding_stream_index_bases(monkeypatch, base, lean):
     out = _pair(fo.FlashAdamW, {}, (16, 48, 2064), torch.bfloat16, ("mixed",), steps=2)
     _assert_bitwise(out)
     assert (True, lean == 2) in seen
+
+
+def test_lean_parts_resolution(monkeypatch):
+    """PARTS: all by default when lean, none at LEAN 0; FLASHOPTIM_LEAN_PARTS (read at every
+    launch) or ``opt._lean_parts``; at LEAN 0 only the PIN bit survives."""
+    monkeypatch.delenv("FLASHOPTIM_LEAN_PARTS", raising=False)
+    assert fopt._lean_parts(True, None) == _core.LEAN_ALL == 31
+    assert fopt._lean_parts(False, None) == 0
+    monkeypatch.setenv("FLASHOPTIM_LEAN_PARTS", "0x12")
+    assert fopt._lean_parts(True, None) == 0x12
+    assert fopt._lean_parts(False, None) == _core.LEAN_PIN
+    assert fopt._lean_parts(True, 5) == 5 and fopt._lean_parts(False, 5) == 0
+
+
+@needs_interp
+@pytest.mark.parametrize("parts", [0, _core.LEAN_PIN, _core.LEAN_ALL])
+def test_lean_parts_interpreter_bitwise(parts):
+    """Under the interpreter every PARTS value runs the same (ASM-free) code: bitwise equal."""
+    out = _pair(
+        fo.FlashSGD,
+        dict(momentum=0.9, nesterov=True),
+        (33, 2049),
+        torch.bfloat16,
+        ("randn", "mixed"),
+        steps=2,
+        parts=parts,
+    )
+    _assert_bitwise(out)
 
 
 def test_lean_env_default_off():

@@ -1233,6 +1233,15 @@ def _draw_lean(off, ib, key, LEAN: tl.constexpr):
     return h.to(tl.float32) * 2.3283064365386963e-10  # 2**-32
 
 
+# v4 lean parts (``PARTS`` bits; FLASHOPTIM_LEAN_PARTS, read at launch): GPU-only inline PTX
+LEAN_ST = 1  # group scales stored from registers (predicated st.global.b16/.b32)
+LEAN_UNPACK = 2  # bf16 -> fp32 of p, g and the new weight by SHL / AND on the register pair
+LEAN_CVT = 4  # the new weight rounded by cvt.rn.bf16x2.f32 per pair
+LEAN_Q2 = 8  # q and 1/q of the correction on bf16 pairs (SIMD16 max/min)
+LEAN_PIN = 16  # explicit fma for every two-product sum (also at LEAN 0; changes LEAN 0's bits)
+LEAN_ALL = 31
+
+
 @triton.jit
 def _tile_loads_v3(
     pp,
@@ -1323,24 +1332,36 @@ def _tile_update_v3(
     SCALE_F32: tl.constexpr,
     ASM: tl.constexpr,
     LEAN: tl.constexpr = 0,
+    PARTS: tl.constexpr = 0,
 ):
     """The rest of ``_step_tile_v3`` after its loads (``_tile_loads_v3``): decode, update,
-    requantize and store, split the master weight and store."""
-    if LEAN > 0 and g_raw.dtype == tl.bfloat16:
+    requantize and store, split the master weight and store.
+
+    ``PARTS`` (GPU only, ``ASM``): which inline-PTX parts the lean math uses (``LEAN_ST`` scale
+    stores from registers, ``LEAN_UNPACK`` bf16 -> fp32 by shift/mask, ``LEAN_CVT``
+    ``cvt.rn.bf16x2``, ``LEAN_Q2`` SIMD16 q and 1/q) and ``LEAN_PIN``: every sum of two
+    single-use products written as one explicit ``fma`` (at LEAN 0 too), so that LLVM's
+    operand order (which differs between the old and the lean code, and between the 8
+    elements of a thread) no longer picks which product is fused."""
+    ST: tl.constexpr = ASM and LEAN > 0 and (PARTS & 1) != 0
+    UNPACK: tl.constexpr = ASM and LEAN > 0 and (PARTS & 2) != 0
+    CVT: tl.constexpr = ASM and LEAN > 0 and (PARTS & 4) != 0
+    Q2: tl.constexpr = ASM and LEAN > 0 and (PARTS & 8) != 0
+    PIN: tl.constexpr = ASM and (PARTS & 16) != 0
+    if UNPACK and g_raw.dtype == tl.bfloat16:
         g = _bf16_f32(g_raw, ASM)
     else:
         g = g_raw.to(tl.float32)
     if ECC > 0:
         c = c_raw.to(tl.int32).to(tl.float32)
         if P_DTYPE == 1:
-            if LEAN > 0:
+            if UNPACK:
                 pf = _bf16_f32(p, ASM)
-                if ASM:
-                    q = _q_bf16x2(p, ECC, False)
-                else:
-                    q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
             else:
                 pf = p.to(tl.float32)
+            if Q2:
+                q = _q_bf16x2(p, ECC, False)
+            else:
                 q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
             th = pf + c * q
         else:
@@ -1367,33 +1388,60 @@ def _tile_update_v3(
         else:
             v = vc_raw
         if DECOUPLED:
-            th = th * decay_mult
+            if not PIN:
+                th = th * decay_mult
         else:
             g = g + wd * th
-        m = m + (g - m) * one_m_b1
-        v = v * b2 + one_m_b2 * (g * g)
+        if PIN:  # old (PTX): fma(one_m_b1, g - m, m); m = x * msc has two uses
+            m = tl.fma(g - m, one_m_b1, m)
+        else:
+            m = m + (g - m) * one_m_b1
+        if PIN and DECOUPLED:  # the old code's choice (PTX, all 8): one_m_b2 * (g * g) fused
+            v = tl.fma(g * g, one_m_b2, v * b2)
+        elif PIN:  # coupled decay: old fuses v * b2 (all 8)
+            v = tl.fma(v, b2, one_m_b2 * (g * g))
+        else:
+            v = v * b2 + one_m_b2 * (g * g)
         svg = tl.sqrt(v)
-        th = th - step_size * _div(m, svg * inv_sqrt_bc2 + eps, ASM)
+        if PIN and DECOUPLED:  # old: th * decay_mult fused
+            th = tl.fma(th, decay_mult, -(step_size * _div(m, svg * inv_sqrt_bc2 + eps, ASM)))
+        else:
+            th = th - step_size * _div(m, svg * inv_sqrt_bc2 + eps, ASM)
     elif KIND == 1:  # SGD
         if DECOUPLED:
-            th = th * decay_mult
+            if not PIN:
+                th = th * decay_mult
         else:
             g = g + wd * th
         if HAS_MOM:
-            m = tl.where(first != 0, g, m * b1 + one_m_damp * g)
+            if PIN and NESTEROV:  # old: m * b1 fused on 6 of a thread's 8 elements
+                m = tl.where(first != 0, g, tl.fma(m, b1, one_m_damp * g))
+            elif PIN:  # old: one_m_damp * g fused (all 8)
+                m = tl.where(first != 0, g, tl.fma(g, one_m_damp, m * b1))
+            else:
+                m = tl.where(first != 0, g, m * b1 + one_m_damp * g)
             if NESTEROV:
                 d = g + b1 * m
             else:
                 d = m
         else:
             d = g
-        th = th - lr * d
+        if PIN and DECOUPLED:  # old: th * decay_mult fused
+            th = tl.fma(th, decay_mult, -(lr * d))
+        else:
+            th = th - lr * d
     else:  # Lion
-        th = th * decay_mult
-        cc = m * b1 + one_m_b1 * g
-        sgn = tl.where(cc > 0, 1.0, tl.where(cc < 0, -1.0, 0.0))
-        th = th - lr * sgn
-        m = m * b2 + one_m_b2 * g
+        if PIN:  # old's choices: th * decay_mult, one_m_b1 * g, one_m_b2 * g fused
+            cc = tl.fma(g, one_m_b1, m * b1)
+            sgn = tl.where(cc > 0, 1.0, tl.where(cc < 0, -1.0, 0.0))
+            th = tl.fma(th, decay_mult, -(lr * sgn))
+            m = tl.fma(g, one_m_b2, m * b2)
+        else:
+            th = th * decay_mult
+            cc = m * b1 + one_m_b1 * g
+            sgn = tl.where(cc > 0, 1.0, tl.where(cc < 0, -1.0, 0.0))
+            th = th - lr * sgn
+            m = m * b2 + one_m_b2 * g
 
     if HAS_MOM:
         if QUANT:
@@ -1406,7 +1454,7 @@ def _tile_update_v3(
             # and v2's clamp is a no-op (non-finite m, check_finite=False: other garbage)
             t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + 0.5
             tl.store(mp + off, _floor_bits(t, ASM).to(tl.int8), mask=mask)
-            if LEAN > 0 and ASM:
+            if ST:
                 _store_scales(msp + goff, ms_new, gmask, SCALE_F32)
             else:
                 tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
@@ -1427,7 +1475,7 @@ def _tile_update_v3(
                 lo = tl.minimum(svg, 7.888609052210118e-31) * 1.2676506002282294e30
             t = tl.maximum(svg * inv[:, None] + 0.5, lo)
             tl.store(vp + off, _floor_bits(t, ASM).to(tl.uint8), mask=mask)
-            if LEAN > 0 and ASM:
+            if ST:
                 _store_scales(vsp + goff, vs_new, gmask, SCALE_F32)
             else:
                 tl.store(vsp + goff, vs_new.to(vsp.dtype.element_ty), mask=gmask)
@@ -1438,7 +1486,7 @@ def _tile_update_v3(
         tl.store(pp + off, th, mask=mask)
     else:
         if P_DTYPE == 1:
-            if ASM and LEAN > 0:  # cvt.rn.bf16x2.f32: one F2FP per two, the same RNE
+            if CVT:  # cvt.rn.bf16x2.f32: one F2FP per two, the same RNE
                 pn = tl.inline_asm_elementwise(
                     "cvt.rn.bf16x2.f32 $0, $2, $1;",
                     "=r,f,f",
@@ -1457,11 +1505,11 @@ def _tile_update_v3(
             pn = th.to(tl.float16)
         tl.store(pp + off, pn, mask=mask)
         if ECC > 0:
-            if LEAN > 0 and P_DTYPE == 1:
+            if UNPACK and P_DTYPE == 1:
                 pnf = _bf16_f32(pn, ASM)
             else:
                 pnf = pn.to(tl.float32)
-            if P_DTYPE == 1 and LEAN > 0 and ASM:
+            if P_DTYPE == 1 and Q2:
                 iq = _q_bf16x2(pn, ECC, True)
             elif P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
                 iq = (0x7F000000 - _q_bf16(pnf, ECC)).to(tl.float32, bitcast=True)
@@ -1522,6 +1570,7 @@ def _step_tile_v3(
     SCALE_F32: tl.constexpr,
     ASM: tl.constexpr,
     LEAN: tl.constexpr = 0,
+    PARTS: tl.constexpr = 0,
 ):
     """``_step_tile`` with v3's cheaper element math (same codes under the interpreter):
     ``_tile_loads_v3`` then ``_tile_update_v3``."""
@@ -1572,6 +1621,7 @@ def _step_tile_v3(
         SCALE_F32,
         ASM,
         LEAN,
+        PARTS,
     )
 
 
@@ -1981,6 +2031,7 @@ def _step_kernel_v4(
     GROUP_SIZE: tl.constexpr,
     SCALARS_ON_DEVICE: tl.constexpr,
     LEAN: tl.constexpr = 0,  # 0: v3's tile math; 1, 2: the leaner one (_tile_update_v3)
+    PARTS: tl.constexpr = 0,  # GPU-only parts (LEAN_* bits, _tile_update_v3); PIN also at LEAN 0
 ):
     if CHECK_SKIP:
         if tl.load(skip_flag) == epoch:
@@ -2092,6 +2143,7 @@ def _step_kernel_v4(
                 SCALE_F32,
                 ASM,
                 LEAN,
+                PARTS,
             )
 
 
@@ -2164,7 +2216,7 @@ def _v4_configs():
 
 _step_kernel_v4_tuned = triton.autotune(
     configs=_v4_configs(),
-    key=_TUNE_KEY + ["LEAN"],
+    key=_TUNE_KEY + ["LEAN", "PARTS"],
     pre_hook=_tune_pre_hook,
     post_hook=_tune_post_hook,
     do_bench=_quick_bench,

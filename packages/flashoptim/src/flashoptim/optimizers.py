@@ -40,6 +40,18 @@ _LAZY_SKIP = os.environ.get("FLASHOPTIM_LAZY_SKIP", "0") == "1"
 _LEAN = os.environ.get("FLASHOPTIM_LEAN", "0") == "1"
 
 
+def _lean_parts(lean: bool, override: int | None) -> int:
+    """v4's PARTS bits (``_core.LEAN_*``; GPU only): ``opt._lean_parts`` if set, else
+    FLASHOPTIM_LEAN_PARTS (read at every launch, e.g. ``0x1f``), else all parts when lean and
+    none at LEAN 0. At LEAN 0 only ``LEAN_PIN`` (explicit fma, changes the default's bits)
+    counts."""
+    if override is None:
+        env = os.environ.get("FLASHOPTIM_LEAN_PARTS", "")
+        override = int(env, 0) if env else None
+    parts = (_core.LEAN_ALL if lean else 0) if override is None else int(override)
+    return parts & _core.LEAN_ALL if lean else parts & _core.LEAN_PIN
+
+
 def _v2_autotune(dev: torch.device) -> bool:
     """Autotune v2 on CUDA unless FLASHOPTIM_NO_AUTOTUNE=1 (read at every launch)."""
     return (
@@ -216,6 +228,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._epoch = 0  # v4 eager: the current checked step's mark (never reset by a skip)
         self._lazy_skip = _LAZY_SKIP
         self._lean = _LEAN
+        self._lean_parts = None  # None: FLASHOPTIM_LEAN_PARTS or the default (_lean_parts)
         self._pending = None  # lazy skip: (event, host flag values, mark, plans) of a step
         self._plans: dict = {}
         self._release_enabled = False
@@ -1001,6 +1014,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         )
         if v4:
             meta["LEAN"] = (2 if ent["ib8"] else 1) if self._lean else 0
+            # inline-PTX parts: none under the interpreter (one kernel variant there)
+            meta["PARTS"] = _lean_parts(self._lean, self._lean_parts) if meta["ASM"] else 0
             kernels = (_core._step_kernel_v4_tuned, _core._step_kernel_v4)
             self._launch_units(ent, args, meta, *kernels, _core.V4_DEFAULT, _core.V4_DEFAULT_WARPS)
         else:
