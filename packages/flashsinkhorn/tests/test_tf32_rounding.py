@@ -7,7 +7,7 @@ import torch
 from _helpers import needs_interpreter
 
 import flashsinkhorn as fs
-from flashsinkhorn.solver import kernel_operands, round_to_tf32
+from flashsinkhorn.solver import kernel_operands, round_to_tf32, round_to_tf32_
 
 
 def _tf32_ref(v: float) -> float:
@@ -64,3 +64,26 @@ def test_kernel_operands_round_only_tf32():
     assert xk is yk  # a self problem keeps one operand
     xk, _ = kernel_operands(x, y, c, "tf32", "torch")  # the torch backend computes in fp32
     assert torch.equal(xk, x - c[:, None, :])
+
+
+def test_round_to_tf32_in_place_chunks_and_errors():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1001, 7, generator=gen)
+    want = round_to_tf32(x)
+    y = x.clone()
+    assert round_to_tf32_(y, chunk=100) is y  # chunks that do not divide the size
+    assert torch.equal(y, want)
+    with pytest.raises(TypeError, match="contiguous float32"):
+        round_to_tf32_(x.t())
+    with pytest.raises(TypeError, match="contiguous float32"):
+        round_to_tf32_(x.double())
+
+
+@needs_interpreter
+def test_kernel_operands_never_round_the_callers_tensor():
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.rand(1, 9, 3, generator=gen), torch.rand(1, 8, 3, generator=gen)
+    x0, y0 = x.clone(), y.clone()
+    xk, yk = kernel_operands(x, y, None, "tf32", "triton")  # no center: no copy before
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+    assert torch.equal(xk, round_to_tf32(x0)) and torch.equal(yk, round_to_tf32(y0))

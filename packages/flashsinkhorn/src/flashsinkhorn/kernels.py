@@ -606,10 +606,16 @@ if HAS_TRITON:
                     dot_scale, inv_eps2, w_scale, HAS_LABELS,
                 )  # fmt: skip
 
-        lse2 = m_i + tl.log2(l_i)
         if MODE == 8:
-            lse2 = tl.where(bad, lse2, sh + tl.log2(l_s))
+            # each row takes one of the two sums; the other one's log2 reads 1 (rows not
+            # recomputed keep l_i = 0: no log2(0), which the interpreter reports as an error)
+            lse2 = tl.where(
+                bad,
+                m_i + tl.log2(tl.where(bad, l_i, 1.0)),
+                sh + tl.log2(tl.where(bad, 1.0, l_s)),
+            )
         else:
+            lse2 = m_i + tl.log2(l_i)
             cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
         out = damping * (cx - eps_ln2 * lse2)
         tl.store(OUT + pid_b64 * N + rows, out, mask=row_mask)

@@ -290,23 +290,38 @@ def kernel_operands(X, Y, center, precision="tf32", backend="auto"):
                 # tensor cores inside every pass: the H200 run of 2026-12-01 measured the
                 # SamplesLoss value 2.3e-5 off float64 with raw fp32 operands (flash-sinkhorn,
                 # which rounds its operands, 9.4e-8); a float64 emulation of this loop gives
-                # 1.3e-4 for truncated operands and 1.4e-7 for rounded ones (NOTES.md)
-                Xk = round_to_tf32(Xk)
-                Yk = Xk if same else round_to_tf32(Yk)
+                # 1.3e-4 for truncated operands and 1.4e-7 for rounded ones (NOTES.md).
+                # In place on our own copy (no copy was made without a center).
+                Xk = round_to_tf32_(Xk if center is not None else Xk.clone())
+                Yk = Xk if same else round_to_tf32_(Yk if center is not None else Yk.clone())
         return Xk, Yk
 
 
+def round_to_tf32_(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """Round a contiguous float32 tensor in place to the nearest tf32 value (10 explicit
+    mantissa bits, ties to even) and return it: its tf32 tensor-core products are then
+    exact. Integer operations on the bits, in chunks of ``chunk`` elements (one int32
+    temporary of at most that size). Finite values above the largest tf32 value round to
+    +-inf as in any round-to-nearest; inf stays inf (NaN is not expected here: the solvers
+    reject non-finite inputs)."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise TypeError(
+            f"round_to_tf32_: t must be a contiguous float32 tensor, got {t.dtype} "
+            f"(contiguous: {t.is_contiguous()})"
+        )
+    bits = t.view(-1).view(torch.int32)
+    for i0 in range(0, bits.numel(), chunk):
+        b = bits[i0 : i0 + chunk]
+        lsb = torch.bitwise_right_shift(b, 13).bitwise_and_(1)  # ties go to the even side
+        b.add_(lsb.add_(0x0FFF)).bitwise_and_(~0x1FFF)
+    return t
+
+
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 values rounded to the nearest tf32 value (10 explicit mantissa bits, ties to
-    even), as fp32: a new tensor whose tf32 tensor-core products are exact. Finite values
-    only round to finite values, except those above the largest tf32 value, which round to
-    +-inf as in any round-to-nearest; inf stays inf (NaN is not expected here: the
-    solvers reject non-finite inputs)."""
+    """:func:`round_to_tf32_` on a copy of ``t`` (float32)."""
     if t.dtype != torch.float32:
         raise TypeError(f"round_to_tf32: t must be float32, got {t.dtype}")
-    bits = t.contiguous().view(torch.int32)
-    lsb = (bits >> 13) & 1  # the last kept mantissa bit: ties go to the even neighbour
-    return ((bits + (0x0FFF + lsb)) & ~0x1FFF).view(torch.float32)
+    return round_to_tf32_(t.contiguous().clone())
 
 
 def common_center(x, y):
