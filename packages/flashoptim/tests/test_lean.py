@@ -1,4 +1,5 @@
-"""The leaner v4 tile math (``LEAN``, opt-in: ``FLASHOPTIM_LEAN=1`` / ``opt._lean = True``).
+"""The leaner v4 tile math (``LEAN``, the default; ``FLASHOPTIM_LEAN=0`` / ``opt._lean = False``
+selects the previous math).
 
 Same bits as v4's default (v3's) tile math: under the interpreter on odd sizes, edge-case
 gradients, every storage option, fp16/fp32 parameters, AdamW/Adam/SGD/Lion, a skipped step
@@ -199,12 +200,12 @@ def test_gpu_lean_equals_default_options(monkeypatch, okw):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    _core._v4_configs()[1:],
+    _core._v4_configs(),
     ids=lambda c: "B{BLOCK}_W{WAVES}_PF{PF}".format(**c.kwargs) + f"_w{c.num_warps}",
 )
 def test_gpu_lean_every_config(monkeypatch, cfg):
-    """The other tuning configs (PF 0 / 4, persistent, BLOCK 2048 on 8 warps) as the single
-    default config: lean vs default, AdamW, bitwise."""
+    """Every tuning config (BLOCK 2048 on 4 / 8 warps, PF 0 / 2 / 4, persistent) as the
+    single default config: lean vs default, AdamW, bitwise."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     monkeypatch.setattr(_core, "V4_DEFAULT", dict(cfg.kwargs))
     monkeypatch.setattr(_core, "V4_DEFAULT_WARPS", cfg.num_warps)
