@@ -251,10 +251,14 @@ def test_v4_every_tuning_config_equals_v3(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_v4_vs_v3_one_step(monkeypatch):
-    """GPU (inline PTX, L2 prefetch at the default PF 2): three steps of v4 and v3 on
-    1M + odd elements and whole chunks, checked each step. Same tile code, so the results
-    are bitwise equal (every tuning config, PF 0/1/4 included, runs in
-    test_gpu_v2_autotune_applies_the_step_once[v4] against the CPU path)."""
+    """GPU (inline PTX, L2 prefetch at the default PF 2): three steps of v4 with the
+    previous tile math (``_lean = False``, no explicit-fma pinning) and v3 on 1M + odd
+    elements and whole chunks, checked each step. Same tile code, so the results are
+    bitwise equal (every tuning config, PF 0/1/4 included, runs in
+    test_gpu_v2_autotune_applies_the_step_once[v4] against the CPU path). The lean math,
+    v4's default, is compared bit for bit with this one in test_lean.py (H200, 2026-12-01
+    evening: the lean default against v3 differed in FlashAdam's and Nesterov SGD's
+    corrections, where the pinned fma order of the lean math is not the one LLVM chose)."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     torch.manual_seed(0)
     sizes = (1_000_003, 4097, 31, 3 * U)
@@ -263,7 +267,9 @@ def test_gpu_v4_vs_v3_one_step(monkeypatch):
         outs = []
         for kernel in ("v3", "v4"):
             qs = [p.clone().requires_grad_() for p in ps]
-            outs.append((Opt(qs, lr=1e-3, kernel=kernel, **kw), qs))
+            opt = Opt(qs, lr=1e-3, kernel=kernel, **kw)
+            opt._lean, opt._lean_parts = False, 0  # v4's previous math (v3 ignores both)
+            outs.append((opt, qs))
         for _s in range(3):
             gs = [torch.randn(n, device="cuda").bfloat16() for n in sizes]
             for opt, qs in outs:
