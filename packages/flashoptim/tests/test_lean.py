@@ -13,7 +13,7 @@ is fused: the 1-ulp fp32 differences the H200 found on 2026-12-01).
 
 import pytest
 import torch
-from test_v3 import DEV, _assert_bitwise, _grad, needs_interp
+from test_v3 import DEV, STORAGE_OPTIONS, _assert_bitwise, _grad, needs_interp
 
 import flashoptim as fo
 from flashoptim import _core
@@ -72,13 +72,7 @@ def test_lean_equals_default_bitwise(Opt, kw, kinds):
 @needs_interp
 @pytest.mark.parametrize(
     "okw",
-    [
-        dict(stochastic_rounding=False),
-        dict(master_weight_bits=32),
-        dict(master_weight_bits=None),
-        dict(quantize=False),
-        dict(scale_dtype=torch.float32),
-    ],
+    STORAGE_OPTIONS,
 )
 def test_lean_equals_default_bitwise_options(okw):
     out = _pair(fo.FlashAdamW, {}, (7, 300, 2 * U + 33), torch.bfloat16, ("mixed",), **okw)

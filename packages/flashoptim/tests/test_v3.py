@@ -81,6 +81,16 @@ OPTS = [
 ]
 
 
+# the storage options every kernel version is compared under (besides the defaults)
+STORAGE_OPTIONS = [
+    dict(stochastic_rounding=False),
+    dict(master_weight_bits=32),
+    dict(master_weight_bits=None),
+    dict(quantize=False),
+    dict(scale_dtype=torch.float32),
+]
+
+
 @needs_interp
 @pytest.mark.parametrize("Opt,kw", OPTS)
 @pytest.mark.parametrize("kinds", [("randn",), ("zero", "randn"), ("subnormal", "huge", "mixed")])
@@ -92,13 +102,7 @@ def test_v3_equals_v2_bitwise_edge_cases(Opt, kw, kinds):
 @needs_interp
 @pytest.mark.parametrize(
     "okw",
-    [
-        dict(stochastic_rounding=False),
-        dict(master_weight_bits=32),
-        dict(master_weight_bits=None),
-        dict(quantize=False),
-        dict(scale_dtype=torch.float32),
-    ],
+    STORAGE_OPTIONS,
 )
 def test_v3_equals_v2_bitwise_options(okw):
     out = _pair(fo.FlashAdamW, {}, (7, 300, 2048), torch.bfloat16, ("mixed", "randn"), **okw)

@@ -14,7 +14,7 @@ import torch
 
 # the interpreter flag, markers, device and the bitwise pair helpers are test_v3's (its pair
 # defaults to v2 vs v3; here v3 vs v4)
-from test_v3 import DEV, _assert_bitwise, needs_interp, needs_kernel
+from test_v3 import DEV, STORAGE_OPTIONS, _assert_bitwise, needs_interp, needs_kernel
 from test_v3 import _pair as _pair_v3
 
 import flashoptim as fo
@@ -48,13 +48,7 @@ def test_v4_equals_v3_bitwise(Opt, kw, kinds):
 @needs_interp
 @pytest.mark.parametrize(
     "okw",
-    [
-        dict(stochastic_rounding=False),
-        dict(master_weight_bits=32),
-        dict(master_weight_bits=None),
-        dict(quantize=False),
-        dict(scale_dtype=torch.float32),
-    ],
+    STORAGE_OPTIONS,
 )
 def test_v4_equals_v3_bitwise_options(okw):
     out = _pair(fo.FlashAdamW, {}, (7, 300, 2 * U + 33), torch.bfloat16, ("mixed",), **okw)

@@ -15,26 +15,15 @@ kernel.
 
 import pytest
 import torch
+from _sinkhorn_bwd_helpers import assert_graph_replay_matches, bwd_bound, ref_grad
 
-from mhc_proj import sinkhorn_project, sinkhorn_project_ref
+from mhc_proj import sinkhorn_project
 from mhc_proj.sinkhorn import BWD_DEFAULT, BWD_ENV, _project, bwd_variant_code, sinkhorn_bwd
 
 # the rescaled-adjoint kernel (the default before thread-rs): an independent implementation
 PREVIOUS_DEFAULT = "thread-e-occ3"
 
-F32_EPS = torch.finfo(torch.float32).eps
 R_VARIANTS = ["thread-rs", "thread-r-occ3", "thread-rp"]
-
-
-def _ref_grad(x, gr, iters, eps):
-    xr = x.detach().cpu().double().requires_grad_(True)
-    sinkhorn_project_ref(xr, iters=iters, eps=eps).backward(gr.cpu().double())
-    return xr.grad
-
-
-def _bwd_bound(x: torch.Tensor) -> float:
-    """tests/test_sinkhorn.py's bound: 64 eps_f32 max(1, max|x|) of max|ref|."""
-    return 64 * F32_EPS * max(1.0, float(x.abs().max()))
 
 
 def _per_matrix(d, ref):
@@ -51,7 +40,7 @@ def test_cpu_recip_float64_exact(n, iters, eps):
     g = torch.Generator().manual_seed(n * 100 + iters)
     x = torch.randn(301, n, n, generator=g, dtype=torch.float64) * 4
     gr = torch.randn(301, n, n, generator=g, dtype=torch.float64)
-    ref = _ref_grad(x, gr, iters, eps)
+    ref = ref_grad(x, gr, iters, eps)
     for v in R_VARIANTS:
         d = sinkhorn_bwd(x, gr, iters, eps, variant=v)
         assert float((d - ref).abs().max() / ref.abs().max()) <= 1e-13, v
@@ -64,12 +53,12 @@ def test_cpu_recip_within_rounding_bound(batch, iters, sigma):
     g = torch.Generator().manual_seed(batch + iters)
     x = torch.randn(batch, 4, 4, generator=g) * sigma
     gr = torch.randn(batch, 4, 4, generator=g)
-    ref = _ref_grad(x, gr, iters, 1e-6)
+    ref = ref_grad(x, gr, iters, 1e-6)
     scale = ref.abs().max()
     d = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-rs").double()
     assert torch.isfinite(d).all()
     err = float((d - ref).abs().max() / scale)
-    assert err < _bwd_bound(x) / 3, err
+    assert err < bwd_bound(x) / 3, err
     if batch >= 127:
         default = sinkhorn_bwd(x, gr, iters, 1e-6, variant=PREVIOUS_DEFAULT).double()
         per, per_old = _per_matrix(d, ref), _per_matrix(default, ref)
@@ -82,7 +71,7 @@ def test_cpu_recip_leading_dims_through_autograd(shape, sigma, monkeypatch):
     g = torch.Generator().manual_seed(len(shape) * 10 + int(sigma))
     x = torch.randn(*shape, generator=g) * sigma
     gr = torch.randn(*shape, generator=g)
-    ref = _ref_grad(x, gr, 20, 1e-6)
+    ref = ref_grad(x, gr, 20, 1e-6)
     grads = {}
     for v in R_VARIANTS + [PREVIOUS_DEFAULT]:
         monkeypatch.setenv(BWD_ENV, v)
@@ -94,7 +83,7 @@ def test_cpu_recip_leading_dims_through_autograd(shape, sigma, monkeypatch):
     assert torch.equal(grads["thread-rs"], grads["thread-r-occ3"])  # the same CPU math
     assert torch.equal(grads["thread-rs"], grads["thread-rp"])
     scale = ref.abs().max()
-    assert float((grads["thread-rs"].double() - ref).abs().max() / scale) < _bwd_bound(x) / 3
+    assert float((grads["thread-rs"].double() - ref).abs().max() / scale) < bwd_bound(x) / 3
     xe = x.clone().requires_grad_(True)
     _project(xe, 20, 1e-6, bwd_variant="thread-rs").backward(gr)
     assert torch.equal(xe.grad, grads["thread-rs"])
@@ -122,14 +111,14 @@ def test_cpu_recip_edge_cases(n):
     for sigma, eps in [(30.0, 1e-6), (100.0, 1e-6), (1.0, 1e-2), (3.0, 1e-9)]:
         x = torch.randn(513, n, n, generator=g) * sigma
         gr = torch.randn(513, n, n, generator=g)
-        ref = _ref_grad(x, gr, 20, eps)
+        ref = ref_grad(x, gr, 20, eps)
         d = sinkhorn_bwd(x, gr, 20, eps, variant="thread-rs").double()
         assert torch.isfinite(d).all()
         old = sinkhorn_bwd(x, gr, 20, eps, variant="thread-e").double()
         scale = ref.abs().max()
         assert float((d - ref).abs().max() / scale) <= 2 * float(
             (old - ref).abs().max() / scale
-        ) + _bwd_bound(x), (sigma, eps)
+        ) + bwd_bound(x), (sigma, eps)
     e = sinkhorn_bwd(torch.empty(0, n, n), torch.empty(0, n, n), 20, 1e-6, variant="thread-rs")
     assert e.shape == (0, n, n)
     z = sinkhorn_bwd(x, torch.zeros_like(x), 20, 1e-6, variant="thread-rs")
@@ -160,9 +149,9 @@ def test_cuda_recip_vs_reference_and_default(batch, iters, sigma):
     g = torch.Generator().manual_seed(batch + iters)
     x = torch.randn(batch, 4, 4, generator=g) * sigma
     gr = torch.randn(batch, 4, 4, generator=g)
-    ref = _ref_grad(x, gr, iters, 1e-6)
+    ref = ref_grad(x, gr, iters, 1e-6)
     scale = ref.abs().max()
-    bound = _bwd_bound(x)
+    bound = bwd_bound(x)
     cpu = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-rs").double()
     xc, gc = x.cuda(), gr.cuda()
     default = sinkhorn_bwd(xc, gc, iters, 1e-6, variant=PREVIOUS_DEFAULT).cpu().double()
@@ -184,7 +173,7 @@ def test_cuda_recip_through_autograd_leading_dims_and_graph(monkeypatch):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(3, 1667, 4, 4, generator=g) * 2
     gr = torch.randn(3, 1667, 4, 4, generator=g)
-    ref = _ref_grad(x, gr, 20, 1e-6)
+    ref = ref_grad(x, gr, 20, 1e-6)
     scale = ref.abs().max()
     for variant in R_VARIANTS:
         monkeypatch.setenv(BWD_ENV, variant)
@@ -197,15 +186,4 @@ def test_cuda_recip_through_autograd_leading_dims_and_graph(monkeypatch):
         assert float((xd.grad.cpu().double() - ref).abs().max() / scale) < 2e-5, variant
         assert torch.equal(xd.grad, xe.grad), variant
     xs, gs = x.reshape(-1, 4, 4).cuda(), gr.reshape(-1, 4, 4).cuda()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        sinkhorn_bwd(xs, gs, 20, 1e-6, variant="thread-rs")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dg = sinkhorn_bwd(xs, gs, 20, 1e-6, variant="thread-rs")
-    xs.copy_(torch.randn_like(xs))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(dg, sinkhorn_bwd(xs, gs, 20, 1e-6, variant="thread-rs"))
+    assert_graph_replay_matches(xs, gs, "thread-rs")

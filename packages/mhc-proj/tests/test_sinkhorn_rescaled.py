@@ -12,23 +12,12 @@ sigma 1 and 10, eps 1e-6 and 1e-2: p99 of the per-matrix relative error within 1
 
 import pytest
 import torch
+from _sinkhorn_bwd_helpers import F32_EPS, assert_graph_replay_matches, bwd_bound, ref_grad
 
-from mhc_proj import sinkhorn_project, sinkhorn_project_ref
+from mhc_proj import sinkhorn_project
 from mhc_proj.sinkhorn import BWD_ENV, _project, bwd_variant_code, sinkhorn_bwd
 
-F32_EPS = torch.finfo(torch.float32).eps
 E_VARIANTS = ["thread-e", "thread-e-occ3"]
-
-
-def _ref_grad(x, gr, iters, eps):
-    xr = x.detach().cpu().double().requires_grad_(True)
-    sinkhorn_project_ref(xr, iters=iters, eps=eps).backward(gr.cpu().double())
-    return xr.grad
-
-
-def _bwd_bound(x: torch.Tensor) -> float:
-    """tests/test_sinkhorn.py's bound: 64 eps_f32 max(1, max|x|) of max|ref|."""
-    return 64 * F32_EPS * max(1.0, float(x.abs().max()))
 
 
 # ---------------------------------------------------------------- CPU
@@ -39,7 +28,7 @@ def test_cpu_rescaled_float64_exact(n, iters, eps):
     g = torch.Generator().manual_seed(n * 100 + iters)
     x = torch.randn(301, n, n, generator=g, dtype=torch.float64) * 4
     gr = torch.randn(301, n, n, generator=g, dtype=torch.float64)
-    ref = _ref_grad(x, gr, iters, eps)
+    ref = ref_grad(x, gr, iters, eps)
     d = sinkhorn_bwd(x, gr, iters, eps, variant="thread-e")
     assert float((d - ref).abs().max() / ref.abs().max()) <= 1e-13
 
@@ -51,12 +40,12 @@ def test_cpu_rescaled_within_rounding_bound(batch, iters, sigma):
     g = torch.Generator().manual_seed(batch + iters)
     x = torch.randn(batch, 4, 4, generator=g) * sigma
     gr = torch.randn(batch, 4, 4, generator=g)
-    ref = _ref_grad(x, gr, iters, 1e-6)
+    ref = ref_grad(x, gr, iters, 1e-6)
     scale = ref.abs().max()
     d = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-e").double()
     old = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread").double()
     err = float((d - ref).abs().max() / scale)
-    assert err < _bwd_bound(x) / 3, err
+    assert err < bwd_bound(x) / 3, err
     if batch >= 127:
         per = (d - ref).abs().flatten(1).amax(1) / ref.abs().flatten(1).amax(1).clamp_min(1e-30)
         per_old = (old - ref).abs().flatten(1).amax(1) / ref.abs().flatten(1).amax(1).clamp_min(
@@ -73,7 +62,7 @@ def test_cpu_rescaled_edge_cases(n):
     for sigma, eps in [(30.0, 1e-6), (1.0, 1e-2), (3.0, 1e-9)]:
         x = torch.randn(513, n, n, generator=g) * sigma
         gr = torch.randn(513, n, n, generator=g)
-        ref = _ref_grad(x, gr, 20, eps)
+        ref = ref_grad(x, gr, 20, eps)
         d = sinkhorn_bwd(x, gr, 20, eps, variant="thread-e").double()
         assert torch.isfinite(d).all()
         old = sinkhorn_bwd(x, gr, 20, eps, variant="thread").double()
@@ -122,9 +111,9 @@ def test_cuda_rescaled_vs_reference(batch, iters, sigma):
     g = torch.Generator().manual_seed(batch + iters)
     x = torch.randn(batch, 4, 4, generator=g) * sigma
     gr = torch.randn(batch, 4, 4, generator=g)
-    ref = _ref_grad(x, gr, iters, 1e-6)
+    ref = ref_grad(x, gr, iters, 1e-6)
     scale = ref.abs().max()
-    bound = _bwd_bound(x)
+    bound = bwd_bound(x)
     cpu = sinkhorn_bwd(x, gr, iters, 1e-6, variant="thread-e").double()
     for variant in E_VARIANTS:
         d = sinkhorn_bwd(x.cuda(), gr.cuda(), iters, 1e-6, variant=variant).cpu().double()
@@ -138,7 +127,7 @@ def test_cuda_rescaled_through_autograd_and_graph(monkeypatch):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(5000, 4, 4, generator=g) * 2
     gr = torch.randn(5000, 4, 4, generator=g)
-    ref = _ref_grad(x, gr, 20, 1e-6)
+    ref = ref_grad(x, gr, 20, 1e-6)
     monkeypatch.setenv(BWD_ENV, "thread-e")
     xd = x.cuda().requires_grad_(True)
     sinkhorn_project(xd).backward(gr.cuda())
@@ -151,15 +140,4 @@ def test_cuda_rescaled_through_autograd_and_graph(monkeypatch):
         assert float((d.cpu().double() - ref).abs().max() / scale) < 2e-5
     assert torch.equal(xd.grad, xe.grad)
     xs, gs = x.cuda(), gr.cuda()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        sinkhorn_bwd(xs, gs, 20, 1e-6, variant="thread-e")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dg = sinkhorn_bwd(xs, gs, 20, 1e-6, variant="thread-e")
-    xs.copy_(torch.randn_like(xs))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(dg, sinkhorn_bwd(xs, gs, 20, 1e-6, variant="thread-e"))
+    assert_graph_replay_matches(xs, gs, "thread-e")
