@@ -2,45 +2,22 @@
 
 Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
 
-- ``ours``: :func:`mhc_proj.birkhoff_project` (exact projection).
-- ``ours-lane16``: the same projection with the n = 4 CUDA kernels in the 16-lanes-per-matrix
-  layout (``MHC_PROJ_BIRKHOFF_LAYOUT=lane``: forward stage 1 and backward; the float64
-  stage is shared), for comparison with ``ours`` (thread per matrix).
-- ``ours-wave`` / ``ours-fb2`` / ``ours-fb2-occ3``: ``ours`` with layout ``thread-wave``
-  (the float64 stage on one wave of resident blocks, bitwise ``ours``' results),
-  ``thread-fb2`` (that plus a polish that updates its plans) or ``thread-fb2-occ3`` (the same
-  capped at 3 blocks per SM); ``ours-c10``: layout ``thread-c10`` (``thread-fb2`` with the
-  fp32 continuation from logit range 10); ``ours-c10ls``: ``thread-c10ls`` (that with the
-  one-log1p line search); ``ours-flat``: ``thread-flat`` (``thread-c10ls`` with one Newton
-  loop for all continuation stages); opt-in, NOTES.md.
-- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
-  Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
-  matrix, reciprocal-form replay and rescaled-adjoint reverse sweep with step vectors
-  partly in shared memory, ``thread-rs``, since 2026-12-01 evening; or whatever
-  ``MHC_PROJ_SINKHORN_FWD`` / ``MHC_PROJ_SINKHORN_BWD`` select). Explicit variants of the same op:
-  ``ours-sinkhorn20-fullstate``: the forward on the full 16-float state (``thread``;
-  default backward); ``ours-sinkhorn20-lane16``: the forward in the 16-lanes-per-matrix
-  layout (fwd only); ``ours-sinkhorn20-lane-bwd``: the 16-lanes-per-matrix backward (bwd
-  and fwd_bwd only; default forward); ``ours-sinkhorn20-thread-bwd``: the backward default
-  until 2026-12-01 (``thread``: reverse sweep on dP; bwd and fwd_bwd only);
-  ``ours-sinkhorn20-occ3``: that backward compiled for 3 resident blocks per SM
-  (``thread-occ3``; default forward). ``ours-sinkhorn20-e`` / ``ours-sinkhorn20-e-occ3``:
-  the backward with the division-free rescaled-adjoint reverse sweep (``thread-e`` /
-  ``thread-e-occ3``, the latter the default backward until 2026-12-01 evening; default
-  forward).
-  ``ours-sinkhorn20-rs`` / ``ours-sinkhorn20-r-occ3``: that sweep after the
-  reciprocal-form replay (``thread-rs``: step vectors partly in shared memory, 4 blocks
-  per SM, the default backward; ``thread-r-occ3``: in registers, 3 blocks per SM; NOTES.md);
-  ``ours-sinkhorn20-rp``: ``thread-rp`` (two matrices in flight per thread).
+- ``ours``: :func:`mhc_proj.birkhoff_project` (the exact projection).
+- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` (fused Sinkhorn-20, the
+  compatibility op: the same iteration as the peers below, with its exact backward).
 - ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
-- ``compile-sinkhorn20``: that function under ``torch.compile``.
-- ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
+- ``compile-sinkhorn20``: that function under ``torch.compile`` (static shapes).
+
+Modes: ``fwd``, ``bwd`` (the backward alone, from a saved forward), ``fwd_bwd`` (forward
+and ``torch.autograd.grad``); ``--graph``: ``ours`` also under CUDA graph replay.
 
 Columns: median CUDA-event time (wall clock on CPU), achieved GB/s (bytes of the ideal
 kernel: fwd 128 B, bwd 192 B, fwd+bwd 320 B per matrix) and its fraction of the copy
 ceiling measured in the same process, and accuracy (median / max L1 marginal error,
 max distance to the float64 exact projection on a sample). ``--json`` writes the
-kernel-bench/1 schema. With no size flags on CUDA it runs the standard GPU suite.
+kernel-bench/1 schema. With no size flags on CUDA it runs the standard GPU suite (the
+headline rows: 128K, 1M and 16M matrices, N(0,1) and N(0,10^2), the Sinkhorn-20 peers,
+graph replay at 128K) and prints a short headline table last.
 """
 
 from __future__ import annotations
@@ -57,53 +34,12 @@ from collections.abc import Callable
 import torch
 
 import mhc_proj
-from mhc_proj.birkhoff import _project as birkhoff_project_layout
+from mhc_proj._config import TOL_F32
 from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.reference import birkhoff_project_ref, marginal_error, sinkhorn_project_ref
-from mhc_proj.sinkhorn import _project as sinkhorn_project_variant
-from mhc_proj.sinkhorn import sinkhorn_fwd
 
-PROVIDERS = [
-    "ours",
-    "ours-lane16",
-    "ours-wave",
-    "ours-fb2",
-    "ours-fb2-occ3",
-    "ours-c10",
-    "ours-c10ls",
-    "ours-flat",
-    "ours-sinkhorn20",
-    "ours-sinkhorn20-lane16",
-    "ours-sinkhorn20-lane-bwd",
-    "ours-sinkhorn20-fullstate",
-    "ours-sinkhorn20-thread-bwd",
-    "ours-sinkhorn20-occ3",
-    "ours-sinkhorn20-e",
-    "ours-sinkhorn20-e-occ3",
-    "ours-sinkhorn20-rs",
-    "ours-sinkhorn20-r-occ3",
-    "ours-sinkhorn20-rp",
-    "torch-sinkhorn20",
-    "compile-sinkhorn20",
-    "tile-kernels-sinkhorn",
-]
+PROVIDERS = ["ours", "ours-sinkhorn20", "torch-sinkhorn20", "compile-sinkhorn20"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-# Birkhoff providers -> their CUDA kernel layout (bwd-only and graph modes call the launchers).
-# "ours": None, the default layout (MHC_PROJ_BIRKHOFF_LAYOUT or DEFAULT_LAYOUT) in every mode;
-# until 2026-12-01 afternoon its bwd-only and graph rows pinned "thread" while its eager
-# rows followed the default (thread-flat since run 6).
-_BIRKHOFF_LAYOUT = {
-    "ours": None,
-    "ours-lane16": "lane",
-    "ours-wave": "thread-wave",
-    "ours-fb2": "thread-fb2",
-    "ours-fb2-occ3": "thread-fb2-occ3",
-    "ours-c10": "thread-c10",
-    "ours-c10ls": "thread-c10ls",
-    "ours-flat": "thread-flat",
-}
-# Sinkhorn providers that differ from ours-sinkhorn20 only in the backward (no fwd rows)
-_SAME_FWD = ("ours-sinkhorn20-lane-bwd", "ours-sinkhorn20-thread-bwd")
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
 SAMPLE = 16384
 
@@ -129,50 +65,15 @@ def compile_sinkhorn20() -> Callable:
     return _compiled
 
 
-def _tile_kernels_fn() -> Callable | None:
-    try:  # pragma: no cover - not installed anywhere we run
-        import tile_kernels  # noqa: F401
-        from tile_kernels.mhc import sinkhorn_normalize  # type: ignore
-
-        return lambda x: sinkhorn_normalize(x, repeat=20, eps=1e-6)
-    except Exception:
-        return None
-
-
-def _fn_for(provider: str) -> Callable | None:
+def _fn_for(provider: str) -> Callable:
     if provider == "ours":
         return mhc_proj.birkhoff_project
-    if provider in _BIRKHOFF_LAYOUT:  # the other Birkhoff providers force their layout
-        lay = _BIRKHOFF_LAYOUT[provider]
-        return lambda x: birkhoff_project_layout(x, layout=lay)
     if provider == "ours-sinkhorn20":
         return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
-    if provider == "ours-sinkhorn20-lane16":
-        return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=0) if x.is_cuda else None
-    if provider == "ours-sinkhorn20-lane-bwd":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="lane")
-    if provider == "ours-sinkhorn20-fullstate":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="thread")
-    if provider == "ours-sinkhorn20-thread-bwd":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread")
-    if provider == "ours-sinkhorn20-occ3":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-occ3")
-    if provider == "ours-sinkhorn20-e":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e")
-    if provider == "ours-sinkhorn20-e-occ3":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e-occ3")
-    if provider == "ours-sinkhorn20-rs":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-rs")
-    if provider == "ours-sinkhorn20-r-occ3":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-r-occ3")
-    if provider == "ours-sinkhorn20-rp":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-rp")
     if provider == "torch-sinkhorn20":
         return torch_sinkhorn20
     if provider == "compile-sinkhorn20":
         return compile_sinkhorn20()
-    if provider == "tile-kernels-sinkhorn":
-        return _tile_kernels_fn()
     raise ValueError(f"unknown provider {provider!r}; choose from {PROVIDERS}")
 
 
@@ -251,16 +152,8 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
         "accuracy": {},
         "error": None,
     }
-    fn = _fn_for(provider)
-    if (
-        fn is None
-        or (provider == "ours-sinkhorn20-lane16" and (mode != "fwd" or device.type != "cuda"))
-        or (provider in _SAME_FWD and mode == "fwd")
-    ):
-        row["status"] = "skipped"
-        row["error"] = "provider not importable or not applicable here"
-        return row
     try:
+        fn = _fn_for(provider)
         g = torch.Generator(device=device).manual_seed(seed)
         x = torch.randn(batch, 4, 4, device=device, generator=g) * sigma
         gr = torch.randn(batch, 4, 4, device=device, generator=g)
@@ -273,12 +166,10 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
                 call = _graphed(lambda: fn(x), device)
         elif mode == "fwd_bwd":
             if graph:
-                if provider not in _BIRKHOFF_LAYOUT:
-                    raise NotImplementedError("graph mode is measured for ours (any layout) only")
-                lay = _BIRKHOFF_LAYOUT[provider]
+                if provider != "ours":
+                    raise NotImplementedError("graph mode is measured for ours only")
                 call = _graphed(
-                    lambda: birkhoff_bwd(birkhoff_fwd(x, 4e-6, 30, False, layout=lay)[0], gr, lay),
-                    device,
+                    lambda: birkhoff_bwd(birkhoff_fwd(x, TOL_F32, 30, False)[0], gr), device
                 )
             else:
                 xg = x.clone().requires_grad_(True)
@@ -290,14 +181,13 @@ def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0)
         else:  # bwd only
             xg = x.clone().requires_grad_(True)
             y = fn(xg)
-            if provider in _BIRKHOFF_LAYOUT:
+            if provider == "ours":
                 t = y.detach()
-                call = lambda: birkhoff_bwd(t, gr, layout=_BIRKHOFF_LAYOUT[provider])
+                call = lambda: birkhoff_bwd(t, gr)
             else:
                 call = lambda: torch.autograd.grad(y, xg, gr, retain_graph=True)
-        # Diagnostics of the eager rows (the fwd_bwd time at B = 128K measured above both
-        # 4K and 1M on the H200, see NOTES.md): the host time per call and the device
-        # allocations (cudaMalloc / cudaFree) the caching allocator made per call.
+        # Diagnostics of the eager rows (small batches are host-bound): the host time per
+        # call and the device allocations (cudaMalloc / cudaFree) of the caching allocator.
         host: list[float] = []
         cuda = device.type == "cuda"
         stats0 = torch.cuda.memory_stats(device) if cuda else {}
@@ -350,51 +240,52 @@ def _graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], Non
 
 # ---------------------------------------------------------------- suites
 def gpu_suite(providers: list[str]) -> list[tuple]:
-    """(provider, mode, B, sigma, graph) of the standard H200 suite."""
+    """(provider, mode, B, sigma, graph) of the standard H200 suite: the headline rows."""
     cases = []
-    sizes = [4096, 131072, 1048576, 16777216]
+    sizes = [131072, 1048576, 16777216]
     for b in sizes:
-        for mode in ["fwd", "fwd_bwd"]:
-            for p in providers:
-                if p == "compile-sinkhorn20" and b < 1048576:
-                    continue  # one static compile per shape: keep the suite short
-                if p in _SAME_FWD and mode == "fwd":
-                    continue  # the same forward as ours-sinkhorn20
+        for p in providers:
+            if p == "compile-sinkhorn20" and b < 1048576:
+                continue  # one static compile per shape: keep the suite short
+            for mode in ["fwd", "fwd_bwd", "bwd"]:  # bwd after fwd_bwd: no second compile
                 cases.append((p, mode, b, 1.0, False))
-    for p in [
-        "ours",
-        "ours-lane16",
-        "ours-wave",
-        "ours-fb2",
-        "ours-fb2-occ3",
-        "ours-c10",
-        "ours-c10ls",
-        "ours-flat",
-        "ours-sinkhorn20",
-        "ours-sinkhorn20-lane-bwd",
-        "ours-sinkhorn20-fullstate",
-        "ours-sinkhorn20-thread-bwd",
-        "ours-sinkhorn20-occ3",
-        "ours-sinkhorn20-e",
-        "ours-sinkhorn20-e-occ3",
-    ]:
-        if p in providers:
-            # backward alone; for Sinkhorn-20 every backward kernel at every size (the
-            # full-state provider's backward is ours-sinkhorn20's)
-            if p != "ours-sinkhorn20-fullstate":
-                bwd_sizes = sizes if p not in _BIRKHOFF_LAYOUT else sizes[-1:]
-                cases += [(p, "bwd", b, 1.0, False) for b in bwd_sizes]
-            for b in [1048576, 16777216]:
-                for mode in ["fwd", "fwd_bwd"]:
-                    if p in _SAME_FWD and mode == "fwd":
-                        continue
-                    cases.append((p, mode, b, 10.0, False))
-    for p in _BIRKHOFF_LAYOUT:
-        if p in providers:
-            cases.append((p, "fwd", 1048576, 100.0, False))
-            cases.append((p, "fwd", 131072, 1.0, True))
-            cases.append((p, "fwd_bwd", 131072, 1.0, True))
+    for b in sizes:  # large logits: more Newton iterations, ~24% of them in float64
+        for mode in ["fwd", "fwd_bwd", "bwd"]:
+            if "ours" in providers:
+                cases.append(("ours", mode, b, 10.0, False))
+    if "ours-sinkhorn20" in providers:  # the same time, far from doubly stochastic
+        cases.append(("ours-sinkhorn20", "fwd", 16777216, 10.0, False))
+    if "ours" in providers:
+        cases.append(("ours", "fwd", 131072, 1.0, True))
+        cases.append(("ours", "fwd_bwd", 131072, 1.0, True))
     return cases
+
+
+def headline(rows: list[dict]) -> str:
+    """The short table printed last: per (mode, B, sigma) ours, ours Sinkhorn-20 and the
+    torch peers, and the ratio of the best Sinkhorn-20 peer's time to ours-sinkhorn20's."""
+    t = {}
+    for r in rows:
+        if r["status"] == "ok":
+            p = r["params"]
+            key = (r["mode"], p["B"], p["sigma"], bool(p.get("graph")))
+            t.setdefault(key, {})[r["provider"]] = r["time_ms"]
+    lines = [
+        "| mode | B | sigma | ours exact | ours Sinkhorn-20 | torch eager | torch.compile "
+        "| best peer / ours Sinkhorn-20 |",
+        "|" + "---|" * 8,
+    ]
+    f = lambda v: "—" if v is None else f"{v:.4g}"
+    for (mode, b, sigma, graph), d in t.items():
+        peers = [d[k] for k in ("torch-sinkhorn20", "compile-sinkhorn20") if k in d]
+        ours_sk = d.get("ours-sinkhorn20")
+        ratio = f"{min(peers) / ours_sk:.1f}x" if peers and ours_sk else "—"
+        label = f"{mode} (graph)" if graph else mode
+        lines.append(
+            f"| {label} | {b} | {sigma:g} | {f(d.get('ours'))} | {f(ours_sk)} | "
+            f"{f(d.get('torch-sinkhorn20'))} | {f(d.get('compile-sinkhorn20'))} | {ratio} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -474,16 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = [
             (p, m, b, s, False) for b in batches for s in sigmas for m in modes for p in providers
         ]
-        if args.graph and device.type == "cuda":
-            cases += [
-                (p, m, b, s, True)
-                for p in _BIRKHOFF_LAYOUT
-                if p in providers
-                for b in batches
-                for s in sigmas
-                for m in modes
-                if m != "bwd"
-            ]
+        if args.graph and device.type == "cuda" and "ours" in providers:
+            graph_modes = [m for m in modes if m != "bwd"]
+            cases += [("ours", m, b, s, True) for b in batches for s in sigmas for m in graph_modes]
     else:
         cases = gpu_suite(providers)
 
@@ -517,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     print(
         f"\n{len(rows)} cases in {elapsed:.1f} s on {doc['env']['gpu']}; copy ceiling "
-        f"{f'{ceiling:.0f} GB/s' if ceiling else 'n/a (CPU)'}"
+        f"{f'{ceiling:.0f} GB/s' if ceiling else 'n/a (CPU)'}\n"
     )
+    print(headline(rows))
     dump()
     return 0
 

@@ -1,12 +1,16 @@
-"""The accuracy table of issue #3: CPU on 20k matrices per distribution (CI), CUDA on 1M.
+"""The accuracy table of birkhoff_project (n = 4 float32, the default kernels): CPU on 20k
+matrices per distribution (CI), CUDA on 1M, against the float64 reference.
 
-Set MHC_PROJ_ACCURACY_OUT=path.md to append the measured table to a file.
+Marginal error: L1 of row and column sums minus 1 in float64 of the fp32 output, <= 5.5e-6
+for every distribution (the kernels stop at 4e-6; 8 fp32 line sums add <= 1.4e-6). The
+distance to the float64 projection (<= 1e-5) and the backward's per-matrix error relative
+to its largest |dA| (p99 <= 1e-4) where the float64 reference (no continuation) is trusted.
+Set MHC_PROJ_ACCURACY_OUT=path.md to append the measured table to a file (tests/conftest.py).
 """
-
-import os
 
 import pytest
 import torch
+from conftest import accuracy_out
 
 from mhc_proj import birkhoff_project, marginal_error
 from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref
@@ -19,7 +23,7 @@ DISTS = {
     "N(0,100^2)": lambda b, g: torch.randn(b, 4, 4, generator=g) * 100,
     "N(0,1e4^2)": lambda b, g: torch.randn(b, 4, 4, generator=g) * 1e4,
 }
-MAX_MARGINAL = {"N(0,100^2)": 1e-4, "N(0,1e4^2)": 1e-4}
+MAX_MARGINAL = 5.5e-6
 SMALL = {"N(0,1)", "U(-1,1)", "N(0,10^2)", "U(-10,10)"}
 
 
@@ -54,7 +58,7 @@ def accuracy_row(name, batch, device, seed=0):
 
 def _check(row):
     assert row["finite"], row
-    assert row["marg_max"] <= MAX_MARGINAL.get(row["dist"], 1e-5), row
+    assert row["marg_max"] <= MAX_MARGINAL, row
     assert row["converged"] == 1.0, row
     if row["dist"] in SMALL:
         assert row["dist_max"] <= 1e-5, row
@@ -73,7 +77,7 @@ def _report(rows, device):
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)
-    path = os.environ.get("MHC_PROJ_ACCURACY_OUT")
+    path = accuracy_out()
     if path:
         with open(path, "a") as fh:
             fh.write(text + "\n")
@@ -92,46 +96,3 @@ def test_accuracy_table_cuda():
     _report(rows, torch.cuda.get_device_name())
     for r in rows:
         _check(r)
-
-
-@pytest.mark.gpu
-def test_cuda_matches_cpu_path():
-    g = torch.Generator().manual_seed(11)
-    for n in range(2, 9):
-        x = torch.randn(3001, n, n, generator=g) * 5
-        x[5] *= 100
-        tc, ic = birkhoff_project(x, return_info=True)
-        tg, ig = birkhoff_project(x.cuda(), return_info=True)
-        assert (tg.cpu() - tc).abs().max() <= 2e-5, n
-        assert bool(ig.converged.all()), n
-        gr = torch.randn(3001, n, n, generator=g)
-        from mhc_proj.birkhoff import birkhoff_bwd
-
-        dc = birkhoff_bwd(tc, gr)
-        dg = birkhoff_bwd(tc.cuda(), gr.cuda()).cpu()
-        assert ((dg - dc).abs().max() / dc.abs().max()) <= 1e-4, n
-    xd = torch.randn(500, 4, 4, generator=g, dtype=torch.float64)
-    t64 = birkhoff_project(xd.cuda()).cpu()
-    assert (t64 - birkhoff_project_ref(xd)).abs().max() <= 1e-11
-
-
-@pytest.mark.gpu
-def test_cuda_graph_capture():
-    x = torch.randn(4096, 4, 4, device="cuda")
-    gr = torch.randn_like(x)
-    from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        birkhoff_bwd(birkhoff_fwd(x, 4e-6, 30, False)[0], gr)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        t, _ = birkhoff_fwd(x, 4e-6, 30, False)
-        d = birkhoff_bwd(t, gr)
-    x.copy_(torch.randn_like(x) * 10)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert (t - birkhoff_project(x)).abs().max() == 0
-    assert torch.allclose(d, birkhoff_bwd(t.clone(), gr))

@@ -1,12 +1,21 @@
-// CUDA kernels of mhc-proj. Launchers take raw pointers, sizes and a stream; nothing
-// here synchronizes the host, so every launch is capturable in a CUDA graph.
+// CUDA kernels of the Birkhoff projection, one thread per matrix, and their launchers:
+// cuda_module.cu instantiates them for n = 4 (the flat solve), cuda_generic_n.cu for the
+// other n (the generic solve). Launchers take raw pointers, sizes and a stream; nothing here
+// synchronizes the host, so every launch is capturable in a CUDA graph.
+//
+// Forward of a float32 batch: stage 1 solves every matrix in float32 and appends the ones
+// that did not converge or are ill-conditioned to a device-side work list (atomicAdd); stage
+// 2 is a fixed grid that strides over the device-side count and re-solves those in float64
+// from the input (warm-started from their float32 potentials). float64 batches: one float64
+// solve per thread. Backward: the implicit VJP (vjp.h), memory-bound.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "mhc_math.h"
+#include "newton.h"
+#include "vjp.h"
 
 namespace mhc_cuda {
 
@@ -39,7 +48,11 @@ __device__ __forceinline__ void st_f4(float* dst, const float* v) {
   *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
-// ---------------------------------------------------------------- thread per matrix
+// The solve each n runs (newton.h): the flat solve for the tuned n = 4 kernels.
+template <int N>
+constexpr mhc::Solve kSolve = N == 4 ? mhc::Solve::kFlat : mhc::Solve::kGeneric;
+
+// ---------------------------------------------------------------- kernels
 // The end of stage 1 for matrix b (status st as mhc::project_matrix): T, the work-list entry
 // of a matrix for the float64 stage (st 0 or 2, with its fp32 potentials for st 2) and the
 // info word.
@@ -65,16 +78,14 @@ __device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, in
   if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
 }
 
-// Stage 1 (fp32): one thread solves one matrix (16-byte loads and stores for n = 4).
+// Stage 1 (float32): one thread solves one matrix (16-byte loads and stores for n = 4).
 // Matrices that did not converge (or are ill-conditioned) are appended to a work list.
-// CONT_RANGE: the fp32 continuation threshold (0: the default 16; layout "thread-c10": 10).
-// LSP: the one-log1p line search (mhc::armijo_log_sum; layout "thread-c10ls").
-// FLAT: one Newton loop for every continuation stage (mhc::newton_project_flat; layout
-// "thread-flat"): a warp no longer runs the plain and the continued solves one after the
-// other. Left alone ptxas gives it 88 registers (5 blocks = 20 warps per SM, against
-// thread-c10ls's 72 and 7 blocks): capped at 7 blocks of 128 here (0: no cap, as before).
-template <int N, int CONT_RANGE = 0, bool LSP = false, bool FLAT = false>
-__global__ void __launch_bounds__(kThreads, FLAT ? 6 : 0) birkhoff_fwd_f32_thread(FwdArgs a) {
+// The flat solve is capped at 6 resident blocks of 128 per SM: 80 registers and 16 B of
+// stack (left alone ptxas gives it 88 registers and 5 blocks; 7 blocks: 72 registers and
+// 56 B of stack).
+template <int N, mhc::Solve SOLVE = kSolve<N>>
+__global__ void __launch_bounds__(kThreads, SOLVE == mhc::Solve::kFlat ? 6 : 0)
+    birkhoff_fwd_f32_thread(FwdArgs a) {
   const int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   if (b >= a.batch) return;
   constexpr int E = N * N;
@@ -89,20 +100,17 @@ __global__ void __launch_bounds__(kThreads, FLAT ? 6 : 0) birkhoff_fwd_f32_threa
   }
   int iters = 0;
   float beta[N];
-  const int st = mhc::project_matrix<N, float, CONT_RANGE, LSP, FLAT>(
-      in, out, float(a.tol), a.max_iter, iters, float(a.pivot_min), beta);
+  const int st = mhc::project_matrix<N, float, SOLVE>(in, out, float(a.tol), a.max_iter, iters,
+                                                     float(a.pivot_min), beta);
   fwd_emit<N>(a, b, st, iters, out, beta);
 }
 
-// Stage 2 (fp64): the matrices on the work list, re-solved in double from the input.
-// A fixed grid strides over the device-side count, so the host never reads it.
-// UPDATE (layouts "thread-fb2*", n = 4 fp32): the warm-started polish updates its plans
-// instead of recomputing 16 double exponentials per iteration (mhc::newton_step_update).
-// That keeps T live across iterations: 246 registers for n = 4 (2 blocks = 8 warps per SM)
-// against 164 (3 blocks); MIN_BLOCKS = 3 caps them at 168 with 232 B of L1 spills
-// ("thread-fb2-occ3"). Which one is faster is for the GPU run to say (NOTES.md).
-template <int N, bool UPDATE = false, int MIN_BLOCKS = 0, bool LSP = false>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) birkhoff_fwd_fallback(FwdArgs a) {
+// Stage 2 (float64): the matrices on the work list, re-solved in double from the input.
+// A fixed grid strides over the device-side count, so the host never reads it. The flat
+// solve's polish updates its plans instead of recomputing 16 double exponentials per
+// iteration (mhc::newton_step_update).
+template <int N, mhc::Solve SOLVE = kSolve<N>>
+__global__ void __launch_bounds__(kThreads) birkhoff_fwd_fallback(FwdArgs a) {
   const int count = *static_cast<volatile int*>(a.work);
   constexpr int E = N * N;
   for (int k = blockIdx.x * kThreads + threadIdx.x; k < count; k += gridDim.x * kThreads) {
@@ -113,8 +121,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) birkhoff_fwd_fallback(Fw
     const float* wb = reinterpret_cast<const float*>(a.work + 1 + a.batch) + int64_t(k) * N;
     const int st = isnan(wb[0])
                        ? mhc::project_matrix<N, double>(src, dst, a.fb_tol, a.fb_max_iter, iters)
-                       : mhc::polish_matrix<N, double, UPDATE, LSP>(src, dst, wb, a.fb_tol,
-                                                                    a.fb_max_iter, iters);
+                       : mhc::polish_matrix<N, double, SOLVE>(src, dst, wb, a.fb_tol,
+                                                              a.fb_max_iter, iters);
     if (a.info) {
       int total = (a.info[b] & 0xffff) + iters;
       total = total > 0xffff ? 0xffff : total;
@@ -160,48 +168,34 @@ inline unsigned blocks_for(int64_t work, int per_block) {
   return unsigned((work + per_block - 1) / per_block);
 }
 
-// Stage 2 after an fp32 stage 1 of either layout (which started from a zeroed count).
-template <int N>
+// Stage 2's grid. The generic solve: min(blocks, 528). The flat solve: exactly one wave of
+// resident blocks (occupancy x SMs, read once per process on the first device used; every
+// GPU of a host is the same model here), because its kernel (248 registers for n = 4) fits
+// 2 blocks of 128 per SM, and a strided grid larger than one wave runs its last blocks as a
+// second wave (~2x one block's time for the work of a few more blocks). Each matrix is solved independently, so the
+// grid changes no result.
+template <int N, mhc::Solve SOLVE>
 void launch_fallback(const FwdArgs& a, cudaStream_t stream) {
   const unsigned grid = blocks_for(a.batch, kThreads);
-  const unsigned fb_grid = grid < 528u ? grid : 528u;
-  birkhoff_fwd_fallback<N><<<fb_grid, kThreads, 0, stream>>>(a);
-}
-
-// Stage 2 of the layouts "thread-wave" (UPDATE false: bitwise the default's results) and
-// "thread-fb2*" (UPDATE true): a grid of exactly one wave of resident blocks. The fixed 528
-// blocks above (4 per SM on 132 SMs) do not fit at once when a block needs more than a
-// quarter of an SM's registers (the default n = 4 kernel: 164 registers x 128 threads -> 3
-// blocks per SM), so the strided work of the last 132 blocks runs as a second wave after
-// the first 396: ~2x the time of one wave for 1.33x the blocks. Each matrix is solved
-// independently, so the grid changes no result. The occupancy is read once per process
-// (first device used; every GPU of a host is the same model here).
-template <int N, bool UPDATE, int MIN_BLOCKS, bool LSP = false>
-void launch_fallback_wave(const FwdArgs& a, cudaStream_t stream) {
-  static int resident = 0;  // blocks per SM x SMs
-  if (resident == 0) {
-    int dev = 0, sms = 0, per_sm = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS, LSP>, kThreads, 0);
-    resident = (sms > 0 ? sms : 132) * (per_sm > 0 ? per_sm : 1);
+  unsigned cap = 528u;
+  if constexpr (SOLVE == mhc::Solve::kFlat) {
+    static int resident = 0;  // blocks per SM x SMs
+    if (resident == 0) {
+      int dev = 0, sms = 0, per_sm = 0;
+      cudaGetDevice(&dev);
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, birkhoff_fwd_fallback<N, SOLVE>,
+                                                    kThreads, 0);
+      resident = (sms > 0 ? sms : 132) * (per_sm > 0 ? per_sm : 1);
+    }
+    cap = unsigned(resident);
   }
-  const unsigned grid = blocks_for(a.batch, kThreads);
-  const unsigned fb_grid = grid < unsigned(resident) ? grid : unsigned(resident);
-  birkhoff_fwd_fallback<N, UPDATE, MIN_BLOCKS, LSP><<<fb_grid, kThreads, 0, stream>>>(a);
+  const unsigned fb_grid = grid < cap ? grid : cap;
+  birkhoff_fwd_fallback<N, SOLVE><<<fb_grid, kThreads, 0, stream>>>(a);
 }
 
-// Float64-stage variants of the fp32 forward (launch_fwd's FB; layouts in cuda_module.cu).
-constexpr int kFbDefault = 0;     // "thread": launch_fallback
-constexpr int kFbWave = 1;        // "thread-wave": default polish, one-wave grid
-constexpr int kFbUpdate = 2;      // "thread-fb2": plan-updating polish, one-wave grid
-constexpr int kFbUpdateOcc3 = 3;  // "thread-fb2-occ3": the same, 3 blocks per SM
-constexpr int kFbUpdateLsp = 4;   // "thread-c10ls": kFbUpdate with the one-log1p search
-
-// FB: the float64 stage's variant (kFb*), CONT_RANGE, LSP, FLAT: stage 1's
-// (birkhoff_fwd_f32_thread); only n = 4 instantiates other values than the defaults.
-template <int N, int FB = kFbDefault, int CONT_RANGE = 0, bool LSP = false, bool FLAT = false>
+// The forward of a batch: float64 (dtype 1) in one kernel; float32 in the two stages.
+template <int N>
 void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
   if (a.batch == 0) return;
   const unsigned grid = blocks_for(a.batch, kThreads);
@@ -210,17 +204,8 @@ void launch_fwd(const FwdArgs& a, int dtype, cudaStream_t stream) {
     return;
   }
   cudaMemsetAsync(a.work, 0, sizeof(int), stream);
-  birkhoff_fwd_f32_thread<N, CONT_RANGE, LSP, FLAT><<<grid, kThreads, 0, stream>>>(a);
-  if constexpr (FB == kFbWave)
-    launch_fallback_wave<N, false, 0>(a, stream);
-  else if constexpr (FB == kFbUpdate)
-    launch_fallback_wave<N, true, 0>(a, stream);
-  else if constexpr (FB == kFbUpdateOcc3)
-    launch_fallback_wave<N, true, 3>(a, stream);
-  else if constexpr (FB == kFbUpdateLsp)
-    launch_fallback_wave<N, true, 0, true>(a, stream);
-  else
-    launch_fallback<N>(a, stream);
+  birkhoff_fwd_f32_thread<N><<<grid, kThreads, 0, stream>>>(a);
+  launch_fallback<N, kSolve<N>>(a, stream);
 }
 
 template <int N>
