@@ -347,7 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma", nargs="+", type=float, default=None, help="logit std devs")
     ap.add_argument("--graph", action="store_true", help="also time CUDA graph replay (ours)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--report", metavar="JSON", help="print the headline table of a saved run")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as fh:
+            print(headline(json.load(fh)["results"]))
+        return 0
 
     if args.smoke:
         device = torch.device(args.device or "cpu")
