@@ -11,9 +11,9 @@ from flashsinkhorn.second_order import (
     lanczos_min_eig,
     newton_cg,
     ot_loss,
-    shuffled_regression,
     trust_region,
 )
+from flashsinkhorn.second_order.shuffled_regression import shuffled_regression
 
 F64 = torch.float64
 

@@ -35,14 +35,9 @@ import time
 import torch
 
 import flashsinkhorn as fs
-from flashsinkhorn.samples_loss import _max_diameter
-from flashsinkhorn.solver import (
-    Problem,
-    centered_sqnorm,
-    common_center,
-    eps_schedule,
-    kernel_operands,
-)
+from flashsinkhorn.operands import centered_sqnorm, common_center, kernel_operands
+from flashsinkhorn.reference import eps_schedule, max_diameter
+from flashsinkhorn.solver import Problem
 
 EXP_RATE = 4.2e12  # exp/s, H200 special-function units
 DOT_RATE = {"tf32": 433e12, "bf16": 792e12, "ieee": 60e12, "tf32x3": 144e12}
@@ -207,8 +202,8 @@ def _ours_iterations(x, y, eps, k, precision, backend):
     f = torch.zeros_like(a)
     g = torch.zeros_like(b)
     for it in range(k):
-        # the current potentials as guesses (read by the opt-in "shift" kernel only), as in
-        # solver._run: not the zeros of the first iteration
+        # the current potentials as guesses (the shift kernel), as in solve's loop: not the
+        # zeros of the first iteration
         gf, gg = (f, g) if it > 0 else (None, None)
         ft = prob.sm_x(g, eps, guess=gf)[0]
         gt = prob.sm_y(f, eps, guess=gg)[0]
@@ -279,7 +274,7 @@ def bench_iteration(n, d, device, providers, peers, precisions, warmup, reps, k1
 
 
 def _samples_loss_passes(x, y, blur, scaling, debias):
-    d2 = _max_diameter(x, y) ** 2
+    d2 = max_diameter(x, y) ** 2
     n_eps = len(eps_schedule(d2, blur**2, scaling))
     passes = 2 * (n_eps + 2)  # init, the loop, the final extrapolation; two sides each
     return passes * (2 if debias else 1)
@@ -306,11 +301,9 @@ def bench_samples_loss(
                 )
     for mode in modes:
         cases = [("ours", p) for p in precisions]
-        if mode == "fwd_bwd" and d > 64:  # the gradient's P @ Y in 64-wide chunks (before)
-            cases.append(("ours-narrow-v", "tf32"))
         cases += [("flash-sinkhorn", "tf32"), ("geomloss", "fp32")]
         for prov, prec in cases:
-            if prov.split("-narrow")[0] not in providers:
+            if prov not in providers:
                 continue
             params = dict(params0)
             label = prov if (prov != "ours" or prec == "tf32") else f"ours-{prec}"
@@ -340,8 +333,6 @@ def bench_samples_loss(
 
             else:
                 L = fs.SamplesLoss(blur=blur, scaling=scaling, debias=debias, precision=prec)
-                if prov == "ours-narrow-v":
-                    L = _with_narrow_v(L)
 
             if mode == "fwd":
 
@@ -375,23 +366,9 @@ def bench_samples_loss(
     return rows
 
 
-def _with_narrow_v(fn):
-    """fn run with the plan application in 64-wide output chunks (kernels.WIDE_V off)."""
-    from flashsinkhorn import kernels
-
-    def wrapped(*args, **kwargs):
-        saved, kernels.WIDE_V = kernels.WIDE_V, False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            kernels.WIDE_V = saved
-
-    return wrapped
-
-
 def bench_pass_variants(n, d, device, warmup=2, reps=5):
     """Kernel-level variants of ONE softmin pass (n x n scores): what each feature costs."""
-    from flashsinkhorn.kernels import self_softmin, softmin
+    from flashsinkhorn.primitives import self_softmin, softmin
 
     rows = []
     x, y = _problem(n, n, d, device)
@@ -414,8 +391,6 @@ def bench_pass_variants(n, d, device, warmup=2, reps=5):
         "ours-bf16": lambda: softmin(xb, yb, g, logb, cx, cy, eps=eps, c2=2.0,
                                      precision="bf16"),
         "ours-with-V": lambda: softmin(xk, yk, g, logb, cx, cy, eps=eps, c2=2.0, v=y),
-        "ours-with-V-narrow": _with_narrow_v(lambda: softmin(xk, yk, g, logb, cx, cy, eps=eps,
-                                                             c2=2.0, v=y)),
         "ours-self-plain": lambda: softmin(xk, xk, g, logb, cx, cx, eps=eps, c2=2.0),
         "ours-self-symmetric": lambda: self_softmin(xk, logb, g, cx, eps=eps, c2=2.0,
                                                     check=False),
@@ -430,7 +405,7 @@ def bench_pass_variants(n, d, device, warmup=2, reps=5):
 
 def bench_hvp(n, d, device, providers, warmup, reps):
     try:
-        from flashsinkhorn.second_order import bench_hvp as _bh
+        from flashsinkhorn.second_order.bench import bench_hvp as _bh
     except Exception as e:
         return [_row("hvp", "ours", "hvp", {"n": n, "d": d}, status="skipped",
                      error=f"second_order.bench_hvp unavailable: {e!r}"[:300])]  # fmt: skip
@@ -507,11 +482,13 @@ def _env(peers, device):
 
 def _tuned_configs():
     try:
-        from flashsinkhorn import kernels
+        from flashsinkhorn import _softmin_triton as K
 
-        cache = getattr(kernels, "_softmin_tuned", None)
-        cache = getattr(cache, "cache", {}) or {}
-        return {str(k): str(v) for k, v in cache.items()}
+        out = {}
+        for name in ("_softmin_tuned", "_softmin_shift_tuned", "_self_softmin_tuned"):
+            cache = getattr(getattr(K, name, None), "cache", {}) or {}
+            out.update({f"{name}{k}": str(v) for k, v in cache.items()})
+        return out
     except Exception:
         return {}
 

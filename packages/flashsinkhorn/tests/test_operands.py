@@ -1,4 +1,5 @@
-"""round_to_tf32 against an independent float64 rounding, and where the solvers apply it."""
+"""operands.py: round_to_tf32 against an independent float64 rounding, and the kernel
+operands (centered, cast, rounded only for tf32) that every Problem prepares once."""
 
 import math
 
@@ -6,8 +7,7 @@ import pytest
 import torch
 from _helpers import needs_interpreter
 
-import flashsinkhorn as fs
-from flashsinkhorn.solver import kernel_operands, round_to_tf32, round_to_tf32_
+from flashsinkhorn.operands import common_center, kernel_operands, round_to_tf32, round_to_tf32_
 
 
 def _tf32_ref(v: float) -> float:
@@ -53,7 +53,7 @@ def test_round_to_tf32_rejects_other_dtypes():
 def test_kernel_operands_round_only_tf32():
     gen = torch.Generator().manual_seed(1)
     x, y = torch.rand(1, 37, 5, generator=gen), torch.rand(1, 29, 5, generator=gen)
-    c = fs.solver.common_center(x, y)
+    c = common_center(x, y)
     xk, yk = kernel_operands(x, y, c, "tf32", "triton")
     assert torch.equal(xk, round_to_tf32(x - c[:, None, :]))
     assert torch.equal(yk, round_to_tf32(y - c[:, None, :]))

@@ -1,4 +1,6 @@
-"""solve(): potentials, values, gradients and plan applications against independent oracles."""
+"""solve(): potentials, values, gradients and plan applications against independent oracles
+(float64 dense Sinkhorn, POT, a closed form, finite differences), invariances (hypothesis),
+and the same on the GPU."""
 
 import math
 import warnings
@@ -7,9 +9,13 @@ import numpy as np
 import pytest
 import torch
 from _helpers import BACKENDS, clouds, needs_interpreter
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashsinkhorn as fs
-from flashsinkhorn.solver import cost_matrix_ref, sinkhorn_ref
+from flashsinkhorn.operands import centered_sqnorm, common_center
+from flashsinkhorn.reference import cost_matrix_ref, sinkhorn_ref, softmin_ref
+from flashsinkhorn.solver import Problem
 
 REACHES = [None, 0.5, (0.3, None)]
 
@@ -245,3 +251,153 @@ def test_zero_weights_equal_dropping_the_points(backend):
     assert r0.converged and r1.converged
     torch.testing.assert_close(r0.value, r1.value, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r0.f[keep_x], r1.f, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_problem_prepares_centered_operands_once(backend):
+    """Problem centers (and casts) the kernel operands once; its updates equal the float64
+    softmin of the centered clouds, and a self problem shares one copy."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.rand(2, 40, 5, generator=gen) + 3.0
+    y = torch.rand(2, 33, 5, generator=gen) + 3.5
+    a = torch.full((2, 40), 1 / 40)
+    b = torch.full((2, 33), 1 / 33)
+    c = common_center(x, y)
+    cx, cy = centered_sqnorm(x, c), centered_sqnorm(y, c)
+    p = Problem(x, y, a, b, cx, cy, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c)
+    torch.testing.assert_close(p.Xk, x - c[:, None], atol=0, rtol=0)
+    torch.testing.assert_close(p.Yk, y - c[:, None], atol=0, rtol=0)
+    g = 0.05 * torch.randn(2, 33, generator=gen)
+    f = 0.05 * torch.randn(2, 40, generator=gen)
+    xc, yc = x - c[:, None], y - c[:, None]
+    kw = dict(eps=0.1, c2=2.0, damping=0.9)
+    ref_f = softmin_ref(xc, yc, g, p.logb, cx, cy, **kw)[0]
+    ref_g = softmin_ref(yc, xc, f, p.loga, cy, cx, **kw)[0]
+    torch.testing.assert_close(p.sm_x(g, 0.1, 0.9)[0].double(), ref_f, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(p.sm_y(f, 0.1, 0.9)[0].double(), ref_g, atol=2e-5, rtol=1e-5)
+    q = Problem(x, x, a, a, cx, cx, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c)
+    assert q.Xk is q.Yk
+    r = Problem(x, y, a, b, cx, cy, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c,
+                Xk=p.Xk, Yk=p.Yk)  # fmt: skip
+    assert r.Xk is p.Xk and r.Yk is p.Yk
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "schedule,eps_scaling", [("alternating", 0.5), ("symmetric", 0.5), ("symmetric", None)]
+)
+def test_triton_loop_with_guesses_matches_float64(monkeypatch, schedule, eps_scaling):
+    """solve()'s loop on the Triton backend passes the current potentials as guesses (the
+    shift kernel) in the eps-scaling warm start and the fixed-eps iterations, and no guess
+    for the zeros of a cold start (the running-max kernel): against the float64 torch
+    loop, unbalanced, both schedules."""
+    import flashsinkhorn.primitives as sm
+
+    guesses = []
+    real = sm._triton_pass
+
+    def spy(*args):
+        guesses.append(args[-1] is not None)
+        return real(*args)
+
+    monkeypatch.setattr(sm, "_triton_pass", spy)
+    x, y, a, b = clouds(45, 38, 3, seed=3)
+    kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule,
+              reach=2.0)  # fmt: skip
+    r64 = fs.solve(x, y, a, b, backend="torch", **kw)
+    r = fs.solve(x.float(), y.float(), a.float(), b.float(), backend="triton",
+                 precision="ieee", **kw)  # fmt: skip
+    with_guess = sum(guesses)
+    assert with_guess > 60 if eps_scaling else with_guess == 2 * 29
+    assert guesses[:2] == [False, False]  # the cold start
+    torch.testing.assert_close(r.f.double(), r64.f, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(r.g.double(), r64.g, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(r.value.double(), r64.value, atol=2e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# invariances of any correct entropic OT solver (hypothesis, torch path, float64)
+# ---------------------------------------------------------------------------------------
+
+shapes = st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**16))
+KW = dict(eps=0.2, tol=1e-11, max_iter=5000, warn=False)
+
+
+def _data(n, m, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, d, generator=gen, dtype=torch.float64)
+    y = torch.rand(m, d, generator=gen, dtype=torch.float64)
+    a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.05
+    b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.05
+    return x, y, a / a.sum(), b / b.sum()
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes, st.floats(-5, 5))
+def test_translation_and_permutation_invariance(shape, shift):
+    n, m, d, seed = shape
+    x, y, a, b = _data(n, m, d, seed)
+    r = fs.solve(x, y, a, b, **KW)
+    r_shift = fs.solve(x + shift, y + shift, a, b, **KW)
+    assert abs(float(r.value - r_shift.value)) < 1e-9
+    p, q = torch.randperm(n), torch.randperm(m)
+    r_perm = fs.solve(x[p], y[q], a[p], b[q], **KW)
+    assert abs(float(r.value - r_perm.value)) < 1e-9
+    torch.testing.assert_close(r_perm.f, r.f[p], atol=1e-8, rtol=0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes)
+def test_value_bounds_and_symmetry(shape):
+    n, m, d, seed = shape
+    x, y, a, b = _data(n, m, d, seed)
+    r = fs.solve(x, y, a, b, **KW)
+    rt = fs.solve(y, x, b, a, **KW)
+    assert abs(float(r.value - rt.value)) < 1e-9  # OT_eps(a, b) = OT_eps(b, a)
+    P = r.plan()
+    C = fs.cost_matrix_ref(x, y)
+    # entropic cost >= linear cost of its plan - eps * H bound: value >= <P, C> (KL >= 0)
+    assert float(r.value) >= float((P * C).sum()) - 1e-9
+    # ... and <= the cost of the independent coupling (KL(a x b | a x b) = 0)
+    assert float(r.value) <= float((a[:, None] * b[None, :] * C).sum()) + 1e-9
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------
+
+
+def _uniform_gpu(n, m, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    s = 1 / math.sqrt(d)
+    x = torch.rand(n, d, generator=gen) * s
+    y = torch.rand(m, d, generator=gen) * s + 0.5 * s
+    return x.cuda(), y.cuda()
+
+
+@pytest.mark.gpu
+def test_triton_matches_float64_on_gpu():
+    x, y = _uniform_gpu(3001, 2999, 64, seed=1)
+    kw = dict(eps=0.02, cost_scale=0.5, tol=1e-5, max_iter=1000, precision="ieee")
+    rt = fs.solve(x, y, backend="triton", **kw)
+    rp = fs.solve(x.double(), y.double(), backend="torch", **kw)
+    assert rt.converged and rp.converged
+    torch.testing.assert_close(rt.value.double(), rp.value, atol=1e-6, rtol=1e-5)
+    V = torch.randn(2999, 5, device="cuda")
+    torch.testing.assert_close(rt.apply(V).double(), rp.apply(V.double()), atol=1e-6, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_label_cost_on_gpu():
+    x, y, a, b = clouds(300, 250, 5, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    lx, ly = torch.randint(0, 4, (300,), generator=gen), torch.randint(0, 3, (250,), generator=gen)
+    W = torch.rand(4, 3, generator=gen, dtype=torch.float64)
+    kw = dict(eps=0.05, label_cost=(lx, ly, W), tol=1e-8, max_iter=3000, warn=False)
+    r64 = fs.solve(x, y, a, b, **kw)
+    r = fs.solve(
+        *(t.float().cuda() for t in (x, y, a, b)),
+        **dict(kw, label_cost=(lx.cuda(), ly.cuda(), W.float().cuda())),
+        precision="ieee",
+    )
+    assert abs(float(r.value) - float(r64.value)) < 1e-5
