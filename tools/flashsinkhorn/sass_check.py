@@ -18,7 +18,9 @@ config, whether the SASS is identical to an earlier ``--json`` (for example one 
 
 It runs with the package at any commit since 1cd3e42 (the old ``flashsinkhorn.kernels``
 layout or the split one): it only uses the public functions and reads the tile configs
-from wherever the package keeps them. Registers / stack bytes come with each row.
+from wherever the package keeps them. Registers / stack bytes come with each row;
+``--loops`` adds per-loop instruction counts (MUFU FFMA FADD FMNMX SHFL HGMMA per tile per
+thread, the SASS between a backward branch and its target).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions, not the interpreter
 os.environ["FLASHSINKHORN_NO_AUTOTUNE"] = "1"  # one config per launch: captured, then swept
@@ -147,6 +150,27 @@ def _resources(cubin: bytes) -> str:
     return " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+", usage))
 
 
+LOOP_OPS = ("MUFU", "FFMA", "FADD", "FMNMX", "SHFL", "HGMMA")
+
+
+def loop_counts(sass: str) -> str:
+    """Per loop of the SASS (a backward BRA and its target): the instructions of one
+    iteration and the counts of LOOP_OPS, e.g. "290: 32 32 68 0 4 8"."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    out = []
+    for addr, txt in ins:
+        m = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", txt)
+        if m and int(m.group(1), 16) < addr:
+            body = [t.split() for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            ops = Counter((w[1] if w[0].startswith("@") else w[0]).split(".")[0] for w in body)
+            out.append(f"{len(body)}: " + " ".join(str(ops[o]) for o in LOOP_OPS))
+    return "; ".join(out)
+
+
 def _configs_for(role, constexprs, num_warps, num_stages):
     """(name, constexpr overrides, warps, stages) for every GPU config of one capture."""
     if role in ("running-max", "shift"):
@@ -250,6 +274,11 @@ def main(argv=None):
     ap.add_argument("--json", help="write the hashes here")
     ap.add_argument("--compare", help="an earlier --json: report identical / different")
     ap.add_argument("--only", help="substring of the scenario names to run")
+    ap.add_argument(
+        "--loops",
+        action="store_true",
+        help="also print per-loop instruction counts (" + " ".join(LOOP_OPS) + ")",
+    )
     args = ap.parse_args(argv)
 
     _tile_configs(None)
@@ -295,8 +324,11 @@ def main(argv=None):
                 compile_s=round(dt, 2),
                 signature=" ".join(f"{p}:{t}" for p, t in sig.items() if t != "constexpr"),
             )
+            if args.loops:
+                rows[key]["loops"] = loop_counts(sass)
             print(f"{key}: {rows[key]['sass_sha256']} {rows[key]['resources']} "
-                  f"({dt:.1f} s)", flush=True)  # fmt: skip
+                  f"({dt:.1f} s)" + (f" loops {rows[key]['loops']}" if args.loops else ""),
+                  flush=True)  # fmt: skip
     print(f"{len(rows)} kernels compiled in {time.time() - t_all:.0f} s (triton "
           f"{triton.__version__}, sm_90)")  # fmt: skip
     if args.json:

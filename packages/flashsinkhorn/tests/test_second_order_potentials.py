@@ -132,10 +132,10 @@ def test_row_lse_triton_matches_float64(labels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,tol", [("tf32x3", 1e-5), ("ieee", 1e-5)])
 def test_triton_potentials_gpu(precision, tol):
-    x, y, a, b, _ = _data(1500, 1300, 70, False)
+    x, y, a, b = (t.cuda() for t in _data(1500, 1300, 70, False)[:4])
     kw = dict(eps=0.05, max_iter=100)
-    p64 = solve_potentials(x, y, a, b, backend="torch", **kw)
-    c = lambda t: t.float().cuda()  # noqa: E731
+    p64 = solve_potentials(x, y, a, b, backend="torch", **kw)  # float64 on the GPU
+    c = lambda t: t.float()  # noqa: E731
     p32 = solve_potentials(c(x), c(y), c(a), c(b), precision=precision, **kw)
     assert _max_err(p32, p64) < tol
 
@@ -238,16 +238,16 @@ def _gauge_free_err(p32, p64):
 def test_loop_precision_gpu_matches_tf32x3():
     """The schedule on real tf32, on the HVP script's kind of problem: 95 tf32 + 5 tf32x3
     iterations give the same plan as 100 tf32x3 ones. The raw potentials differ by a gauge
-    shift (H200 run 10, results/run10-loop-tail.json: max error 2.2e-5 for tails of 5 to 60
+    shift (H200 run 10: max error 2.2e-5 for tails of 5 to 60
     iterations alike, 1.1e-6 for all-tf32x3; the HVP's error vs float64 was 1.40e-6 both
     ways), so the check is gauge-free, plus the gauge-invariant dual value."""
     from flashsinkhorn.second_order.bench import _problem
 
-    x, y, _ = _problem(1500, 1300, 64, torch.device("cpu"))
+    x, y, _ = _problem(1500, 1300, 64, torch.device("cuda"))
     x, y = x.double(), y.double()
     kw = dict(eps=0.01, max_iter=100)
-    p64 = solve_potentials(x, y, backend="torch", **kw)
-    xc, yc = x.float().cuda(), y.float().cuda()
+    p64 = solve_potentials(x, y, backend="torch", **kw)  # float64 on the GPU
+    xc, yc = x.float(), y.float()
     p_mixed = solve_potentials(xc, yc, loop_precision="tf32", **kw)
     p_exact = solve_potentials(xc, yc, **kw)
     mixed, exact = _gauge_free_err(p_mixed, p64), _gauge_free_err(p_exact, p64)
