@@ -241,9 +241,9 @@ def test_loop_precision_gpu_matches_tf32x3():
     shift (H200 run 10: max error 2.2e-5 for tails of 5 to 60
     iterations alike, 1.1e-6 for all-tf32x3; the HVP's error vs float64 was 1.40e-6 both
     ways), so the check is gauge-free, plus the gauge-invariant dual value."""
-    from flashsinkhorn.second_order.bench import _problem
+    from flashsinkhorn.bench import hvp_problem
 
-    x, y, _ = _problem(1500, 1300, 64, torch.device("cuda"))
+    x, y, _ = hvp_problem(1500, 1300, 64, torch.device("cuda"))
     x, y = x.double(), y.double()
     kw = dict(eps=0.01, max_iter=100)
     p64 = solve_potentials(x, y, backend="torch", **kw)  # float64 on the GPU

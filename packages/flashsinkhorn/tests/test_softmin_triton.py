@@ -142,7 +142,7 @@ def test_autotune_switch_is_read_at_call_time(monkeypatch):
 TOL = {"ieee": (2e-5, 1e-4), "tf32x3": (2e-5, 1e-4), "tf32": (2e-3, 3e-2), "bf16": (2e-2, 1e-1)}
 # every precision once with one feature chunk and once with several; d = 64: one chunk,
 # EVEN_D; d = 3: one masked chunk; d = 512: 8 even chunks; d = 784: 13 chunks, masked tail.
-# (tf32 at d = 64 and 512 is covered config by config below.)
+# (tf32 at d = 64, 512 and 1024 is also covered config by config below.)
 GPU_CASES = [(64, "bf16"), (64, "tf32x3"), (3, "tf32"), (3, "ieee"), (784, "ieee"),
              (784, "tf32"), (784, "tf32x3"), (512, "bf16")]  # fmt: skip
 
@@ -194,40 +194,30 @@ def test_kernels_vs_float64_gpu(d, precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 512])
-def test_every_autotune_config_gpu(d):
-    """Every config the autotuner may pick, for the shift kernel (tf32, and bf16 operands
-    at d <= 128) and the running-max kernel (tf32), within the float64 bound. The launches
-    use the production flags (no labels, no lse, no counter) and sizes that are multiples
-    of 16, so these compiles are the ones the benchmark's autotuner reuses."""
+@pytest.mark.parametrize(
+    "d,precision,kernels",
+    [(64, "tf32", ("shift", "running-max")), (64, "bf16", ("shift", "running-max")),
+     (64, "tf32x3", ("running-max",)), (512, "tf32", ("shift", "running-max")),
+     (1024, "tf32", ("shift", "running-max"))],
+)  # fmt: skip
+def test_every_autotune_config_gpu(d, precision, kernels):
+    """Every config the autotuner may pick, for the shift and running-max kernels, within
+    the precision's float64 bound. The launches use the production flags (no labels, no
+    lse, no counter), operands prepared as Problem prepares them, and sizes that are
+    multiples of 16 like the benchmark's: these compiles are the ones the benchmark's
+    autotuner (and hvp's tf32x3 tail, running max) then finds in Triton's cache."""
     n, m, eps = 1504, 1296, 0.01
     x, y, g, logb, cx, cy = _gpu_problem(n, m, d, seed=d + 1)
     ref = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=2.0, damping=0.9)[0]
     space = _config.TUNE_SMALL_D if d <= 128 else _config.TUNE_LARGE_D
-    cases = [("tf32", ref.float() + 3 * eps), ("tf32", None)]
-    if d <= 128:
-        cases.append(("bf16", ref.float() + 3 * eps))
-    for precision, guess in cases:
-        # operands as Problem prepares them (bf16: cast once)
-        kdt = torch.bfloat16 if precision == "bf16" else torch.float32
+    kdt = torch.bfloat16 if precision == "bf16" else torch.float32
+    for kernel in kernels:
+        guess = ref.float() + 3 * eps if kernel == "shift" else None
         for cfg in space:
-            out = _pass(
-                x.to(kdt),
-                y.to(kdt),
-                g,
-                logb,
-                cx,
-                cy,
-                None,
-                eps=eps,
-                damping=0.9,
-                precision=precision,
-                guess=guess,
-                config=cfg,
-                want_lse=False,
-            )[0]
+            out = _pass(x.to(kdt), y.to(kdt), g, logb, cx, cy, None, eps=eps, damping=0.9,
+                        precision=precision, guess=guess, config=cfg, want_lse=False)[0]
             err = float((out.double() - ref).abs().max())
-            assert torch.isfinite(out).all() and err < TOL[precision][0], (cfg, precision, err)
+            assert torch.isfinite(out).all() and err < TOL[precision][0], (kernel, cfg, err)
 
 
 @pytest.mark.gpu

@@ -5,9 +5,9 @@ divergence) with respect to the point positions, computed from streamed plan pro
 only (never the n x m plan), a loss with double backward, implicit differentiation of
 the potentials, inverse-HVPs, the optimizers built on them (Newton-CG, Steihaug trust
 region, Lanczos smallest eigenvalue), and the OTDD dataset distance. See
-docs/flashsinkhorn-second-order.md. The benchmark (``second_order.bench.bench_hvp``) and
-the shuffled-regression example (``second_order.shuffled_regression``) are modules here
-but not part of the API.
+docs/flashsinkhorn-second-order.md. The shuffled-regression example
+(``second_order.shuffled_regression``) is a module here but not part of the API; the HVP
+benchmark is a case of ``python -m flashsinkhorn.bench``.
 """
 
 from flashsinkhorn.second_order._plan import Plan, solve_potentials
