@@ -214,8 +214,21 @@ def test_every_autotune_config_gpu(d, precision, kernels):
     for kernel in kernels:
         guess = ref.float() + 3 * eps if kernel == "shift" else None
         for cfg in space:
-            out = _pass(x.to(kdt), y.to(kdt), g, logb, cx, cy, None, eps=eps, damping=0.9,
-                        precision=precision, guess=guess, config=cfg, want_lse=False)[0]
+            out = _pass(
+                x.to(kdt),
+                y.to(kdt),
+                g,
+                logb,
+                cx,
+                cy,
+                None,
+                eps=eps,
+                damping=0.9,
+                precision=precision,
+                guess=guess,
+                config=cfg,
+                want_lse=False,
+            )[0]
             err = float((out.double() - ref).abs().max())
             assert torch.isfinite(out).all() and err < TOL[precision][0], (kernel, cfg, err)
 
