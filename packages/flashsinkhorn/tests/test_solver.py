@@ -275,6 +275,10 @@ def test_problem_prepares_centered_operands_once(backend):
     ref_g = softmin_ref(yc, xc, f, p.loga, cy, cx, **kw)[0]
     torch.testing.assert_close(p.sm_x(g, 0.1, 0.9)[0].double(), ref_f, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(p.sm_y(f, 0.1, 0.9)[0].double(), ref_g, atol=2e-5, rtol=1e-5)
+    # and equal to the per-call path (softmin(center=c) subtracts the center itself)
+    kw = dict(kw, precision="ieee", backend=backend)
+    per_call = fs.softmin(x, y, g, p.logb, cx, cy, center=c, **kw)[0]
+    torch.testing.assert_close(p.sm_x(g, 0.1, 0.9)[0], per_call, atol=1e-6, rtol=1e-6)
     q = Problem(x, x, a, a, cx, cx, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c)
     assert q.Xk is q.Yk
     r = Problem(x, y, a, b, cx, cy, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c,
