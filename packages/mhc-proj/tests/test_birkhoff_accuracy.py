@@ -5,12 +5,12 @@ Marginal error: L1 of row and column sums minus 1 in float64 of the fp32 output,
 for every distribution (the kernels stop at 4e-6; 8 fp32 line sums add <= 1.4e-6). The
 distance to the float64 projection (<= 1e-5) and the backward's per-matrix error relative
 to its largest |dA| (p99 <= 1e-4) where the float64 reference (no continuation) is trusted.
-Set MHC_PROJ_ACCURACY_OUT=path.md to append the measured table to a file (tests/conftest.py).
+Set MHC_PROJ_ACCURACY_OUT=path.md to append the measured table to a file (tests/_mhc_test_env.py).
 """
 
 import pytest
 import torch
-from conftest import accuracy_out
+from _mhc_test_env import accuracy_out
 
 from mhc_proj import birkhoff_project, marginal_error
 from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import expect_cuda
+from _mhc_test_env import expect_cuda
 
 from mhc_proj import _backend
 
