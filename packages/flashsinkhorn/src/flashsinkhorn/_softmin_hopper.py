@@ -88,8 +88,10 @@ class HopperConfig:
     num_wg: consumer warpgroups per CTA ("ws"; 64 rows each). "pipe" uses 1.
     block_n: columns per tile (wgmma N). block_k: features per shared-memory chunk.
     stages: chunks in the ring. pipe: issue tile j + 1's wgmma before tile j's exps (needs
-        stages > the chunks per tile). x_resident: keep the CTA's rows of x in shared
-        memory for the whole pass (else they stream through the ring with y).
+        stages > the chunks per tile). pingpong ("ws", two consumers): the consumers take
+        turns to issue their wgmma (FlashAttention-3's ordering). x_resident: keep the
+        CTA's rows of x in shared memory for the whole pass (else they stream through the
+        ring with y).
     consumer_regs / producer_regs: per-thread registers of the "ws" partitions
         (setmaxnreg). maxnreg: the kernel's register cap (None: Triton's default).
     """
@@ -100,6 +102,7 @@ class HopperConfig:
     block_k: int = 64
     stages: int = 3
     pipe: bool = True
+    pingpong: bool = False
     x_resident: bool = True
     consumer_regs: int = 232
     producer_regs: int = 24
@@ -209,6 +212,10 @@ if HAS_GLUON:
     _SAFE_HI = gl.constexpr(SAFE_HI)
     _SHIFT_C = gl.constexpr(SHIFT_CENTER)
 
+    # SPEC, the kernel's compile-time mode, one constexpr tuple (the partitions of
+    # warp_specialize receive it whole):
+    # (NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, PINGPONG, ONLINE, HAS_LSE, COUNT, FALLBACK)
+
     @gluon.constexpr_function
     def _stage_bytes(y_bytes, x_bytes, num_wg, x_resident):
         """Bytes one ring stage receives: the y chunk, plus the x chunks when streamed."""
@@ -216,10 +223,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                    NUM_K: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                    X_RESIDENT: gl.constexpr):  # fmt: skip
+                    SPEC: gl.constexpr):  # fmt: skip
         """TMA loads of ring chunk ``t`` (column tile t // NUM_K, feature chunk t % NUM_K)
         into stage t % STAGES; completion is signalled on that stage's ready barrier."""
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        NUM_WG: gl.constexpr = SPEC[2]
+        X_RESIDENT: gl.constexpr = SPEC[3]
         BN: gl.constexpr = y_desc.block_type.shape[0]
         BK: gl.constexpr = y_desc.block_type.shape[1]
         BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -237,8 +247,10 @@ if HAS_GLUON:
                 _tma_load(x_desc, [xrow0 + w * BM, k * BK], bar, x_smem.index(s * NUM_WG + w))
 
     @gluon.jit
-    def _load_x(x_desc, x_smem, x_bar, xrow0, NUM_K: gl.constexpr, NUM_WG: gl.constexpr):
-        """The CTA's rows of x, every feature chunk, once (x_resident)."""
+    def _load_x(x_desc, x_smem, x_bar, xrow0, SPEC: gl.constexpr):
+        """The CTA's rows of x, every feature chunk, once (X_RESIDENT)."""
+        NUM_K: gl.constexpr = SPEC[0]
+        NUM_WG: gl.constexpr = SPEC[2]
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         mbarrier.expect(x_bar, NUM_WG * NUM_K * x_desc.block_type.nbytes)
@@ -248,30 +260,38 @@ if HAS_GLUON:
 
     @gluon.jit
     def _release(t, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
-                 NUM_K: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                 X_RESIDENT: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
+                 SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
         """Chunk ``t``'s wgmma has retired: its stage may be refilled. The "pipe" kernel
         issues the refill itself (chunk t + STAGES); the "ws" consumers tell the producer
         through the stage's empty barrier (one arrival per consumer warpgroup)."""
+        STAGES: gl.constexpr = SPEC[1]
         if INLINE_LOADS:
             if t + STAGES < total:
                 _load_chunk(t + STAGES, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                            NUM_K, STAGES, NUM_WG, X_RESIDENT)  # fmt: skip
+                            SPEC)  # fmt: skip
         else:
             mbarrier.arrive(empty.index(t % STAGES), count=1)
 
     @gluon.jit
-    def _issue_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
-                    WG: gl.constexpr, MMA: gl.constexpr, NUM_K: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WG: gl.constexpr, X_RESIDENT: gl.constexpr,
+    def _issue_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, turn, xrow0,
+                    yrow0, SPEC: gl.constexpr, WG: gl.constexpr, MMA: gl.constexpr,
                     INLINE_LOADS: gl.constexpr, EARLY_RELEASE: gl.constexpr):  # fmt: skip
         """Issue the async wgmma of column tile ``j`` for this warpgroup's 64 rows, chunk
         by chunk as the chunks land. EARLY_RELEASE: after each chunk, wait until at most
         one wgmma is in flight and release the previous chunk's stage (a GEMM main loop);
         otherwise every chunk stays in flight (the caller waits and releases them).
-        Returns the in-flight accumulator (BLOCK_M, BN)."""
+        PINGPONG: the two consumers take turns to issue, so that one's wgmma run while the
+        other does its exps. Returns the in-flight accumulator (BLOCK_M, BN)."""
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        NUM_WG: gl.constexpr = SPEC[2]
+        X_RESIDENT: gl.constexpr = SPEC[3]
+        PINGPONG: gl.constexpr = SPEC[5]
         BN: gl.constexpr = y_desc.block_type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[0]
+        if PINGPONG:
+            # consumer 0 goes first (its first wait passes on the barrier's initial phase)
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         acc = gl.zeros([BM, BN], gl.float32, MMA)
         for k in gl.static_range(NUM_K):
             t = j * NUM_K + k
@@ -285,24 +305,25 @@ if HAS_GLUON:
             acc = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
             if EARLY_RELEASE and k > 0:
                 acc = warpgroup_mma_wait(1, deps=(acc,))
-                _release(t - 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
-                         xrow0, yrow0, NUM_K, STAGES, NUM_WG, X_RESIDENT, INLINE_LOADS)  # fmt: skip
+                _release(t - 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
+                         yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
         return acc
 
     @gluon.jit
     def _release_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
-                      NUM_K: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                      X_RESIDENT: gl.constexpr, INLINE_LOADS: gl.constexpr,
+                      SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr,
                       EARLY_RELEASE: gl.constexpr):  # fmt: skip
         """Release the stages of tile ``j`` still held after its final wgmma wait."""
+        NUM_K: gl.constexpr = SPEC[0]
         if EARLY_RELEASE:
             _release(j * NUM_K + NUM_K - 1, total, x_desc, y_desc, x_smem, y_smem, ready,
-                     empty, xrow0, yrow0, NUM_K, STAGES, NUM_WG, X_RESIDENT,
-                     INLINE_LOADS)  # fmt: skip
+                     empty, xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
         else:
             for k in gl.static_range(NUM_K):
                 _release(j * NUM_K + k, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
-                         xrow0, yrow0, NUM_K, STAGES, NUM_WG, X_RESIDENT, INLINE_LOADS)  # fmt: skip
+                         xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
 
     @gluon.jit
     def _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE: gl.constexpr):
@@ -322,14 +343,18 @@ if HAS_GLUON:
         return l, m
 
     @gluon.jit
-    def _consumer(args, NUM_K: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                  X_RESIDENT: gl.constexpr, PIPE: gl.constexpr, ONLINE: gl.constexpr,
-                  HAS_LSE: gl.constexpr, COUNT: gl.constexpr, FALLBACK_PASS: gl.constexpr,
-                  WG: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
+    def _consumer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
         """One warpgroup's pass over every column tile for its 64 rows, then its epilogue."""
-        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, bias_ptr, cx_ptr, guess_ptr,
-         out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0, yrow0,
-         dot_scale, eps_ln2, damping) = args  # fmt: skip
+        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
+         guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0,
+         yrow0, dot_scale, eps_ln2, damping) = args  # fmt: skip
+        NUM_K: gl.constexpr = SPEC[0]
+        X_RESIDENT: gl.constexpr = SPEC[3]
+        PIPE: gl.constexpr = SPEC[4]
+        ONLINE: gl.constexpr = SPEC[6]
+        HAS_LSE: gl.constexpr = SPEC[7]
+        COUNT: gl.constexpr = SPEC[8]
+        FALLBACK: gl.constexpr = SPEC[9]
         BN: gl.constexpr = y_desc.block_type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[0]
         KI: gl.constexpr = 256 // y_desc.dtype.primitive_bitwidth  # wgmma K: 8 tf32, 16 bf16
@@ -340,6 +365,7 @@ if HAS_GLUON:
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         EARLY: gl.constexpr = not PIPE
         total = n_tiles * NUM_K
+        ring = (x_desc, y_desc, x_smem, y_smem, ready, empty)
 
         rows = row0 + WG * BM + gl.arange(0, BM, layout=ROW)
         row_mask = rows < N
@@ -360,46 +386,37 @@ if HAS_GLUON:
             mbarrier.wait(x_bar, 0)
 
         if PIPE:
-            acc = _issue_tile(0, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
-                              yrow0, WG, MMA, NUM_K, STAGES, NUM_WG, X_RESIDENT,
+            acc = _issue_tile(0, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                               INLINE_LOADS, False)  # fmt: skip
             S = warpgroup_mma_wait(0, deps=(acc,))
-            _release_tile(0, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
-                          yrow0, NUM_K, STAGES, NUM_WG, X_RESIDENT, INLINE_LOADS,
-                          False)  # fmt: skip
+            _release_tile(0, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
             bias = gl.load(bias_row + cols)
             for j in range(n_tiles - 1):
                 # tile j + 1 goes to the tensor cores, then tile j's exps run meanwhile
-                acc = _issue_tile(j + 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
-                                  xrow0, yrow0, WG, MMA, NUM_K, STAGES, NUM_WG, X_RESIDENT,
+                acc = _issue_tile(j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                                   INLINE_LOADS, False)  # fmt: skip
                 bias_next = gl.load(bias_row + (j + 1) * BN + cols)
                 l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
                 S = warpgroup_mma_wait(0, deps=(acc,))
-                _release_tile(j + 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
-                              xrow0, yrow0, NUM_K, STAGES, NUM_WG, X_RESIDENT, INLINE_LOADS,
-                              False)  # fmt: skip
+                _release_tile(j + 1, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
                 bias = bias_next
             l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
         else:
             for j in range(n_tiles):
-                acc = _issue_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
-                                  xrow0, yrow0, WG, MMA, NUM_K, STAGES, NUM_WG, X_RESIDENT,
+                acc = _issue_tile(j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                                   INLINE_LOADS, EARLY)  # fmt: skip
                 bias = gl.load(bias_row + j * BN + cols)
                 S = warpgroup_mma_wait(0, deps=(acc,))
-                _release_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
-                              yrow0, NUM_K, STAGES, NUM_WG, X_RESIDENT, INLINE_LOADS,
-                              EARLY)  # fmt: skip
+                _release_tile(j, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, EARLY)
                 l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
 
-        # epilogue: lse2, out, and (shift mode) which rows the fallback pass must redo
+        # epilogue: lse2, out, and (shift mode) which rows the fallback launch must redo
         if ONLINE:
             lse2 = m + gl.log2(l)
         else:
             lse2 = sh + gl.log2(l)
         out = damping * (cx - eps_ln2 * lse2)
-        if FALLBACK_PASS:
+        if FALLBACK:
             flags = gl.load(flag_ptr + base_r + rows, mask=row_mask, other=0)
             st_mask = row_mask & (flags != 0)
         else:
@@ -412,44 +429,43 @@ if HAS_GLUON:
             bad = bad & row_mask
             gl.store(flag_ptr + base_r + rows, bad.to(gl.int8), mask=row_mask)
             if COUNT:  # diagnostics (tests, check script): rows handed to the fallback
-                n_bad = gl.sum(bad.to(gl.int32), 0)
-                gl.atomic_add(cnt_ptr, n_bad)
+                gl.atomic_add(cnt_ptr, gl.sum(bad.to(gl.int32), 0))
 
     @gluon.jit
-    def _producer(args, NUM_K: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                  X_RESIDENT: gl.constexpr, PIPE: gl.constexpr, ONLINE: gl.constexpr,
-                  HAS_LSE: gl.constexpr, COUNT: gl.constexpr, FALLBACK_PASS: gl.constexpr,
-                  WG: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
+    def _producer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
         """The "ws" producer warp: x once (when resident), then every ring chunk in order,
         each after its stage's empty barrier says all consumers are done with it."""
-        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, bias_ptr, cx_ptr, guess_ptr,
-         out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0, yrow0,
-         dot_scale, eps_ln2, damping) = args  # fmt: skip
-        if X_RESIDENT:
-            _load_x(x_desc, x_smem, x_bar, xrow0, NUM_K, NUM_WG)
+        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
+         guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0,
+         yrow0, dot_scale, eps_ln2, damping) = args  # fmt: skip
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        if SPEC[3]:  # X_RESIDENT
+            _load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
         for t in range(n_tiles * NUM_K):
             s = t % STAGES
             # mbarriers start in the completed state of phase "-1": the first round passes
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                        NUM_K, STAGES, NUM_WG, X_RESIDENT)  # fmt: skip
+            _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
 
     @gluon.jit
     def _softmin_sm90_kernel(
         x_desc, y_desc, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr,
         N, M, Mpad, n_tiles, dot_scale, eps_ln2, damping,
-        NUM_K: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-        X_RESIDENT: gl.constexpr, PIPE: gl.constexpr, WS: gl.constexpr,
-        ONLINE: gl.constexpr, HAS_LSE: gl.constexpr, COUNT: gl.constexpr,
-        FALLBACK_PASS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        SPEC: gl.constexpr, WS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        NUM_WG: gl.constexpr = SPEC[2]
+        X_RESIDENT: gl.constexpr = SPEC[3]
+        FALLBACK: gl.constexpr = SPEC[9]
         BM: gl.constexpr = x_desc.block_type.shape[0]
         pid = gl.program_id(0)
         b = gl.program_id(1).to(gl.int64)
         row0 = pid * (BM * NUM_WG)
         go = True
-        if FALLBACK_PASS:
+        if FALLBACK:
             # the second launch of shift mode: only row blocks with a flagged row run
             FL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             r = row0 + gl.arange(0, BM * NUM_WG, layout=FL)
@@ -472,48 +488,45 @@ if HAS_GLUON:
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             x_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            # ping-pong: turn[w] says consumer w may issue its next tile's wgmma
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
                 mbarrier.init(ready.index(i), count=1)
                 mbarrier.init(empty.index(i), count=NUM_WG)
             mbarrier.init(x_bar, count=1)
-            args = (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, bias_ptr, cx_ptr,
+            for i in gl.static_range(2):
+                mbarrier.init(turn.index(i), count=1)
+            args = (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
                     guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles,
                     xrow0, yrow0, dot_scale, eps_ln2, damping)  # fmt: skip
             if WS:
                 if NUM_WG == 2:
                     gl.warp_specialize(
-                        [(_consumer, (args, NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, ONLINE,
-                                      HAS_LSE, COUNT, FALLBACK_PASS, 0, False)),
-                         (_consumer, (args, NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, ONLINE,
-                                      HAS_LSE, COUNT, FALLBACK_PASS, 1, False)),
-                         (_producer, (args, NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, ONLINE,
-                                      HAS_LSE, COUNT, FALLBACK_PASS, 0, False))],
+                        [(_consumer, (args, SPEC, 0, False)), (_consumer, (args, SPEC, 1, False)),
+                         (_producer, (args, SPEC, 0, False))],
                         [4, 1], [CONSUMER_REGS, PRODUCER_REGS],
                     )  # fmt: skip
                 else:
                     gl.warp_specialize(
-                        [(_consumer, (args, NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, ONLINE,
-                                      HAS_LSE, COUNT, FALLBACK_PASS, 0, False)),
-                         (_producer, (args, NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, ONLINE,
-                                      HAS_LSE, COUNT, FALLBACK_PASS, 0, False))],
+                        [(_consumer, (args, SPEC, 0, False)), (_producer, (args, SPEC, 0, False))],
                         [1], [PRODUCER_REGS],
                     )  # fmt: skip
             else:
                 # one warpgroup: x and the first STAGES chunks now, each refill as soon as
                 # the wgmma that read the stage has retired (in _release)
                 if X_RESIDENT:
-                    _load_x(x_desc, x_smem, x_bar, xrow0, NUM_K, 1)
+                    _load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
                 total = n_tiles * NUM_K
                 for t in gl.static_range(STAGES):
                     if t < total:
-                        _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                                    NUM_K, STAGES, 1, X_RESIDENT)  # fmt: skip
-                _consumer(args, NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, ONLINE, HAS_LSE, COUNT,
-                          FALLBACK_PASS, 0, True)  # fmt: skip
+                        _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
+                _consumer(args, SPEC, 0, True)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(i))
                 mbarrier.invalidate(empty.index(i))
             mbarrier.invalidate(x_bar)
+            for i in gl.static_range(2):
+                mbarrier.invalidate(turn.index(i))
 
 
 def _descriptors(x2, y2, cfg: HopperConfig):
@@ -529,6 +542,15 @@ def _descriptors(x2, y2, cfg: HopperConfig):
     return x_desc, y_desc
 
 
+def _spec(cfg: HopperConfig, D: int, online, has_lse, count, fallback_pass):
+    """The kernel's SPEC constexpr tuple (see the comment above _stage_bytes)."""
+    ws = cfg.kernel == "ws"
+    num_wg = cfg.num_wg if ws else 1
+    pingpong = cfg.pingpong and ws and num_wg == 2
+    return (-(-D // cfg.block_k), cfg.stages, num_wg, cfg.x_resident, cfg.pipe, pingpong,
+            online, has_lse, count, fallback_pass)  # fmt: skip
+
+
 def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
             dot_scale, eps_ln2, damping, cfg, *, online, has_lse, count,
             fallback_pass):  # fmt: skip
@@ -538,16 +560,15 @@ def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_t
     return _softmin_sm90_kernel[grid](
         x_desc, y_desc, bias, cx, guess, out, lse, flags, cnt,
         N, M, Mpad, n_tiles, float(dot_scale), float(eps_ln2), float(damping),
-        NUM_K=-(-D // cfg.block_k), STAGES=cfg.stages, NUM_WG=cfg.num_wg if ws else 1,
-        X_RESIDENT=cfg.x_resident, PIPE=cfg.pipe, WS=ws, ONLINE=online, HAS_LSE=has_lse,
-        COUNT=count, FALLBACK_PASS=fallback_pass, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, num_warps=4, **extra,
+        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), WS=ws,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+        **extra,
     )  # fmt: skip
 
 
 def fallback_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
     """The configuration of the second (online-max) launch: one warpgroup, no pipe."""
-    fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False)
+    fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False, pingpong=False)
     if fb.x_resident and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
         fb = replace(fb, x_resident=False)
     while fb.stages > 1 and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
@@ -664,10 +685,8 @@ def compile_for_sm90(
     fn = _softmin_sm90_kernel
     args = (x_desc, y_desc, f, f, f, f, f, i8, i32, rows, rows, rows, 2, 1.0, 1.0, 1.0)
     kwargs = dict(
-        NUM_K=-(-D // cfg.block_k), STAGES=cfg.stages, NUM_WG=cfg.num_wg if ws else 1,
-        X_RESIDENT=cfg.x_resident, PIPE=cfg.pipe, WS=ws, ONLINE=online, HAS_LSE=has_lse,
-        COUNT=count, FALLBACK_PASS=fallback_pass, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), WS=ws,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
     )  # fmt: skip
     if cfg.maxnreg is not None:
         kwargs["maxnreg"] = cfg.maxnreg
