@@ -78,15 +78,17 @@ def sweep(D, dtype):
                                                   pipe=False)),
             ("ws-nooverlap", replace(base, pipe=False)),
             ("ws-pingpong", replace(base, pipe=False, pingpong=True)),
+            ("ws-pipe-pingpong", replace(base, pingpong=True)),
             ("ws-1wg", replace(base, num_wg=1)),
             ("ws-bn64", replace(base, block_n=64)),
         ]  # fmt: skip
     else:  # a main loop over feature chunks per tile (d = 512, 1024)
         cands = [
             ("default", base),
-            ("ws-pingpong", replace(base, pingpong=True)),
-            ("ws-bn256-pingpong", replace(base, block_n=256, stages=4, x_resident=False,
-                                          pingpong=True)),
+            ("ws-no-pingpong", replace(base, pingpong=False)),
+            ("ws-bn256", replace(base, block_n=256, stages=4, x_resident=False)),
+            ("ws-bk2x", H.fit_stages(replace(base, block_k=2 * base.block_k, stages=6), D,
+                                     dtype)),
             ("pipe-1wg", H.HopperConfig(kernel="pipe", block_k=base.block_k, stages=4,
                                         pipe=False, x_resident=False)),
         ]  # fmt: skip

@@ -62,6 +62,7 @@ __all__ = [
     "HopperConfig",
     "HAS_GLUON",
     "default_config",
+    "fit_stages",
     "softmin_hopper",
     "unsupported_reason",
     "compile_for_sm90",
@@ -137,9 +138,15 @@ def default_config(D: int, dtype: torch.dtype) -> HopperConfig:
         cfg = HopperConfig(block_k=one_chunk, stages=4, pipe=True, x_resident=True)
     else:  # a GEMM main loop per tile; chunks released as their wgmma retire
         bk = 128 // e  # one 128-byte swizzle row per chunk row
-        cfg = HopperConfig(block_k=bk, stages=8, pipe=False, x_resident=True)
+        cfg = HopperConfig(block_k=bk, stages=8, pipe=False, pingpong=True, x_resident=True)
         if smem_bytes(replace(cfg, stages=4), D, dtype) > SMEM_LIMIT - 8192:
             cfg = replace(cfg, x_resident=False)  # x streams through the ring with y
+    return fit_stages(cfg, D, dtype)
+
+
+def fit_stages(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
+    """``cfg`` with as many of its stages as fit in shared memory (at least 2), with 8 KiB
+    left for barriers, alignment and the compiler's scratch."""
     while cfg.stages > 2 and smem_bytes(cfg, D, dtype) > SMEM_LIMIT - 8192:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg
