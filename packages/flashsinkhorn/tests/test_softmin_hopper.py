@@ -286,13 +286,12 @@ from dataclasses import replace
 from flashsinkhorn import _softmin_hopper as H
 tool = os.path.join(os.path.dirname(H.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 res = []
-for D, dt, stages, mode in json.loads(sys.argv[1]):
+for D, dt, over, mode in json.loads(sys.argv[1]):
     dtype = getattr(torch, dt)
     cfg = H.default_config(D, dtype)
     if mode.get("fallback_pass"):
         cfg = H.fallback_config(cfg, D, dtype)
-    if stages:
-        cfg = replace(cfg, stages=stages)
+    cfg = replace(cfg, **over)
     k = H.compile_for_sm90(D, dtype, cfg, **mode)
     ptx = k.asm["ptx"]
     stack = None
@@ -310,13 +309,17 @@ for D, dt, stages, mode in json.loads(sys.argv[1]):
 print("RESULT " + json.dumps(res))
 """
 
+# (D, dtype, config overrides, mode): the d = 64 default (one chunk per tile, x resident,
+# pipe), the fallback launch (inline loads, online max), the large-D path at a small D
+# (feature chunks released as they retire, x streamed, ping-pong turns), two stage counts
 OFFLINE = [
-    (64, "float32", 0, {}),
-    (64, "bfloat16", 0, dict(online=True, fallback_pass=True)),
-    (512, "float32", 0, dict(has_lse=True, count=True)),
-    (64, "bfloat16", 2, {}),
-    (64, "bfloat16", 3, {}),
-]
+    (64, "float32", {}, {}),
+    (64, "bfloat16", {}, dict(online=True, fallback_pass=True)),
+    (128, "float32", dict(block_k=32, stages=6, pipe=False, pingpong=True, x_resident=False),
+     dict(has_lse=True, count=True)),
+    (64, "bfloat16", dict(stages=2), {}),
+    (64, "bfloat16", dict(stages=3), {}),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
