@@ -573,6 +573,12 @@ def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_t
     )  # fmt: skip
 
 
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned base (TMA descriptors need both)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def fallback_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
     """The configuration of the second (online-max) launch: one warpgroup, no pipe."""
     fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False, pingpong=False)
@@ -624,8 +630,8 @@ def softmin_hopper(
     _check_config(cfg, D, x.dtype)
     dev = x.device
     f32 = torch.float32
-    x2 = x.contiguous().view(B * N, D)
-    y2 = y.contiguous().view(B * M, D)
+    x2 = _tma_ready(x).view(B * N, D)
+    y2 = _tma_ready(y).view(B * M, D)
     n_tiles = -(-M // cfg.block_n)
     Mpad = n_tiles * cfg.block_n
     # fused column bias (log2 units), padded with -inf to whole tiles: the padding columns
