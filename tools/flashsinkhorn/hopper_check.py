@@ -66,6 +66,8 @@ def sweep(D, dtype):
     """(label, HopperConfig) pairs timed for one case: the default first."""
     from dataclasses import replace
 
+    import torch
+
     from flashsinkhorn import _softmin_hopper as H
 
     base = H.default_config(D, dtype)
@@ -82,6 +84,12 @@ def sweep(D, dtype):
             ("ws-1wg", replace(base, num_wg=1)),
             ("ws-bn64", replace(base, block_n=64)),
         ]  # fmt: skip
+        # every 8th / 6th tile's exp2 on the FMA pipe: for bf16, where MUFU is the bound
+        poly = [
+            ("ws-poly8", replace(base, poly_every=8)),
+            ("ws-poly6", replace(base, poly_every=6)),
+        ]
+        cands[1:1] = poly if dtype == torch.bfloat16 else poly[:1]
     else:  # a main loop over feature chunks per tile (d = 512, 1024)
         cands = [
             ("default", base),

@@ -10,6 +10,7 @@ import math
 import os
 import pkgutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -186,6 +187,34 @@ def test_hopper_tile_edges(B, N, M, d):
     err_t = _err(_triton(p, "tf32", 1.0)[0], ref)
     out, lse = _hopper(p, "tf32", 1.0, guess=ref.float())
     _check(out, lse, ref, ref_lse, err_t, (B, N, M, d))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_hopper_poly_exp2_tiles(precision):
+    # every other column tile evaluates exp2 by the FMA-pipe polynomial
+    B, N, M = 2, 555, 901
+    cfg = replace(H.default_config(64, torch.float32 if precision == "tf32" else torch.bfloat16),
+                  poly_every=2)  # fmt: skip
+    p = _problem(B, N, M, 64, precision, seed=13)
+    ref, ref_lse = _ref(p, 1.0)
+    err_t = _err(_triton(p, precision, 1.0)[0], ref)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out, lse = _hopper(p, precision, 1.0, guess=ref.float(), config=cfg, counter=counter)
+    assert int(counter) == 0
+    _check(out, lse, ref, ref_lse, err_t, ("poly", precision))
+    # columns 200..204 (tile 1: a polynomial tile) now dominate every row by ~2^7000 and
+    # the guess is the old result: only the polynomial's range check sees it (the exp2
+    # tiles' sums stay in range), and every row must fall back to the online max
+    old = ref.float()
+    p["g"][:, 200:205] += 50.0
+    ref, ref_lse = _ref(p, 1.0)
+    err_t = _err(_triton(p, precision, 1.0)[0], ref)
+    counter.zero_()
+    out, lse = _hopper(p, precision, 1.0, guess=old, config=cfg, counter=counter)
+    assert int(counter) == B * N
+    _check(out, lse, ref, ref_lse, err_t, ("poly overflow", precision))
 
 
 # every kernel path the check script sweeps: the "pipe" kernel with and without the

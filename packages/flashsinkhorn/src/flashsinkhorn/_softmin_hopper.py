@@ -90,7 +90,9 @@ class HopperConfig:
     block_n: columns per tile (wgmma N). block_k: features per shared-memory chunk.
     stages: chunks in the ring. pipe: issue tile j + 1's wgmma before tile j's exps (needs
         stages > the chunks per tile). pingpong ("ws", two consumers): the consumers take
-        turns to issue their wgmma (FlashAttention-3's ordering). x_resident: keep the
+        turns to issue their wgmma (FlashAttention-3's ordering). poly_every: every
+        poly_every-th column tile evaluates its exp2 by a polynomial on the FMA pipe (0:
+        never; shift mode only). x_resident: keep the
         CTA's rows of x in shared memory for the whole pass (else they stream through the
         ring with y).
     consumer_regs / producer_regs: per-thread registers of the "ws" partitions
@@ -104,6 +106,7 @@ class HopperConfig:
     stages: int = 3
     pipe: bool = True
     pingpong: bool = False
+    poly_every: int = 0
     x_resident: bool = True
     consumer_regs: int = 232
     producer_regs: int = 24
@@ -165,6 +168,8 @@ def _check_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> None:
         raise ValueError(
             f"config.block_k must be a multiple of 16 in [32 B, 256]; got {cfg.block_k}"
         )
+    if cfg.poly_every < 0 or cfg.poly_every == 1:
+        raise ValueError(f"config.poly_every must be 0 or >= 2; got {cfg.poly_every}")
     if cfg.stages < 1 or (cfg.pipe and cfg.stages <= nk):
         raise ValueError(
             f"config.stages ({cfg.stages}) must exceed the chunks per tile ({nk}) with pipe=True"
@@ -221,7 +226,8 @@ if HAS_GLUON:
 
     # SPEC, the kernel's compile-time mode, one constexpr tuple (the partitions of
     # warp_specialize receive it whole):
-    # (NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, PINGPONG, ONLINE, HAS_LSE, COUNT, FALLBACK)
+    # (NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, PINGPONG, ONLINE, HAS_LSE, COUNT, FALLBACK,
+    #  POLY_EVERY)
 
     @gluon.constexpr_function
     def _stage_bytes(y_bytes, x_bytes, num_wg, x_resident):
@@ -333,10 +339,35 @@ if HAS_GLUON:
                          xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
 
     @gluon.jit
-    def _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE: gl.constexpr):
-        """Fold one tile of dots S (BLOCK_M, BN) into the row sums. Shift mode: one FFMA
-        (scale and column bias), one FADD (the row's fixed shift), one exp2 and one FADD
-        per score; ONLINE: the running max m and the rescale of l (FlashAttention's)."""
+    def _exp2_fma(x):
+        """2^x on the FMA and integer pipes (Cody-Waite): x = n + f, f in [-0.5, 0.5],
+        2^f by a degree-6 polynomial (max relative error 1.0e-7 in fp32 Horner, about
+        ex2.approx's), n added to the exponent bits. Valid for x <= 126 (the caller flags
+        rows with a larger x); below -125 it gives 2^-125 (a term 2^-157 of a row sum aimed
+        at 2^32); NaN gives 2^-125 (the row's other tiles, exp2 on MUFU, keep the NaN)."""
+        xc = gl.maximum(x, -125.0)
+        t = xc + 12582912.0  # 1.5 * 2^23: t's low mantissa bits hold round(xc)
+        f = xc - (t - 12582912.0)
+        p = 1.534581242594868e-4
+        p = p * f + 1.3399930903688073e-3
+        p = p * f + 9.618489071726799e-3
+        p = p * f + 5.550328642129898e-2
+        p = p * f + 2.4022646248340607e-1
+        p = p * f + 6.931471824645996e-1
+        p = p * f + 1.0
+        # n into the exponent: bits(p) + bits(t) * 2^23 (mod 2^32) = bits(p) + (n << 23),
+        # since bits(t) = bits(1.5 * 2^23) + n and bits(1.5 * 2^23) * 2^23 = 0 (mod 2^32)
+        r = p.to(gl.int32, bitcast=True) + t.to(gl.int32, bitcast=True) * 8388608
+        return r.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE: gl.constexpr,
+                  POLY_EVERY: gl.constexpr):  # fmt: skip
+        """Fold column tile ``j``'s dots S (BLOCK_M, BN) into the row sums. Shift mode: one
+        FFMA (scale and column bias), one FADD (the row's fixed shift), one exp2 and one
+        FADD per score; every POLY_EVERY-th tile evaluates its exp2 on the FMA pipe instead
+        of MUFU (FA4's trick: with bf16 operands MUFU is the bound). ONLINE: the running
+        max m and the rescale of l (FlashAttention's)."""
         s = S * dot_scale + gl.expand_dims(bias, 0)
         if ONLINE:
             m_new = gl.maximum(m, gl.max(s, 1))
@@ -346,7 +377,17 @@ if HAS_GLUON:
             l = l * alpha + gl.sum(p, 1)
             m = m_new
         else:
-            l = l + gl.sum(gl.exp2(s - gl.expand_dims(sh, 1)), 1)
+            x = s - gl.expand_dims(sh, 1)
+            if POLY_EVERY > 0:
+                if j % POLY_EVERY == POLY_EVERY - 1:
+                    l = l + gl.sum(_exp2_fma(x), 1)
+                    # shift mode has no running max: m keeps the largest exponent the
+                    # polynomial saw, and the epilogue flags rows where it was past 126
+                    m = gl.maximum(m, gl.max(x, 1))
+                else:
+                    l = l + gl.sum(gl.exp2(x), 1)
+            else:
+                l = l + gl.sum(gl.exp2(x), 1)
         return l, m
 
     @gluon.jit
@@ -362,6 +403,7 @@ if HAS_GLUON:
         HAS_LSE: gl.constexpr = SPEC[7]
         COUNT: gl.constexpr = SPEC[8]
         FALLBACK: gl.constexpr = SPEC[9]
+        POLY: gl.constexpr = SPEC[10]
         BN: gl.constexpr = y_desc.block_type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[0]
         KI: gl.constexpr = 256 // y_desc.dtype.primitive_bitwidth  # wgmma K: 8 tf32, 16 bf16
@@ -403,11 +445,11 @@ if HAS_GLUON:
                 acc = _issue_tile(j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                                   INLINE_LOADS, False)  # fmt: skip
                 bias_next = gl.load(bias_row + (j + 1) * BN + cols)
-                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
+                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE, POLY)
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j + 1, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
                 bias = bias_next
-            l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
+            l, m = _lse_tile(S, bias, sh, l, m, dot_scale, n_tiles - 1, ONLINE, POLY)
         else:
             for j in range(n_tiles):
                 acc = _issue_tile(j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
@@ -415,7 +457,7 @@ if HAS_GLUON:
                 bias = gl.load(bias_row + j * BN + cols)
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, EARLY)
-                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
+                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE, POLY)
 
         # epilogue: lse2, out, and (shift mode) which rows the fallback launch must redo
         if ONLINE:
@@ -433,6 +475,8 @@ if HAS_GLUON:
             gl.store(lse_ptr + base_r + rows, lse2, mask=st_mask)
         if not ONLINE:
             bad = ((l >= _SAFE_LO) & (l <= _SAFE_HI)) == 0  # NaN fails both tests
+            if POLY > 0:
+                bad = bad | (m > 126.0)  # a polynomial exp2 out of its range
             bad = bad & row_mask
             gl.store(flag_ptr + base_r + rows, bad.to(gl.int8), mask=row_mask)
             if COUNT:  # diagnostics (tests, check script): rows handed to the fallback
@@ -555,7 +599,7 @@ def _spec(cfg: HopperConfig, D: int, online, has_lse, count, fallback_pass):
     num_wg = cfg.num_wg if ws else 1
     pingpong = cfg.pingpong and ws and num_wg == 2
     return (-(-D // cfg.block_k), cfg.stages, num_wg, cfg.x_resident, cfg.pipe, pingpong,
-            online, has_lse, count, fallback_pass)  # fmt: skip
+            online, has_lse, count, fallback_pass, cfg.poly_every)  # fmt: skip
 
 
 def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
@@ -581,7 +625,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def fallback_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
     """The configuration of the second (online-max) launch: one warpgroup, no pipe."""
-    fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False, pingpong=False)
+    fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False, pingpong=False, poly_every=0)
     if fb.x_resident and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
         fb = replace(fb, x_resident=False)
     while fb.stages > 1 and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
