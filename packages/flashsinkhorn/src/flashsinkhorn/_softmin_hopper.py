@@ -92,9 +92,8 @@ class HopperConfig:
         stages > the chunks per tile). pingpong ("ws", two consumers): the consumers take
         turns to issue their wgmma (FlashAttention-3's ordering). poly_every: every
         poly_every-th column tile evaluates its exp2 by a polynomial on the FMA pipe (0:
-        never; shift mode only). x_resident: keep the
-        CTA's rows of x in shared memory for the whole pass (else they stream through the
-        ring with y).
+        never; shift mode only). x_resident: keep the CTA's rows of x in shared memory
+        for the whole pass (else they stream through the ring with y).
     consumer_regs / producer_regs: per-thread registers of the "ws" partitions
         (setmaxnreg). maxnreg: the kernel's register cap (None: Triton's default).
     """
@@ -164,9 +163,11 @@ def _check_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> None:
         raise ValueError(f"config.num_wg must be 1 or 2; got {cfg.num_wg}")
     if cfg.block_n not in (64, 128, 192, 256):
         raise ValueError(f"config.block_n must be 64, 128, 192 or 256; got {cfg.block_n}")
-    if cfg.block_k % 16 or cfg.block_k * e < 32 or cfg.block_k > 256:
+    row = cfg.block_k * e  # bytes per chunk row: TMA boxes of at most one 128-byte swizzle
+    if cfg.block_k % 16 or row < 32 or cfg.block_k > 256 or (row > 128 and row % 128):
         raise ValueError(
-            f"config.block_k must be a multiple of 16 in [32 B, 256]; got {cfg.block_k}"
+            "config.block_k must be a multiple of 16, at most 256, with 32 to 128 bytes per "
+            f"row or a multiple of 128; got {cfg.block_k}"
         )
     if cfg.poly_every < 0 or cfg.poly_every == 1:
         raise ValueError(f"config.poly_every must be 0 or >= 2; got {cfg.poly_every}")
