@@ -294,6 +294,7 @@ def test_config_checks_and_defaults():
         H.HopperConfig(block_n=96),
         H.HopperConfig(block_k=24),
         H.HopperConfig(block_k=48, stages=4),  # 192-byte rows: not whole swizzle rows
+        H.HopperConfig(block_k=32, stages=1, pipe=False),  # 2 chunks need 2 stages
         H.HopperConfig(kernel="tma"),
         H.HopperConfig(block_k=64, stages=8),  # 8 x 32 KiB of y stages: too much smem
     ]

@@ -36,6 +36,7 @@ naming the reason, which a dispatcher catches to run the Triton kernel instead.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -171,10 +172,13 @@ def _check_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> None:
         )
     if cfg.poly_every < 0 or cfg.poly_every == 1:
         raise ValueError(f"config.poly_every must be 0 or >= 2; got {cfg.poly_every}")
-    if cfg.stages < 1 or (cfg.pipe and cfg.stages <= nk):
+    if cfg.pipe and cfg.stages <= nk:
         raise ValueError(
             f"config.stages ({cfg.stages}) must exceed the chunks per tile ({nk}) with pipe=True"
         )
+    if cfg.stages < (2 if nk > 1 else 1):
+        # a chunk's stage is released only after the next chunk's wgmma is issued
+        raise ValueError(f"config.stages must be >= 2 with {nk} chunks per tile")
     if smem_bytes(cfg, D, dtype) > SMEM_LIMIT:
         raise ValueError(
             f"config needs {smem_bytes(cfg, D, dtype)} bytes of shared memory at D = {D} "
@@ -629,7 +633,7 @@ def fallback_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConf
     fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False, pingpong=False, poly_every=0)
     if fb.x_resident and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
         fb = replace(fb, x_resident=False)
-    while fb.stages > 1 and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
+    while fb.stages > 2 and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
         fb = replace(fb, stages=fb.stages - 1)
     return fb
 
@@ -669,6 +673,10 @@ def softmin_hopper(
     reason = unsupported_reason(x, y, precision, v=v, labels=labels, center=center)
     if reason is not None:
         raise NotImplementedError(reason)
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite positive number; got {eps}")
+    if not (math.isfinite(damping) and damping > 0):
+        raise ValueError(f"damping must be a finite positive number; got {damping}")
     B, N, D = x.shape
     M = y.shape[1]
     cfg = config or default_config(D, x.dtype)
