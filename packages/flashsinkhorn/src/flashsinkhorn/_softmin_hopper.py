@@ -239,6 +239,14 @@ if HAS_GLUON:
         """Bytes one ring stage receives: the y chunk, plus the x chunks when streamed."""
         return y_bytes if x_resident else y_bytes + num_wg * x_bytes
 
+    @gluon.constexpr_function
+    def _turn_after(num_k, stages):
+        """Chunks a ping-pong consumer issues before the other may start the same tile: the
+        whole tile when its chunks fit the ring, else stages - 1 (the other consumer must
+        start releasing this tile's stages before the ring runs dry, or both wait; checked
+        by tools/flashsinkhorn/hopper_protocol_sim.py)."""
+        return max(1, min(num_k, stages - 1))
+
     @gluon.jit
     def _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
                     SPEC: gl.constexpr):  # fmt: skip
@@ -298,8 +306,9 @@ if HAS_GLUON:
         by chunk as the chunks land. EARLY_RELEASE: after each chunk, wait until at most
         one wgmma is in flight and release the previous chunk's stage (a GEMM main loop);
         otherwise every chunk stays in flight (the caller waits and releases them).
-        PINGPONG: the two consumers take turns to issue, so that one's wgmma run while the
-        other does its exps. Returns the in-flight accumulator (BLOCK_M, BN)."""
+        PINGPONG: the two consumers take turns to start a tile (the other may start once
+        TURN_AFTER chunks are issued), so that one's wgmma run while the other does its
+        exps. Returns the in-flight accumulator (BLOCK_M, BN)."""
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         NUM_WG: gl.constexpr = SPEC[2]
@@ -307,6 +316,7 @@ if HAS_GLUON:
         PINGPONG: gl.constexpr = SPEC[5]
         BN: gl.constexpr = y_desc.block_type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[0]
+        TURN_AFTER: gl.constexpr = _turn_after(NUM_K, STAGES)
         if PINGPONG:
             # consumer 0 goes first (its first wait passes on the barrier's initial phase)
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
@@ -321,12 +331,12 @@ if HAS_GLUON:
                 a = x_smem.index(s * NUM_WG + WG)
             b = y_smem.index(s).permute((1, 0))
             acc = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
+            if PINGPONG and k == TURN_AFTER - 1:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
             if EARLY_RELEASE and k > 0:
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 _release(t - 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
                          yrow0, SPEC, INLINE_LOADS)  # fmt: skip
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
         return acc
 
     @gluon.jit
