@@ -208,9 +208,11 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def run_case(case, deadline, n, device="cuda"):
-    """One (d, operands) case in this process; returns its JSON dict. (``device="cpu"``
-    with TRITON_INTERPRET=1 and a small n: a smoke run of this script's own code.)"""
+def run_case(case, deadline, n, device="cuda", out_path=None):
+    """One (d, operands) case in this process; returns its JSON dict, also written to
+    ``out_path`` after every configuration (a hang then loses only what follows).
+    (``device="cpu"`` with TRITON_INTERPRET=1 and a small n: a smoke run of this
+    script's own code.)"""
     import torch
     import triton.testing
 
@@ -221,6 +223,12 @@ def run_case(case, deadline, n, device="cuda"):
     dev = torch.device(device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     res = {"case": case, "n": n, "d": D, "precision": precision, "configs": {}}
+
+    def save():
+        if out_path:
+            with open(out_path, "w") as fh:
+                json.dump(res, fh, indent=1, default=str)
+
     softmin = _find("softmin")
     softmin_ref = _find("softmin_ref")
     xk, yk, cx, cy, logw = _problem(n, D, precision, dev)
@@ -273,6 +281,7 @@ def run_case(case, deadline, n, device="cuda"):
         out_t = None
     res["triton"] = tri
     print(f"[{case}] triton {tri}", flush=True)
+    save()
 
     known = set()
     for label, cfg, bad in sweep(D, dtype):
@@ -335,6 +344,7 @@ def run_case(case, deadline, n, device="cuda"):
             r["traceback"] = traceback.format_exc()[-3000:]
         brief = {k: v for k, v in r.items() if k not in ("traceback", "kernels", "config")}
         print(f"[{case}] {label}: {json.dumps(brief)}", flush=True)
+        save()
 
     # one symmetric fixed-eps iteration: x pass, y pass, averaging (as the solver's loop)
     good = [(lab, r) for lab, r in res["configs"].items() if r.get("correct") and r.get("ms")]
@@ -417,6 +427,8 @@ def _table(report):
         if not isinstance(r, dict) or "configs" not in r:
             lines.append(f"| {case} | {str(r)[:60]} | | | | | |")
             continue
+        if r.get("error"):
+            lines.append(f"| {case} | ERROR: {str(r['error'])[:90]} | | | | | |")
         its = r.get("iteration_ms", {})
         t = r.get("triton", {})
         tit = its.get("triton")
@@ -463,7 +475,7 @@ def main():
             if args.stage == "peer":
                 res = run_peer(args.n)
             else:
-                res = run_case(args.stage, args.deadline, args.n, args.device)
+                res = run_case(args.stage, args.deadline, args.n, args.device, args.out)
         except Exception as e:  # noqa: BLE001 - the parent records it
             res = {"error": f"{type(e).__name__}: {e}"[:3000],
                    "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
@@ -499,6 +511,8 @@ def main():
                 report["peer"] = f"not importable: {type(e).__name__}: {e}"[:300]
                 continue
         part = f"{args.out}.{stage.replace(':', '-')}.json"
+        if os.path.exists(part):
+            os.remove(part)
         deadline = time.time() + min(share, left) - 8  # children stop starting configs
         cmd = [sys.executable, os.path.abspath(__file__), "--out", part, "--stage", stage,
                "--deadline", str(deadline), "--n", str(args.n),
@@ -516,7 +530,13 @@ def main():
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"") + (e.stderr or b"")
             log = out.decode(errors="replace")[-6000:] if isinstance(out, bytes) else str(out)
-            res = {"error": "timeout (hung kernel or slow compile); log tail in 'log'"}
+            try:  # what the child saved before the limit
+                with open(part) as fh:
+                    res = json.load(fh)
+            except Exception:  # noqa: BLE001
+                res = {}
+            res["error"] = "timeout (hung kernel or slow compile): the configuration after "
+            res["error"] += "the last one recorded; log tail in 'log'"
             print(log[-3000:], flush=True)
         except Exception as e:  # noqa: BLE001
             log = ""
