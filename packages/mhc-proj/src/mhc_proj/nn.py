@@ -73,7 +73,8 @@ class HyperConnection(torch.nn.Module):
         self.layer = layer
         self.hc, self.c, self.projection = int(hc), int(c), projection
         self.tmax, self.sinkhorn_eps = int(tmax), float(sinkhorn_eps)
-        self.rms_eps, self.pre_eps, self.post_mult = float(rms_eps), float(pre_eps), float(post_mult)
+        self.rms_eps, self.pre_eps = float(rms_eps), float(pre_eps)
+        self.post_mult = float(post_mult)
         m = self.hc * self.hc + 2 * self.hc
         f32 = torch.float32
         self.phi = torch.nn.Parameter(
@@ -88,9 +89,7 @@ class HyperConnection(torch.nn.Module):
         self, x: torch.Tensor, return_maps: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, HCMaps]:
         if x.dim() < 2 or tuple(x.shape[-2:]) != (self.hc, self.c):
-            raise ValueError(
-                f"x must have shape (..., {self.hc}, {self.c}); got {tuple(x.shape)}"
-            )
+            raise ValueError(f"x must have shape (..., {self.hc}, {self.c}); got {tuple(x.shape)}")
         return hyper_connection(
             x, self.layer, self.phi, self.b, self.alpha_pre, self.alpha_post, self.alpha_res,
             projection=self.projection, sinkhorn_iters=self.tmax,

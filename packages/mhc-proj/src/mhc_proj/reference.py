@@ -185,7 +185,7 @@ def hyper_connection_ref(
     on y = H_pre x in ``dtype``. Returns x_next in ``dtype`` (and, with ``return_maps``,
     (h_pre, h_post, h_res)).
     """
-    n, c = x.shape[-2], x.shape[-1]
+    n = x.shape[-2]
     xs = x.to(dtype)
     flat = xs.flatten(-2)
     inv_r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
