@@ -10,7 +10,7 @@
 
 from mhc_proj._backend import cuda_available
 from mhc_proj.birkhoff import BirkhoffProjection, ProjectionInfo, birkhoff_project
-from mhc_proj.hyper_connection import HCMaps, hyper_connection
+from mhc_proj.layer import HCMaps, hyper_connection
 from mhc_proj.nn import HyperConnection
 from mhc_proj.reference import (
     birkhoff_project_ref,

@@ -17,7 +17,7 @@ from mhc_proj._config import (
     SINKHORN_ITERS,
 )
 from mhc_proj.birkhoff import BirkhoffProjection
-from mhc_proj.hyper_connection import PROJECTIONS, HCMaps, hyper_connection
+from mhc_proj.layer import PROJECTIONS, HCMaps, hyper_connection
 
 __all__ = ["HyperConnection", "BirkhoffProjection", "HCMaps"]
 
@@ -30,7 +30,7 @@ class HyperConnection(torch.nn.Module):
     ``x_next = H_res x + H_post^T layer(H_pre x)`` of the same shape and dtype, with
     H_pre = sigmoid(.), H_post = 2 sigmoid(.) and H_res the exact Birkhoff projection
     (default) or Sinkhorn-k of logits from one GEMM of the RMS-normalised flattened
-    stream (:func:`mhc_proj.hyper_connection.hyper_connection` has the formulas).
+    stream (:func:`mhc_proj.layer.hyper_connection` has the formulas).
 
     Args (the names of Liger-Kernel's ``LigerMHC``; ``hc`` is the paper's n):
         layer: the sublayer F (attention, MLP, ...).
