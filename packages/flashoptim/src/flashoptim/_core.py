@@ -1,65 +1,33 @@
-"""The quantized arithmetic of flashoptim, three times over.
-
-1. ``*_ref`` functions: float64 reference of the same quantized algorithm (oracle for tests).
-2. ``cpu_step``: plain torch, float32, op for op what the kernel does (runs anywhere).
-3. ``_step_tile`` (dequantize, update, requantize, split one tile) inside the fused Triton
-   step kernels ``_step_kernel`` (v1, block table) and ``_step_kernel_v2`` (v2, unit table):
-   one launch per bucket of tensors covers any number of parameters (offset tables relative
-   to one base tensor per array).
-
-Storage formats (all per element unless noted):
-
-* weight splitting: a bf16/fp16 parameter ``p`` plus an integer correction ``rho`` (int8 for
-  24-bit master weights, int16 for 32-bit). With ``ulp`` the spacing of the narrow format
-  at ``p`` (from ``p``'s exponent field, so nothing extra is stored) and
-  ``q = ulp / 2**bits(rho)``, the master weight is ``theta = p + rho * q`` (exact in fp32).
-  Splitting rounds ``theta`` to the nearest narrow value ``p`` and encodes
-  ``e = theta - p`` (``|e| <= ulp / 2``) as ``rho = round(e / q)``, stochastically by default.
-* momentum: ``phi(x) = 2x / (1 + |x|)`` of ``x = m / s`` then int8 (``round(127 phi)``);
-  variance: ``sqrt(v) / s`` then uint8 (``round(255 .)``, never 0 for a nonzero ``v``).
-  ``s`` is one scale per group of 32 elements: the group's absmax rounded *up* to a bf16
-  value (8 exponent bits, the range of fp32: it cannot underflow like an fp16 scale) or kept
-  in fp32 (``scale_dtype=torch.float32``). Encoding and decoding use the same stored ``s``.
-* stochastic rounding draws ``u`` in [0, 1) from a counter-based hash of
-  (per-tensor seed, step, element index): identical on CPU and GPU and across resumes.
-"""
+"""The Triton step kernels of flashoptim (the float64 reference is ``reference.py``, the CPU
+path ``_cpu.py``)."""
 
 from __future__ import annotations
 
-import math
-
-import torch
 import triton
 import triton.language as tl
 
-GROUP = 32
-ADAM, SGD, LION = 0, 1, 2
-_M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
-C127 = 1.0 / 127.0  # rounded to fp32 where used
-C255 = 1.0 / 255.0
-_ECC_BITS = {None: 0, 24: 8, 32: 16}
-_ECC_DTYPE = {8: torch.int8, 16: torch.int16}
-
-
-# ----------------------------------------------------------------------------- hashing
-
-
-def _mix32_t(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 integer hash on int64 tensors holding uint32 values."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def uniform_ref(seed: int, step: int, idx: torch.Tensor) -> torch.Tensor:
-    """The stochastic-rounding draw u in [0, 1) for element indices ``idx`` (int64)."""
-    key = torch.tensor([(seed + (step * _GOLDEN)) & _M32], dtype=torch.int64, device=idx.device)
-    key = _mix32_t(key)
-    h = _mix32_t((idx & _M32) ^ key)
-    return (h >> 8).to(torch.float32) * (2.0**-24)
+from ._cpu import _narrow_q, _to_narrow_t, cpu_step, f32_c  # noqa: F401
+from .reference import (  # noqa: F401
+    ADAM,
+    ECC_BITS as _ECC_BITS,
+    ECC_DTYPE as _ECC_DTYPE,
+    GOLDEN as _GOLDEN,
+    GROUP,
+    LION,
+    M32 as _M32,
+    SGD,
+    dequantize_momentum_ref,
+    dequantize_variance_ref,
+    join_ref,
+    mix32_ref as _mix32_t,
+    pad_groups as _pad,
+    quantize_momentum_ref,
+    quantize_variance_ref,
+    split_ref,
+    step_ref,
+    ulp_ref as _ulp_ref,
+    uniform_ref,
+)
 
 
 @triton.jit
@@ -70,317 +38,6 @@ def _mix32(x):
     x = x * 0x846CA68B
     return x ^ (x >> 16)
 
-
-# ---------------------------------------------------------- float64 reference (oracle)
-
-
-def split_ref(theta: torch.Tensor, dtype: torch.dtype, bits: int, u: torch.Tensor | None = None):
-    """float64 reference of weight splitting. Returns (narrow param, int correction).
-
-    ``theta`` is the fp32 master value; ``u`` the rounding draw (None: round to nearest).
-    """
-    t = theta.to(torch.float64)
-    p = theta.to(torch.float32).to(dtype)
-    pf = p.to(torch.float64)
-    ulp = _ulp_ref(p)
-    q = ulp / 2.0**bits
-    if dtype == torch.bfloat16:
-        q = torch.clamp(q, min=2.0**-126)
-    r = (t - pf) / q
-    code = torch.floor(r + (0.5 if u is None else u.to(torch.float64)))
-    lim = 2 ** (bits - 1)
-    return p, torch.clamp(code, -lim, lim - 1).to(_ECC_DTYPE[bits])
-
-
-def _ulp_ref(p: torch.Tensor) -> torch.Tensor:
-    """Spacing of p's format at p (the ulp above |p|'s binade), float64."""
-    if p.dtype == torch.bfloat16:
-        e = (p.view(torch.int16).to(torch.int64) >> 7) & 0xFF
-        return torch.exp2((torch.clamp(e, min=1) - 127 - 7).to(torch.float64))
-    e = (p.view(torch.int16).to(torch.int64) >> 10) & 0x1F
-    return torch.exp2((torch.clamp(e, min=1) - 15 - 10).to(torch.float64))
-
-
-def join_ref(p: torch.Tensor, code: torch.Tensor, bits: int) -> torch.Tensor:
-    """float64 master value from narrow ``p`` and correction ``code``."""
-    q = _ulp_ref(p) / 2.0**bits
-    if p.dtype == torch.bfloat16:
-        q = torch.clamp(q, min=2.0**-126)
-    return p.to(torch.float64) + code.to(torch.float64) * q
-
-
-def _ceil_scale_ref(amax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    if scale_dtype == torch.float32:
-        return amax.to(torch.float32)
-    s = amax.to(torch.float32).to(torch.bfloat16)
-    low = s.to(torch.float64) < amax.to(torch.float64)
-    bumped = (s.view(torch.int16) + 1).view(torch.bfloat16)
-    return torch.where(low, bumped, s)
-
-
-def quantize_momentum_ref(m: torch.Tensor, scale_dtype=torch.bfloat16):
-    """float64 reference: (int8 codes, scales) of a flat momentum tensor (groups of 32)."""
-    x = _pad(m.to(torch.float64)).view(-1, GROUP)
-    s = _ceil_scale_ref(x.abs().amax(1), scale_dtype)
-    sf = s.to(torch.float64)[:, None]
-    xn = torch.where(sf > 0, x / torch.where(sf > 0, sf, 1.0), 0.0)
-    phi = 2 * xn / (1 + xn.abs())
-    code = torch.clamp(torch.floor(phi * 127 + 0.5), -127, 127)
-    return code.to(torch.int8).view(-1)[: m.numel()], s
-
-
-def dequantize_momentum_ref(code: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    y = _pad(code.to(torch.float64)).view(-1, GROUP) / 127
-    x = y / (2 - y.abs())
-    return (x * s.to(torch.float64)[:, None]).view(-1)[: code.numel()]
-
-
-def quantize_variance_ref(v: torch.Tensor, scale_dtype=torch.bfloat16):
-    """float64 reference: (uint8 codes of sqrt(v)/s, scales s); nonzero v never codes 0."""
-    sv = _pad(v.to(torch.float64).clamp(min=0).sqrt()).view(-1, GROUP)
-    s = _ceil_scale_ref(sv.amax(1), scale_dtype)
-    sf = s.to(torch.float64)[:, None]
-    r = torch.where(sf > 0, sv / torch.where(sf > 0, sf, 1.0), 0.0)
-    code = torch.clamp(torch.floor(r * 255 + 0.5), 0, 255)
-    code = torch.where(sv > 0, code.clamp(min=1), code)
-    return code.to(torch.uint8).view(-1)[: v.numel()], s
-
-
-def dequantize_variance_ref(code: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    sv = _pad(code.to(torch.float64)).view(-1, GROUP) / 255 * s.to(torch.float64)[:, None]
-    return (sv * sv).view(-1)[: code.numel()]
-
-
-def _pad(x: torch.Tensor) -> torch.Tensor:
-    x = x.reshape(-1)
-    r = (-x.numel()) % GROUP
-    return torch.cat([x, x.new_zeros(r)]) if r else x
-
-
-def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
-    """float64 reference of one step of the quantized algorithm on one tensor.
-
-    ``st``: dict with the stored state (``m``/``ms``/``v``/``vs`` codes and scales or fp32
-    states, ``c`` correction); returns the new (param, state dict). Mirrors ``cpu_step``
-    but computes the update in float64 from the decoded values.
-    """
-    bits, quant, sr, sdt = hp["ecc"], hp["quant"], hp["sr"], hp["scale_dtype"]
-    n = p.numel()
-    g64 = g.reshape(-1).to(torch.float64)
-    if bits:
-        th = join_ref(p.reshape(-1), st["c"], bits)
-    else:
-        th = p.reshape(-1).to(torch.float64)
-    new = {}
-
-    def dec_m():
-        return dequantize_momentum_ref(st["m"], st["ms"]) if quant else st["m"].double()
-
-    lr, wd = hp["lr"], hp["wd"]
-    if kind == ADAM:
-        b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
-        m = dec_m()
-        v = dequantize_variance_ref(st["v"], st["vs"]) if quant else st["v"].double()
-        if hp["decoupled"]:
-            th = th * (1 - lr * wd)
-        else:
-            g64 = g64 + wd * th
-        m = m + (g64 - m) * (1 - b1)
-        v = v * b2 + (1 - b2) * g64 * g64
-        bc1, bc2 = 1 - b1**step, 1 - b2**step
-        th = th - lr / bc1 * (m / (v.sqrt() / math.sqrt(bc2) + eps))
-        mv = [("m", m, quantize_momentum_ref), ("v", v, quantize_variance_ref)]
-    elif kind == SGD:
-        mu, damp = hp["b1"], hp["dampening"]
-        if hp["decoupled"]:
-            th = th * (1 - lr * wd)
-        else:
-            g64 = g64 + wd * th
-        if mu != 0:
-            m = g64.clone() if step == 1 else dec_m() * mu + (1 - damp) * g64
-            d = g64 + mu * m if hp["nesterov"] else m
-            mv = [("m", m, quantize_momentum_ref)]
-        else:
-            d, mv = g64, []
-        th = th - lr * d
-    else:
-        b1, b2 = hp["b1"], hp["b2"]
-        m = dec_m()
-        th = th * (1 - lr * wd)
-        c = m * b1 + (1 - b1) * g64
-        th = th - lr * torch.sign(c)
-        m = m * b2 + (1 - b2) * g64
-        mv = [("m", m, quantize_momentum_ref)]
-    for name, val, qf in mv:
-        if quant:
-            new[name], new[name + "s"] = qf(val, sdt)
-        else:
-            new[name] = val.to(torch.float32)
-    th32 = th.to(torch.float32)
-    if bits:
-        u = None
-        if sr:
-            u = uniform_ref(seed, step, torch.arange(n, dtype=torch.int64) + idx_base)
-        pn, new["c"] = split_ref(th32, p.dtype, bits, u)
-    else:
-        pn = th32.to(p.dtype)
-    return pn.view_as(p), new
-
-
-# ------------------------------------------------------- CPU path (fp32, kernel mirror)
-
-
-def _pow2_t(k: torch.Tensor) -> torch.Tensor:
-    """2**k as fp32 for int64 k in [-126, 127], built from bits (exact)."""
-    return ((k + 127) << 23).to(torch.int32).view(torch.float32)
-
-
-def _narrow_q(pbits: torch.Tensor, is_bf16: bool, shift: int):
-    """(q, 1/q) for narrow values given as int64 bit patterns."""
-    if is_bf16:
-        e = torch.clamp((pbits >> 7) & 0xFF, min=1)
-        k = torch.clamp(e - 134 - shift, min=-126)
-    else:
-        e = torch.clamp((pbits >> 10) & 0x1F, min=1)
-        k = e - 25 - shift
-    return _pow2_t(k), _pow2_t(-k)
-
-
-def _to_narrow_t(theta: torch.Tensor, is_bf16: bool) -> torch.Tensor:
-    """Round-to-nearest-even fp32 -> bf16 through integer ops (as the kernel does)."""
-    if not is_bf16:
-        return theta.to(torch.float16)
-    b = theta.view(torch.int32).to(torch.int64) & _M32
-    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-    return r.to(torch.int32).to(torch.int16).view(torch.bfloat16)  # wraps to int16 bits
-
-
-def _ceil_scale_t(amax: torch.Tensor, scale_f32: bool) -> torch.Tensor:
-    """Smallest bf16 >= amax (as fp32), via bits; or amax itself for fp32 scales."""
-    if scale_f32:
-        return amax
-    b = amax.view(torch.int32).to(torch.int64)
-    return (((b + 0xFFFF) >> 16) << 16).to(torch.int32).view(torch.float32)
-
-
-def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
-    """One in-place step on one local tensor in plain torch fp32 (the kernel's arithmetic).
-
-    ``p``: parameter (fp32, bf16 or fp16), ``g`` its gradient, ``st`` the state dict with
-    ``m``/``ms``/``v``/``vs``/``c`` tensors as allocated by the optimizer.
-    """
-    f32 = torch.float32
-    n = p.numel()
-    st = {k: v.view(-1) for k, v in st.items() if v is not None}  # flat views, same storage
-    bits, quant, sr = hp["ecc"], hp["quant"], hp["sr"]
-    is_bf16 = p.dtype == torch.bfloat16
-    pf = p.reshape(-1)
-    gf = g.reshape(-1).to(f32)
-    if bits:
-        pb = pf.view(torch.int16).to(torch.int64) & 0xFFFF
-        q, _ = _narrow_q(pb, is_bf16, bits)
-        th = pf.to(f32) + st["c"].to(f32) * q
-    else:
-        th = pf.to(f32)
-    pad = (-n) % GROUP
-
-    def grp(x):
-        return (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, GROUP)
-
-    def dec_m():
-        if not quant:
-            return st["m"].reshape(-1)
-        y = grp(st["m"].to(f32)) * f32_c(C127)
-        x = y / (2.0 - y.abs())
-        return (x * st["ms"].to(f32)[:, None]).reshape(-1)[:n]
-
-    def enc_m(m):
-        if not quant:
-            st["m"].copy_(m)
-            return
-        mg = grp(m)
-        s = _ceil_scale_t(mg.abs().amax(1), hp["scale_dtype"] == torch.float32)
-        inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
-        x = mg * inv[:, None]
-        phi = 2.0 * x / (1.0 + x.abs())
-        code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
-        st["m"].copy_(code.reshape(-1)[:n])
-        st["ms"].copy_(s)
-
-    lr = f32_c(hp["lr"])
-    if kind == ADAM:
-        m = dec_m()
-        if quant:
-            c = grp(st["v"].to(f32))
-            sv = c * st["vs"].to(f32)[:, None] * f32_c(C255)
-            v = (sv * sv).reshape(-1)[:n]
-        else:
-            v = st["v"].reshape(-1)
-        if hp["decoupled"]:
-            th = th * f32_c(1 - hp["lr"] * hp["wd"])
-        else:
-            gf = gf + f32_c(hp["wd"]) * th
-        m = m + (gf - m) * f32_c(1 - hp["b1"])
-        v = v * f32_c(hp["b2"]) + f32_c(1 - hp["b2"]) * (gf * gf)
-        step_size = f32_c(hp["lr"] / (1 - hp["b1"] ** step))
-        isb = f32_c(1 / math.sqrt(1 - hp["b2"] ** step))
-        denom = v.sqrt() * isb + f32_c(hp["eps"])
-        th = th - step_size * (m / denom)
-        enc_m(m)
-        if quant:
-            svg = grp(v.sqrt())
-            s = _ceil_scale_t(svg.amax(1), hp["scale_dtype"] == torch.float32)
-            inv = torch.where(s > 0, 255.0 / torch.where(s > 0, s, 1.0), 0.0)
-            code = torch.clamp(torch.floor(svg * inv[:, None] + 0.5), 0, 255)
-            code = torch.where(svg > 0, code.clamp(min=1), code)
-            st["v"].copy_(code.reshape(-1)[:n])
-            st["vs"].copy_(s)
-        else:
-            st["v"].copy_(v)
-    elif kind == SGD:
-        mu = hp["b1"]
-        if hp["decoupled"]:
-            th = th * f32_c(1 - hp["lr"] * hp["wd"])
-        else:
-            gf = gf + f32_c(hp["wd"]) * th
-        if mu != 0:
-            if step == 1:
-                m = gf
-            else:
-                m = dec_m() * f32_c(mu) + f32_c(1 - hp["dampening"]) * gf
-            d = gf + f32_c(mu) * m if hp["nesterov"] else m
-            enc_m(m)
-        else:
-            d = gf
-        th = th - lr * d
-    else:
-        m = dec_m()
-        th = th * f32_c(1 - hp["lr"] * hp["wd"])
-        c = m * f32_c(hp["b1"]) + f32_c(1 - hp["b1"]) * gf
-        th = th - lr * torch.sign(c)
-        m = m * f32_c(hp["b2"]) + f32_c(1 - hp["b2"]) * gf
-        enc_m(m)
-    if p.dtype == torch.float32:
-        pf.copy_(th)
-        return
-    pn = _to_narrow_t(th, is_bf16)
-    if bits:
-        pnb = pn.view(torch.int16).to(torch.int64) & 0xFFFF
-        _, invq = _narrow_q(pnb, is_bf16, bits)
-        r = (th - pn.to(f32)) * invq
-        if sr:
-            idx = torch.arange(n, dtype=torch.int64, device=p.device) + idx_base
-            code = torch.floor(r + uniform_ref(seed, step, idx))
-        else:
-            code = torch.floor(r + 0.5)
-        lim = 2 ** (bits - 1)
-        st["c"].copy_(torch.clamp(code, -lim, lim - 1).view_as(st["c"]))
-    pf.copy_(pn)
-
-
-def f32_c(x: float) -> torch.Tensor:
-    """A Python float rounded to fp32 (a 0-d tensor), as a kernel scalar argument is."""
-    return torch.tensor(x, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------- Triton kernels

@@ -1,10 +1,11 @@
-"""Quantizers and weight splitting: error bounds, edge cases, float64 reference vs CPU path."""
+"""The float64 reference (``reference.py``): quantizer and weight-splitting error bounds, edge
+cases, the rounding draws, and properties over any fp32 value (hypothesis)."""
 
 import pytest
 import torch
 
-from flashoptim import _core
-from flashoptim._core import ADAM, LION, SGD
+from flashoptim import _cpu
+from flashoptim import reference as R
 
 
 @pytest.mark.parametrize("bits", [8, 16])
@@ -12,9 +13,9 @@ from flashoptim._core import ADAM, LION, SGD
 def test_split_error_bound(bits, dtype):
     torch.manual_seed(0)
     theta = torch.randn(10000) * torch.exp2(torch.randint(-12, 6, (10000,)).float())
-    p, c = _core.split_ref(theta, dtype, bits)
-    back = _core.join_ref(p, c, bits)
-    q = _core._ulp_ref(p) / 2.0**bits
+    p, c = R.split_ref(theta, dtype, bits)
+    back = R.join_ref(p, c, bits)
+    q = R.ulp_ref(p) / 2.0**bits
     err = (back - theta.double()).abs()
     assert (err <= q / 2 + 1e-30).all() or (err <= q).all()
     if bits == 16 and dtype == torch.bfloat16:
@@ -26,20 +27,20 @@ def test_split_error_bound(bits, dtype):
 
 def test_split_stochastic_unbiased():
     theta = torch.full((200000,), 1.0 + 1e-5)
-    u = _core.uniform_ref(7, 3, torch.arange(theta.numel()))
-    p, c = _core.split_ref(theta, torch.bfloat16, 8, u)
-    back = _core.join_ref(p, c, 8)
-    q = _core._ulp_ref(p)[0] / 256
+    u = R.uniform_ref(7, 3, torch.arange(theta.numel()))
+    p, c = R.split_ref(theta, torch.bfloat16, 8, u)
+    back = R.join_ref(p, c, 8)
+    q = R.ulp_ref(p)[0] / 256
     assert abs(back.mean().item() - (1.0 + 1e-5)) < 0.02 * q  # unbiased in expectation
-    rn = _core.join_ref(*_core.split_ref(theta, torch.bfloat16, 8), 8)
+    rn = R.join_ref(*R.split_ref(theta, torch.bfloat16, 8), 8)
     assert (rn == 1.0).all()  # round to nearest loses it
 
 
 def test_uniform_draws():
-    u = _core.uniform_ref(1, 1, torch.arange(100000))
+    u = R.uniform_ref(1, 1, torch.arange(100000))
     assert 0 <= u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.01
-    u2 = _core.uniform_ref(1, 2, torch.arange(100000))
+    u2 = R.uniform_ref(1, 2, torch.arange(100000))
     assert (u != u2).float().mean() > 0.99
 
 
@@ -47,8 +48,8 @@ def test_uniform_draws():
 def test_momentum_quantizer_error_bound(scale_dtype):
     torch.manual_seed(1)
     m = (torch.randn(32 * 500) * torch.exp2(torch.randint(-30, 3, (32 * 500,)).float())).double()
-    code, s = _core.quantize_momentum_ref(m, scale_dtype)
-    back = _core.dequantize_momentum_ref(code, s)
+    code, s = R.quantize_momentum_ref(m, scale_dtype)
+    back = R.dequantize_momentum_ref(code, s)
     sg = s.double().repeat_interleave(32)
     x = (m / sg).abs()
     # half a code h in phi space, through the inverse map's slope 2 / (2 - |y|)^2 at the
@@ -63,8 +64,8 @@ def test_momentum_quantizer_error_bound(scale_dtype):
 def test_tiny_momentum_does_not_underflow():
     m = torch.full((64,), 1e-30, dtype=torch.float64)
     m[32:] = -3e-39  # subnormal in fp32
-    code, s = _core.quantize_momentum_ref(m)
-    back = _core.dequantize_momentum_ref(code, s)
+    code, s = R.quantize_momentum_ref(m)
+    back = R.dequantize_momentum_ref(code, s)
     assert (back[:32] > 0).all() and (back[32:] < 0).all()
     assert torch.allclose(back[:32], m[:32], rtol=0.02)
     # fp16 scales would have flushed 1e-30 to 0
@@ -73,88 +74,16 @@ def test_tiny_momentum_does_not_underflow():
 
 def test_variance_never_decodes_to_zero():
     v = torch.tensor([1.0] + [1e-12] * 31 + [0.0] * 32, dtype=torch.float64)
-    code, s = _core.quantize_variance_ref(v)
-    back = _core.dequantize_variance_ref(code, s)
+    code, s = R.quantize_variance_ref(v)
+    back = R.dequantize_variance_ref(code, s)
     assert (back[:32] > 0).all() and (back[32:] == 0).all()
     torch.manual_seed(2)
     v = torch.rand(32 * 100, dtype=torch.float64) ** 4
-    code, s = _core.quantize_variance_ref(v)
-    back = _core.dequantize_variance_ref(code, s)
+    code, s = R.quantize_variance_ref(v)
+    back = R.dequantize_variance_ref(code, s)
     sg = s.double().repeat_interleave(32)
     half = torch.where(code == 1, 1.0, 0.5)  # code 1 may be a clamped 0
     assert ((back.sqrt() - v.sqrt()).abs() <= sg * (half / 255) * 1.0001).all()
-
-
-def _hp(kind, **kw):
-    hp = dict(
-        ecc=8,
-        quant=True,
-        sr=True,
-        scale_dtype=torch.bfloat16,
-        lr=1e-2,
-        wd=0.01,
-        b1=0.9,
-        b2=0.999,
-        eps=1e-8,
-        decoupled=True,
-        dampening=0.0,
-        nesterov=False,
-    )
-    if kind == LION:
-        hp.update(b2=0.99, lr=1e-3)
-    hp.update(kw)
-    return hp
-
-
-def _state(kind, p, hp):
-    n = p.numel()
-    ng = (n + 31) // 32
-    st = {}
-    if hp["quant"]:
-        st["m"], st["ms"] = (
-            torch.zeros(n, dtype=torch.int8),
-            torch.zeros(ng, dtype=hp["scale_dtype"]),
-        )
-        if kind == ADAM:
-            st["v"] = torch.zeros(n, dtype=torch.uint8)
-            st["vs"] = torch.zeros(ng, dtype=hp["scale_dtype"])
-    else:
-        st["m"] = torch.zeros(n)
-        if kind == ADAM:
-            st["v"] = torch.zeros(n)
-    if hp["ecc"] and p.dtype != torch.float32:
-        st["c"] = torch.zeros(n, dtype=torch.int8 if hp["ecc"] == 8 else torch.int16)
-    return st
-
-
-@pytest.mark.parametrize("kind", [ADAM, SGD, LION])
-@pytest.mark.parametrize("n", [1, 33, 1000])
-@pytest.mark.parametrize("ecc", [8, 16])
-def test_cpu_path_matches_float64_reference(kind, n, ecc):
-    """Per step: feed the same stored state to the fp32 CPU path and the float64 reference;
-    codes agree within one (ties), weights within a correction code."""
-    torch.manual_seed(n + kind)
-    hp = _hp(kind, ecc=ecc, b1=0.9 if kind != SGD else 0.9)
-    p = torch.randn(n).to(torch.bfloat16)
-    st = _state(kind, p, hp)
-    for step in range(1, 6):
-        g = torch.randn(n)
-        ref_p, ref_st = _core.step_ref(
-            kind, p, g, {k: v.clone() for k, v in st.items()}, hp, step, 5
-        )
-        _core.cpu_step(kind, p, g, st, hp, step, 5)
-        for k in ref_st:
-            d = (ref_st[k].double() - st[k].double()).abs()
-            if k in ("ms", "vs"):
-                assert torch.allclose(ref_st[k].double(), st[k].double(), rtol=2e-2), k
-            elif k == "c":
-                th_ref = _core.join_ref(ref_p, ref_st["c"], ecc)
-                th = _core.join_ref(p, st["c"], ecc)
-                q = torch.maximum(_core._ulp_ref(p), _core._ulp_ref(ref_p)) / 2.0**ecc
-                tol = 2 * q + 2.0**-21 * (th.abs() + hp["lr"])  # fp32 rounding of th and update
-                assert ((th_ref - th).abs() <= tol).all()
-            else:
-                assert d.max() <= 1, (k, d.max())
 
 
 try:
@@ -174,12 +103,12 @@ if given is not None:
         """Any fp32 value: nearest split within q/2, stochastic split within q, of the value;
         the CPU path's integer bf16 rounding equals torch's round-to-nearest-even cast."""
         theta = torch.tensor(values, dtype=torch.float32)
-        assert torch.equal(_core._to_narrow_t(theta, True), theta.to(torch.bfloat16))
+        assert torch.equal(_cpu._to_narrow_t(theta, True), theta.to(torch.bfloat16))
         big = theta.abs() > 2.0**-100  # below, q is clamped at 2**-126 (documented)
-        for u in (None, _core.uniform_ref(seed, 1, torch.arange(theta.numel()))):
-            p, c = _core.split_ref(theta, torch.bfloat16, 8, u)
-            back = _core.join_ref(p, c, 8)
-            q = _core._ulp_ref(p) / 256
+        for u in (None, R.uniform_ref(seed, 1, torch.arange(theta.numel()))):
+            p, c = R.split_ref(theta, torch.bfloat16, 8, u)
+            back = R.join_ref(p, c, 8)
+            q = R.ulp_ref(p) / 256
             err = (back - theta.double()).abs()
             bound = q / 2 if u is None else q
             # the +ulp/2 tie clamps at code 127: one more code there
@@ -189,8 +118,8 @@ if given is not None:
     @given(hs.lists(_finite32.filter(lambda x: abs(x) < 1e30), min_size=1, max_size=96))
     def test_momentum_quantizer_property(values):
         m = torch.tensor(values, dtype=torch.float32).double()
-        code, s = _core.quantize_momentum_ref(m)
-        back = _core.dequantize_momentum_ref(code, s)
+        code, s = R.quantize_momentum_ref(m)
+        back = R.dequantize_momentum_ref(code, s)
         sg = s.double().repeat_interleave(32)[: m.numel()]
         assert ((back - m).abs() <= sg * 2 / 127 + 1e-300).all()
         assert ((back == 0) <= (m.abs() <= sg / 200)).all()  # zero only for tiny entries
