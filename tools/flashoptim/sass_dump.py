@@ -80,6 +80,7 @@ MODES = [
     ("sgdw", dict(KIND=1)),
     ("lion", dict(KIND=2)),
     ("lion_nocheck", dict(KIND=2, CHECK_SKIP=False)),
+    ("adamw_index64", dict(INDEX64=True)),  # new after 1cd3e42 (there: the adamw code)
 ]
 CONFIGS = [(2048, 4, 1), (2048, 8, 1)]  # BLOCK, warps, PF
 P_TYPES = {0: "fp32", 1: "bf16", 2: "fp16"}

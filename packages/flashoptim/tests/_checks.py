@@ -159,51 +159,105 @@ def group_of(opt, p) -> dict:
 
 def assert_matches_reference(opt, ps, before, ties: bool = False) -> None:
     """One step of ``opt`` (taken after ``before = snapshot(opt, ps)``) against the float64
-    reference from the same stored state: group scales within 2% (a bf16 scale rounds up
-    once), codes within one (``ties``: a GPU tie on top, two), fp32 states within a few fp32
-    roundings of the magnitudes involved, master weights within two correction codes plus
-    the fp32 rounding of the weight and the update (Lion on a GPU: sign(c ~ 0) may flip on
-    < 1% of the elements, moving a weight by 2 lr)."""
+    reference from the same stored state (``assert_step_matches_reference``)."""
     for p, (p0, st0) in zip(ps, before, strict=True):
-        group = group_of(opt, p)
-        hp = opt._hp(group, p)
+        hp = opt._hp(group_of(opt, p), p)
         step, seed = opt.state[p]["step"], opt.state[p]["seed"]
-        g = p.grad.detach().reshape(-1).to(torch.float64)
-        ref_p, ref_st = reference.step_ref(
-            opt._kind, p0, p.grad, {k: v.clone() for k, v in st0.items()}, hp, step, seed
-        )
         got = state_view(opt, p)
-        for k, ref in ref_st.items():
-            v = got[k].reshape(-1)
-            ref = ref.reshape(-1).to(v.device)
-            if k in ("ms", "vs"):
-                assert torch.allclose(ref.double(), v.double(), rtol=2e-2), k
-            elif k == "c":
-                continue  # checked through the master weight below
-            elif v.is_floating_point():  # fp32 states (quantize=False)
-                old = st0[k].reshape(-1).double().abs()
-                tol = 2.0**-20 * (ref.double().abs() + old + g.abs() + g * g)
-                assert ((ref.double() - v.double()).abs() <= tol).all(), k
-            else:
-                d = (ref.int() - v.int()).abs()
-                assert d.max() <= (2 if ties else 1), (k, int(d.max()))
-                if ties:
-                    assert (d > 0).float().mean() < 0.02, k
-        lr = hp["lr"]
-        pn = p.detach().reshape(-1)
-        ref_pn = ref_p.reshape(-1).to(pn.device)
-        if hp["ecc"]:
-            th = reference.join_ref(pn, got["c"].reshape(-1), hp["ecc"])
-            th_ref = reference.join_ref(ref_pn, ref_st["c"].reshape(-1).to(pn.device), hp["ecc"])
-            q = torch.maximum(reference.ulp_ref(pn), reference.ulp_ref(ref_pn)) / 2.0 ** hp["ecc"]
-            tol = 2 * q + 2.0**-21 * (th.abs() + lr)
-        else:  # the narrow (or fp32) parameter is the only copy: one rounding step of it
-            th, th_ref = pn.double(), ref_pn.double()
-            ulp = reference.ulp_ref(pn) if pn.dtype != torch.float32 else 0.0
-            tol = ulp + 2.0**-21 * (th.abs() + lr)
-        bad = (th - th_ref).abs() > tol
-        if ties and opt._kind == reference.LION:
-            assert bad.float().mean() < 0.01
-            assert ((th - th_ref).abs() <= 2 * lr * 1.01 + tol).all()
+        assert_step_matches_reference(
+            opt._kind, hp, step, seed, p0, p.grad, st0, p.detach(), got, ties=ties
+        )
+
+
+def assert_step_matches_reference(
+    kind, hp, step, seed, p0, g, st0, p1, st1, idx_base: int = 0, ties: bool = False
+) -> None:
+    """A step from (``p0``, stored state ``st0``) with gradient ``g`` that gave (``p1``,
+    ``st1``), against ``reference.step_ref`` from the same inputs: group scales within 2% (a
+    bf16 scale rounds up once), codes within one (``ties``: a GPU tie on top, two), fp32
+    states within a few fp32 roundings of the magnitudes involved, master weights within two
+    correction codes plus the fp32 rounding of the weight and the update (Lion with
+    ``ties``: sign(c ~ 0) may flip on < 1% of the elements, moving a weight by 2 lr)."""
+    gd = g.detach().reshape(-1).to(torch.float64)
+    ref_p, ref_st = reference.step_ref(
+        kind, p0, g, {k: v.clone() for k, v in st0.items()}, hp, step, seed, idx_base
+    )
+    for k, ref in ref_st.items():
+        v = st1[k].reshape(-1)
+        ref = ref.reshape(-1).to(v.device)
+        if k in ("ms", "vs"):
+            assert torch.allclose(ref.double(), v.double(), rtol=2e-2), k
+        elif k == "c":
+            continue  # checked through the master weight below
+        elif v.is_floating_point():  # fp32 states (quantize=False)
+            old = st0[k].reshape(-1).double().abs().to(v.device)
+            gv = gd.to(v.device)
+            tol = 2.0**-20 * (ref.double().abs() + old + gv.abs() + gv * gv)
+            assert ((ref.double() - v.double()).abs() <= tol).all(), k
         else:
-            assert not bad.any(), float(((th - th_ref).abs() / tol).max())
+            d = (ref.int() - v.int()).abs()
+            assert d.max() <= (2 if ties else 1), (k, int(d.max()))
+            if ties:
+                assert (d > 0).float().mean() < 0.02, k
+    lr = float(hp["lr"])
+    pn = p1.reshape(-1)
+    ref_pn = ref_p.reshape(-1).to(pn.device)
+    if hp["ecc"]:
+        th = reference.join_ref(pn, st1["c"].reshape(-1), hp["ecc"])
+        th_ref = reference.join_ref(ref_pn, ref_st["c"].reshape(-1).to(pn.device), hp["ecc"])
+        q = torch.maximum(reference.ulp_ref(pn), reference.ulp_ref(ref_pn)) / 2.0 ** hp["ecc"]
+        tol = 2 * q + 2.0**-21 * (th.abs() + lr)
+    else:  # the narrow (or fp32) parameter is the only copy: one rounding step of it
+        th, th_ref = pn.double(), ref_pn.double()
+        ulp = reference.ulp_ref(pn) if pn.dtype != torch.float32 else 0.0
+        tol = ulp + 2.0**-21 * (th.abs() + lr)
+    bad = (th - th_ref).abs() > tol
+    if ties and kind == reference.LION:
+        assert bad.float().mean() < 0.01
+        assert ((th - th_ref).abs() <= 2 * lr * 1.01 + tol).all()
+    else:
+        assert not bad.any(), float(((th - th_ref).abs() / tol).max())
+
+
+def small_params(dtype=torch.float32, seed=0, sizes=((7, 5), (33,), (300,))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in sizes]
+
+
+def small_grads(ps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) for p in ps]
+
+
+def assert_matches_torch_unquantized(Flash, Torch, kw, dtype) -> None:
+    """quantize=False + 32-bit master weights: the same trajectory as torch.optim on fp32
+    (fp32 round-off over 20 steps; the int16 correction keeps the full fp32 value)."""
+    ps = small_params(dtype)
+    ref = [p.detach().float().clone().requires_grad_() for p in ps]
+    a = Flash(ps, quantize=False, master_weight_bits=32, **kw)
+    b = Torch(ref, foreach=False, **kw)
+    for s in range(20):
+        for p, r, g in zip(ps, ref, small_grads(ps, s)):
+            p.grad, r.grad = g.to(dtype), g.to(dtype).float()
+        a.step()
+        b.step()
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(fo.master_weight(p, a), r.detach(), rtol=1e-5, atol=1e-5)
+
+
+def assert_quantized_tracks_unquantized(Opt, **kw) -> None:
+    """Default (quantized, 24-bit) vs unquantized fp32: same direction, small deviation."""
+    ps = small_params(torch.bfloat16)
+    ref = [p.detach().float().clone().requires_grad_() for p in ps]
+    a, b = Opt(ps, lr=1e-3, **kw), Opt(ref, lr=1e-3, quantize=False, **kw)
+    init = [r.detach().clone() for r in ref]
+    for s in range(20):
+        for p, r, g in zip(ps, ref, small_grads(ps, s)):
+            p.grad, r.grad = g.bfloat16(), g
+        a.step()
+        b.step()
+    for p, r, i in zip(ps, ref, init):
+        da, db = fo.master_weight(p, a) - i, r.detach() - i
+        cos = torch.nn.functional.cosine_similarity(da.flatten(), db.flatten(), dim=0)
+        assert cos > 0.97
+        assert (da - db).norm() < 0.2 * db.norm()

@@ -1,6 +1,6 @@
 """flashoptim-bench: optimizer step time, achieved bandwidth and bytes/param vs peers.
 
-    python -m flashoptim.bench                    # GPU suite (CUDA): large + small layouts
+    python -m flashoptim.bench                    # GPU suite (CUDA): large + small layouts, ~2 min
     python -m flashoptim.bench --smoke            # tiny, CPU, seconds
     python -m flashoptim.bench --layout large --providers ours,torch_fused_fp32 --json out.json
 
@@ -25,32 +25,18 @@ import time
 import torch
 
 import flashoptim as fo
-from flashoptim.optimizers import DEFAULT_KERNEL
 
 CEILING_TBPS = 4.21  # H200 device-to-device copy, read + write
 GPU_PROVIDERS = [
-    "ours",
-    "ours_v1",  # the first (v1) kernel, same options as the row above; "ours" is v3
-    "ours_v2",  # kernel v2 (the default before v3: same layout, costlier element math)
-    "ours_v4",  # kernel v4 (opt-in: v3's math over chunks, L2 prefetch, epoch flag)
-    "ours_v4_lazy",  # v4, the non-finite flag read at the next step (no host sync per step)
-    "ours_nocheck",
-    "ours_v1_nocheck",
-    "ours_v2_nocheck",
-    "ours_v4_nocheck",
+    "ours",  # FlashAdamW, defaults (finiteness check on)
+    "ours_nocheck",  # check_finite=False
     "ours_graph",  # capturable=True, the step captured in a CUDA graph and replayed
     "torch_fused_fp32",
     "torch_fused_bf16",
     "flashoptim_0.1.4",
     "ours_sgd",
-    "ours_v1_sgd",
-    "ours_v2_sgd",
-    "ours_v4_sgd",
     "flashoptim_0.1.4_sgd",
     "ours_lion",
-    "ours_v1_lion",
-    "ours_v2_lion",
-    "ours_v4_lion",
     "bnb_adamw8bit",
     "torchao_adamw8bit",  # last: torch.compile on its first step
 ]
@@ -70,10 +56,6 @@ MOVED = {
     "ours_lion": 2 + 2 + 1 + 1 + 0.0625 + 2 + 1 + 1 + 0.0625,
 }
 MOVED["ours_graph"] = MOVED["ours"]  # same kernels (+ a few scalar ops), no host time
-MOVED["ours_lazy"] = MOVED["ours"]  # same kernels, no host sync
-for _k in ("ours", "ours_nocheck", "ours_sgd", "ours_lion", "ours_graph", "ours_lazy"):
-    for _v in ("ours_v1", "ours_v2", "ours_v3", "ours_v4"):
-        MOVED[_k.replace("ours", _v)] = MOVED[_k]
 
 
 def layout_shapes(name: str) -> list[tuple[int, ...]]:
@@ -115,14 +97,8 @@ def load_peer_flashoptim(path: str | None = None):
 
 def make_optimizer(provider: str, params, peer_path=None):
     lr = 1e-4
-    # "ours" is the default kernel (optimizers.DEFAULT_KERNEL); "ours_v1" .. "ours_v4" name one
-    if provider.startswith(("ours_v1", "ours_v2", "ours_v3", "ours_v4")):
-        kw = dict(kernel=provider[5:7])
-        provider = provider.replace(provider[:7], "ours")
-    else:
-        kw = dict(kernel=DEFAULT_KERNEL) if provider.startswith("ours") else {}
     if provider.startswith("ours"):
-        return _make_ours(provider, params, lr, kw)
+        return _make_ours(provider, params, lr)
     if provider.startswith("torch_fused"):
         return torch.optim.AdamW(params, lr=lr, fused=True)
     if provider.startswith("torch_foreach"):
@@ -145,37 +121,29 @@ def make_optimizer(provider: str, params, peer_path=None):
     raise ValueError(f"unknown provider {provider!r}")
 
 
-def _make_ours(provider, params, lr, kw):
+def _make_ours(provider, params, lr):
     if provider == "ours":
-        return fo.FlashAdamW(params, lr=lr, **kw)
+        return fo.FlashAdamW(params, lr=lr)
     if provider == "ours_nocheck":
-        return fo.FlashAdamW(params, lr=lr, check_finite=False, **kw)
-    if provider == "ours_lazy":  # v4: the skip flag read at the next step, no sync per step
-        opt = fo.FlashAdamW(params, lr=lr, **kw)
-        opt._lazy_skip = True
-        return opt
+        return fo.FlashAdamW(params, lr=lr, check_finite=False)
     if provider == "ours_graph":  # a tensor lr on device, as an LR schedule would need
         lr_t = torch.tensor(lr, dtype=torch.float64, device=params[0].device)
-        return fo.FlashAdamW(params, lr=lr_t, capturable=True, **kw)
+        return fo.FlashAdamW(params, lr=lr_t, capturable=True)
     if provider == "ours_sgd":
-        return fo.FlashSGD(params, lr=lr, momentum=0.9, check_finite=False, **kw)
+        return fo.FlashSGD(params, lr=lr, momentum=0.9, check_finite=False)
     if provider == "ours_lion":
-        return fo.FlashLion(params, lr=lr, check_finite=False, **kw)
+        return fo.FlashLion(params, lr=lr, check_finite=False)
     raise ValueError(f"unknown provider {provider!r}")
 
 
-def _v2_config(kernel: str = "v2") -> str | None:
-    """The config the v2 autotuner picked for its latest launch (None: not tuned)."""
-    from . import _core
+def _tuned_config() -> str | None:
+    """The config the step kernel's autotuner picked for its latest launch (None: not tuned)."""
+    from . import _step_kernel
 
-    cfg = getattr(_core._step_kernel_v2_tuned, "best_config", None)
-    other = getattr(_core, f"_step_kernel_{kernel}_tuned", None)
-    cfg_k = getattr(other, "best_config", None)
-    if cfg_k is not None and kernel in ("v3", "v4"):
-        cfg = cfg_k
+    cfg = getattr(_step_kernel._step_kernel_tuned, "best_config", None)
     if cfg is None:
         return None
-    return f"{cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}"
+    return f"{cfg.kwargs} warps={cfg.num_warps}"
 
 
 def param_dtype(provider: str) -> torch.dtype:
@@ -278,9 +246,8 @@ def bench_one(provider, layout, device, warmup, reps, peer_path=None) -> dict:
             m["step_peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base - held) / 2**20
         if isinstance(opt, fo.FlashOptimizer):
             m["bytes_per_param_counted"] = fo.memory_report(opt)["bytes_per_param"]
-            m["kernel"] = opt.kernel
-            if opt.kernel in ("v2", "v3", "v4") and device.type == "cuda":
-                m["v2_config"] = _v2_config(opt.kernel)
+            if device.type == "cuda":
+                m["tuned_config"] = _tuned_config()
         res["metrics"] = m
     except ImportError as e:
         res.update(status="skipped", error=f"not importable: {e}")
@@ -375,30 +342,17 @@ def main(argv=None) -> int:
         warmup, reps = 3, a.reps or 15
     results = []
     env = env_info()
-    only_large = (
-        "ours_sgd",
-        "ours_lion",
-        "ours_v1_sgd",
-        "ours_v1_lion",
-        "ours_v2_sgd",
-        "ours_v2_lion",
-        "ours_v3_sgd",
-        "ours_v3_lion",
-        "ours_v4_sgd",
-        "ours_v4_lion",
-        "flashoptim_0.1.4_sgd",
-        "torchao_adamw8bit",
-    )
+    only_large = ("ours_sgd", "ours_lion", "flashoptim_0.1.4_sgd", "torchao_adamw8bit")
     for lay in layouts:
         for prov in providers:
             if lay != "large" and prov in only_large and not a.providers:
                 continue  # SGD/Lion and torchao (compiles per shape) on the large layout only
             r = bench_one(prov, lay, device, warmup, reps, a.peer_flashoptim_path)
             results.append(r)
-            cfg = r["metrics"].get("v2_config")
+            cfg = r["metrics"].get("tuned_config")
             print(
                 f"# {lay} {prov}: {r['status']} {r['time_ms']} ms {r['error'] or ''}"
-                + (f" v2 config {cfg}" if cfg else ""),
+                + (f" config {cfg}" if cfg else ""),
                 flush=True,
             )
             if a.json:  # written after every row: a timeout keeps what was measured

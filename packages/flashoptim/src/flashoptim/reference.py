@@ -201,7 +201,8 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     if bits:
         u = None
         if sr:
-            u = uniform_ref(seed, step, torch.arange(n, dtype=torch.int64) + idx_base)
+            idx = torch.arange(n, dtype=torch.int64, device=p.device) + idx_base
+            u = uniform_ref(seed, step, idx)
         pn, new["c"] = split_ref(th32, p.dtype, bits, u)
     else:
         pn = th32.to(p.dtype)
