@@ -179,14 +179,14 @@ def main(argv=None) -> int:
             files[f"step-{name}-b{block}w{warps}pf{pf}.sass"] = sass_lines(k)
     for g, gname in P_TYPES.items():
         for aligned in (True, False):
-            consts = dict(
-                ALIGNED=aligned, N16=aligned, G_DTYPE=g, UNIT=chunk, SUB=sub, BLOCK=1024
-            )
-            consts["INDEX64"] = False
-            sig = {"units": "*i32", "nunits": "i32", "tab": "*i64", "g_base": f"*{gname}"}
-            sig.update(flag="*i32", mark="i32")
-            k = compile_fn(prepass, sig, consts, 4)
-            files[f"prepass-{gname}-{'aligned' if aligned else 'unaligned'}.sass"] = sass_lines(k)
+            consts = dict(ALIGNED=aligned, N16=aligned, G_DTYPE=g, UNIT=chunk, SUB=sub, BLOCK=1024)
+            for index64 in (False, True) if gname == "bf16" and aligned else (False,):
+                consts["INDEX64"] = index64  # new after 1cd3e42
+                sig = {"units": "*i32", "nunits": "i32", "tab": "*i64", "g_base": f"*{gname}"}
+                sig.update(flag="*i32", mark="i32")
+                k = compile_fn(prepass, sig, consts, 4)
+                name = f"prepass-{gname}-{'aligned' if aligned else 'unaligned'}"
+                files[name + ("-index64" if index64 else "") + ".sass"] = sass_lines(k)
     for fname, text in sorted(files.items()):
         with open(os.path.join(out, fname), "w") as f:
             f.write(text)

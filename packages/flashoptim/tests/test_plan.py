@@ -255,8 +255,8 @@ def test_mixed_dtype_group_cached_plan(first):
 @pytest.mark.gpu
 def test_gpu_many_small_tensors_repeated_steps_match_cpu_path(monkeypatch):
     """2,050 tensors, 5 steps through the cached launch plan, kernel vs CPU path: after each
-    step the codes agree within ties (v2 with its default config: autotuning is tested in
-    test_kernels.py). Ties are compared per step: the CPU copy is then reset to the
+    step the codes agree within ties (the default config: autotuning is tested in
+    test_step_kernel.py). Ties are compared per step: the CPU copy is then reset to the
     kernel's state, since a tie taken differently changes the next step's inputs."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     sizes = [(128, 384)] * 20 + [(4096,)] * 20 + [(3, 5)] * 2010
