@@ -73,8 +73,9 @@ def _smoke_bench(session: nox.Session, package: str, env: dict[str, str]) -> Non
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and format check over the whole tree, and the tests of tools/."""
-    session.install("ruff==0.17.6", "pytest")  # pinned: formatting must not drift
+    """ruff check and format check over the whole tree, and the tests of tools/ (the
+    benchmark report and the shared harness, whose vendored copies must be identical)."""
+    _install(session, "ruff==0.17.6", "pytest", "torch")  # ruff pinned: formatting must not drift
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tools"))

@@ -3,57 +3,63 @@
 #
 #   tools/gpu_run.sh OUTDIR [PACKAGE ...]      (default: all three packages)
 #
-# Installs peer wheels carried in .whl/ and .whl-bnb/ (if present), builds mhc-proj,
-# puts the pure-Python packages on PYTHONPATH, runs each package's gpu-marked tests and
-# its benchmark CLI's GPU suite, and writes into OUTDIR:
-#   log.txt                 everything printed
-#   bench-<package>.json    benchmark results (shared schema kernel-bench/1)
+# 1. installs the peer wheels carried in .whl/ and .whl-bnb/ (if present) into .site/;
+# 2. builds mhc-proj (while the pure-Python packages' GPU tests already run);
+# 3. runs every package's @pytest.mark.gpu tests, the packages side by side, each spread
+#    over GPU_TEST_WORKERS processes (pytest-xdist, if installed): the suites are
+#    compile-bound, and the host has 16 cores;
+# 4. runs each package's benchmark CLI's GPU suite, one after another (nothing else runs
+#    on the GPU while they time), and any extra script named in GPU_EXTRA (each a
+#    "name|limit|command" entry, separated by ';', run after the benchmarks);
+# and writes into OUTDIR:
+#   log.txt                 everything printed (per-step logs: tests-<pkg>.txt, ...)
+#   bench-<package>.json    benchmark results (schema kernel-bench/1)
 #   env.json                GPU, driver and library versions
-#   summary.md              pass/fail per step and the benchmark tables (printed last)
-# Extra pytest args: GPU_PYTEST_ARGS; extra bench args per package: BENCH_ARGS_<pkg>
-# (e.g. BENCH_ARGS_flashsinkhorn="--quick"). Set GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1.
-# Time limits in seconds per step (a step past its limit is killed and marked FAILED, and
-# the run goes on): LIMIT_TESTS_<pkg>, LIMIT_BENCH_<pkg> (default 300 each), with <pkg>
-# the import name (flashsinkhorn, mhc_proj, flashoptim); LIMIT_SECOND_ORDER (default 240)
-# for flashsinkhorn's second-order GPU script (SECOND_ORDER_ARGS, GPU_SKIP_SECOND_ORDER=1).
+#   summary.md              pass/fail and time per step, then the tables (printed last)
+# Limits in seconds per step (a step past its limit is killed, marked FAILED, and the run
+# goes on): LIMIT_BUILD (300), LIMIT_TESTS (240, each package), LIMIT_BENCH_<pkg> (150),
+# with <pkg> the import name. GPU_PYTEST_ARGS: extra pytest args; BENCH_ARGS_<pkg>: extra
+# bench args; GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1 skip a phase.
 set -uo pipefail
 out="${1:?usage: tools/gpu_run.sh OUTDIR [PACKAGE ...]}"; shift
-mkdir -p "$out"
+mkdir -p "$out"; out="$(cd "$out" && pwd)"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 packages=("$@")
 [ ${#packages[@]} -eq 0 ] && packages=(mhc-proj flashsinkhorn flashoptim)
-log="$out/log.txt"; summary="$out/summary.md"
-: >"$log"; : >"$summary"
+log="$out/log.txt"; steps="$out/steps.md"
+: >"$log"; : >"$steps"
 export PYTHONUNBUFFERED=1
 say() { echo "$*" | tee -a "$log"; }
-step() {  # step NAME LIMIT_S CMD...: run under a time limit, log, record in the summary
-  local name="$1" limit="$2"; shift 2
+step() {  # step NAME LIMIT_S LOGFILE CMD...: run under a time limit, record in the summary
+  local name="$1" limit="$2" file="$3"; shift 3
   local t0=$SECONDS
   say "=== $name (limit ${limit} s): $*"
-  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$file" 2>&1
   local rc=$?
   local status="ok"; [ $rc -ne 0 ] && status="FAILED (rc=$rc)"
-  say "=== $name: $status in $((SECONDS - t0)) s"
-  echo "| $name | $status | $((SECONDS - t0)) s |" >>"$summary.steps"
+  [ $rc -eq 124 ] && status="TIMED OUT after ${limit} s"
+  say "=== $name: $status in $((SECONDS - t0)) s ($(tail -n 1 "$file" | cut -c1-120))"
+  echo "| $name | $status | $((SECONDS - t0)) s | $(tail -n 1 "$file" | cut -c1-100) |" >>"$steps"
   return $rc
 }
-: >"$summary.steps"
 
 site="$root/.site"
 for wheels in .whl .whl-bnb; do
   if compgen -G "$wheels/*.whl" >/dev/null; then
-    step "install peers from $wheels" 120 python3 -m pip install -q --no-index --no-deps \
-      --no-compile --target "$site" --upgrade "$wheels"/*.whl
+    step "install peers from $wheels" 120 "$out/install-$wheels.txt" python3 -m pip install -q \
+      --no-index --no-deps --no-compile --target "$site" --upgrade "$wheels"/*.whl
   fi
 done
+# our sources first: the flashoptim 0.1.4 peer wheel has the same import name as ours
 export PYTHONPATH="$root/packages/flashsinkhorn/src:$root/packages/flashoptim/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 
 python3 - >"$out/env.json" 2>>"$log" <<'PY'
-import json, platform, subprocess, datetime
+import datetime, json, platform, subprocess
 import torch
 env = {"python": platform.python_version(), "torch": torch.__version__,
-       "cuda": torch.version.cuda, "date": datetime.datetime.utcnow().isoformat() + "Z"}
+       "cuda": torch.version.cuda,
+       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 try:
     import triton; env["triton"] = triton.__version__
 except Exception as e:
@@ -68,42 +74,60 @@ except Exception:
     pass
 print(json.dumps(env, indent=1))
 PY
-cat "$out/env.json" | tee -a "$log"
+cat "$out/env.json" >>"$log"
 
-for pkg in "${packages[@]}"; do
-  import_name="${pkg//-/_}"
-  if [ "$pkg" = mhc-proj ]; then
-    step "build mhc-proj" 300 python3 -m pip install -q --no-build-isolation --no-deps \
-      --target "$site" --upgrade packages/mhc-proj || continue
+workers=()
+if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-4}"); fi
+# GPU_PYTEST_ARGS is split on spaces on purpose (several pytest arguments)
+pytest_gpu=(python3 -m pytest -q -m gpu -p no:cacheprovider -c pyproject.toml --rootdir .
+  "${workers[@]}" ${GPU_PYTEST_ARGS:-})
+
+has() { local p; for p in "${packages[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+pids=()
+if [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then
+  for pkg in "${packages[@]}"; do
+    [ "$pkg" = mhc-proj ] && continue
+    step "gpu tests $pkg" "${LIMIT_TESTS:-240}" "$out/tests-$pkg.txt" "${pytest_gpu[@]}" "packages/$pkg/tests" &
+    pids+=($!)
+  done
+fi
+built=0
+if has mhc-proj; then
+  step "build mhc-proj" "${LIMIT_BUILD:-300}" "$out/build-mhc-proj.txt" python3 -m pip install \
+    -q --no-build-isolation --no-deps --target "$site" --upgrade packages/mhc-proj && built=1
+  if [ $built = 1 ] && [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then
+    step "gpu tests mhc-proj" "${LIMIT_TESTS:-240}" "$out/tests-mhc-proj.txt" "${pytest_gpu[@]}" packages/mhc-proj/tests
   fi
-  limit_tests="LIMIT_TESTS_${import_name}"; limit_bench="LIMIT_BENCH_${import_name}"
-  if [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then
-    step "gpu tests $pkg" "${!limit_tests:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      -c pyproject.toml --rootdir . packages/$pkg/tests ${GPU_PYTEST_ARGS:-}
-  fi
-  if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
-    var="BENCH_ARGS_${import_name}"
-    step "bench $pkg" "${!limit_bench:-300}" python3 -m "$import_name.bench" --json "$out/bench-$pkg.json" ${!var:-}
-  fi
-  # flashsinkhorn's second-order applications (HVP vs flash-sinkhorn, OTDD at 60k, shuffled
-  # regression) write their own JSON and figures into OUTDIR/second-order.
-  if [ "$pkg" = flashsinkhorn ] && [ "${GPU_SKIP_SECOND_ORDER:-0}" != 1 ] \
-     && [ -f packages/flashsinkhorn/examples/gpu_second_order.py ]; then
-    step "second-order flashsinkhorn" "${LIMIT_SECOND_ORDER:-240}" python3 \
-      packages/flashsinkhorn/examples/gpu_second_order.py --out "$out/second-order" ${SECOND_ORDER_ARGS:-}
-  fi
+fi
+for pid in "${pids[@]}"; do wait "$pid"; done
+
+if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
+  for pkg in "${packages[@]}"; do
+    import_name="${pkg//-/_}"
+    [ "$pkg" = mhc-proj ] && [ $built != 1 ] && continue
+    limit="LIMIT_BENCH_${import_name}"; extra="BENCH_ARGS_${import_name}"
+    step "bench $pkg" "${!limit:-150}" "$out/bench-$pkg.txt" python3 -m "$import_name.bench" \
+      --json "$out/bench-$pkg.json" ${!extra:-}
+  done
+fi
+
+IFS=';' read -r -a extras <<<"${GPU_EXTRA:-}"
+for entry in "${extras[@]}"; do
+  [ -z "${entry// }" ] && continue
+  IFS='|' read -r name limit cmd <<<"$entry"
+  step "$name" "$limit" "$out/extra-${name// /_}.txt" bash -c "$cmd"
 done
 
 {
   echo "# GPU run summary"
   echo
-  echo "| step | status | time |"
-  echo "|---|---|---|"
-  cat "$summary.steps"
+  echo "| step | status | time | last line |"
+  echo "|---|---|---|---|"
+  cat "$steps"
   echo
   if compgen -G "$out/bench-*.json" >/dev/null; then
-    python3 tools/report.py --stdout "$out"/bench-*.json 2>&1 || true
+    python3 tools/report.py --stdout "$out"/bench-*.json 2>&1 | grep -v '^$' || true
   fi
-} >"$summary"
-rm -f "$summary.steps"
-cat "$summary"
+} >"$out/summary.md"
+rm -f "$steps"
+cat "$out/summary.md"

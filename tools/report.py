@@ -1,12 +1,17 @@
-"""Turn benchmark JSON files (schema kernel-bench/1) into markdown tables and PNG plots.
+"""Turn benchmark JSON (schema kernel-bench/1) into docs/benchmarks.md and README tables.
 
-    python tools/report.py results/gpu/bench-*.json            # rewrite docs/benchmarks.md
-    python tools/report.py --stdout results/gpu/bench-*.json   # print the tables only
-    python tools/report.py --plots docs/img results/gpu/*.json # also write PNG plots
+    python tools/report.py docs/results/*/*.json              # rewrite docs/benchmarks.md
+    python tools/report.py --readmes docs/results/*/*.json    # also the package READMEs
+    python tools/report.py --stdout OUTDIR/bench-*.json       # print, write nothing
+    python tools/report.py --plots docs/img docs/results/*/*.json
 
-Rows are grouped by package, bench, mode and params; each provider gets a time column,
-and every peer gets the ratio peer_time / ours_time (above 1 means ours is faster).
-The environment (GPU, versions) and the command that produced each file head its section.
+Per package, first a headline table: one line per case whose ``ours`` row carries a
+``headline`` label (the bench CLI chooses them), with ours, the fastest peer measured in
+the same run, their ratio (above 1: ours is faster), the fraction of the hardware floor
+or copy ceiling, peak memory and the first accuracy figure. Then one detail table per
+(bench, mode): one time column per provider and the ratio of each peer to ours.
+``--readmes`` writes the headline table of each package between the lines
+``<!-- headline-table:begin -->`` and ``<!-- headline-table:end -->`` of its README.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 SCHEMA = "kernel-bench/1"
 OURS = "ours"
 ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- headline-table:begin -->", "<!-- headline-table:end -->"
+# Metrics worth a detail-table column, in this order (others stay in the JSON).
+DETAIL_METRICS = ["frac_floor", "frac_ceiling", "gbps", "peak_mem_mib"]
 
 
 def load(paths: list[Path]) -> list[dict]:
@@ -50,76 +58,125 @@ def _params_key(params: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
+def _ok_time(row: dict | None) -> float | None:
+    if row and row.get("status") == "ok" and row.get("time_ms"):
+        return row["time_ms"]
+    return None
+
+
 def _time_cell(row: dict) -> str:
     if row.get("status") != "ok":
         return row.get("status", "?")
     return _fmt(row.get("time_ms"))
 
 
-def tables_for(doc: dict) -> str:
-    """Markdown for one JSON file: an environment line, then one table per (bench, mode)."""
+def _cases(doc: dict) -> OrderedDict:
+    """(bench, mode, params key) -> {provider: row}, in first-seen order."""
+    cases: OrderedDict[tuple, dict] = OrderedDict()
+    for row in doc.get("results", []):
+        key = (row.get("bench"), row.get("mode"), _params_key(row.get("params", {})))
+        cases.setdefault(key, {})[row.get("provider")] = row
+    return cases
+
+
+def environment_line(doc: dict) -> str:
     env = doc.get("env", {})
-    peers = env.get("peers") or {}
-    lines = [f"## {doc.get('package', '?')} {doc.get('package_version', '')}".rstrip(), ""]
-    env_bits = [
-        f"GPU: {env.get('gpu', 'none (CPU)')}",
+    bits = [
+        f"GPU: {env.get('gpu') or 'none (CPU)'}",
         f"torch {env.get('torch', '?')}",
         f"triton {env.get('triton', '?')}",
         f"CUDA {env.get('cuda', '?')}",
         f"Python {env.get('python', '?')}",
         f"date {env.get('date', '?')}",
     ]
+    peers = env.get("peers") or {}
     if peers:
-        env_bits.append("peers: " + ", ".join(f"{k} {v}" for k, v in peers.items()))
-    lines += ["; ".join(env_bits) + ".", "", f"Command: `{doc.get('command', '?')}`", ""]
+        bits.append("peers: " + ", ".join(f"{k} {v}" for k, v in peers.items()))
+    return "; ".join(bits) + "."
 
+
+def headline_table(doc: dict) -> str:
+    """The package's headline cases: ours, the best peer, ratio, fraction of the floor."""
+    header = ["case", "ours ms", "best peer", "peer ms", "peer / ours", "of floor", "peak MiB"]
+    header.append("accuracy")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for by_provider in _cases(doc).values():
+        ours = by_provider.get(OURS)
+        if not ours or not ours.get("headline"):
+            continue
+        peers = [(p, _ok_time(r)) for p, r in by_provider.items() if p != OURS]
+        timed = [(t, p) for p, t in peers if t is not None]
+        best_t, best = min(timed) if timed else (None, None)
+        ours_t = _ok_time(ours)
+        ratio = f"{best_t / ours_t:.2f}x" if (best_t and ours_t) else "—"
+        if best is None:
+            best = "(none ran)" if peers else "—"
+        metrics = ours.get("metrics") or {}
+        frac = metrics.get("frac_floor", metrics.get("frac_ceiling"))
+        acc = ours.get("accuracy") or {}
+        acc_cell = "; ".join(f"{k} {_fmt(v)}" for k, v in list(acc.items())[:1]) or "—"
+        cells = [
+            ours["headline"],
+            _time_cell(ours),
+            best,
+            _fmt(best_t),
+            ratio,
+            _fmt(frac, 2),
+            _fmt(metrics.get("peak_mem_mib")),
+            acc_cell,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(lines) == 2:
+        return ""
+    return "\n".join(lines)
+
+
+def detail_tables(doc: dict) -> str:
+    """One table per (bench, mode): a time column per provider, each peer's ratio to ours."""
     groups: OrderedDict[tuple, list[dict]] = OrderedDict()
-    for row in doc.get("results", []):
-        groups.setdefault((row.get("bench"), row.get("mode")), []).append(row)
-
-    for (bench, mode), rows in groups.items():
-        providers = list(OrderedDict.fromkeys(r.get("provider") for r in rows))
-        peers_here = [p for p in providers if p != OURS]
-        metric_keys = list(
-            OrderedDict.fromkeys(
-                k for r in rows if r.get("provider") == OURS for k in (r.get("metrics") or {})
-            )
-        )
-        by_params: OrderedDict[str, dict[str, dict]] = OrderedDict()
-        for r in rows:
-            by_params.setdefault(_params_key(r.get("params", {})), {})[r.get("provider")] = r
-        title = f"### {bench}" + (f" ({mode})" if mode else "")
+    for (bench, mode, _), by_provider in _cases(doc).items():
+        groups.setdefault((bench, mode), []).append(by_provider)
+    out = []
+    for (bench, mode), cases in groups.items():
+        providers = list(OrderedDict.fromkeys(p for c in cases for p in c))
+        peers = [p for p in providers if p != OURS]
+        has_ours = OURS in providers
+        present = {k for c in cases for k in ((c.get(OURS) or {}).get("metrics") or {})}
+        metric_keys = [k for k in DETAIL_METRICS if k in present]
         header = ["params"] + [f"{p} ms" for p in providers]
-        if OURS in providers:
-            header += [f"{p} / ours" for p in peers_here]
-            header += [f"ours {k}" for k in metric_keys]
-        lines += [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for params, by_provider in by_params.items():
-            cells = [params] + [
-                _time_cell(by_provider[p]) if p in by_provider else "—" for p in providers
-            ]
-            ours = by_provider.get(OURS)
-            if OURS in providers:
-                for p in peers_here:
-                    peer = by_provider.get(p)
-                    ok = (
-                        ours
-                        and peer
-                        and ours.get("status") == "ok"
-                        and peer.get("status") == "ok"
-                        # accuracy-only rows (e.g. hvp_accuracy) are "ok" without a time
-                        and ours.get("time_ms") is not None
-                        and peer.get("time_ms") is not None
-                    )
-                    cells.append(f"{peer['time_ms'] / ours['time_ms']:.2f}x" if ok else "—")
-                metrics = (ours or {}).get("metrics") or {}
+        if has_ours:
+            header += [f"{p} / ours" for p in peers] + [f"ours {k}" for k in metric_keys]
+        lines = [f"### {bench}" + (f" ({mode})" if mode else ""), ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        errors = []
+        for by_provider in cases:
+            any_row = next(iter(by_provider.values()))
+            cells = [_params_key(any_row.get("params", {}))]
+            cells += [_time_cell(by_provider[p]) if p in by_provider else "—" for p in providers]
+            if has_ours:
+                ours_t = _ok_time(by_provider.get(OURS))
+                for p in peers:
+                    peer_t = _ok_time(by_provider.get(p))
+                    cells.append(f"{peer_t / ours_t:.2f}x" if (peer_t and ours_t) else "—")
+                metrics = (by_provider.get(OURS) or {}).get("metrics") or {}
                 cells += [_fmt(metrics.get(k)) for k in metric_keys]
             lines.append("| " + " | ".join(cells) + " |")
-        errors = [r for r in rows if r.get("status") == "error"]
+            errors += [r for r in by_provider.values() if r.get("status") == "error"]
         for r in errors:
             where = _params_key(r.get("params", {}))
             lines.append(f"\n- error, {r.get('provider')} {where}: {r.get('error')}")
-        lines.append("")
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out)
+
+
+def tables_for(doc: dict) -> str:
+    """The section of one JSON file: package, environment, command, headline, details."""
+    title = f"## {doc.get('package', '?')} {doc.get('package_version', '')}".rstrip()
+    lines = [title, "", environment_line(doc), "", f"Command: `{doc.get('command', '?')}`", ""]
+    head = headline_table(doc)
+    if head:
+        lines += ["Headline:", "", head, ""]
+    lines += [detail_tables(doc)]
     return "\n".join(lines)
 
 
@@ -134,11 +191,10 @@ def plot(doc: dict, outdir: Path) -> list[Path]:
     written = []
     groups: OrderedDict[tuple, list[dict]] = OrderedDict()
     for row in doc.get("results", []):
-        if row.get("status") == "ok" and row.get("time_ms"):
+        if _ok_time(row):
             groups.setdefault((row.get("bench"), row.get("mode")), []).append(row)
     for (bench, mode), rows in groups.items():
         params = list(OrderedDict.fromkeys(_params_key(r.get("params", {})) for r in rows))
-        # tick labels name only the parameters that vary within this plot
         keys = OrderedDict.fromkeys(k for r in rows for k in r.get("params", {}))
         varying = [k for k in keys if len({str(r.get("params", {}).get(k)) for r in rows}) > 1]
         labels = {
@@ -164,7 +220,7 @@ def plot(doc: dict, outdir: Path) -> list[Path]:
         ax.set_xticklabels([labels[p] for p in params], rotation=20, ha="right", fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("time (ms, log scale)")
-        gpu = doc.get("env", {}).get("gpu", "CPU")
+        gpu = doc.get("env", {}).get("gpu") or "CPU"
         ax.set_title(f"{doc.get('package')} {bench} {mode or ''} — {gpu}", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -176,12 +232,39 @@ def plot(doc: dict, outdir: Path) -> list[Path]:
     return written
 
 
+def replace_between_markers(text: str, table: str) -> str | None:
+    """``text`` with the lines between the headline markers replaced by ``table``, or None
+    when the markers are missing."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        return None
+    return text[: start + len(BEGIN)] + "\n" + table.rstrip() + "\n" + text[end:]
+
+
+def write_readmes(docs: list[dict]) -> list[Path]:
+    written = []
+    for doc in docs:
+        package = doc.get("package", "")
+        readme = ROOT / "packages" / package / "README.md"
+        table = headline_table(doc)
+        if not table or not readme.exists():
+            continue
+        note = f"\n\n{environment_line(doc)} Command: `{doc.get('command', '?')}`."
+        new = replace_between_markers(readme.read_text(), table + note)
+        if new is not None:
+            readme.write_text(new)
+            written.append(readme)
+    return written
+
+
 HEADER = """# Benchmarks
 
-Generated by `python tools/report.py {files}` from the JSON written by each package's
-benchmark CLI on the GPU host (`tools/gpu_run.sh OUTDIR`, see docs/architecture.md).
-Times are medians of CUDA-event timings in milliseconds; `peer / ours` above 1 means ours
-is faster. Each section names its GPU, versions and the command that produced it.
+Generated by `python tools/report.py {files}` from the JSON that each package's benchmark
+CLI wrote on the GPU host (`tools/gpu_run.sh OUTDIR`, see docs/architecture.md). Times are
+medians of CUDA-event timings in milliseconds; `peer / ours` above 1 means ours is faster;
+"of floor" is the hardware floor of the case (bytes at the measured copy rate, or the
+operations at the measured tensor-core and special-function rates) over our time. Each
+package's headline table comes first, then its detail tables.
 """
 
 
@@ -190,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--stdout", action="store_true", help="print tables, write nothing")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--readmes", action="store_true", help="update the package READMEs")
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     parser.add_argument("--note", default="", help="markdown paragraph put under the header")
     args = parser.parse_args(argv)
@@ -198,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stdout:
         print(body)
         return 0
-    names = " ".join(Path(d["_path"]).name for d in docs)
+    names = " ".join(str(Path(d["_path"]).relative_to(ROOT)) for d in docs)
     text = HEADER.format(files=names) + ("\n" + args.note + "\n" if args.note else "")
     text += "\n" + body
     if args.plots:
@@ -210,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                 text += f"![{image.stem}]({rel})\n\n"
     args.out.write_text(text)
     print(f"wrote {args.out}")
+    if args.readmes:
+        for readme in write_readmes(docs):
+            print(f"wrote {readme}")
     return 0
 
 
