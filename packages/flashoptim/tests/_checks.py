@@ -105,6 +105,11 @@ def assert_bitwise(a, pa, b, pb) -> None:
                 assert v == w, k
 
 
+def _few(mask: torch.Tensor, frac: float) -> bool:
+    """At most ``frac`` of the elements, or two (small tensors), are set in ``mask``."""
+    return int(mask.sum()) <= max(2, frac * mask.numel())
+
+
 def assert_ties(a, pa, b, pb) -> None:
     """GPU against the CPU path after one step from identical inputs: fused multiply-adds
     and approximate reciprocals move values by an ulp, which flips ties: an element's own
@@ -126,10 +131,10 @@ def assert_ties(a, pa, b, pb) -> None:
                 continue
             else:
                 assert d.max() <= 2, k
-                assert (d > 0).float().mean() < 0.02, k
+                assert _few(d > 0, 0.02), k
         ma, mb = fo.master_weight(p, a), fo.master_weight(q, b).to(p.device)
         close = torch.isclose(ma, mb, rtol=1e-4, atol=1e-5)  # one int8 code: 2**-15 relative
-        assert close.float().mean() > 0.99
+        assert _few(~close, 0.01)
         assert (ma - mb).abs().max() <= 2 * lr * 1.01 + 1e-4 * ma.abs().max()
 
 
@@ -198,7 +203,7 @@ def assert_step_matches_reference(
             d = (ref.int() - v.int()).abs()
             assert d.max() <= (2 if ties else 1), (k, int(d.max()))
             if ties:
-                assert (d > 0).float().mean() < 0.02, k
+                assert _few(d > 0, 0.02), k
     lr = float(hp["lr"])
     pn = p1.reshape(-1)
     ref_pn = ref_p.reshape(-1).to(pn.device)
@@ -213,7 +218,7 @@ def assert_step_matches_reference(
         tol = ulp + 2.0**-21 * (th.abs() + lr)
     bad = (th - th_ref).abs() > tol
     if ties and kind == reference.LION:
-        assert bad.float().mean() < 0.01
+        assert _few(bad, 0.01)
         assert ((th - th_ref).abs() <= 2 * lr * 1.01 + tol).all()
     else:
         assert not bad.any(), float(((th - th_ref).abs() / tol).max())

@@ -19,6 +19,7 @@ from _checks import (
     OPTION_IDS,
     OPTIONS,
     OPTS,
+    _few,
     assert_bitwise,
     assert_matches_reference,
     assert_step_matches_reference,
@@ -355,31 +356,35 @@ def test_index64_equals_cpu_path(monkeypatch, Opt, kw):
 
 
 # ----------------------------------------------------------------------------- GPU
+#
+# The GPU suite is compile-bound: every distinct mode (optimizer, options, numel % 16 == 0
+# or not, finiteness check on or off, ...) is one more compile. The tests share modes where
+# they can: GPU_SIZES are all multiples of 16 (the usual case: one vectorized bucket), the
+# odd sizes run in the edge-gradient, pre-pass, unaligned and 2**31 tests.
+
+GPU_SIZES = (2**20 + 16, 4112, 48, 3 * CHUNK)
 
 
-def _gpu_steps(Opt, kw, sizes, steps=3, reference_check=True, **okw):
+def _gpu_steps(Opt, kw, sizes, steps=3, dev="cuda", **okw):
     """Kernel on CUDA vs the CPU path, one step at a time from identical inputs (ties) and
     against the float64 reference; the CPU side then takes the kernel's state."""
     torch.manual_seed(0)
-    ps = [(torch.randn(n) * 0.1).bfloat16() for n in sizes] if "dtype" not in okw else None
     dtype = okw.pop("dtype", torch.bfloat16)
-    if ps is None:
-        ps = [(torch.randn(n) * 0.1).to(dtype) for n in sizes]
+    ps = [(torch.randn(n) * 0.1).to(dtype) for n in sizes]
     qa = [p.clone().requires_grad_() for p in ps]
-    qb = [p.clone().cuda().requires_grad_() for p in ps]
+    qb = [p.clone().to(dev).requires_grad_() for p in ps]
     a = Opt(qa, lr=1e-2, backend="torch", **kw, **okw)
-    b = Opt(qb, lr=1e-2, **kw, **okw)
+    b = Opt(qb, lr=1e-2, backend="triton", **kw, **okw)
     gen = torch.Generator().manual_seed(1)
     for s in range(steps):
         for p, q in zip(qa, qb):
             g = grad("mixed" if s == 1 else "randn", p.numel(), dtype, gen)
-            p.grad, q.grad = g.clone(), g.cuda()
+            p.grad, q.grad = g.clone(), g.to(dev)
         before = snapshot(b, qb)
         a.step()
         b.step()
         assert_ties(b, qb, a, qa)
-        if reference_check:
-            assert_matches_reference(b, qb, before, ties=True)
+        assert_matches_reference(b, qb, before, ties=True)
         copy_state(b, qb, a, qa)
 
 
@@ -387,7 +392,7 @@ def _gpu_steps(Opt, kw, sizes, steps=3, reference_check=True, **okw):
 @pytest.mark.parametrize("Opt,kw", OPTS, ids=OPT_IDS)
 def test_gpu_kernel_vs_cpu_path_and_reference(monkeypatch, Opt, kw):
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
-    _gpu_steps(Opt, kw, (1_000_003, 4097, 31, 3 * CHUNK))
+    _gpu_steps(Opt, kw, GPU_SIZES)
 
 
 @pytest.mark.gpu
@@ -398,7 +403,7 @@ def test_gpu_kernel_vs_cpu_path_and_reference(monkeypatch, Opt, kw):
 )
 def test_gpu_kernel_options(monkeypatch, okw):
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
-    _gpu_steps(fo.FlashAdamW, {}, (100_003, 2 * CHUNK + 33, 7), check_finite=False, **dict(okw))
+    _gpu_steps(fo.FlashAdamW, {}, GPU_SIZES, check_finite=False, **dict(okw))
 
 
 @pytest.mark.gpu
@@ -413,7 +418,7 @@ def test_gpu_edge_gradients(monkeypatch, Opt, kw):
     qa = [p.clone().requires_grad_() for p in ps]
     qb = [p.clone().cuda().requires_grad_() for p in ps]
     a = Opt(qa, lr=1e-2, backend="torch", check_finite=False, **kw)
-    b = Opt(qb, lr=1e-2, check_finite=False, **kw)
+    b = Opt(qb, lr=1e-2, backend="triton", check_finite=False, **kw)
     gen = torch.Generator().manual_seed(2)
     for kind in ("zero", "huge", "mixed", "huge"):
         for p, q in zip(qa, qb):
@@ -437,7 +442,7 @@ def test_gpu_autotune_applies_the_step_once(monkeypatch):
     restored after): the first step is applied once, as the CPU path's."""
     monkeypatch.delenv("FLASHOPTIM_NO_AUTOTUNE", raising=False)
     n0 = len(K._step_kernel_tuned.cache)
-    _gpu_steps(fo.FlashAdamW, {}, (1_000_003, 4097, 3 * 2048 + 5), steps=2)
+    _gpu_steps(fo.FlashAdamW, {}, GPU_SIZES, steps=2)
     assert len(K._step_kernel_tuned.cache) > n0  # it did tune
     print("autotuned config:", K._step_kernel_tuned.best_config)
 
@@ -447,8 +452,8 @@ def test_gpu_other_tuning_config(monkeypatch):
     """The other tuning config (8 warps) as the default config, against the CPU path."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     monkeypatch.setattr(_config, "DEFAULT_CONFIG", _config.CONFIGS[1])
-    _gpu_steps(fo.FlashAdamW, {}, (1_000_003, 4097, 31), steps=2)
-    _gpu_steps(fo.FlashSGD, dict(momentum=0.9), (1_000_003, 4097, 31), steps=2)
+    _gpu_steps(fo.FlashAdamW, {}, GPU_SIZES, steps=2)
+    _gpu_steps(fo.FlashSGD, dict(momentum=0.9, weight_decay=0.01), GPU_SIZES, steps=2)
 
 
 @pytest.mark.gpu
@@ -463,7 +468,7 @@ def test_gpu_unaligned_gradient_views(monkeypatch, Opt):
     qa = [p.clone().requires_grad_() for p in ps]
     qb = [p.clone().cuda().requires_grad_() for p in ps]
     a = Opt(qa, lr=1e-2, weight_decay=0.1, backend="torch")
-    b = Opt(qb, lr=1e-2, weight_decay=0.1)
+    b = Opt(qb, lr=1e-2, weight_decay=0.1, backend="triton")
     for _ in range(3):
         buf = torch.randn(sum(sizes) + 64).bfloat16()
         gbuf = buf.cuda()
@@ -510,18 +515,23 @@ def test_gpu_tensor_of_2_31_elements(monkeypatch):
     across element 2**31 and at the end against the CPU path (ties) and the float64
     reference, with the rounding stream's index base of each window."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
-    n = 2**31 + 4097
     free, _ = torch.cuda.mem_get_info()
     if free < 20 * 2**30:
-        pytest.skip(f"needs ~16 GiB free on the GPU, {free / 2**30:.1f} GiB free")
+        pytest.skip(f"needs ~20 GiB free on the GPU, {free / 2**30:.1f} GiB free")
+    _big_tensor_steps(2**31 + 4097, 2**31, "cuda")
+
+
+def _big_tensor_steps(n: int, boundary: int, dev: str) -> None:
+    """``test_gpu_tensor_of_2_31_elements`` for a tensor of ``n`` elements and a window
+    across element ``boundary`` (a multiple of 8,192)."""
     from flashoptim import _cpu
 
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1)
-    opt = fo.FlashAdamW([p], lr=1e-2, weight_decay=0.1)
-    windows = [(0, 4096), (2**31 - 8192, 2**31 + 8192), (n - 4097 - 32 * 7, n)]
+    p = torch.nn.Parameter(torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1)
+    opt = fo.FlashAdamW([p], lr=1e-2, weight_decay=0.1, backend="triton")
+    windows = [(0, 4096), (boundary - 8192, boundary + 8192), (n - 4097 - 32 * 7, n)]
     for step in (1, 2):
-        p.grad = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        p.grad = torch.randn(n, device=dev, dtype=torch.bfloat16)
         if step == 1:  # the first step's zero states, as the step creates them
             opt._init_state(p, opt.param_groups[0])
         before = [_window(opt, p, a, b) for a, b in windows]
@@ -538,12 +548,12 @@ def test_gpu_tensor_of_2_31_elements(monkeypatch):
             _cpu.cpu_step(reference.ADAM, cp, g, cst, hp, step, seed, a)
             for k in ("m", "v"):
                 d = (cst[k].int() - st1[k].int()).abs()
-                assert d.max() <= 2 and (d > 0).float().mean() < 0.02, (a, k)
+                assert d.max() <= 2 and _few(d > 0, 0.02), (a, k)
             for k in ("ms", "vs"):
                 assert torch.allclose(cst[k].double(), st1[k].double(), rtol=2e-2), (a, k)
             ma, mb = reference.join_ref(cp, cst["c"], 8), reference.join_ref(p1, st1["c"], 8)
-            assert torch.isclose(ma, mb, rtol=1e-4, atol=1e-5).float().mean() > 0.99, a
-    p.grad[2**31 + 5] = float("nan")
+            assert _few(~torch.isclose(ma, mb, rtol=1e-4, atol=1e-5), 0.01), a
+    p.grad[boundary + 5] = float("nan")
     snap = _window(opt, p, *windows[1])
     opt.step()
     assert opt.skipped_steps == 1 and opt.state[p]["step"] == 2
