@@ -25,7 +25,7 @@ import tempfile
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_dump import MODES, P_TYPES, _signature, compile_fn, kernels  # noqa: E402
+from sass_dump import MODES, P_TYPES, _signature, base_consts, compile_fn, kernels  # noqa: E402
 
 CLASSES = [
     ("mufu", r"^MUFU"),
@@ -199,29 +199,6 @@ def report(name, k, per_thread_elems, dump=None):
         classes={k2: v / e for k2, v in c.items()},
         regs=regs,
         spills=spills,
-    )
-
-
-def base_consts(chunk):
-    return dict(
-        KIND=0,
-        ECC=8,
-        QUANT=True,
-        SR=True,
-        P_DTYPE=1,
-        DECOUPLED=True,
-        NESTEROV=False,
-        HAS_MOM=True,
-        SCALE_F32=False,
-        ALIGNED=True,
-        N16=True,
-        CHECK_SKIP=True,
-        ASM=True,
-        UNIT=chunk,
-        GROUP_SIZE=32,
-        SCALARS_ON_DEVICE=False,
-        DRAW_HOIST=True,
-        INDEX64=False,
     )
 
 

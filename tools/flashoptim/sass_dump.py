@@ -144,11 +144,10 @@ def sass_lines(kernel) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    out = (argv or sys.argv[1:] or ["sass-out"])[0]
-    os.makedirs(out, exist_ok=True)
-    step, prepass, chunk, sub, legacy = kernels()
-    base = dict(
+def base_consts(chunk: int) -> dict:
+    """The step kernel's constexprs of the default mode (AdamW, bf16, 24-bit master, 8-bit
+    states, stochastic rounding, checked, aligned) without the config."""
+    return dict(
         KIND=0,
         ECC=8,
         QUANT=True,
@@ -168,6 +167,13 @@ def main(argv=None) -> int:
         DRAW_HOIST=True,
         INDEX64=False,
     )
+
+
+def main(argv=None) -> int:
+    out = (argv or sys.argv[1:] or ["sass-out"])[0]
+    os.makedirs(out, exist_ok=True)
+    step, prepass, chunk, sub, legacy = kernels()
+    base = base_consts(chunk)
     files = {}
     for name, over in MODES:
         for block, warps, pf in CONFIGS:

@@ -1,6 +1,6 @@
 """flashoptim-bench: optimizer step time, bandwidth and bytes per parameter against peers.
 
-    python -m flashoptim.bench                     # GPU suite (CUDA): ~2 minutes
+    python -m flashoptim.bench                     # GPU suite (CUDA): the headline cases
     python -m flashoptim.bench --smoke             # tiny, CPU, seconds (CI)
     python -m flashoptim.bench --layout large --providers ours torch-fused --json out.json
 
