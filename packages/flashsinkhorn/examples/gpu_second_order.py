@@ -49,9 +49,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
+from flashsinkhorn.bench import hvp_problem as _problem  # noqa: E402
 from flashsinkhorn.second_order import hvp, inverse_hvp, otdd  # noqa: E402
 from flashsinkhorn.second_order._plan import solve_potentials  # noqa: E402
-from flashsinkhorn.second_order.bench import _problem  # noqa: E402
 from flashsinkhorn.second_order.hvp import _grads, _hvp_plan, _resolve_loop_precision  # noqa: E402
 from flashsinkhorn.second_order.otdd import otdd_gradient_flow  # noqa: E402
 

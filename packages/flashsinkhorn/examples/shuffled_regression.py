@@ -17,7 +17,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from flashsinkhorn.second_order import shuffled_regression  # noqa: E402
+from flashsinkhorn.second_order.shuffled_regression import shuffled_regression  # noqa: E402
 
 
 def main():

@@ -7,6 +7,7 @@ from _helpers import clouds
 
 import flashsinkhorn as fs
 from flashsinkhorn import solver
+from flashsinkhorn.operands import cost_features
 
 TOL = dict(rtol=1e-6, atol=1e-7)  # the same kernels run: equal up to float32 rounding
 
@@ -120,7 +121,7 @@ def test_opcheck_custom_ops():
         torch.ops.flashsinkhorn.sinkhorn_divergence.default,
         (a, xg, b, y, 0.3, None, None, 0.5, True, "tf32", "auto", True, False, True, None),
     )
-    X, Y, cx, cy, c2, center = solver.cost_features(x, y, "sqeuclidean", 1.0)
+    X, Y, cx, cy, c2, center = cost_features(x, y, "sqeuclidean", 1.0)
     prob = solver.Problem(X, Y, a, b, cx, cy, c2, "sqeuclidean", 1.0, None, "tf32", "torch", center)
     problem = solver._op_problem_args(prob)
     loop = (0.2, None, None, 30, 1e-4, "alternating", 10, None, None, False)

@@ -198,11 +198,13 @@ def _triton_case(device, n=37, m=29, d=5, reach=None, wrt="x"):
     x, y, a, b, vx, vy = _problem(n=n, m=m, d=d, seed=8)
     v = {"x": vx, "y": vy, "xy": (vx, vy)}[wrt]
     kw = dict(eps=EPS, reach=reach, wrt=wrt, max_iter=100, cg_tol=1e-7)
-    h64 = hvp(x, y, v, a, b, backend="torch", **kw)
-    mv = lambda t: (
-        tuple(u.float().to(device) for u in t) if isinstance(t, tuple) else t.float().to(device)
+    to = lambda t, dt: (  # noqa: E731
+        tuple(u.to(device, dt) for u in t) if isinstance(t, tuple) else t.to(device, dt)
     )
-    h32 = hvp(mv(x), mv(y), mv(v), mv(a), mv(b), backend="triton", **kw)
+    # the float64 reference on the same device (torch backend: on the GPU in float64)
+    h64 = hvp(*(to(t, F64) for t in (x, y, v, a, b)), backend="torch", **kw)
+    h64 = tuple(h.cpu() for h in h64) if isinstance(h64, tuple) else h64.cpu()
+    h32 = hvp(*(to(t, torch.float32) for t in (x, y, v, a, b)), backend="triton", **kw)
     if isinstance(h64, tuple):
         for p, q in zip(h32, h64):
             assert float((p.double().cpu() - q).norm() / q.norm()) < 1e-4
@@ -224,8 +226,8 @@ def test_triton_kernels_gpu(reach, wrt):
 
 @pytest.mark.gpu
 def test_double_backward_gpu():
-    x, y, a, b, vx, _ = _problem(n=3000, m=2500, d=64, seed=10)
-    ref = hvp(x, y, vx, a, b, eps=EPS_DB, max_iter=300, backend="torch", debias=True)
+    x, y, a, b, vx, _ = (t.cuda() for t in _problem(n=3000, m=2500, d=64, seed=10))
+    ref = hvp(x, y, vx, a, b, eps=EPS_DB, max_iter=300, backend="torch", debias=True).cpu()
     xx = x.float().cuda().requires_grad_(True)
     loss = ot_loss(xx, y.float().cuda(), a.float().cuda(), b.float().cuda(), eps=EPS_DB,
                    debias=True, max_iter=300)  # fmt: skip

@@ -79,6 +79,7 @@ def test_otdd_triton_interpreter_matches_torch():
 def test_otdd_gpu_matches_torch_float64():
     x1, l1, x2, l2 = _datasets(n1=3000, n2=2500, d=50, k=5)
     kw = dict(eps=1.0, max_iter=200, tol=None, label_distance="gaussian")
-    r64 = otdd(x1, l1, x2, l2, backend="torch", **kw)
-    r32 = otdd(x1.float().cuda(), l1.cuda(), x2.float().cuda(), l2.cuda(), **kw)
+    x1, l1, x2, l2 = (t.cuda() for t in (x1, l1, x2, l2))
+    r64 = otdd(x1, l1, x2, l2, backend="torch", **kw)  # float64 on the GPU
+    r32 = otdd(x1.float(), l1, x2.float(), l2, **kw)
     assert abs(r32.value - r64.value) < 1e-3 * max(1.0, abs(r64.value))

@@ -1,11 +1,10 @@
-"""The second-order Sinkhorn loop (``solve_potentials``) on the triton backend.
+"""The second-order Sinkhorn loop (``solve_potentials``, second_order/_plan.py).
 
-Since 2026-11-29 its updates run on the main solver's kernel (``kernels.softmin``, the
-autotuned ``_softmin_kernel``) instead of the second-order ``_row_lse_kernel``. These tests
-check the fp32 triton potentials against the float64 torch path at odd sizes (masked rows,
-columns and features; D = 70 (not a power of two); labels; unbalanced sides), against the
-old kernel path (forced with ``_MAIN_KERNEL_MAX_D = 0``), and that D > 128 and precision
-"ieee" keep the old path.
+On the triton backend its updates run on the main streaming kernels
+(:func:`flashsinkhorn.softmin`) for D <= 128 at tf32x3 / tf32, and on the second-order
+``row_lse`` kernel otherwise (D > 128, precision "ieee"). Each path is checked against the
+float64 torch loop at odd sizes (masked rows, columns and features; D = 70, not a power of
+two; labels; unbalanced sides), and which path runs is checked too.
 """
 
 import os
@@ -71,8 +70,8 @@ def test_triton_potentials_match_float64(n, m, d, reach, sym, labels):
         x.float(), y.float(), a.float(), b.float(), labels=lab32, backend="triton", **kw
     )
     assert p32.f.dtype == torch.float32 and p32.info["iterations"] == p64.info["iterations"]
-    # measured under the interpreter on these cases: the old _row_lse_kernel path 1.6e-7 -
-    # 5.2e-7, the main-kernel path 1.4e-7 - 4.3e-7 (tf32x3; NOTES.md)
+    # measured under the interpreter on these cases: the _row_lse_kernel path 1.6e-7 -
+    # 5.2e-7, the main-kernel path 1.4e-7 - 4.3e-7 (tf32x3)
     assert _max_err(p32, p64) < 1e-6
 
 
@@ -84,22 +83,6 @@ def test_triton_potentials_tol_stop_matches_float64():
     p32 = solve_potentials(x.float(), y.float(), a.float(), b.float(), backend="triton", **kw)
     assert p32.info["marginal_error"] < 1e-5
     assert _max_err(p32, p64) < 1e-5
-
-
-@needs_interp
-@pytest.mark.parametrize("n,m,d,reach,sym,labels", CASES)
-def test_main_kernel_path_matches_old_kernel_path(monkeypatch, n, m, d, reach, sym, labels):
-    x, y, a, b, lab = _data(n, m, d, labels)
-    lab = None if lab is None else tuple(_f32(t) for t in lab)
-    args = (x.float(), y.float(), a.float(), b.float())
-    kw = dict(eps=0.05, reach=reach, max_iter=60, symmetric=sym, eps_schedule=[0.5, 0.2],
-              labels=lab, backend="triton")  # fmt: skip
-    new = solve_potentials(*args, **kw)
-    monkeypatch.setattr(_plan, "_MAIN_KERNEL_MAX_D", 0)  # force the old _row_lse_kernel
-    old = solve_potentials(*args, **kw)
-    scale = max(1.0, float(old.f.abs().max()), float(old.g.abs().max()))
-    for u, v in ((new.f, old.f), (new.g, old.g)):
-        assert float((u - v).abs().max()) < 1e-6 * scale
 
 
 def _spy(monkeypatch):
@@ -124,7 +107,7 @@ def test_triton_loop_uses_the_main_kernel(monkeypatch):
 
 @needs_interp
 @pytest.mark.parametrize("d,precision", [(130, "tf32x3"), (6, "ieee")])
-def test_old_kernel_kept_for_large_d_and_ieee(monkeypatch, d, precision):
+def test_row_lse_kernel_for_large_d_and_ieee(monkeypatch, d, precision):
     calls = _spy(monkeypatch)
     x, y, a, b, _ = _data(21, 18, d, False)
     kw = dict(eps=0.5, max_iter=30, precision=precision)
@@ -149,10 +132,10 @@ def test_row_lse_triton_matches_float64(labels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,tol", [("tf32x3", 1e-5), ("ieee", 1e-5)])
 def test_triton_potentials_gpu(precision, tol):
-    x, y, a, b, _ = _data(1500, 1300, 70, False)
+    x, y, a, b = (t.cuda() for t in _data(1500, 1300, 70, False)[:4])
     kw = dict(eps=0.05, max_iter=100)
-    p64 = solve_potentials(x, y, a, b, backend="torch", **kw)
-    c = lambda t: t.float().cuda()  # noqa: E731
+    p64 = solve_potentials(x, y, a, b, backend="torch", **kw)  # float64 on the GPU
+    c = lambda t: t.float()  # noqa: E731
     p32 = solve_potentials(c(x), c(y), c(a), c(b), precision=precision, **kw)
     assert _max_err(p32, p64) < tol
 
@@ -255,16 +238,16 @@ def _gauge_free_err(p32, p64):
 def test_loop_precision_gpu_matches_tf32x3():
     """The schedule on real tf32, on the HVP script's kind of problem: 95 tf32 + 5 tf32x3
     iterations give the same plan as 100 tf32x3 ones. The raw potentials differ by a gauge
-    shift (H200 run 10, results/run10-loop-tail.json: max error 2.2e-5 for tails of 5 to 60
+    shift (H200 run 10: max error 2.2e-5 for tails of 5 to 60
     iterations alike, 1.1e-6 for all-tf32x3; the HVP's error vs float64 was 1.40e-6 both
     ways), so the check is gauge-free, plus the gauge-invariant dual value."""
-    from flashsinkhorn.second_order.bench import _problem
+    from flashsinkhorn.bench import hvp_problem
 
-    x, y, _ = _problem(1500, 1300, 64, torch.device("cpu"))
+    x, y, _ = hvp_problem(1500, 1300, 64, torch.device("cuda"))
     x, y = x.double(), y.double()
     kw = dict(eps=0.01, max_iter=100)
-    p64 = solve_potentials(x, y, backend="torch", **kw)
-    xc, yc = x.float().cuda(), y.float().cuda()
+    p64 = solve_potentials(x, y, backend="torch", **kw)  # float64 on the GPU
+    xc, yc = x.float(), y.float()
     p_mixed = solve_potentials(xc, yc, loop_precision="tf32", **kw)
     p_exact = solve_potentials(xc, yc, **kw)
     mixed, exact = _gauge_free_err(p_mixed, p64), _gauge_free_err(p_exact, p64)

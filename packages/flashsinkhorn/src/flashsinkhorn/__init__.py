@@ -1,44 +1,44 @@
-"""flashsinkhorn: streaming Sinkhorn with Triton kernels.
+"""flashsinkhorn: exact, differentiable entropic optimal transport between point clouds,
+streamed by Triton kernels in O((n + m) d) memory.
 
-Public API (see docs/flashsinkhorn.md):
+Public API (docs/flashsinkhorn.md):
 
-- ``solve(x, y, a=None, b=None, *, eps, ...)`` -> :class:`SinkhornResult`
-- ``SamplesLoss(...)``: GeomLoss-compatible loss (p=2).
-- ``flashsinkhorn.kernels``: low-level streaming row-LSE update and plan application.
+- :func:`solve` -> :class:`SinkhornResult`; :class:`SamplesLoss` (GeomLoss-compatible, p=2)
+  and its functional form :func:`sinkhorn_divergence`;
+- the streaming primitives :func:`softmin`, :func:`plan_apply`, :func:`self_softmin`;
+- the float64 references ``*_ref`` (:mod:`flashsinkhorn.reference`);
+- second order (:mod:`flashsinkhorn.second_order`): :func:`hvp`, :func:`ot_loss`,
+  :func:`implicit_grad`, :func:`inverse_hvp`, Newton-CG / trust region, OTDD.
 """
 
 __version__ = "0.1.0"
 
-from flashsinkhorn import kernels
-from flashsinkhorn.kernels import plan_apply, softmin
-from flashsinkhorn.samples_loss import SamplesLoss, samples_loss_ref, sinkhorn_divergence
-from flashsinkhorn.solver import SinkhornResult, cost_matrix_ref, sinkhorn_ref, solve
+from flashsinkhorn import second_order
+from flashsinkhorn.primitives import plan_apply, self_softmin, softmin
+from flashsinkhorn.reference import (
+    cost_matrix_ref,
+    plan_apply_ref,
+    samples_loss_ref,
+    sinkhorn_ref,
+    softmin_ref,
+)
+from flashsinkhorn.samples_loss import SamplesLoss, sinkhorn_divergence
+from flashsinkhorn.second_order import *  # noqa: F403
+from flashsinkhorn.solver import SinkhornResult, solve
 
 __all__ = [
     "__version__",
-    "kernels",
-    "softmin",
-    "plan_apply",
     "solve",
     "SinkhornResult",
-    "sinkhorn_ref",
-    "cost_matrix_ref",
     "SamplesLoss",
     "sinkhorn_divergence",
+    "softmin",
+    "plan_apply",
+    "self_softmin",
+    "cost_matrix_ref",
+    "softmin_ref",
+    "plan_apply_ref",
+    "sinkhorn_ref",
     "samples_loss_ref",
+    *second_order.__all__,
 ]
-
-try:  # the second-order subpackage (issue #6); the core must import even if it is broken
-    from flashsinkhorn.second_order import *  # noqa: F403
-    from flashsinkhorn.second_order import __all__ as _so_all
-
-    __all__ += list(_so_all)
-except ModuleNotFoundError as _e:  # pragma: no cover - depends on checkout state
-    if _e.name != "flashsinkhorn.second_order":
-        raise
-except Exception as _e:  # pragma: no cover - depends on checkout state
-    import warnings as _warnings
-
-    _warnings.warn(
-        f"flashsinkhorn.second_order could not be imported: {_e!r}", RuntimeWarning, stacklevel=2
-    )

@@ -27,26 +27,13 @@ import warnings
 
 import torch
 
-from flashsinkhorn.kernels import resolve_backend, self_softmin
-from flashsinkhorn.solver import (
-    Problem,
-    _damp,
-    centered_sqnorm,
-    check_values,
-    common_center,
-    eps_schedule,
-    prepare_inputs,
-)
+from flashsinkhorn._inputs import check_values, prepare_inputs
+from flashsinkhorn.operands import centered_sqnorm, common_center
+from flashsinkhorn.primitives import resolve_backend, self_softmin
+from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter
+from flashsinkhorn.solver import Problem
 
-__all__ = ["SamplesLoss", "sinkhorn_divergence", "samples_loss_ref"]
-
-
-def _max_diameter(x, y):
-    D = x.shape[-1]
-    xf, yf = x.reshape(-1, D), y.reshape(-1, D)
-    mins = torch.stack((xf.min(dim=0)[0], yf.min(dim=0)[0])).min(dim=0)[0]
-    maxs = torch.stack((xf.max(dim=0)[0], yf.max(dim=0)[0])).max(dim=0)[0]
-    return (maxs - mins).norm().item()
+__all__ = ["SamplesLoss", "sinkhorn_divergence"]
 
 
 def _phi(f, rho, eps, w):
@@ -78,7 +65,7 @@ def _sinkhorn_forward(
     eps = blur**2
     rho = None if reach is None else reach**2
     if diameter is None:
-        diameter = _max_diameter(x, y)
+        diameter = max_diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
     be = resolve_backend(backend, x.device)
     if backend == "auto" and x.dtype == torch.float64:
@@ -105,14 +92,14 @@ def _sinkhorn_forward(
     zb = torch.zeros_like(hy)
     za = torch.zeros_like(hx)
     e = eps_list[0]
-    dmp = _damp(e, rho)
+    dmp = damping_factor(e, rho)
     g_ab = pxy.sm_y(za, e, dmp)[0]
     f_ba = pxy.sm_x(zb, e, dmp)[0]
     if debias:
         f_aa = self_upd(pxx, za, e, dmp)
         g_bb = self_upd(pyy, zb, e, dmp)
     for e in eps_list:
-        dmp = _damp(e, rho)
+        dmp = damping_factor(e, rho)
         ft_ba = pxy.sm_x(g_ab, e, dmp, guess=f_ba)[0]
         gt_ab = pxy.sm_y(f_ba, e, dmp, guess=g_ab)[0]
         if debias:
@@ -123,7 +110,7 @@ def _sinkhorn_forward(
             f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
     # last extrapolation (at the last eps): potentials and the softmax averages for grads
     e = eps_list[-1]
-    dmp = _damp(e, rho)
+    dmp = damping_factor(e, rho)
 
     def wfac(f):  # d value / d f, times the damping of d f / d C
         if rho is None:
@@ -461,51 +448,3 @@ class SamplesLoss(torch.nn.Module):
         )
         self.last_marginal_error = info.get("marginal_error")
         return out
-
-
-def samples_loss_ref(a, x, b, y, *, blur=0.05, reach=None, diameter=None, scaling=0.5, debias=True):
-    """Dense float64 GeomLoss-tensorized re-implementation (value only), 2D inputs."""
-    x, y, a, b = x.double(), y.double(), a.double(), b.double()
-    eps, rho = blur**2, None if reach is None else reach**2
-    if diameter is None:
-        diameter = _max_diameter(x, y)
-    eps_list = eps_schedule(diameter**2, eps, scaling)
-
-    def C(u, v):
-        return 0.5 * torch.cdist(u, v) ** 2
-
-    def sm(e, Cm, h):
-        return -e * torch.logsumexp(h[None, :] - Cm / e, dim=1)
-
-    Cxy, Cyx, Cxx, Cyy = C(x, y), C(y, x), C(x, x), C(y, y)
-    la, lb = a.log(), b.log()
-    e = eps_list[0]
-    d = _damp(e, rho)
-    g_ab, f_ba = d * sm(e, Cyx, la), d * sm(e, Cxy, lb)
-    f_aa, g_bb = d * sm(e, Cxx, la), d * sm(e, Cyy, lb)
-    for e in eps_list:
-        d = _damp(e, rho)
-        ft, gt = d * sm(e, Cxy, lb + g_ab / e), d * sm(e, Cyx, la + f_ba / e)
-        fa, gb = d * sm(e, Cxx, la + f_aa / e), d * sm(e, Cyy, lb + g_bb / e)
-        f_ba, g_ab, f_aa, g_bb = (
-            0.5 * (f_ba + ft),
-            0.5 * (g_ab + gt),
-            0.5 * (f_aa + fa),
-            0.5 * (g_bb + gb),
-        )
-    f_ba, g_ab, f_aa, g_bb = (
-        d * sm(e, Cxy, lb + g_ab / e),
-        d * sm(e, Cyx, la + f_ba / e),
-        d * sm(e, Cxx, la + f_aa / e),
-        d * sm(e, Cyy, lb + g_bb / e),
-    )
-    if rho is None:
-        if debias:
-            return (a * (f_ba - f_aa)).sum() + (b * (g_ab - g_bb)).sum()
-        return (a * f_ba).sum() + (b * g_ab).sum()
-    w = rho + e / 2
-    if debias:
-        return (a * w * ((-f_aa / rho).exp() - (-f_ba / rho).exp())).sum() + (
-            b * w * ((-g_bb / rho).exp() - (-g_ab / rho).exp())
-        ).sum()
-    return (a * w * (1 - (-f_ba / rho).exp())).sum() + (b * w * (1 - (-g_ab / rho).exp())).sum()

@@ -28,154 +28,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashsinkhorn.kernels import LN2, PRECISIONS, resolve_backend, softmin
+from flashsinkhorn._inputs import (
+    check_eps,
+    check_label_range,
+    check_masses,
+    check_values,
+    label_tuple,
+    prepare_inputs,
+)
+from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
+from flashsinkhorn.primitives import PRECISIONS, resolve_backend, softmin
+from flashsinkhorn.reference import LN2, damping_factor, dual_terms, eps_schedule, parse_reach
 
-__all__ = [
-    "solve",
-    "SinkhornResult",
-    "sinkhorn_ref",
-    "prepare_inputs",
-    "Problem",
-    "kernel_operands",
-]
-
-COSTS = ("sqeuclidean", "cosine", "dot")
-
-
-# ----------------------------------------------------------------------------------------
-# input validation
-# ----------------------------------------------------------------------------------------
-
-
-def _as_weights(w, name, B, n, like, check_values=True):
-    if w is None:
-        return torch.full((B, n), 1.0 / max(n, 1), dtype=like.dtype, device=like.device)
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(w).__name__}")
-    if w.device != like.device:
-        raise ValueError(
-            f"{name} is on device {w.device} but the points are on device {like.device}"
-        )
-    if w.dtype != like.dtype:
-        raise ValueError(f"{name} has dtype {w.dtype} but the points have dtype {like.dtype}")
-    if w.dim() == 1:
-        w = w.unsqueeze(0).expand(B, -1) if B > 1 else w.unsqueeze(0)
-    if w.shape != (B, n):
-        raise ValueError(f"{name} must have shape ({n},) or ({B}, {n}); got {tuple(w.shape)}")
-    if check_values:
-        _check_weight_values(w, name)
-    return w
-
-
-def _check_weight_values(w, name):
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError(f"{name} contains non-finite values")
-    if bool((w < 0).any()):
-        raise ValueError(f"{name} must be nonnegative")
-
-
-def _check_point_values(x, y):
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains non-finite values")
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError("y contains non-finite values")
-
-
-def check_values(x, y, a, b):
-    """The data-dependent checks of :func:`prepare_inputs` (finite points, finite
-    nonnegative weights), in its order. Under torch.compile they run inside the custom ops
-    (a host sync each; the compiled graph only checks shapes, dtypes and devices)."""
-    _check_point_values(x, y)
-    _check_weight_values(a, "a")
-    _check_weight_values(b, "b")
-
-
-def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
-    """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``.
-
-    ``check_values=False`` skips the data-dependent checks (see :func:`check_values`)."""
-    for name, t in (("x", x), ("y", y)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dim() not in (2, 3):
-            raise ValueError(f"{name} must be (N, D) or (B, N, D); got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor; got {t.dtype}")
-    if x.dim() != y.dim():
-        raise ValueError(f"x and y must both be 2D or both 3D; got {x.dim()}D and {y.dim()}D")
-    if x.device != y.device:
-        raise ValueError(f"x is on device {x.device} but y is on device {y.device}")
-    if x.dtype != y.dtype:
-        raise ValueError(f"x has dtype {x.dtype} but y has dtype {y.dtype}")
-    batched = x.dim() == 3
-    if not batched:
-        x, y = x.unsqueeze(0), y.unsqueeze(0)
-    if x.shape[0] != y.shape[0]:
-        raise ValueError(f"batch sizes differ: x {x.shape[0]}, y {y.shape[0]}")
-    if x.shape[-1] != y.shape[-1]:
-        raise ValueError(
-            f"x and y must have the same dimension D; got {x.shape[-1]} and {y.shape[-1]}"
-        )
-    if x.shape[1] == 0 or y.shape[1] == 0:
-        raise ValueError(f"empty point cloud: x has {x.shape[1]} points, y has {y.shape[1]}")
-    if x.shape[-1] == 0:
-        raise ValueError("points must have dimension D >= 1")
-    if check_values:
-        _check_point_values(x, y)
-    B, N, M = x.shape[0], x.shape[1], y.shape[1]
-    if a is not None and a.dim() == 2 and not batched:
-        raise ValueError(f"a must be ({N},) for unbatched x; got {tuple(a.shape)}")
-    if b is not None and b.dim() == 2 and not batched:
-        raise ValueError(f"b must be ({M},) for unbatched y; got {tuple(b.shape)}")
-    a = _as_weights(a, "a", B, N, x, check_values)
-    b = _as_weights(b, "b", B, M, x, check_values)
-    return x, y, a, b, batched
-
-
-def _check_masses(a, b, rx, ry):
-    if rx is None and ry is None:
-        ma, mb = a.sum(-1), b.sum(-1)
-        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
-            raise ValueError(
-                "balanced OT needs a.sum() == b.sum() for every problem; got "
-                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights or pass "
-                "reach= for unbalanced OT"
-            )
-
-
-def _check_eps(eps):
-    try:
-        eps = float(eps)
-    except (TypeError, ValueError):
-        raise ValueError(f"eps must be a positive number; got {eps!r}") from None
-    if not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a finite positive number; got {eps}")
-    return eps
-
-
-def _rhos(reach):
-    if reach is None:
-        return None, None
-    if isinstance(reach, (tuple, list)):
-        if len(reach) != 2:
-            raise ValueError(f"reach must be a number or a pair (rho_x, rho_y); got {reach!r}")
-        rx, ry = reach
-    else:
-        rx = ry = reach
-    out = []
-    for r in (rx, ry):
-        if r is None:
-            out.append(None)
-            continue
-        r = float(r)
-        if not (r > 0):
-            raise ValueError(f"reach must be positive (or None for a balanced side); got {r}")
-        out.append(None if math.isinf(r) else r)
-    return tuple(out)
-
-
-def _damp(eps, rho):
-    return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
+__all__ = ["solve", "SinkhornResult", "Problem"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -224,7 +89,7 @@ class Problem:
 
     def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False, guess=None):
         """f-side update: ``damping * softmin_j`` over the columns (rows = x); ``guess``:
-        the current f (read only by the opt-in "shift" kernel, see kernels.softmin)."""
+        the current f (it selects the shift kernel, see :func:`flashsinkhorn.softmin`)."""
         return softmin(
             self.Xk,
             self.Yk,
@@ -264,189 +129,6 @@ class Problem:
         )
 
 
-def kernel_operands(X, Y, center, precision="tf32", backend="auto"):
-    """The softmin kernel's operands ``(X - c, Y - c)`` in the kernel's dtype, computed once
-    per problem (an O((N + M) D) pass) so that the kernels' inner loops are pure
-    load -> dot (no subtraction or cast between the pipelined loads and ``tl.dot``).
-    ``X is Y`` gives one shared copy. Without a center, on the torch backend, the inputs
-    themselves are returned (no copy)."""
-    with torch.no_grad():
-        same = X is Y
-        X, Y = X.detach(), Y.detach()
-        dt = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
-        if center is not None:
-            c = center.detach().to(dt)[:, None, :]
-            Xk = X.to(dt) - c
-            Yk = Xk if same else Y.to(dt) - c
-        else:
-            Xk, Yk = X, Y
-        be = resolve_backend(backend, X.device)
-        if be == "triton":
-            kdt = torch.bfloat16 if precision == "bf16" else torch.float32
-            Xk = Xk.to(kdt).contiguous()
-            Yk = Xk if same else Yk.to(kdt).contiguous()
-            if precision == "tf32":
-                # tf32 operands rounded to nearest once, here, instead of converted by the
-                # tensor cores inside every pass: the H200 run of 2026-12-01 measured the
-                # SamplesLoss value 2.3e-5 off float64 with raw fp32 operands (flash-sinkhorn,
-                # which rounds its operands, 9.4e-8); a float64 emulation of this loop gives
-                # 1.3e-4 for truncated operands and 1.4e-7 for rounded ones (NOTES.md).
-                # In place on our own copy (no copy was made without a center).
-                Xk = round_to_tf32_(Xk if center is not None else Xk.clone())
-                Yk = Xk if same else round_to_tf32_(Yk if center is not None else Yk.clone())
-        return Xk, Yk
-
-
-def round_to_tf32_(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
-    """Round a contiguous float32 tensor in place to the nearest tf32 value (10 explicit
-    mantissa bits, ties to even) and return it: its tf32 tensor-core products are then
-    exact. Integer operations on the bits, in chunks of ``chunk`` elements (one int32
-    temporary of at most that size). Finite values above the largest tf32 value round to
-    +-inf as in any round-to-nearest; inf stays inf (NaN is not expected here: the solvers
-    reject non-finite inputs)."""
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        raise TypeError(
-            f"round_to_tf32_: t must be a contiguous float32 tensor, got {t.dtype} "
-            f"(contiguous: {t.is_contiguous()})"
-        )
-    bits = t.view(-1).view(torch.int32)
-    for i0 in range(0, bits.numel(), chunk):
-        b = bits[i0 : i0 + chunk]
-        lsb = torch.bitwise_right_shift(b, 13).bitwise_and_(1)  # ties go to the even side
-        b.add_(lsb.add_(0x0FFF)).bitwise_and_(~0x1FFF)
-    return t
-
-
-def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
-    """:func:`round_to_tf32_` on a copy of ``t`` (float32)."""
-    if t.dtype != torch.float32:
-        raise TypeError(f"round_to_tf32: t must be float32, got {t.dtype}")
-    return round_to_tf32_(t.contiguous().clone())
-
-
-def common_center(x, y):
-    """(B, D) mean of both clouds (no grad): the squared-Euclidean cost is invariant under a
-    common translation, and centered operands make tf32/bf16 dot products more accurate."""
-    with torch.no_grad():
-        return (x.sum(-2) + y.sum(-2)) / (x.shape[-2] + y.shape[-2])
-
-
-def centered_sqnorm(x, c, chunk=1 << 14):
-    """``|x_i - c|^2`` (B, N) without a full-size temporary (row chunks)."""
-    with torch.no_grad():
-        out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
-        for i0 in range(0, x.shape[-2], chunk):
-            xi = x[:, i0 : i0 + chunk] - c[:, None, :]
-            out[:, i0 : i0 + chunk] = (xi * xi).sum(-1)
-        return out
-
-
-def cost_features(x, y, cost, cost_scale, center=True):
-    """Return ``(X, Y, cx, cy, c2, c)`` with ``C = cost_scale * cost(x, y)`` in kernel form
-    ``C_ij = cx_i + cy_j - c2 <X_i - c, Y_j - c>`` (``c`` (B, D) or None).
-
-    X, Y keep the autograd graph (the cosine normalization); cx, cy are detached.
-    """
-    s = float(cost_scale)
-    if cost == "sqeuclidean":
-        X, Y, c2, k = x, y, 2.0 * s, s
-    elif cost == "cosine":
-        X = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        Y = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        # 1 - <X, Y> = |X - Y|^2 / 2 on the sphere: sqeuclidean with scale s/2
-        c2, k = s, 0.5 * s
-    elif cost == "dot":
-        z = x.new_zeros(x.shape[:-1])
-        return x, y, z, y.new_zeros(y.shape[:-1]), s, None
-    else:
-        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
-    Xd, Yd = X.detach(), Y.detach()
-    if center:
-        c = common_center(Xd, Yd)
-        return X, Y, k * centered_sqnorm(Xd, c), k * centered_sqnorm(Yd, c), c2, c
-    return X, Y, k * (Xd * Xd).sum(-1), k * (Yd * Yd).sum(-1), c2, None
-
-
-def _label_tuple(label_cost, B, N, M, device, label_scale=1.0, check_range=True):
-    if label_cost is None:
-        return None
-    try:
-        lx, ly, W = label_cost
-    except (TypeError, ValueError):
-        raise ValueError("label_cost must be a tuple (labels_x, labels_y, W)") from None
-    if W.dim() != 2:
-        raise ValueError(f"label_cost W must be (K1, K2); got {tuple(W.shape)}")
-    out = []
-    for name, l, n, K in (("labels_x", lx, N, W.shape[0]), ("labels_y", ly, M, W.shape[1])):
-        if l.dim() == 1:
-            l = l.unsqueeze(0).expand(B, -1)
-        if l.shape != (B, n):
-            raise ValueError(f"{name} must be ({n},) or ({B}, {n}); got {tuple(l.shape)}")
-        if l.dtype.is_floating_point:
-            raise ValueError(f"{name} must be an integer tensor; got {l.dtype}")
-        if check_range:
-            _check_label_range(name, l, W, K)
-        out.append(l.to(device))
-    return (out[0], out[1], W.to(device), float(label_scale))
-
-
-def _check_label_range(name, l, W, K):
-    if l.numel() and (int(l.min()) < 0 or int(l.max()) >= K):
-        raise ValueError(f"{name} must lie in [0, {K}); W is {tuple(W.shape)}")
-
-
-# ----------------------------------------------------------------------------------------
-# float64 dense reference
-# ----------------------------------------------------------------------------------------
-
-
-def cost_matrix_ref(x, y, cost="sqeuclidean", cost_scale=1.0, label_cost=None):
-    """Dense float64 cost matrix (B, N, M) (or (N, M)), the oracle for tests."""
-    x, y = x.double(), y.double()
-    if cost == "sqeuclidean":
-        C = ((x[..., :, None, :] - y[..., None, :, :]) ** 2).sum(-1)
-    elif cost == "cosine":
-        xn = x / x.norm(dim=-1, keepdim=True)
-        yn = y / y.norm(dim=-1, keepdim=True)
-        C = 1.0 - xn @ yn.transpose(-1, -2)
-    elif cost == "dot":
-        C = -(x @ y.transpose(-1, -2))
-    else:
-        raise ValueError(cost)
-    C = cost_scale * C
-    if label_cost is not None:
-        lx, ly, W = label_cost
-        C = C + W.double()[lx.long()[..., :, None], ly.long()[..., None, :]]
-    return C
-
-
-def sinkhorn_ref(C, a, b, eps, reach=None, n_iter=2000):
-    """Dense float64 log-domain Sinkhorn (alternating). ``C`` (N, M); returns ``(f, g, value)``.
-
-    ``value`` uses the same dual formula as :func:`solve`.
-    """
-    C, a, b = C.double(), a.double(), b.double()
-    rx, ry = _rhos(reach)
-    f = torch.zeros_like(a)
-    g = torch.zeros_like(b)
-    la, lb = a.log(), b.log()
-    for _ in range(n_iter):
-        f = -_damp(eps, rx) * eps * torch.logsumexp(lb[None, :] + (g[None, :] - C) / eps, dim=1)
-        g = -_damp(eps, ry) * eps * torch.logsumexp(la[:, None] + (f[:, None] - C) / eps, dim=0)
-    P = a[:, None] * b[None, :] * torch.exp((f[:, None] + g[None, :] - C) / eps)
-    if rx is None and ry is None:
-        value = (a * f).sum() + (b * g).sum()
-    else:
-        value = _dual_terms(f, a, rx) + _dual_terms(g, b, ry) - eps * (P.sum() - a.sum() * b.sum())
-    return f, g, value
-
-
-def _dual_terms(f, a, rho):
-    if rho is None:
-        return (a * f).sum(-1)
-    return (rho * a * (1.0 - torch.exp(-f / rho))).sum(-1)
-
-
 # ----------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------
@@ -455,28 +137,6 @@ def _dual_terms(f, a, rho):
 def _l1_err(w, old, new, eps):
     # L1 marginal error of the plan with the old potential: sum_i w_i |exp((old-new)/eps) - 1|
     return (w * torch.expm1((old - new) / eps).abs()).sum(-1)
-
-
-def eps_schedule(diameter2: float, eps: float, scaling: float) -> list[float]:
-    """GeomLoss's eps-scaling list: ``diameter^2``, geometric steps by ``scaling^2``, ``eps``.
-
-    ``diameter2`` and ``eps`` are in cost units (``diameter^p``, ``blur^p`` with p = 2).
-    """
-    import numpy as np
-
-    if not (0 < scaling < 1):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
-    p = 2
-    diameter = math.sqrt(diameter2)
-    blur = math.sqrt(eps)
-    return (
-        [diameter**p]
-        + [
-            float(np.exp(e))
-            for e in np.arange(p * np.log(diameter), p * np.log(blur), p * np.log(scaling))
-        ]
-        + [blur**p]
-    )
 
 
 def _eps_list(prob: Problem, eps, eps_scaling, diameter):
@@ -515,11 +175,11 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
     # eps-scaling warm start: one symmetric iteration per stage (GeomLoss)
     if eps_list:
         e0 = eps_list[0]
-        g = prob.sm_y(f, e0, _damp(e0, ry))[0]
-        f = prob.sm_x(torch.zeros_like(g), e0, _damp(e0, rx))[0]
+        g = prob.sm_y(f, e0, damping_factor(e0, ry))[0]
+        f = prob.sm_x(torch.zeros_like(g), e0, damping_factor(e0, rx))[0]
         for e in eps_list:
-            ft = prob.sm_x(g, e, _damp(e, rx), guess=f)[0]
-            gt = prob.sm_y(f, e, _damp(e, ry), guess=g)[0]
+            ft = prob.sm_x(g, e, damping_factor(e, rx), guess=f)[0]
+            gt = prob.sm_y(f, e, damping_factor(e, ry), guess=g)[0]
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
     err = torch.full((B,), float("inf"), device=f.device)
     n_iter = 0
@@ -533,16 +193,16 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
         # zeros the loop starts from without eps-scaling
         gf, gg = (f, g) if (eps_list or it > 1) else (None, None)
         if schedule == "alternating":
-            fn = prob.sm_x(g, eps, _damp(eps, rx), guess=gf)[0]
+            fn = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
             if measure:
                 ea = _l1_err(prob.a, f, fn, eps)
-            gn = prob.sm_y(fn, eps, _damp(eps, ry), guess=gg)[0]
+            gn = prob.sm_y(fn, eps, damping_factor(eps, ry), guess=gg)[0]
             if measure:
                 eb = _l1_err(prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
-            ft = prob.sm_x(g, eps, _damp(eps, rx), guess=gf)[0]
-            gt = prob.sm_y(f, eps, _damp(eps, ry), guess=gg)[0]
+            ft = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
+            gt = prob.sm_y(f, eps, damping_factor(eps, ry), guess=gg)[0]
             if measure:
                 ea = _l1_err(prob.a, f, ft, eps)
                 eb = _l1_err(prob.b, g, gt, eps)
@@ -576,7 +236,7 @@ def _ot_value(prob, a, b, f, g, eps, rx, ry):
     _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
     rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
     mass = rows.sum(-1)
-    return _dual_terms(f, a, rx) + _dual_terms(g, b, ry) - eps * (mass - a.sum(-1) * b.sum(-1))
+    return dual_terms(f, a, rx) + dual_terms(g, b, ry) - eps * (mass - a.sum(-1) * b.sum(-1))
 
 
 def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
@@ -689,11 +349,11 @@ def _potentials_op(*args):
     )  # fmt: skip
     prob = _op_problem(args[:_NP], cost_scale)
     check_values(prob.X, prob.Y, prob.a, prob.b)
-    _check_masses(prob.a, prob.b, rx, ry)
+    check_masses(prob.a, prob.b, rx, ry)
     if prob.labels is not None:
         lx, ly, W, _ = prob.labels
-        _check_label_range("labels_x", lx, W, W.shape[0])
-        _check_label_range("labels_y", ly, W, W.shape[1])
+        check_label_range("labels_x", lx, W, W.shape[0])
+        check_label_range("labels_y", ly, W, W.shape[1])
     eps_list = _eps_list(prob, eps, eps_scaling, diameter)
     with torch.no_grad():
         f, g, err, n_iter, converged = _run(
@@ -938,8 +598,8 @@ def solve(
         ``warn`` is true. Under torch.compile the loop and the value run as custom ops
         (no graph break) and ``n_iter``, ``converged`` are 0-dim tensors.
     """
-    eps = _check_eps(eps)
-    rx, ry = _rhos(reach)
+    eps = check_eps(eps)
+    rx, ry = parse_reach(reach)
     if cost not in COSTS:
         raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
     if schedule not in ("alternating", "symmetric"):
@@ -954,13 +614,13 @@ def solve(
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
     if not compiling:
-        _check_masses(a2, b2, rx, ry)
+        check_masses(a2, b2, rx, ry)
     be = resolve_backend(backend, x3.device)
     if backend == "auto" and x3.dtype == torch.float64:
         be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
-    labels = _label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
+    labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
     prob = Problem(
         X.detach(),
         Y.detach(),

@@ -5,11 +5,12 @@ divergence) with respect to the point positions, computed from streamed plan pro
 only (never the n x m plan), a loss with double backward, implicit differentiation of
 the potentials, inverse-HVPs, the optimizers built on them (Newton-CG, Steihaug trust
 region, Lanczos smallest eigenvalue), and the OTDD dataset distance. See
-docs/flashsinkhorn-second-order.md.
+docs/flashsinkhorn-second-order.md. The shuffled-regression example
+(``second_order.shuffled_regression``) is a module here but not part of the API; the HVP
+benchmark is a case of ``python -m flashsinkhorn.bench``.
 """
 
 from flashsinkhorn.second_order._plan import Plan, solve_potentials
-from flashsinkhorn.second_order.bench import bench_hvp
 from flashsinkhorn.second_order.hvp import (
     HvpInfo,
     ImplicitGrads,
@@ -36,7 +37,6 @@ from flashsinkhorn.second_order.otdd import (
     otdd_ref,
 )
 from flashsinkhorn.second_order.reference import hvp_ref, ot_loss_ref, potentials_ref
-from flashsinkhorn.second_order.shuffled_regression import shuffled_regression
 
 __all__ = [
     "CGInfo",
@@ -46,7 +46,6 @@ __all__ = [
     "OTDDResult",
     "OptimizeResult",
     "Plan",
-    "bench_hvp",
     "conjugate_gradient",
     "hvp",
     "hvp_ref",
@@ -61,7 +60,6 @@ __all__ = [
     "otdd_gradient_flow",
     "otdd_ref",
     "potentials_ref",
-    "shuffled_regression",
     "solve_potentials",
     "steihaug_cg",
     "trust_region",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashsinkhorn.kernels import softmin
+from flashsinkhorn.primitives import softmin
 from flashsinkhorn.second_order._stream import PRECISIONS as _PRECISIONS
 from flashsinkhorn.second_order._stream import resolve_backend, row_apply, row_lse
 
@@ -162,7 +162,7 @@ def center(x, y):
 # solve_potentials on the triton backend runs its updates on the main solver's kernel for
 # D <= this and the tensor-core precisions (one feature chunk: no register spill at tf32x3
 # or tf32 without labels in a static sm_90 compile, at any d = 64 tuned config); otherwise
-# on the second-order row_lse kernel (tests set it to 0 to compare the two). NOTES.md.
+# on the second-order row_lse kernel (docs/design/flashsinkhorn.md, second order).
 _MAIN_KERNEL_MAX_D = 128
 _MAIN_KERNEL_PRECISIONS = ("tf32x3", "tf32")
 
@@ -200,8 +200,8 @@ def solve_potentials(
     ``loop_precision`` (opt-in, e.g. "tf32" with ``precision="tf32x3"``): the Triton dot mode
     of the iterations before the last ``exact_tail`` ones (with ``tol``: until the error
     check passes, then ``exact_tail`` more iterations at ``precision``). Where the loop
-    converges, the exact iterations contract the cheaper mode's error away (NOTES.md,
-    "Next lever for the tf32x3 HVP"); the returned plan's own products use ``precision``.
+    converges, the exact iterations contract the cheaper mode's error away
+    (docs/design/flashsinkhorn.md); the returned plan's own products use ``precision``.
     """
     a, b = _check_inputs(x, y, a, b, eps)
     if loop_precision is not None and loop_precision not in _PRECISIONS:
@@ -234,12 +234,12 @@ def solve_potentials(
     precisions = {precision, loop_precision or precision}
     main = xc.shape[1] <= _MAIN_KERNEL_MAX_D and precisions <= set(_MAIN_KERNEL_PRECISIONS)
     if be == "triton" and main:
-        # The main solver's kernel (flashsinkhorn.kernels.softmin: the autotuned
-        # _softmin_kernel, row tile kept on chip) computes the whole update in one launch:
+        # The main solver's kernel (flashsinkhorn.primitives.softmin: the streaming
+        # kernels, row tile kept on chip) computes the whole update in one launch:
         # kappa (|x_i|^2 - eps LSE_j[log b_j + (g_j - |y_j|^2 + 2<x_i, y_j> - L_ij) / eps]).
         # Operands are prepared once here (batch of one, int32 labels, fp32 tables), so the
         # launcher copies nothing per call. D > 128 and precision "ieee" keep row_lse's
-        # kernel (NOTES.md: there the main kernel spills too in a static sm_90 compile).
+        # kernel (there the main kernel spills too in a static sm_90 compile).
         sx, sy = xc.contiguous()[None], yc.contiguous()[None]
         x2b, y2b, logab, logbb = x2[None], y2[None], loga[None], logb[None]
         klab = klab_t = None

@@ -31,23 +31,16 @@ from __future__ import annotations
 import torch
 
 # one backend rule, one set of constants and the shared tile helpers for the whole package
-# (core kernels module)
-from flashsinkhorn.kernels import (  # noqa: F401
-    HAS_TRITON,
-    LN2,
-    LOG2E,
-    _block_rows,
-    _interpret,
-    _label_operands,
-    _next_pow2,
-    resolve_backend,
-)
+from flashsinkhorn._config import interpret as _interpret
+from flashsinkhorn._softmin_triton import HAS_TRITON, _label_operands, _next_pow2
+from flashsinkhorn.primitives import _block_rows, resolve_backend
+from flashsinkhorn.reference import LN2, LOG2E  # noqa: F401
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flashsinkhorn.kernels import _label_tile, _online_lse_step, _tile_dot
+    from flashsinkhorn._softmin_triton import _label_tile, _online_lse_step, _tile_dot
 
 # the second-order dot default is tf32x3 (about fp32 accuracy on tensor cores)
 PRECISIONS = ("tf32x3", "ieee", "tf32")

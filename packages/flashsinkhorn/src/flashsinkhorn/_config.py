@@ -1,0 +1,70 @@
+"""flashsinkhorn's configuration: every environment switch and every kernel tile config.
+
+The switches are read when a kernel is launched, never at import, so they can be changed
+between calls (tests do). The package README's configuration table lists them:
+
+- ``TRITON_INTERPRET=1`` (Triton's own switch, it must be set before Python starts for
+  Triton to build interpreted kernels): run the Triton kernels on CPU tensors. CI does.
+- ``FLASHSINKHORN_NO_AUTOTUNE=1``: launch every kernel at its one fixed config instead of
+  autotuning (always so under the interpreter, which crashes on multi-config autotune).
+  Use it where compile time matters more than speed (tests, a first call in a short job).
+
+Tile configs are ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; ``BLOCK_D`` (the feature
+chunk) is chosen by the launcher from D. Their numbers are in docs/design/flashsinkhorn.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def interpret() -> bool:
+    """True when Triton kernels run in the interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def no_autotune() -> bool:
+    """True when every kernel launches at its fixed config (interpreter, or opted out)."""
+    return interpret() or os.environ.get("FLASHSINKHORN_NO_AUTOTUNE", "0") == "1"
+
+
+# The one config of every streaming softmin launch without autotuning.
+FIXED = (64, 64, 4, 2)
+
+# Autotune space of the iteration passes (running-max and shift kernels, no V), Hopper
+# (H200) sized. D <= 128 is one tl.dot per tile (K = BLOCK_D); larger D loops over 64-wide
+# feature chunks and needs 128 x 128 tiles to stay tensor-core bound.
+TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4),
+                (256, 64, 8, 3)]  # fmt: skip
+TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
+
+# The plan application (the pass with V: once per solve, not autotuned: no compile storm).
+# DV <= 64: one chunk of BLOCK_DV = next_pow2(DV) output columns per program.
+PLAN_APPLY = (128, 64, 8, 3)
+# DV > 64: 256-wide output chunks on 64 x 64 tiles (each chunk recomputes the scores, so
+# wide chunks mean fewer score passes; the 64 x 256 accumulator fits in registers at 8 warps).
+PLAN_APPLY_WIDE = (64, 64, 8, 3)
+WIDE_DV = 256
+
+# The symmetric self-transport kernel (debiasing terms): (BLOCK, num_warps, num_stages).
+SELF_FIXED = (64, 4, 2)
+SELF_TUNE = [(128, 8, 2), (128, 8, 3), (64, 4, 3)]
+
+# The shift kernel aims each row's shifted sum at 2^SHIFT_CENTER: the guess may be off by
+# -92 .. +95 log2 units (about -64 .. +66 eps in potential units) before the row is
+# recomputed with the running max. A row is kept when its shifted sum is in
+# [SHIFT_LO, float32 max]: above is an overflowed term (inf) or NaN; below, the terms
+# flushed to zero (< 2^-126 each, at most M of them) could matter (relative <= M 2^-66).
+SHIFT_CENTER = 32.0
+SHIFT_LO = 2.0**-60
+
+# The symmetric self kernel uses fixed offsets per tile: safe while the spread of
+# log a + f / eps (log2 units) over a problem stays below this (else two plain passes).
+SELF_SPREAD_MAX = 30.0
+
+
+def plan_apply_config(dv: int) -> tuple[int, int, int, int]:
+    """Tile config of the pass with V of width ``dv`` (the fixed config without autotune)."""
+    if no_autotune():
+        return FIXED
+    return PLAN_APPLY_WIDE if dv > 64 else PLAN_APPLY

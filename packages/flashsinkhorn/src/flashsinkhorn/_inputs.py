@@ -1,0 +1,146 @@
+"""Input validation shared by :func:`flashsinkhorn.solve` and ``SamplesLoss``.
+
+Bad input gets an error naming the argument and what was expected (shape, dtype, device,
+value range). The data-dependent checks (finite values, nonnegative weights, label range)
+need a host sync; under ``torch.compile`` they run inside the custom ops instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _as_weights(w, name, B, n, like, check_values=True):
+    if w is None:
+        return torch.full((B, n), 1.0 / max(n, 1), dtype=like.dtype, device=like.device)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(w).__name__}")
+    if w.device != like.device:
+        raise ValueError(
+            f"{name} is on device {w.device} but the points are on device {like.device}"
+        )
+    if w.dtype != like.dtype:
+        raise ValueError(f"{name} has dtype {w.dtype} but the points have dtype {like.dtype}")
+    if w.dim() == 1:
+        w = w.unsqueeze(0).expand(B, -1) if B > 1 else w.unsqueeze(0)
+    if w.shape != (B, n):
+        raise ValueError(f"{name} must have shape ({n},) or ({B}, {n}); got {tuple(w.shape)}")
+    if check_values:
+        _check_weight_values(w, name)
+    return w
+
+
+def _check_weight_values(w, name):
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{name} contains non-finite values")
+    if bool((w < 0).any()):
+        raise ValueError(f"{name} must be nonnegative")
+
+
+def _check_point_values(x, y):
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains non-finite values")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("y contains non-finite values")
+
+
+def check_values(x, y, a, b):
+    """The data-dependent checks of :func:`prepare_inputs` (finite points, finite
+    nonnegative weights), in its order. Under torch.compile they run inside the custom ops
+    (a host sync each; the compiled graph only checks shapes, dtypes and devices)."""
+    _check_point_values(x, y)
+    _check_weight_values(a, "a")
+    _check_weight_values(b, "b")
+
+
+def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
+    """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``.
+
+    ``check_values=False`` skips the data-dependent checks (see :func:`check_values`)."""
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() not in (2, 3):
+            raise ValueError(f"{name} must be (N, D) or (B, N, D); got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor; got {t.dtype}")
+    if x.dim() != y.dim():
+        raise ValueError(f"x and y must both be 2D or both 3D; got {x.dim()}D and {y.dim()}D")
+    if x.device != y.device:
+        raise ValueError(f"x is on device {x.device} but y is on device {y.device}")
+    if x.dtype != y.dtype:
+        raise ValueError(f"x has dtype {x.dtype} but y has dtype {y.dtype}")
+    batched = x.dim() == 3
+    if not batched:
+        x, y = x.unsqueeze(0), y.unsqueeze(0)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"batch sizes differ: x {x.shape[0]}, y {y.shape[0]}")
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(
+            f"x and y must have the same dimension D; got {x.shape[-1]} and {y.shape[-1]}"
+        )
+    if x.shape[1] == 0 or y.shape[1] == 0:
+        raise ValueError(f"empty point cloud: x has {x.shape[1]} points, y has {y.shape[1]}")
+    if x.shape[-1] == 0:
+        raise ValueError("points must have dimension D >= 1")
+    if check_values:
+        _check_point_values(x, y)
+    B, N, M = x.shape[0], x.shape[1], y.shape[1]
+    if a is not None and a.dim() == 2 and not batched:
+        raise ValueError(f"a must be ({N},) for unbatched x; got {tuple(a.shape)}")
+    if b is not None and b.dim() == 2 and not batched:
+        raise ValueError(f"b must be ({M},) for unbatched y; got {tuple(b.shape)}")
+    a = _as_weights(a, "a", B, N, x, check_values)
+    b = _as_weights(b, "b", B, M, x, check_values)
+    return x, y, a, b, batched
+
+
+def check_masses(a, b, rx, ry):
+    if rx is None and ry is None:
+        ma, mb = a.sum(-1), b.sum(-1)
+        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
+            raise ValueError(
+                "balanced OT needs a.sum() == b.sum() for every problem; got "
+                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights or pass "
+                "reach= for unbalanced OT"
+            )
+
+
+def check_eps(eps):
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise ValueError(f"eps must be a positive number; got {eps!r}") from None
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite positive number; got {eps}")
+    return eps
+
+
+def label_tuple(label_cost, B, N, M, device, label_scale=1.0, check_range=True):
+    if label_cost is None:
+        return None
+    try:
+        lx, ly, W = label_cost
+    except (TypeError, ValueError):
+        raise ValueError("label_cost must be a tuple (labels_x, labels_y, W)") from None
+    if W.dim() != 2:
+        raise ValueError(f"label_cost W must be (K1, K2); got {tuple(W.shape)}")
+    out = []
+    for name, l, n, K in (("labels_x", lx, N, W.shape[0]), ("labels_y", ly, M, W.shape[1])):
+        if l.dim() == 1:
+            l = l.unsqueeze(0).expand(B, -1)
+        if l.shape != (B, n):
+            raise ValueError(f"{name} must be ({n},) or ({B}, {n}); got {tuple(l.shape)}")
+        if l.dtype.is_floating_point:
+            raise ValueError(f"{name} must be an integer tensor; got {l.dtype}")
+        if check_range:
+            check_label_range(name, l, W, K)
+        out.append(l.to(device))
+    return (out[0], out[1], W.to(device), float(label_scale))
+
+
+def check_label_range(name, l, W, K):
+    if l.numel() and (int(l.min()) < 0 or int(l.max()) >= K):
+        raise ValueError(f"{name} must lie in [0, {K}); W is {tuple(W.shape)}")

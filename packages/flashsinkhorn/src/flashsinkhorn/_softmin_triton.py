@@ -1,0 +1,648 @@
+"""The portable Triton kernels of the streaming c-transform, and their launchers.
+
+For a batch of point clouds ``X (B, N, D)``, ``Y (B, M, D)`` and a cost of the form
+``C_ij = cx_i + cy_j - c2 <X_i, Y_j> [+ w_scale W[lx_i, ly_j]]``, one pass computes for
+every row i (base 2, with 1/eps and log2(e) folded into one multiplier of the dot):
+
+    lse2_i = log2 sum_j exp2(bias_j + dot_scale <X_i, Y_j> [- w_scale log2e / eps W])
+    out_i  = damping * (cx_i - eps ln2 lse2_i)
+
+with the fused column vector ``bias_j = log2e (log b_j + (g_j - cy_j) / eps)``. A block of
+BLOCK_M rows of X stays on chip while tiles of BLOCK_N columns of Y stream past it
+(row-stationary, like FlashAttention's forward); nothing of size N x M is stored.
+
+Kernels (one default per situation; docs/design/flashsinkhorn.md has the numbers):
+
+- ``_softmin_kernel``: online (running-max) LogSumExp. Used where no estimate of the result
+  exists (the first pass of a solve, a public ``softmin`` call without ``guess``) and for
+  the plan application (``HAS_V``: also ``vbar_i = sum_j softmax_j(...) V_j``).
+- ``_softmin_shift_kernel``: the Sinkhorn loops' passes, which know the potential being
+  updated: it gives a fixed per-row shift, so each score costs one FFMA, one FADD, one exp2
+  and one FADD (no running max, no rescale). Exact for any guess: rows whose shifted sum is
+  out of range are recomputed with the running max in the same kernel.
+- ``_self_softmin_kernel``: the symmetric self-transport update (debiasing terms), each
+  tile pair computed once.
+
+The tile helpers (``_load_rows``, ``_tile_dot``, ...) are shared with
+``second_order/_stream.py``. Precision of the dot (``PREC``): "tf32", "ieee", "tf32x3";
+bf16 operands arrive as bf16 tensors and use "tf32" (fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashsinkhorn import _config
+from flashsinkhorn.reference import LN2, LOG2E
+
+try:  # triton is an optional runtime dependency off Linux
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+
+def _triton_configs(space):
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bm, bn, w, st in dict.fromkeys(space)  # each config once
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Autotune only over the D regime's space (one feature chunk or several)."""
+    allowed = set(_config.TUNE_SMALL_D if kwargs.get("NUM_D", 1) == 1 else _config.TUNE_LARGE_D)
+    out = [
+        c
+        for c in configs
+        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed
+    ]
+    return out or configs[:1]
+
+
+# ----------------------------------------------------------------------------------------
+# tile helpers (inlined by the compiler) and the running-max kernel
+# ----------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_rows(P, idx, mask, offs_d, stride, D, EVEN_D: tl.constexpr):
+        """Tile ``P[idx, offs_d]`` of a row-major operand with row stride ``stride``: rows
+        outside ``mask`` (and, unless EVEN_D, features at or past D) read as 0."""
+        if EVEN_D:
+            m = mask[:, None]
+        else:
+            m = mask[:, None] & (offs_d[None, :] < D)
+        return tl.load(P + idx[:, None] * stride + offs_d[None, :], mask=m, other=0.0)
+
+    @triton.jit
+    def _tile_dot(
+        X, Y, rows, cols, row_mask, col_mask, sx, sy, D, acc, num_d,
+        EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """``acc + <X_rows, Y_cols>`` for one tile, over ``num_d`` chunks of BLOCK_D features
+        (``num_d`` a constexpr or a run-time ``cdiv(D, BLOCK_D)``)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        for kd in range(num_d):
+            dd = kd * BLOCK_D + offs_d
+            xk = _load_rows(X, rows, row_mask, dd, sx, D, EVEN_D)
+            yk = _load_rows(Y, cols, col_mask, dd, sy, D, EVEN_D)
+            acc = tl.dot(xk, tl.trans(yk), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
+    def _row_stationary_dot(
+        x0, X, Y, rows, cols, row_mask, col_mask, D,
+        NUM_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """``<X_rows, Y_cols>`` (BLOCK_M, BLOCK_N) for a kernel that keeps its row tile on
+        chip: with one feature chunk (NUM_D == 1) ``x0`` is that preloaded row tile and only
+        the column tile is loaded; otherwise both stream chunk by chunk (x0 unused)."""
+        if NUM_D == 1:
+            y = _load_rows(Y, cols, col_mask, tl.arange(0, BLOCK_D), D, D, EVEN_D)
+            s = tl.dot(x0, tl.trans(y), input_precision=PREC)
+        else:
+            s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            s = _tile_dot(
+                X, Y, rows, cols, row_mask, col_mask, D, D, D, s, NUM_D, EVEN_D, BLOCK_D, PREC
+            )
+        return s
+
+    @triton.jit
+    def _label_tile(LY, W, lx, cols, row_mask, col_mask, stride):
+        """Label-cost tile ``W[lx_i, ly_j]`` (0 outside the masks); LY: this problem's column
+        labels, lx: the row labels already loaded, stride: W's row stride."""
+        ly = tl.load(LY + cols, mask=col_mask, other=0)
+        return tl.load(
+            W + lx[:, None] * stride + ly[None, :],
+            mask=row_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+
+    @triton.jit
+    def _online_lse_step(m_i, l_i, s):
+        """One tile of a streaming base-2 LogSumExp over the rows of ``s`` (BLOCK_M, BLOCK_N).
+
+        Returns ``(m_new, l_new, alpha, p)``: running max and sum, the rescaling ``alpha`` of
+        the old sum (also for accumulators) and ``p = exp2(s - m_new)`` (0 where s = -inf).
+        """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        return m_new, l_i, alpha, p
+
+    @triton.jit
+    def _softmin_kernel(
+        X,
+        Y,
+        BIAS,
+        CX,
+        OUT,
+        LSE,
+        V,
+        VBAR,
+        LX,
+        LY,
+        W,
+        N,
+        M,
+        D,
+        DV,
+        K2,
+        N_KEY,
+        M_KEY,
+        dot_scale,  # c2 * log2(e) / eps
+        inv_eps2,  # log2(e) / eps (label term)
+        eps_ln2,  # eps * ln(2)
+        damping,
+        w_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        EVEN_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        HAS_V: tl.constexpr,
+        HAS_LABELS: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # X, Y arrive in their final form (centered, cast) and BIAS is the fused column
+        # vector log2e * (log b_j + (g_j - cy_j) / eps): the loop is load -> dot -> one FMA
+        # per score -> online LSE, with nothing between the pipelined loads and tl.dot.
+        pid_m = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        pid_v = tl.program_id(2)
+        pid_b64 = pid_b.to(tl.int64)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < N
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        Xb = X + pid_b64 * N * D
+        Yb = Y + pid_b64 * M * D
+        BIASb = BIAS + pid_b64 * M
+
+        x0 = rows  # placeholder, read only with one feature chunk
+        if NUM_D == 1:
+            x0 = _load_rows(Xb, rows, row_mask, offs_d, D, D, EVEN_D)
+        if HAS_LABELS:
+            lx = tl.load(LX + pid_b64 * N + rows, mask=row_mask, other=0)
+        if HAS_V:
+            offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+            acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+            Vb = V + pid_b64 * M * DV
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+        for start in range(0, M, BLOCK_N):
+            cols = start + offs_n
+            col_mask = cols < M
+            # scores in log2 units: bias_j + dot_scale * <x_i, y_j>
+            s = _row_stationary_dot(
+                x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
+            s = s * dot_scale + bias[None, :]
+            if HAS_LABELS:
+                wv = _label_tile(LY + pid_b64 * M, W, lx, cols, row_mask, col_mask, K2)
+                s = s - (w_scale * inv_eps2) * wv
+            m_new, l_i, alpha, p = _online_lse_step(m_i, l_i, s)
+            if HAS_V:
+                vj = tl.load(
+                    Vb + cols[:, None] * DV + offs_v[None, :],
+                    mask=col_mask[:, None] & (offs_v[None, :] < DV),
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(vj.dtype), vj, acc, input_precision=PREC)
+            m_i = m_new
+
+        lse2 = m_i + tl.log2(l_i)
+        if pid_v == 0:
+            cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+            out = damping * (cx - eps_ln2 * lse2)
+            tl.store(OUT + pid_b64 * N + rows, out, mask=row_mask)
+            if HAS_LSE:
+                tl.store(LSE + pid_b64 * N + rows, lse2, mask=row_mask)
+        if HAS_V:
+            vbar = acc / l_i[:, None]
+            tl.store(
+                VBAR + pid_b64 * N * DV + rows[:, None] * DV + offs_v[None, :],
+                vbar,
+                mask=row_mask[:, None] & (offs_v[None, :] < DV),
+            )
+
+
+# ----------------------------------------------------------------------------------------
+# the shift kernel: a fixed per-row shift from a guess of the result
+# ----------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    _SHIFT_C = tl.constexpr(_config.SHIFT_CENTER)
+    _SHIFT_LO = tl.constexpr(_config.SHIFT_LO)
+    _SHIFT_HI = tl.constexpr(3.4028234663852886e38)  # float32 max
+
+    @triton.jit
+    def _tile_scores(
+        s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+        dot_scale, inv_eps2, w_scale, HAS_LABELS: tl.constexpr,
+    ):  # fmt: skip
+        """Scores (log2 units) of one tile from its dot ``s``: bias FMA and label term, the
+        same arithmetic as `_softmin_kernel`'s loop body."""
+        bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
+        s = s * dot_scale + bias[None, :]
+        if HAS_LABELS:
+            wv = _label_tile(LYb, W, lx, cols, row_mask, col_mask, K2)
+            s = s - (w_scale * inv_eps2) * wv
+        return s
+
+    @triton.jit
+    def _lse_tile(
+        m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+        dot_scale, inv_eps2, w_scale, HAS_LABELS: tl.constexpr,
+    ):  # fmt: skip
+        """`_tile_scores` folded into the running max / sum."""
+        s = _tile_scores(
+            s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+            dot_scale, inv_eps2, w_scale, HAS_LABELS,
+        )  # fmt: skip
+        m_new, l_i, alpha, p = _online_lse_step(m_i, l_i, s)
+        return m_new, l_i
+
+    @triton.jit
+    def _softmin_shift_kernel(
+        X, Y, BIAS, CX, OUT, LSE, LX, LY, W, GUESS, FALLBACK,
+        N, M, D, K2, N_KEY, M_KEY,
+        dot_scale, inv_eps2, eps_ln2, damping, w_scale,
+        BLOCK_D: tl.constexpr, NUM_D: tl.constexpr, EVEN_D: tl.constexpr,
+        HAS_LABELS: tl.constexpr, HAS_LSE: tl.constexpr, PREC: tl.constexpr,
+        COUNT_FALLBACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # GUESS (B, N): an estimate of OUT (in the loops: the potential being updated).
+        # FALLBACK: a (1,) int32 counter of recomputed rows when COUNT_FALLBACK (else unused).
+        pid_m = tl.program_id(0)
+        pid_b64 = tl.program_id(1).to(tl.int64)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < N
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        Xb = X + pid_b64 * N * D
+        Yb = Y + pid_b64 * M * D
+        BIASb = BIAS + pid_b64 * M
+        LYb = LY + pid_b64 * M
+
+        x0 = rows  # placeholder, read only with one feature chunk
+        if NUM_D == 1:
+            x0 = _load_rows(Xb, rows, row_mask, offs_d, D, D, EVEN_D)
+        lx = rows  # placeholder, read only with labels
+        if HAS_LABELS:
+            lx = tl.load(LX + pid_b64 * N + rows, mask=row_mask, other=0)
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+        # fixed shift (log2 units): the guess of out = damping (cx - eps ln2 lse2) solved
+        # for lse2, minus SHIFT_CENTER; sum exp2(score - sh) with no running max
+        cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        guess = tl.load(GUESS + pid_b64 * N + rows, mask=row_mask, other=0.0)
+        sh = (cx - guess / damping) / eps_ln2 - _SHIFT_C
+        l_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, M, BLOCK_N):
+            cols = start + offs_n
+            col_mask = cols < M
+            s = _row_stationary_dot(
+                x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            s = _tile_scores(
+                s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+                dot_scale, inv_eps2, w_scale, HAS_LABELS,
+            )  # fmt: skip
+            l_s += tl.sum(tl.exp2(s - sh[:, None]), 1)
+        # unsafe rows (NaN fails both tests): recomputed below with the running max
+        safe = (l_s >= _SHIFT_LO) & (l_s <= _SHIFT_HI)
+        bad = (safe == 0) & row_mask
+        n_bad = tl.sum(bad.to(tl.int32), 0)
+        if n_bad > 0:
+            if COUNT_FALLBACK:  # diagnostics (tests, benchmarks): rows recomputed
+                tl.atomic_add(FALLBACK, n_bad)
+            # not software-pipelined (num_stages=1): a second pipelined loop in the kernel
+            # took the registers from 70 to 120 (static sm_90 compile, tf32, 128 x 64,
+            # 8 warps); this loop runs only for blocks with a bad guess
+            for start in tl.range(0, M, BLOCK_N, num_stages=1):
+                cols = start + offs_n
+                col_mask = cols < M
+                s = _row_stationary_dot(
+                    x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
+                    NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                m_i, l_i = _lse_tile(
+                    m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
+                    dot_scale, inv_eps2, w_scale, HAS_LABELS,
+                )  # fmt: skip
+
+        # each row takes one of the two sums; the other one's log2 reads 1 (rows not
+        # recomputed keep l_i = 0: no log2(0), which the interpreter reports as an error)
+        lse2 = tl.where(
+            bad,
+            m_i + tl.log2(tl.where(bad, l_i, 1.0)),
+            sh + tl.log2(tl.where(bad, 1.0, l_s)),
+        )
+        out = damping * (cx - eps_ln2 * lse2)
+        tl.store(OUT + pid_b64 * N + rows, out, mask=row_mask)
+        if HAS_LSE:
+            tl.store(LSE + pid_b64 * N + rows, lse2, mask=row_mask)
+
+    # autotuned entry points (configs built here; whether to autotune is decided per launch)
+    _softmin_tuned = triton.autotune(
+        configs=_triton_configs(_config.TUNE_SMALL_D + _config.TUNE_LARGE_D),
+        key=["N_KEY", "M_KEY", "D", "HAS_LABELS", "PREC"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(_softmin_kernel)
+    _softmin_shift_tuned = triton.autotune(
+        configs=_triton_configs(_config.TUNE_SMALL_D + _config.TUNE_LARGE_D),
+        key=["N_KEY", "M_KEY", "D", "HAS_LABELS", "PREC"],
+        prune_configs_by={"early_config_prune": _prune},
+        reset_to_zero=["FALLBACK"],  # the counter (when counting) is not bumped by the bench
+    )(_softmin_shift_kernel)
+
+
+# ----------------------------------------------------------------------------------------
+# symmetric self-transport (the debiasing terms OT(a, a), OT(b, b)): half the tiles
+# ----------------------------------------------------------------------------------------
+#
+# For x against itself with C_ij = cx_i + cx_j - c2 <x_i, x_j>, cx = (c2/2)|x|^2, write
+# (log2 units) A_i = log2e (log a_i + f_i / eps), kappa_i = log2e cx_i / eps and
+# k_ij = log2e (c2 <x_i, x_j> / eps) - kappa_i - kappa_j = -log2e C_ij / eps (symmetric).
+# The update needs S_i = sum_j exp2(A_j - A_i + k_ij) (then
+# f_i <- -damping eps (log a_i + f_i/eps + ln S_i)). One tile (I, J), I < J, serves both
+# row blocks: with M_J = max_J A, E_ij = k_ij + A_j - M_J and ONE exp2 per score,
+#   S_i += exp2(M_J - A_i) sum_j exp2(E_ij)                               (rows of I)
+#   S_j += exp2(M_I + M_J - 2 A_j) sum_i exp2(E_ij) exp2(A_i - M_I)        (rows of J)
+# The fixed offsets are safe when the spread of A is moderate (checked by the caller, which
+# falls back to two ordinary passes otherwise). Column sums are merged with atomics.
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _self_row_block(
+        Xb,
+        Ab,
+        Kb,
+        Sb,
+        I,
+        NB,
+        N,
+        D,
+        dot_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = I * BLOCK + offs
+        rmask = rows < N
+        a_i = tl.load(Ab + rows, mask=rmask, other=float("-inf"))
+        k_i = tl.load(Kb + rows, mask=rmask, other=0.0)
+        m_i = tl.max(a_i, 0)
+        r_i = tl.exp2(a_i - m_i)  # 0 on padding
+        a_i_safe = tl.where(rmask, a_i, m_i)
+        x_i = rows  # placeholder, read only with one feature chunk
+        if NUM_D == 1:
+            x_i = _load_rows(Xb, rows, rmask, offs_d, D, D, False)
+        rs = tl.zeros((BLOCK,), dtype=tl.float32)
+        for J in range(I, NB):
+            cols = J * BLOCK + offs
+            cmask = cols < N
+            a_j = tl.load(Ab + cols, mask=cmask, other=float("-inf"))
+            k_j = tl.load(Kb + cols, mask=cmask, other=0.0)
+            m_j = tl.max(a_j, 0)
+            q = _row_stationary_dot(
+                x_i, Xb, Xb, rows, cols, rmask, cmask, D, NUM_D, False, BLOCK_D, PREC, BLOCK, BLOCK
+            )
+            e = q * dot_scale - k_i[:, None] + (a_j - m_j - k_j)[None, :]
+            p = tl.exp2(e)  # the one exp per score (0 on padded columns)
+            rs += tl.exp2(m_j - a_i_safe) * tl.sum(p, 1)
+            if J != I:
+                cs = tl.sum(p * r_i[:, None], 0)
+                a_j_safe = tl.where(cmask, a_j, m_j)
+                tl.atomic_add(Sb + cols, tl.exp2(m_i + m_j - 2.0 * a_j_safe) * cs, mask=cmask)
+        tl.atomic_add(Sb + rows, rs, mask=rmask)
+
+    @triton.jit
+    def _self_softmin_kernel(
+        X,
+        A,
+        KAPPA,
+        S,
+        N,
+        D,
+        N_KEY,
+        dot_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        pid_b = tl.program_id(1).to(tl.int64)
+        NB = tl.cdiv(N, BLOCK)
+        Xb = X + pid_b * N * D
+        Ab = A + pid_b * N
+        Kb = KAPPA + pid_b * N
+        Sb = S + pid_b * N
+        # program pid owns row blocks pid and NB - 1 - pid: the same work per program
+        _self_row_block(
+            Xb, Ab, Kb, Sb, pid, NB, N, D, dot_scale,
+            BLOCK_D, NUM_D, PREC, BLOCK,
+        )  # fmt: skip
+        I2 = NB - 1 - pid
+        if I2 > pid:
+            _self_row_block(
+                Xb, Ab, Kb, Sb, I2, NB, N, D, dot_scale,
+                BLOCK_D, NUM_D, PREC, BLOCK,
+            )  # fmt: skip
+
+    _self_softmin_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
+                 for b, w, st in _config.SELF_TUNE],
+        key=["N_KEY", "D", "PREC"],
+        reset_to_zero=["S"],
+    )(_self_softmin_kernel)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _bucket(n: int) -> int:
+    """Autotune key of a size: its power-of-two bucket (at most 2^16)."""
+    return min(_next_pow2(n), 1 << 16)
+
+
+def _block_d(D: int) -> tuple[int, int]:
+    """``(BLOCK_D, NUM_D)``: one chunk up to D = 128, else 64-wide feature chunks."""
+    block_d = max(16, min(_next_pow2(D), 128 if D <= 128 else 64))
+    return block_d, triton.cdiv(D, block_d)
+
+
+def _label_operands(lx, ly, W):
+    """Label-cost operands in the kernels' form: int32 labels, fp32 contiguous table, and
+    the table's row stride."""
+    W = W.to(torch.float32).contiguous()
+    return lx.to(torch.int32).contiguous(), ly.to(torch.int32).contiguous(), W, W.stride(0)
+
+
+def _device(t):
+    """The CUDA device context of a launch (a no-op for CPU tensors, the interpreter)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else _NullContext()
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _pick(tuned, kernel, config):
+    """The kernel to launch and its config kwargs: ``config`` if given, the fixed config
+    without autotuning, else the autotuner (which chooses per problem)."""
+    if config is None and not _config.no_autotune():
+        return tuned, {}
+    bm, bn, w, st = config or _config.FIXED
+    return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+
+
+def softmin_triton(
+    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
+    guess=None, fallback_rows=None, config=None,
+):  # fmt: skip
+    """One streaming pass on the Triton backend (arguments as :func:`flashsinkhorn.softmin`).
+
+    Kernel: ``_softmin_kernel`` with ``v`` (plan application, at the fixed plan-application
+    config) or without ``guess`` (cold start); ``_softmin_shift_kernel`` otherwise.
+    ``fallback_rows``: optional (1,) int32 tensor on the device to which the shift kernel
+    adds the number of rows it recomputed with the running max. ``config``: force one
+    ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a pass without ``v`` (tests sweep the
+    autotune space with it); None: autotuned, or the fixed config without autotuning.
+    Returns ``(out, lse2_or_None, vbar_or_None)``.
+    """
+    B, N, D = x.shape
+    M = y.shape[1]
+    dev = x.device
+    f32 = torch.float32
+    # Operands reach the kernel in their final form: centering and casts happen here (once
+    # per call; callers that iterate, like Problem, pass prepared operands and center=None),
+    # never between the kernel's pipelined loads and tl.dot.
+    if center is not None:
+        same = y is x
+        c = center.to(f32)[:, None, :]
+        x = x.to(f32) - c
+        y = x if same else y.to(f32) - c
+    kdt = torch.bfloat16 if precision == "bf16" else f32
+    prec = "tf32" if precision == "bf16" else precision
+    x = x.to(kdt).contiguous()
+    y = y.to(kdt).contiguous()
+    # the one fused column vector (log2 units): log2e * (log b_j + (g_j - cy_j) / eps)
+    bias = torch.sub(g.to(f32), cy.to(f32)).mul_(LOG2E / eps).add_(logb.to(f32), alpha=LOG2E)
+    bias = bias.contiguous()
+    cx = cx.to(f32).contiguous()
+    out = torch.empty((B, N), device=dev, dtype=f32)
+    lse = torch.empty((B, N), device=dev, dtype=f32) if want_lse else out
+    BLOCK_D, NUM_D = _block_d(D)
+    if labels is not None:
+        lx, ly, W, w_scale = labels
+        lx, ly, W, K2 = _label_operands(lx, ly, W)
+    else:
+        lx = ly = W = out  # placeholders, never read
+        K2, w_scale = 1, 0.0
+    scalars = (float(c2 * LOG2E / eps), float(LOG2E / eps), float(eps * LN2), float(damping),
+               float(w_scale))  # fmt: skip
+    flags = dict(BLOCK_D=BLOCK_D, NUM_D=NUM_D, EVEN_D=BLOCK_D * NUM_D == D,
+                 HAS_LABELS=labels is not None, HAS_LSE=want_lse, PREC=prec)  # fmt: skip
+    if v is None and guess is not None:
+        kern, cfg = _pick(_softmin_shift_tuned, _softmin_shift_kernel, config)
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B)  # noqa: E731
+        with _device(x):
+            kern[grid](
+                x, y, bias, cx, out, lse, lx, ly, W, guess.to(f32).contiguous(),
+                out if fallback_rows is None else fallback_rows,
+                N, M, D, K2, _bucket(N), _bucket(M), *scalars,
+                COUNT_FALLBACK=fallback_rows is not None, **flags, **cfg,
+            )  # fmt: skip
+        return out, (lse if want_lse else None), None
+    if v is not None:
+        DV = v.shape[-1]
+        v = v.to(kdt).contiguous()
+        if DV > 64:
+            BLOCK_DV = min(_next_pow2(DV), _config.WIDE_DV)
+        else:
+            BLOCK_DV = max(16, min(_next_pow2(DV), 64))
+        n_v = triton.cdiv(DV, BLOCK_DV)
+        vbar = torch.empty((B, N, DV), device=dev, dtype=f32)
+        bm, bn, w, st = _config.plan_apply_config(DV)
+        kern, cfg = _softmin_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+    else:
+        DV, BLOCK_DV, n_v = 0, 16, 1
+        v = vbar = out  # placeholders, never read
+        kern, cfg = _pick(_softmin_tuned, _softmin_kernel, config)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
+    with _device(x):
+        kern[grid](
+            x, y, bias, cx, out, lse, v, vbar, lx, ly, W, N, M, D, DV, K2,
+            _bucket(N), _bucket(M), *scalars,
+            BLOCK_DV=BLOCK_DV, HAS_V=DV > 0, **flags, **cfg,
+        )  # fmt: skip
+    return out, (lse if want_lse else None), (vbar if DV > 0 else None)
+
+
+def self_softmin_triton(x, A, cx, eps, c2, damping, precision, center):
+    """The symmetric self-transport update on the Triton backend: returns
+    ``-damping eps ln2 (A_i + log2 S_i)`` with ``A = log2e (log a + f / eps)`` given
+    (see :func:`flashsinkhorn.self_softmin`)."""
+    B, N, D = x.shape
+    f32 = torch.float32
+    # centered and cast once here (not inside the kernel's loop)
+    xx = x.to(f32) - center.to(f32)[:, None, :] if center is not None else x
+    if precision == "bf16":
+        xx, prec = xx.to(torch.bfloat16).contiguous(), "tf32"
+    else:
+        xx, prec = xx.to(f32).contiguous(), precision
+    A = A.to(f32).contiguous()
+    kappa = (cx * (LOG2E / eps)).to(f32).contiguous()
+    S = torch.zeros((B, N), device=x.device, dtype=f32)
+    BLOCK_D, NUM_D = _block_d(D)
+    if _config.no_autotune():
+        blk, w, st = _config.SELF_FIXED
+        kern, cfg = _self_softmin_kernel, dict(BLOCK=blk, num_warps=w, num_stages=st)
+    else:
+        kern, cfg = _self_softmin_tuned, {}
+    grid = lambda meta: (triton.cdiv(triton.cdiv(N, meta["BLOCK"]), 2), B)  # noqa: E731
+    with _device(x):
+        kern[grid](
+            xx, A, kappa, S, N, D, _bucket(N), float(c2 * LOG2E / eps),
+            BLOCK_D=BLOCK_D, NUM_D=NUM_D, PREC=prec, **cfg,
+        )  # fmt: skip
+    # f_i <- -damping * eps * ln2 * (A_i + log2 S_i)
+    return (-damping * eps * LN2) * (A + torch.log2(S))
