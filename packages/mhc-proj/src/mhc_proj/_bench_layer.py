@@ -227,7 +227,10 @@ def cases(providers, modes, smoke: bool) -> list[tuple]:
         if mode not in modes:
             continue
         for p in LAYER_PROVIDERS:
-            if p in providers and not (smoke and p == "torch-compile"):
+            # torch-compile: one compile (fwd+bwd graph, ~tens of seconds), not on a CPU
+            if p == "torch-compile" and (smoke or mode != "fwd_bwd"):
+                continue
+            if p in providers:
                 out.append(("hc_layer", p, mode, shape, None))
         if "ours" in providers:
             out.append(("hc_layer", "ours", mode, shape, "sinkhorn20"))
