@@ -162,12 +162,12 @@ void register_hc(py::module_& m) {
       "g_f, dL/dH_post and dL/dH_res for T tokens");
   m.def(
       "hc_pre_bwd_reduce",
-      [](u gy, u x, u maps, u g_hpost, u g_lres, u mix, int parts, u inv_r, u alpha, u g_logit,
+      [](u gy, u x, u maps, u g_maps, u g_lres, u mix, int parts, u inv_r, u alpha, u g_logit,
          u g_mix, u g_alpha, u coef, int64_t T, int n, int64_t C, int dtype, double pre_eps,
          double post_mult, u stream) {
         if (T == 0) return;
         PreBwdReduceArgs a{ptr<const void>(gy),      ptr<const void>(x),
-                           ptr<const float>(maps),   ptr<const float>(g_hpost),
+                           ptr<const float>(maps),   ptr<const float>(g_maps),
                            ptr<const float>(g_lres), ptr<const float>(mix),
                            parts,                    ptr<const float>(inv_r),
                            ptr<const float>(alpha),  ptr<float>(g_logit),

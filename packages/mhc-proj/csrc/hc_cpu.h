@@ -97,23 +97,26 @@ void post_bwd(const E* gout, const E* x, const E* f, const float* maps, E* gf, f
 }
 
 template <typename E>
-void pre_bwd_reduce(const E* gy, const E* x, const float* maps, const float* g_hpost,
+void pre_bwd_reduce(const E* gy, const E* x, const float* maps, const float* g_maps,
                     const float* g_lres, const float* mix, int parts, const float* inv_r,
                     const float* alpha, float* g_logit, float* g_mix, float* g_alpha,
                     float* coef, int64_t T, int n, int64_t C, float pre_eps, float post_mult) {
   const int M = mhc::hc_outputs(n);
   for (int64_t t = 0; t < T; ++t) {
     float g_hpre[kMaxN] = {};
-    for (int k = 0; k < n; ++k)
+    for (int k = 0; k < n; ++k) {
       for (int64_t c = 0; c < C; ++c)
         g_hpre[k] += host_to_float(gy[t * C + c]) * host_to_float(x[(t * n + k) * C + c]);
+      g_hpre[k] += g_maps[t * 2 * n + k];  // H_pre used outside the layer too
+    }
     const float r = inv_r[t];
     float ga[3] = {0.0f, 0.0f, 0.0f}, g_inv_r = 0.0f;
     for (int m = 0; m < M; ++m) {
       float h = mix[t * parts * M + m];
       if (parts == 2) h += mix[t * parts * M + M + m];
-      const float gl = mhc::hc_map_backward(m, n, maps + t * 2 * n, g_hpre, g_hpost + t * n,
-                                            g_lres + t * n * n, pre_eps, post_mult);
+      const float gl = mhc::hc_map_backward(m, n, maps + t * 2 * n, g_hpre,
+                                            g_maps + t * 2 * n + n, g_lres + t * n * n, pre_eps,
+                                            post_mult);
       const int g = mhc::hc_group(m, n);
       g_logit[t * M + m] = gl;
       g_mix[t * M + m] = gl * alpha[g] * r;
@@ -185,7 +188,7 @@ inline void register_hc(py::module_& m) {
                   ptr<E>(gf), ptr<float>(g_hpost), ptr<float>(g_hres), T, n, C);
     });
   });
-  m.def("hc_pre_bwd_reduce", [](u gy, u x, u maps, u g_hpost, u g_lres, u mix, int parts,
+  m.def("hc_pre_bwd_reduce", [](u gy, u x, u maps, u g_maps, u g_lres, u mix, int parts,
                                 u inv_r, u alpha, u g_logit, u g_mix, u g_alpha, u coef,
                                 int64_t T, int n, int64_t C, int dtype, double pre_eps,
                                 double post_mult) {
@@ -193,7 +196,7 @@ inline void register_hc(py::module_& m) {
     by_dtype(dtype, n, [&](auto e) {
       using E = decltype(e);
       pre_bwd_reduce<E>(ptr<const E>(gy), ptr<const E>(x), ptr<const float>(maps),
-                        ptr<const float>(g_hpost), ptr<const float>(g_lres),
+                        ptr<const float>(g_maps), ptr<const float>(g_lres),
                         ptr<const float>(mix), parts, ptr<const float>(inv_r),
                         ptr<const float>(alpha), ptr<float>(g_logit), ptr<float>(g_mix),
                         ptr<float>(g_alpha), ptr<float>(coef), T, n, C, float(pre_eps),

@@ -155,7 +155,7 @@ struct PreBwdReduceArgs {
   const void* gy;        // (T, C)
   const void* x;         // (T, n, C)
   const float* maps;     // (T, 2n)
-  const float* g_hpost;  // (T, n)
+  const float* g_maps;   // (T, 2n): dL/dH_pre from outside the layer's own use, dL/dH_post
   const float* g_lres;   // (T, n, n)
   const float* mix;      // (T, parts * M)
   int parts;
@@ -275,7 +275,8 @@ __global__ void __launch_bounds__(kRowThreads) hc_post_bwd_kernel(PostBwdArgs a)
   }
 }
 
-// dL/dH_pre[k] = <g_y, x_k>, then the maps' backward for the token.
+// dL/dH_pre[k] = <g_y, x_k> (+ the gradient of H_pre from outside the layer), then the
+// maps' backward for the token.
 template <typename E, int N, int V>
 __global__ void __launch_bounds__(kRowThreads) hc_pre_bwd_reduce_kernel(PreBwdReduceArgs a) {
   constexpr int M = N * N + 2 * N;
@@ -296,13 +297,16 @@ __global__ void __launch_bounds__(kRowThreads) hc_pre_bwd_reduce_kernel(PreBwdRe
     }
   }
   block_sum<N>(acc, scratch, red);
+  if (threadIdx.x < N) red[threadIdx.x] += a.g_maps[t * 2 * N + threadIdx.x];
+  __syncthreads();
   const float inv_r = a.inv_r[t];
   if (threadIdx.x < M) {
     const int m = threadIdx.x;
     float mix = a.mix[t * a.parts * M + m];
     if (a.parts == 2) mix += a.mix[t * a.parts * M + M + m];
-    const float gl = mhc::hc_map_backward(m, N, a.maps + t * 2 * N, red, a.g_hpost + t * N,
-                                          a.g_lres + t * N * N, a.pre_eps, a.post_mult);
+    const float gl = mhc::hc_map_backward(m, N, a.maps + t * 2 * N, red,
+                                          a.g_maps + t * 2 * N + N, a.g_lres + t * N * N,
+                                          a.pre_eps, a.post_mult);
     const float alpha = a.alpha[mhc::hc_group(m, N)];
     a.g_logit[t * M + m] = gl;
     a.g_mix[t * M + m] = gl * alpha * inv_r;

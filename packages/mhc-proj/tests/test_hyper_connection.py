@@ -202,6 +202,35 @@ def test_maps_doubly_stochastic(device):
     assert float(marginal_error(sk.h_res).max()) > 1e-4  # Sinkhorn-20 at these logits: far
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_maps_used_outside(device):
+    """A loss on the returned maps (a regulariser, say) adds to their gradients: the same
+    gradients as the float64 layer's."""
+    x, lin, phi, b, al = _problem((6,), 4, 12, seed=8)
+    w = torch.randn(3, generator=torch.Generator().manual_seed(0))
+
+    def loss(out, maps):
+        h_pre, h_post, h_res = maps
+        return (
+            out.sum()
+            + w[0] * h_pre.square().sum()
+            + w[1] * h_post.sum()
+            + w[2] * (h_res * torch.arange(16.0, device=h_res.device).view(4, 4)).sum()
+        )
+
+    xs, ps = x.clone().to(device).requires_grad_(True), phi.clone().to(device).requires_grad_(True)
+    args = (lin.to(device), ps, b.to(device), *[a.to(device) for a in al])
+    w = w.to(device)
+    loss(*hyper_connection(xs, *args, return_maps=True)).backward()
+    w = w.cpu()
+    xr, pr = x.double().requires_grad_(True), phi.double().requires_grad_(True)
+    lin64 = copy.deepcopy(lin).cpu().double()
+    loss(*hyper_connection_ref(xr, lin64, pr, b, *al, return_maps=True)).backward()
+    for ours, ref in ((xs.grad, xr.grad), (ps.grad, pr.grad)):
+        err = float((ours.cpu().double() - ref).abs().max() / ref.abs().max())
+        assert err <= F32_BOUND, err
+
+
 def test_frozen_phi_and_no_grad():
     x, lin, phi, b, al = _problem((5,), 4, 8, seed=1)
     with torch.no_grad():

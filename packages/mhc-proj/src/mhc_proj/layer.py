@@ -184,14 +184,13 @@ def _pre_backward(g_y, g_maps, g_hres, g_out, x, phi, alpha, maps, h_res, mix, i
         g_lres = _birkhoff_bwd(h_res, g_hres)
     else:
         g_lres = sinkhorn_bwd(lres, g_hres, iters, sk_eps)
-    g_hpost = g_maps[:, n:].contiguous()
     g_logit = x.new_empty(t, m, dtype=torch.float32)
     g_mix = torch.empty_like(g_logit)
     g_alpha = x.new_empty(t, 3, dtype=torch.float32)
     coef = x.new_empty(t, dtype=torch.float32)
     code = _STREAM_CODE[x.dtype]
     _launch(
-        "hc_pre_bwd_reduce", g_y.data_ptr(), x.data_ptr(), maps.data_ptr(), g_hpost.data_ptr(),
+        "hc_pre_bwd_reduce", g_y.data_ptr(), x.data_ptr(), maps.data_ptr(), g_maps.data_ptr(),
         g_lres.data_ptr(), mix.data_ptr(), parts, inv_r.data_ptr(), alpha.data_ptr(),
         g_logit.data_ptr(), g_mix.data_ptr(), g_alpha.data_ptr(), coef.data_ptr(), t, n, c,
         code, pre_eps, post_mult, stream_of=x,
