@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kRowThreads) hc_pre_fwd_kernel(PreFwdArgs a) {
     if (m < N) hpre[m] = maps[m];
   }
   __syncthreads();
-  E* y = static_cast<E*>(a.y) + t * C;
+  E* __restrict__ y = static_cast<E*>(a.y) + t * C;
   for (int64_t cv = threadIdx.x; cv < C / V; cv += kRowThreads) {
     float acc[V] = {};
 #pragma unroll
@@ -234,10 +234,11 @@ __global__ void __launch_bounds__(kRowThreads) hc_post_bwd_kernel(PostBwdArgs a)
   constexpr int K = N * N + N;
   __shared__ float scratch[(kRowThreads / 32) * K], red[K];
   const int64_t t = blockIdx.x, C = a.C;
-  const E* go = static_cast<const E*>(a.gout) + t * N * C;
-  const E* xr = static_cast<const E*>(a.x) + t * N * C;
-  const E* fr = static_cast<const E*>(a.f) + t * C;
-  E* gf = static_cast<E*>(a.gf) + t * C;
+  // restrict: the loads of the next columns may move above the store of g_f
+  const E* __restrict__ go = static_cast<const E*>(a.gout) + t * N * C;
+  const E* __restrict__ xr = static_cast<const E*>(a.x) + t * N * C;
+  const E* __restrict__ fr = static_cast<const E*>(a.f) + t * C;
+  E* __restrict__ gf = static_cast<E*>(a.gf) + t * C;
   float hp[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) hp[i] = __ldg(a.maps + t * 2 * N + N + i);
@@ -282,8 +283,8 @@ __global__ void __launch_bounds__(kRowThreads) hc_pre_bwd_reduce_kernel(PreBwdRe
   constexpr int M = N * N + 2 * N;
   __shared__ float scratch[(kRowThreads / 32) * N], red[N], part[M];
   const int64_t t = blockIdx.x, C = a.C;
-  const E* gy = static_cast<const E*>(a.gy) + t * C;
-  const E* xr = static_cast<const E*>(a.x) + t * N * C;
+  const E* __restrict__ gy = static_cast<const E*>(a.gy) + t * C;
+  const E* __restrict__ xr = static_cast<const E*>(a.x) + t * N * C;
   float acc[N] = {};
   for (int64_t cv = threadIdx.x; cv < C / V; cv += kRowThreads) {
     float g[V];
