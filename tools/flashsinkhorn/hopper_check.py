@@ -66,43 +66,14 @@ def sweep(D, dtype):
     """(label, HopperConfig) pairs timed for one case: the default first."""
     from dataclasses import replace
 
-    import torch
-
     from flashsinkhorn import _softmin_hopper as H
 
     base = H.default_config(D, dtype)
-    if base.pipe:  # one chunk per tile (d = 64); the most telling comparisons first
-        bk = base.block_k
-        cands = [
-            ("default", base),
-            ("ws-pipe-pingpong", replace(base, pingpong=True)),
-            ("pipe-1wg", H.HopperConfig(kernel="pipe", block_k=bk, stages=2)),
-            ("ws-nooverlap", replace(base, pipe=False)),
-            ("ws-pingpong", replace(base, pipe=False, pingpong=True)),
-            ("pipe-1wg-nooverlap", H.HopperConfig(kernel="pipe", block_k=bk, stages=2,
-                                                  pipe=False)),
-            ("ws-1wg", replace(base, num_wg=1)),
-            ("ws-bn64", replace(base, block_n=64)),
-        ]  # fmt: skip
-        # every 8th / 6th tile's exp2 on the FMA pipe: for bf16, where MUFU is the bound
-        poly = [
-            ("ws-poly8", replace(base, poly_every=8)),
-            ("ws-poly6", replace(base, poly_every=6)),
-        ]
-        if dtype == torch.bfloat16:  # MUFU is the bound: early in the sweep
-            cands[1:1] = poly
-        else:  # the tensor cores are the bound: one control, last
-            cands.append(poly[0])
-    else:  # a main loop over feature chunks per tile (d = 512, 1024)
-        cands = [
-            ("default", base),
-            ("ws-bn256", replace(base, block_n=256, stages=4, x_resident=False)),
-            ("ws-bk2x", H.fit_stages(replace(base, block_k=2 * base.block_k, stages=6), D,
-                                     dtype)),
-            ("ws-no-pingpong", replace(base, pingpong=False)),
-            ("pipe-1wg", H.HopperConfig(kernel="pipe", block_k=base.block_k, stages=4,
-                                        pipe=False, x_resident=False)),
-        ]  # fmt: skip
+    cands = [("default", base)]
+    if -(-D // base.block_k) > 1:  # several feature chunks per tile: the other tile width
+        other = replace(base, block_n=384 - base.block_n)
+        cands.append((f"bn{other.block_n}", H.fit_stages(replace(other, stages=8), D, dtype)))
+        cands.append(("no-pingpong", replace(base, pingpong=False)))
     out = []
     for label, cfg in cands:
         try:

@@ -300,9 +300,9 @@ def test_triton_loop_with_guesses_matches_float64(monkeypatch, schedule, eps_sca
     guesses = []
     real = sm._triton_pass
 
-    def spy(*args):
+    def spy(*args, **kw):
         guesses.append(args[-1] is not None)
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(sm, "_triton_pass", spy)
     x, y, a, b = clouds(45, 38, 3, seed=3)

@@ -58,6 +58,14 @@ SELF_TUNE = [(128, 8, 2), (128, 8, 3), (64, 4, 3)]
 SHIFT_CENTER = 32.0
 SHIFT_LO = 2.0**-60
 
+# backend="auto" runs a pass on the sm_90 Gluon kernel (_softmin_hopper) only from this many
+# scores (B N M) on: below, a pass is a few microseconds of GPU work and launch overhead
+# decides, and the Gluon pass has more host work (a padded bias buffer, two TMA descriptors,
+# a second launch for the shift fallback) than the Triton kernel's one launch. Not measured:
+# the H200 runs timed 50k x 50k (2.5e9 scores, 1.26x faster at d = 64); 2^22 scores take
+# about 2 us at that rate.
+SM90_MIN_SCORES = 1 << 22
+
 # The symmetric self kernel uses fixed offsets per tile: safe while the spread of
 # log a + f / eps (log2 units) over a problem stays below this (else two plain passes).
 SELF_SPREAD_MAX = 30.0

@@ -13,11 +13,13 @@ dot-product / feature-map costs: ``cx = cy = 0``), :func:`softmin` computes for 
 
 Backends:
 
-- ``"triton"``: the Triton kernels (CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1``
-  was set before Python started: CI runs them that way);
+- ``"triton"``: the portable Triton kernels only (CUDA tensors, or CPU tensors when
+  ``TRITON_INTERPRET=1`` was set before Python started: CI runs them that way);
 - ``"torch"``: a blockwise pure-torch path (row blocks against all columns), any device and
   dtype (float64 included), same math;
-- ``"auto"``: triton on CUDA, torch otherwise.
+- ``"auto"``: the Triton kernels on CUDA, and on sm_90 GPUs (H100 / H200) the Gluon kernel
+  of ``_softmin_hopper`` for the iteration passes it supports (no ``v``, labels or
+  ``center``; tf32 / bf16; at least ``_config.SM90_MIN_SCORES`` scores); torch otherwise.
 
 Precision of the dot product (triton backend): ``"tf32"`` (default), ``"ieee"`` (full fp32),
 ``"tf32x3"``, or ``"bf16"`` (operands in bfloat16, fp32 accumulation); everything else is
@@ -30,11 +32,18 @@ import math
 
 import torch
 
-from flashsinkhorn import _config
+from flashsinkhorn import _config, _softmin_hopper
 from flashsinkhorn._softmin_triton import HAS_TRITON, self_softmin_triton, softmin_triton
 from flashsinkhorn.reference import LN2, LOG2E
 
-__all__ = ["softmin", "plan_apply", "self_softmin", "resolve_backend", "PRECISIONS"]
+__all__ = [
+    "softmin",
+    "plan_apply",
+    "self_softmin",
+    "resolve_backend",
+    "problem_backend",
+    "PRECISIONS",
+]
 
 PRECISIONS = ("tf32", "ieee", "tf32x3", "bf16")
 
@@ -53,6 +62,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                 "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before Python "
                 "starts; use backend='torch' or 'auto' instead"
             )
+    return backend
+
+
+def problem_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend a solver keeps for all its passes: ``"torch"`` where ``backend``
+    resolves to it (and for float64 inputs under ``"auto"``: the Triton kernels compute in
+    fp32), else ``backend`` itself, so that ``"auto"`` keeps choosing the sm_90 kernel per
+    pass and ``"triton"`` keeps meaning the portable kernels only."""
+    be = resolve_backend(backend, device)
+    if be == "torch" or (backend == "auto" and dtype == torch.float64):
+        return "torch"
     return backend
 
 
@@ -75,18 +95,41 @@ def _check_operands(x, y, g, logb, cx, cy, eps, v, guess):
         raise ValueError(f"eps must be a finite positive number; got {eps!r}")
 
 
-def _triton_pass(
-    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center, guess
-):  # fmt: skip
-    """The one place where the Triton kernel of a softmin pass is chosen.
+def sm90_pass_reason(x, y, precision, v=None, labels=None, center=None) -> str | None:
+    """Why a ``backend="auto"`` pass on these kernel operands does not run the sm_90 Gluon
+    kernel (None: it does). Cheap: no launch, no sync."""
+    if x.device.type != "cuda":
+        return "not a CUDA tensor"
+    B, N, _ = x.shape
+    if B * N * y.shape[1] < _config.SM90_MIN_SCORES:
+        return f"fewer than {_config.SM90_MIN_SCORES} scores (_config.SM90_MIN_SCORES)"
+    return _softmin_hopper.unsupported_reason(x, y, precision, v=v, labels=labels, center=center)
 
-    Every pass runs the portable streaming kernels of ``_softmin_triton``: the shift kernel
-    when ``guess`` is given and there is no ``v`` (the Sinkhorn loops' passes), the
-    running-max kernel otherwise (cold start, plan application). A kernel written for one
-    architecture joins here as one branch placed before the portable call, taken only for
-    the devices, dtypes and arguments it supports, e.g.
-    ``if v is None and _hopper.supports(x, precision, labels): return _hopper.softmin(...)``.
+
+def _triton_pass(
+    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center, guess,
+    backend="triton",
+):  # fmt: skip
+    """The one place where the kernel of a softmin pass on the Triton backend is chosen.
+
+    ``backend="auto"`` on an sm_90 GPU: the Gluon kernel of ``_softmin_hopper`` for the
+    passes it supports (:func:`sm90_pass_reason`), the Triton kernel if it declines
+    (``NotImplementedError``). Otherwise the portable kernels of ``_softmin_triton``: the
+    shift kernel when ``guess`` is given and there is no ``v`` (the Sinkhorn loops'
+    passes), the running-max kernel otherwise (cold start, plan application).
     """
+    if backend == "auto" and v is None and labels is None and center is None and x.is_cuda:
+        kdt = torch.bfloat16 if precision == "bf16" else torch.float32
+        xk, yk = x.to(kdt), y.to(kdt)
+        if sm90_pass_reason(xk, yk, precision) is None:
+            try:
+                out, lse2 = _softmin_hopper.softmin_hopper(
+                    xk, yk, g, logb, cx, cy, eps=eps, c2=c2, damping=damping,
+                    precision=precision, want_lse=want_lse, guess=guess,
+                )  # fmt: skip
+                return out, lse2, None
+            except NotImplementedError:
+                pass
     return softmin_triton(
         x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
         guess,
@@ -172,7 +215,8 @@ def softmin(
         labels: optional ``(lx (B, N) int, ly (B, M) int, W (K1, K2), w_scale)`` adding
             ``w_scale * W[lx_i, ly_j]`` to the cost (OTDD's label cost), gathered in-kernel.
         precision: dot precision for the triton backend: "tf32", "ieee", "tf32x3", "bf16".
-        backend: "auto", "triton" or "torch".
+        backend: "auto" (on sm_90 the Gluon kernel for the passes it supports), "triton"
+            (the portable Triton kernels only) or "torch".
         want_lse: also return ``lse2`` (B, N): ``log2 sum_j exp2(score_ij)`` with the scores
             excluding ``cx`` (so ``out = damping * (cx - eps * ln2 * lse2)``).
         center: optional (B, D): the dot product uses ``<x_i - c, y_j - c>`` (the triton
@@ -196,7 +240,7 @@ def softmin(
     if be == "triton":
         return _triton_pass(
             x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
-            guess,
+            guess, backend=backend,
         )  # fmt: skip
     return _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse, center)
 

@@ -29,7 +29,7 @@ import torch
 
 from flashsinkhorn._inputs import check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
-from flashsinkhorn.primitives import resolve_backend, self_softmin
+from flashsinkhorn.primitives import problem_backend, self_softmin
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter
 from flashsinkhorn.solver import Problem
 
@@ -67,9 +67,7 @@ def _sinkhorn_forward(
     if diameter is None:
         diameter = max_diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
-    be = resolve_backend(backend, x.device)
-    if backend == "auto" and x.dtype == torch.float64:
-        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
+    be = problem_backend(backend, x.device, x.dtype)  # float64 stays float64 under "auto"
     c = common_center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     # the centered kernel operands x - c, y - c are made once here and shared by all three

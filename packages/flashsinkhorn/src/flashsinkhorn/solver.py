@@ -37,7 +37,7 @@ from flashsinkhorn._inputs import (
     prepare_inputs,
 )
 from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
-from flashsinkhorn.primitives import PRECISIONS, resolve_backend, softmin
+from flashsinkhorn.primitives import PRECISIONS, problem_backend, softmin
 from flashsinkhorn.reference import LN2, damping_factor, dual_terms, eps_schedule, parse_reach
 
 __all__ = ["solve", "SinkhornResult", "Problem"]
@@ -615,9 +615,7 @@ def solve(
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
     if not compiling:
         check_masses(a2, b2, rx, ry)
-    be = resolve_backend(backend, x3.device)
-    if backend == "auto" and x3.dtype == torch.float64:
-        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
+    be = problem_backend(backend, x3.device, x3.dtype)  # float64 stays float64 under "auto"
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
