@@ -5,7 +5,8 @@ Public API (docs/flashsinkhorn.md):
 
 - :func:`solve` -> :class:`SinkhornResult`; :class:`SamplesLoss` (GeomLoss-compatible, p=2)
   and its functional form :func:`sinkhorn_divergence`;
-- the streaming primitives :func:`softmin`, :func:`plan_apply`, :func:`self_softmin`;
+- the streaming primitives :func:`softmin`, :func:`plan_apply`, :func:`self_softmin`,
+  :func:`symmetric_update` (both updates of a symmetric iteration in one pass);
 - the float64 references ``*_ref`` (:mod:`flashsinkhorn.reference`);
 - second order (:mod:`flashsinkhorn.second_order`): :func:`hvp`, :func:`ot_loss`,
   :func:`implicit_grad`, :func:`inverse_hvp`, Newton-CG / trust region, OTDD.
@@ -14,13 +15,14 @@ Public API (docs/flashsinkhorn.md):
 __version__ = "0.1.0"
 
 from flashsinkhorn import second_order
-from flashsinkhorn.primitives import plan_apply, self_softmin, softmin
+from flashsinkhorn.primitives import plan_apply, self_softmin, softmin, symmetric_update
 from flashsinkhorn.reference import (
     cost_matrix_ref,
     plan_apply_ref,
     samples_loss_ref,
     sinkhorn_ref,
     softmin_ref,
+    symmetric_update_ref,
 )
 from flashsinkhorn.samples_loss import SamplesLoss, sinkhorn_divergence
 from flashsinkhorn.second_order import *  # noqa: F403
@@ -35,8 +37,10 @@ __all__ = [
     "softmin",
     "plan_apply",
     "self_softmin",
+    "symmetric_update",
     "cost_matrix_ref",
     "softmin_ref",
+    "symmetric_update_ref",
     "plan_apply_ref",
     "sinkhorn_ref",
     "samples_loss_ref",

@@ -66,6 +66,20 @@ SHIFT_LO = 2.0**-60
 # about 2 us at that rate.
 SM90_MIN_SCORES = 1 << 22
 
+# The symmetric iteration in one pass (_symmetric_triton, _symmetric_hopper): each row block
+# writes the column partial sums of a chunk of columns into a (B, row_blocks, W) fp32
+# buffer of at most SYM_PARTIAL_BYTES (50k x 50k: 5 launches of 83 column tiles), but every
+# launch covers at least SYM_MIN_CHUNK_TILES column tiles (each reloads its rows and refills
+# its pipeline). On CUDA a symmetric update of fewer than ONE_PASS_MIN_SCORES scores runs
+# the two ordinary passes instead (2 launches against ~10 for the one pass and its
+# reductions; below ~4M scores the launches decide; not measured).
+SYM_PARTIAL_BYTES = 16 << 20
+SYM_MIN_CHUNK_TILES = 32
+ONE_PASS_MIN_SCORES = 1 << 22
+# the Triton one-pass kernel: 128 rows per program; autotune space (BLOCK_N, warps, stages)
+SYM_BLOCK_M = 128
+SYM_TUNE = [(64, 8, 3), (64, 4, 3), (64, 8, 2)]
+
 # The symmetric self kernel uses fixed offsets per tile: safe while the spread of
 # log a + f / eps (log2 units) over a problem stays below this (else two plain passes).
 SELF_SPREAD_MAX = 30.0

@@ -684,11 +684,6 @@ def compile_for_sm90(
     Triton's compiled kernel: ``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``."""
     if not HAS_GLUON:
         raise NotImplementedError("triton with the Hopper Gluon API is not installed")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
     cfg = config or default_config(D, dtype)
     _check_config(cfg, D, dtype)
     rows = 256
@@ -698,9 +693,21 @@ def compile_for_sm90(
     i8 = torch.zeros(rows, dtype=torch.int8)
     i32 = torch.zeros(1, dtype=torch.int32)
     x_desc, y_desc = _descriptors(x2, y2, cfg)
-    fn = _softmin_sm90_kernel
     args = (x_desc, y_desc, f, f, f, f, f, i8, i32, rows, rows, rows, 2, 1.0, 1.0, 1.0)
     kwargs = dict(SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), num_warps=4)
+    return compile_gluon_sm90(_softmin_sm90_kernel, args, kwargs)
+
+
+def compile_gluon_sm90(fn, args, kwargs):
+    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90 as a launch with ``args`` /
+    ``kwargs`` would specialize it (CPU tensors: only dtypes and alignment matter)."""
+    if not HAS_GLUON:
+        raise NotImplementedError("triton with the Hopper Gluon API is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)

@@ -32,14 +32,23 @@ import math
 
 import torch
 
-from flashsinkhorn import _config, _softmin_hopper
-from flashsinkhorn._softmin_triton import HAS_TRITON, self_softmin_triton, softmin_triton
+from flashsinkhorn import _config, _softmin_hopper, _symmetric_hopper
+from flashsinkhorn._softmin_triton import (
+    HAS_TRITON,
+    self_softmin_triton,
+    softmin_rows_triton,
+    softmin_triton,
+)
+from flashsinkhorn._symmetric_triton import symmetric_sums_triton
 from flashsinkhorn.reference import LN2, LOG2E
+
+_FLT_MAX = 3.4028234663852886e38
 
 __all__ = [
     "softmin",
     "plan_apply",
     "self_softmin",
+    "symmetric_update",
     "resolve_backend",
     "problem_backend",
     "PRECISIONS",
@@ -318,3 +327,122 @@ def self_softmin(
             backend=backend, center=center,
         )[0]  # fmt: skip
     return self_softmin_triton(x, A, cx, eps, c2, damping, precision, center)
+
+
+def one_pass_reason(x, y, labels, backend) -> str | None:
+    """Why :func:`symmetric_update` on these operands runs two passes instead of one (None:
+    one pass). ``backend`` as resolved (``"triton"`` or ``"torch"``)."""
+    if backend != "triton":
+        return "the torch backend runs the two passes"
+    if labels is not None:
+        return "the label cost is not implemented in the one-pass kernels"
+    B, N, _ = x.shape
+    if x.device.type == "cuda" and B * N * y.shape[1] < _config.ONE_PASS_MIN_SCORES:
+        return f"fewer than {_config.ONE_PASS_MIN_SCORES} scores (_config.ONE_PASS_MIN_SCORES)"
+    return None
+
+
+def _check_symmetric(x, y, f, g, loga, logb, cx, cy, eps):
+    if x.dim() != 3 or y.dim() != 3 or y.shape[0] != x.shape[0] or y.shape[2] != x.shape[2]:
+        raise ValueError(
+            f"x must be (B, N, D) and y (B, M, D); got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
+    B, N, _ = x.shape
+    M = y.shape[1]
+    for name, t, n in (("f", f, N), ("loga", loga, N), ("cx", cx, N), ("g", g, M),
+                       ("logb", logb, M), ("cy", cy, M)):  # fmt: skip
+        if tuple(t.shape) != (B, n):
+            raise ValueError(f"{name} must be ({B}, {n}); got {tuple(t.shape)}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite positive number; got {eps!r}")
+
+
+def symmetric_update(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    f: torch.Tensor,
+    g: torch.Tensor,
+    loga: torch.Tensor,
+    logb: torch.Tensor,
+    cx: torch.Tensor,
+    cy: torch.Tensor,
+    *,
+    eps: float,
+    c2: float,
+    damping_x: float = 1.0,
+    damping_y: float = 1.0,
+    labels: tuple | None = None,
+    precision: str = "tf32",
+    backend: str = "auto",
+    stats: dict | None = None,
+):
+    """Both updates of a symmetric (GeomLoss) Sinkhorn iteration from the old potentials:
+
+        f_new = softmin(x, y, g, logb, cx, cy, damping=damping_x, ...)[0]    (B, N)
+        g_new = softmin(y, x, f, loga, cy, cx, damping=damping_y, ...)[0]    (B, M)
+
+    (shapes and conventions of :func:`softmin`; ``labels`` as for the x side). On the
+    triton backend one streaming pass computes both (``backend="auto"`` on sm_90: the
+    Gluon kernel of ``_symmetric_hopper``, else the Triton one) from the plan's entries
+    ``P_ij = exp(log a_i + log b_j + (f_i + g_j - C_ij) / eps)``: its row sums give f_new,
+    its column sums g_new, one exp per score (half the work of two passes). Rows and
+    columns whose sums leave ``[2^-60, FLT_MAX]`` (potentials far from each other, zero
+    weights, non-finite values) are recomputed with the running-max kernel, so the result
+    is exact whatever the potentials. Two ordinary passes (with the old potentials as
+    guesses) run on the torch backend, with labels, and on CUDA below
+    ``_config.ONE_PASS_MIN_SCORES`` scores (:func:`one_pass_reason`).
+
+    ``stats`` (a dict, optional) receives ``"kernel"`` (which path ran) and, for the one
+    pass, ``"rows_recomputed"`` / ``"cols_recomputed"`` (device tensors, no sync).
+    Returns ``(f_new, g_new)``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    _check_symmetric(x, y, f, g, loga, logb, cx, cy, eps)
+    be = resolve_backend(backend, x.device)
+    stats = {} if stats is None else stats
+    reason = one_pass_reason(x, y, labels, be)
+    if reason is not None:
+        stats["kernel"] = f"two passes ({reason})"
+        kw = dict(eps=eps, c2=c2, precision=precision, backend=backend)
+        lab_t = None if labels is None else (labels[1], labels[0], labels[2].t(), labels[3])
+        ft = softmin(x, y, g, logb, cx, cy, damping=damping_x, labels=labels, guess=f, **kw)[0]
+        gt = softmin(y, x, f, loga, cy, cx, damping=damping_y, labels=lab_t, guess=g, **kw)[0]
+        return ft, gt
+    f32 = torch.float32
+    kdt = torch.bfloat16 if precision == "bf16" else f32
+    xk, yk = x.to(kdt).contiguous(), y.to(kdt).contiguous()
+    B, N, _ = x.shape
+    M = y.shape[1]
+    loga, logb, f, g, cx, cy = (t.to(f32) for t in (loga, logb, f, g, cx, cy))
+    # one shift sigma (log2) for the whole problem: row sums land near a_i 2^sigma, column
+    # sums near b_j 2^sigma; sigma puts a mean weight at 2^SHIFT_CENTER in both directions
+    mean_w = torch.logsumexp(loga, -1) - math.log(N) + torch.logsumexp(logb, -1) - math.log(M)
+    sigma = torch.nan_to_num(_config.SHIFT_CENTER - 0.5 * LOG2E * mean_w, 0.0, 0.0, 0.0)
+    half = (0.5 * sigma)[:, None]
+    rb = (loga + (f - cx) / eps) * LOG2E + half
+    cb = (logb + (g - cy) / eps) * LOG2E + half
+    rsum = None
+    if backend == "auto" and _symmetric_hopper.unsupported_reason(xk, yk, precision) is None:
+        try:  # the sm_90 Gluon kernel (CUDA, tf32 / bf16, 16-byte rows)
+            rsum, csum = _symmetric_hopper.symmetric_sums_hopper(
+                xk, yk, rb, cb, eps=eps, c2=c2, precision=precision
+            )
+            stats["kernel"] = "one pass (sm_90 Gluon)"
+        except NotImplementedError:
+            rsum = None
+    if rsum is None:
+        rsum, csum = symmetric_sums_triton(xk, yk, rb, cb, eps=eps, c2=c2, precision=precision)
+        stats["kernel"] = "one pass (Triton)"
+    ft = damping_x * (cx - (eps * LN2) * (torch.log2(rsum) - rb - half))
+    gt = damping_y * (cy - (eps * LN2) * (torch.log2(csum) - cb - half))
+    # sums out of range (NaN fails both tests): those rows / columns again, exactly
+    bad_r = ((rsum >= _config.SHIFT_LO) & (rsum <= _FLT_MAX)).logical_not_()
+    bad_c = ((csum >= _config.SHIFT_LO) & (csum <= _FLT_MAX)).logical_not_()
+    stats["rows_recomputed"], stats["cols_recomputed"] = bad_r.sum(), bad_c.sum()
+    sweep = x.device.type != "cpu"  # on CPU (the interpreter) a host check is free
+    if sweep or bool(bad_r.any()):
+        softmin_rows_triton(xk, yk, g, logb, cx, cy, eps, c2, damping_x, precision, bad_r, ft)
+    if sweep or bool(bad_c.any()):
+        softmin_rows_triton(yk, xk, f, loga, cy, cx, eps, c2, damping_y, precision, bad_c, gt)
+    return ft, gt

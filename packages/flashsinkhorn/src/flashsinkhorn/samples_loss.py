@@ -91,15 +91,13 @@ def _sinkhorn_forward(
     za = torch.zeros_like(hx)
     e = eps_list[0]
     dmp = damping_factor(e, rho)
-    g_ab = pxy.sm_y(za, e, dmp)[0]
-    f_ba = pxy.sm_x(zb, e, dmp)[0]
+    f_ba, g_ab = pxy.sym_update(za, zb, e, dmp, dmp)  # one pass for both where it can
     if debias:
         f_aa = self_upd(pxx, za, e, dmp)
         g_bb = self_upd(pyy, zb, e, dmp)
     for e in eps_list:
         dmp = damping_factor(e, rho)
-        ft_ba = pxy.sm_x(g_ab, e, dmp, guess=f_ba)[0]
-        gt_ab = pxy.sm_y(f_ba, e, dmp, guess=g_ab)[0]
+        ft_ba, gt_ab = pxy.sym_update(f_ba, g_ab, e, dmp, dmp)
         if debias:
             ft_aa = self_upd(pxx, f_aa, e, dmp)
             gt_bb = self_upd(pyy, g_bb, e, dmp)

@@ -37,7 +37,7 @@ from flashsinkhorn._inputs import (
     prepare_inputs,
 )
 from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
-from flashsinkhorn.primitives import PRECISIONS, problem_backend, softmin
+from flashsinkhorn.primitives import PRECISIONS, problem_backend, softmin, symmetric_update
 from flashsinkhorn.reference import LN2, damping_factor, dual_terms, eps_schedule, parse_reach
 
 __all__ = ["solve", "SinkhornResult", "Problem"]
@@ -108,6 +108,15 @@ class Problem:
             guess=guess,
         )
 
+    def sym_update(self, f, g, eps, damping_x=1.0, damping_y=1.0):
+        """Both updates of a symmetric iteration from the old ``(f, g)``: one streaming
+        pass where the backend has it (:func:`flashsinkhorn.symmetric_update`)."""
+        return symmetric_update(
+            self.Xk, self.Yk, f, g, self.loga, self.logb, self.cx, self.cy, eps=eps,
+            c2=self.c2, damping_x=damping_x, damping_y=damping_y, labels=self.labels,
+            precision=self.precision, backend=self.backend,
+        )  # fmt: skip
+
     def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
         """g-side update (rows = y); ``guess``: the current g."""
         return softmin(
@@ -175,11 +184,9 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
     # eps-scaling warm start: one symmetric iteration per stage (GeomLoss)
     if eps_list:
         e0 = eps_list[0]
-        g = prob.sm_y(f, e0, damping_factor(e0, ry))[0]
-        f = prob.sm_x(torch.zeros_like(g), e0, damping_factor(e0, rx))[0]
+        f, g = prob.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
         for e in eps_list:
-            ft = prob.sm_x(g, e, damping_factor(e, rx), guess=f)[0]
-            gt = prob.sm_y(f, e, damping_factor(e, ry), guess=g)[0]
+            ft, gt = prob.sym_update(f, g, e, damping_factor(e, rx), damping_factor(e, ry))
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
     err = torch.full((B,), float("inf"), device=f.device)
     n_iter = 0
@@ -201,8 +208,11 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
                 eb = _l1_err(prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
-            ft = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
-            gt = prob.sm_y(f, eps, damping_factor(eps, ry), guess=gg)[0]
+            kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
+            if gf is None:  # the cold start from zeros: running-max passes
+                ft, gt = prob.sm_x(g, eps, kx)[0], prob.sm_y(f, eps, ky)[0]
+            else:  # both from one pass where the backend has it
+                ft, gt = prob.sym_update(f, g, eps, kx, ky)
             if measure:
                 ea = _l1_err(prob.a, f, ft, eps)
                 eb = _l1_err(prob.b, g, gt, eps)
