@@ -120,7 +120,13 @@ class Problem:
 
     def sym_update(self, f, g, eps, damping_x=1.0, damping_y=1.0):
         """Both updates of a symmetric iteration from the old ``(f, g)``: one streaming
-        pass where the backend has it (:func:`flashsinkhorn.symmetric_update`)."""
+        pass where the backend has it (:func:`flashsinkhorn.symmetric_update`). A subclass
+        that redefines the passes (a problem sharded over ranks) gets its own two passes,
+        unless it redefines this too."""
+        cls = type(self)
+        if cls.sm_x is not Problem.sm_x or cls.sm_y is not Problem.sm_y:
+            ft = self.sm_x(g, eps, damping_x, guess=f)[0]
+            return ft, self.sm_y(f, eps, damping_y, guess=g)[0]
         return symmetric_update(
             self.Xk, self.Yk, f, g, self.loga, self.logb, self.cx, self.cy, eps=eps,
             c2=self.c2, damping_x=damping_x, damping_y=damping_y, labels=self.labels,
