@@ -141,9 +141,10 @@ def test_one_pass_reasons():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "ieee"])
-def test_one_pass_triton_tensor_cores(precision):
+def test_one_pass_triton_tensor_cores(monkeypatch, precision):
     from flashsinkhorn.operands import round_to_tf32
 
+    monkeypatch.setattr(_config, "ONE_PASS_MIN_SCORES", 1)  # 2M scores: one pass anyway
     p = _problem(2, 777, 1299, 64, seed=3, device="cuda")
     eps = 0.01
     f, g = _potentials(p, eps)
@@ -166,3 +167,133 @@ def test_one_pass_triton_tensor_cores(precision):
     for ours, two, ref in ((ft, two_f, r_f), (gt, two_g, r_g)):
         assert _err(ours, ref) <= 2 * _err(two, ref) + 1e-6
         assert _err(ours, ref) < 1e-4
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+
+
+def _kernel_operands(p, precision):
+    from flashsinkhorn.operands import round_to_tf32
+
+    if precision == "bf16":
+        return dict(p, x=p["x"].bfloat16(), y=p["y"].bfloat16())
+    return dict(p, x=round_to_tf32(p["x"]), y=round_to_tf32(p["y"]))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("d,precision", [(64, "tf32"), (64, "bf16"), (512, "tf32"), (512, "bf16")])
+def test_one_pass_sm90_matches_float64_and_triton(monkeypatch, d, precision):
+    # the Gluon kernel's sums through symmetric_update, chunks of 256 columns (several
+    # launches, partial tiles and row blocks), against float64 and the Triton one pass
+    from flashsinkhorn import _symmetric_hopper as SH
+    from flashsinkhorn import primitives
+
+    q = _kernel_operands(_problem(2, 777, 1299, d, seed=d, device="cuda"), precision)
+    eps = 0.01
+    f, g = _potentials(q, eps)
+    real = SH.symmetric_sums_hopper
+    calls = []
+
+    def chunked(*a, **k):
+        calls.append(1)
+        return real(*a, chunk=256, **k)
+
+    monkeypatch.setattr(_config, "ONE_PASS_MIN_SCORES", 1)  # 2M scores: one pass anyway
+    monkeypatch.setattr(primitives._symmetric_hopper, "symmetric_sums_hopper", chunked)
+    stats = {}
+    ft, gt = _update(q, f, g, eps, 0.9, 1.0, precision=precision, backend="auto", stats=stats)
+    assert calls and stats["kernel"] == "one pass (sm_90 Gluon)", stats
+    monkeypatch.setattr(primitives._symmetric_hopper, "symmetric_sums_hopper", real)
+    assert int(stats["rows_recomputed"]) == 0 and int(stats["cols_recomputed"]) == 0
+    tri = {}
+    t_f, t_g = _update(q, f, g, eps, 0.9, 1.0, precision=precision, backend="triton", stats=tri)
+    assert tri["kernel"] == "one pass (Triton)"
+    r_f, r_g = _ref(q, f, g, eps, 0.9, 1.0)
+    for ours, peer, ref in ((ft, t_f, r_f), (gt, t_g, r_g)):
+        assert _err(ours, ref) <= 2 * _err(peer, ref) + 1e-6
+        assert _err(ours, ref) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_one_pass_sm90_recomputes_hostile_rows_and_columns(monkeypatch):
+    B, N, M = 2, 300, 700
+    q = _kernel_operands(_problem(B, N, M, 64, seed=9, device="cuda"), "tf32")
+    eps = 0.01
+    f, g = _potentials(q, eps)
+    q["loga"][0, 5] = float("-inf")  # as in the CPU test above
+    q["logb"][1, ::9] = float("-inf")
+    f[1, ::7] -= 1e4 * eps
+    f[0, 3] += 1e3 * eps
+    g[1, 2] = float("nan")
+    stats = {}
+    _update(q, f, g, eps, precision="tf32", backend="auto", stats=stats)
+    assert stats["kernel"].startswith("two passes")  # 210k scores: below the threshold
+    monkeypatch.setattr(_config, "ONE_PASS_MIN_SCORES", 1)
+    ft, gt = _update(q, f, g, eps, precision="tf32", backend="auto", stats=stats)
+    assert stats["kernel"] == "one pass (sm_90 Gluon)"
+    assert int(stats["rows_recomputed"]) == 2 + N
+    assert int(stats["cols_recomputed"]) == M + (len(range(0, M, 9)) + 1)
+    r_f, r_g = _ref(q, f, g, eps)
+    assert _err(ft, r_f) < 1e-4 and _err(gt, r_g) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("debias", [False, True])
+def test_loops_above_the_one_pass_size(monkeypatch, debias):
+    # 2100 x 2100 = 4.4M scores: the loops' symmetric updates take the one pass, the
+    # Gluon kernel under "auto", the Triton one under "triton"; both against float64
+    # (GeomLoss's float64 re-implementation, solve's float64 torch loop), at most 2x the
+    # Triton path's error
+    from flashsinkhorn import _symmetric_hopper as SH
+
+    calls = []
+    real = SH.symmetric_sums_hopper
+    spy = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(SH, "symmetric_sums_hopper", spy)
+    gen = torch.Generator().manual_seed(2)
+    n, d = 2100, 16
+    x = (torch.rand(n, d, generator=gen) / d**0.5).cuda()
+    y = (torch.rand(n, d, generator=gen) / d**0.5 + 0.2 / d**0.5).cuda()
+    a = torch.full((n,), 1.0 / n, device="cuda")
+    assert n * n >= _config.ONE_PASS_MIN_SCORES
+    ref = float(fs.samples_loss_ref(a, x, a, y, blur=0.05, scaling=0.5, debias=debias))
+    val = {be: float(fs.SamplesLoss(blur=0.05, scaling=0.5, debias=debias, backend=be)(x, y))
+           for be in ("auto", "triton")}  # fmt: skip
+    assert calls, "the loop did not reach the sm_90 one pass"
+    assert abs(val["auto"] - ref) <= 2 * abs(val["triton"] - ref) + 1e-7
+    assert abs(val["auto"] - ref) <= 1e-6 * abs(ref) + 1e-7  # the issue's bound
+    if not debias:
+        kw = dict(eps=0.01, schedule="symmetric", eps_scaling=0.7, max_iter=40, tol=None)
+        r64 = fs.solve(x.double(), y.double(), backend="torch", **kw).value
+        v = {be: fs.solve(x, y, backend=be, **kw).value.double() for be in ("auto", "triton")}
+        assert abs(v["auto"] - r64) <= 2 * abs(v["triton"] - r64) + 1e-7
+
+
+def test_problem_with_its_own_passes_keeps_two(monkeypatch):
+    # a Problem subclass that redefines the passes (the sharded problem of
+    # flashsinkhorn.distributed) must not get the local one pass
+    from flashsinkhorn.solver import Problem
+
+    calls = []
+
+    class Own(Problem):
+        def sm_x(self, *a, **k):
+            calls.append("x")
+            return super().sm_x(*a, **k)
+
+    p = _problem(1, 9, 7, 3)
+    a, b = p["loga"].exp(), p["logb"].exp()
+    kw = dict(c2=2.0, cost="sqeuclidean", cost_scale=1.0, backend="torch")
+    prob = Own(p["x"], p["y"], a, b, p["cx"], p["cy"], **kw)
+    f, g = torch.zeros_like(a), torch.zeros_like(b)
+    ft, gt = prob.sym_update(f, g, 0.1)
+    assert calls == ["x"]
+    r_f, r_g = _ref(p, f, g, 0.1)
+    assert _err(ft, r_f) < 1e-5 and _err(gt, r_g) < 1e-5
