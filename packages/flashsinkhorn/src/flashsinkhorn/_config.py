@@ -76,9 +76,12 @@ SM90_MIN_SCORES = 1 << 22
 SYM_PARTIAL_BYTES = 16 << 20
 SYM_MIN_CHUNK_TILES = 32
 ONE_PASS_MIN_SCORES = 1 << 22
-# the Triton one-pass kernel: 128 rows per program; autotune space (BLOCK_N, warps, stages)
-SYM_BLOCK_M = 128
-SYM_TUNE = [(64, 8, 3), (64, 4, 3), (64, 8, 2)]
+# the Triton one-pass kernel, (BLOCK_M, BLOCK_N, warps, stages): one feature chunk (D <= 128):
+# autotuned over these; larger D: this one config (static sm_90 compile, triton 3.6: at
+# d = 512 every 4-warp or 128-row config spills 136-1920 bytes, (64, 64, 8, 3) none; 4 warps
+# at d = 64 take 254 registers)
+SYM_TUNE_SMALL_D = [(128, 64, 8, 3), (128, 64, 8, 2)]
+SYM_LARGE_D = (64, 64, 8, 3)
 
 # The symmetric self kernel uses fixed offsets per tile: safe while the spread of
 # log a + f / eps (log2 units) over a problem stays below this (else two plain passes).

@@ -81,9 +81,10 @@ if HAS_TRITON:
         rsum = tl.load(RSUM + pid_b * N + rows, mask=row_mask, other=0.0)
         tl.store(RSUM + pid_b * N + rows, rsum + tl.sum(racc, 0), mask=row_mask)
 
+    # one feature chunk: autotuned (BLOCK_M is the launcher's: it sizes the partial buffer)
     _symmetric_pass_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-                 for bn, w, st in _config.SYM_TUNE],
+                 for _, bn, w, st in _config.SYM_TUNE_SMALL_D],
         key=["N_KEY", "W_KEY", "D", "PREC"],
         restore_value=["RSUM"],  # the row sums accumulate over chunks
     )(_symmetric_pass_kernel)  # fmt: skip
@@ -109,11 +110,12 @@ def symmetric_sums_triton(x, y, rb, cb, *, eps, c2, precision, chunk=None):
     f32 = torch.float32
     prec = "tf32" if precision == "bf16" else precision
     BLOCK_D, NUM_D = _block_d(D)
-    if _config.no_autotune():
-        bm, bn, w, st = _config.FIXED
+    if _config.no_autotune() or NUM_D > 1:
+        bm, bn, w, st = _config.FIXED if _config.no_autotune() else _config.SYM_LARGE_D
         kern, cfg = _symmetric_pass_kernel, dict(BLOCK_N=bn, num_warps=w, num_stages=st)
     else:
-        bm, bn = _config.SYM_BLOCK_M, max(c[0] for c in _config.SYM_TUNE)
+        bm = _config.SYM_TUNE_SMALL_D[0][0]
+        bn = max(c[1] for c in _config.SYM_TUNE_SMALL_D)
         kern, cfg = _symmetric_pass_tuned, {}
     NB = -(-N // bm)
     W = chunk or column_chunk(NB, B, M, bn)
