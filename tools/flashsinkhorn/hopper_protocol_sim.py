@@ -2,7 +2,9 @@
 
     python3 tools/flashsinkhorn/hopper_protocol_sim.py [--seeds 300]
 
-A Python transcription of the synchronization in ``flashsinkhorn/_softmin_hopper.py``: the
+A Python transcription of the synchronization in ``flashsinkhorn/_softmin_hopper.py`` (and
+``_symmetric_hopper.py``, whose one pass uses the same protocol: a stage's TMA bytes are two
+y boxes instead of one y tile, each consumer reads its own box, both release the stage): the
 ring's ready / empty mbarriers (parity waits, arrival counts, TMA transaction completion
 later than the issue), the ping-pong turn barriers, async wgmma retired in order by
 ``warpgroup_mma_wait(n)``, for every mode the kernel launches: the main launch (a producer
