@@ -134,8 +134,9 @@ class SinkhornResult:
             tolerance finishes in "tf32x3" when tf32's rounding of the cost keeps the
             float64 error above tol).
 
-    ``plan`` (dense, guarded by ``PLAN_MAX_ENTRIES``), ``lazy_plan``, ``marginals``,
-    ``marginal_a``, ``marginal_b`` follow POT's ``OTResult``; ``apply(V)``,
+    ``potentials`` / ``potential_a`` / ``potential_b``, ``plan`` (dense, guarded by
+    ``PLAN_MAX_ENTRIES``), ``lazy_plan``, ``marginals`` / ``marginal_a`` / ``marginal_b``
+    follow POT's and GeomLoss's ``OTResult``; ``apply(V)``,
     ``apply_transpose(U)``, ``barycentric_map()`` stream.
     """
 
@@ -170,6 +171,14 @@ class SinkhornResult:
     def potentials(self):
         """``(f, g)`` (POT's name)."""
         return self.f, self.g
+
+    @property
+    def potential_a(self):
+        return self.f
+
+    @property
+    def potential_b(self):
+        return self.g
 
     @property
     def lazy_plan(self) -> LazyPlan:
