@@ -58,6 +58,11 @@ SELF_TUNE = [(128, 8, 2), (128, 8, 3), (64, 4, 3)]
 SHIFT_CENTER = 32.0
 SHIFT_LO = 2.0**-60
 
+# The plan-sampling pass (flashsinkhorn.sampling): its running best and argmax per tile slot
+# double the accumulator registers, so 32 scores per thread (128 x 64 at 8 warps, 64 x 64 at
+# 4): the 64-per-thread tiles of TUNE_SMALL_D spill there (static sm_90 compile, triton 3.6).
+SAMPLE_TUNE = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+
 # The symmetric self kernel uses fixed offsets per tile: safe while the spread of
 # log a + f / eps (log2 units) over a problem stays below this (else two plain passes).
 SELF_SPREAD_MAX = 30.0

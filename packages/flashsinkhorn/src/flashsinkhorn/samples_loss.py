@@ -29,7 +29,7 @@ import torch
 
 from flashsinkhorn._inputs import check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
-from flashsinkhorn.primitives import resolve_backend, self_softmin
+from flashsinkhorn.primitives import resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter
 from flashsinkhorn.solver import Problem
 
@@ -60,34 +60,36 @@ def _sinkhorn_forward(
     backend,
     need_grad_x,
     need_grad_y,
+    comm=None,
 ):
-    """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces."""
+    """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces.
+    ``comm``: sharded over a process group (flashsinkhorn.distributed): x, y, a, b are this
+    rank's shards; the passes, sums and the eps schedule are global."""
     eps = blur**2
     rho = None if reach is None else reach**2
     if diameter is None:
-        diameter = max_diameter(x, y)
+        diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
     be = resolve_backend(backend, x.device)
     if backend == "auto" and x.dtype == torch.float64:
         be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
-    c = common_center(x, y)
+    c = common_center(x, y) if comm is None else comm.center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     # the centered kernel operands x - c, y - c are made once here and shared by all three
     # problems (no per-pass centering, nothing between the kernel's loads and its dot)
-    pxy = Problem(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
+    P = Problem if comm is None else comm.problem
+    pxy = P(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
     if debias:
-        pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                      Xk=pxy.Xk, Yk=pxy.Xk)  # fmt: skip
-        pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                      Xk=pxy.Yk, Yk=pxy.Yk)  # fmt: skip
+        kx, ky = ({}, {}) if comm is None else (dict(keys=("x", "x")), dict(keys=("y", "y")))
+        pxx = P(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                Xk=pxy.Xk, Yk=pxy.Xk, **kx)  # fmt: skip
+        pyy = P(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                Xk=pxy.Yk, Yk=pxy.Yk, **ky)  # fmt: skip
 
     def self_upd(p, f, e, dmp):
         # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result; the
         # operand is already centered (and cast for bf16)
-        return self_softmin(
-            p.Xk, p.loga, f, p.cx, eps=e, c2=1.0, damping=dmp, precision=p.precision,
-            center=None, backend=p.backend,
-        )  # fmt: skip
+        return p.self_update(f, e, dmp)
 
     zb = torch.zeros_like(hy)
     za = torch.zeros_like(hx)
@@ -123,9 +125,9 @@ def _sinkhorn_forward(
     G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
     # L1 marginal error of the last loop plan, from what the last step already computed
-    out["marginal_error"] = (a * torch.expm1((f_ba - F_ba) / e).abs()).sum(-1) + (
+    out["marginal_error"] = pxy.total(a * torch.expm1((f_ba - F_ba) / e).abs()) + pxy.total(
         b * torch.expm1((g_ab - G_ab) / e).abs()
-    ).sum(-1)
+    )
     gx = gy = None
     if need_grad_x:
         gx = torch.sub(x, Ty, out=Ty).mul_((a * wfac(F_ba))[..., None])
@@ -154,7 +156,7 @@ def _sinkhorn_forward(
             eb, ebb = torch.exp(-G_ab / rho), torch.exp(-G_bb / rho)
             va, ga = a * (rho + e / 2) * (eaa - ea), (rho + e / 2) * (eaa - ea)
             vb, gb = b * (rho + e / 2) * (ebb - eb), (rho + e / 2) * (ebb - eb)
-    value = va.sum(-1) + vb.sum(-1)
+    value = pxy.total(va) + pxy.total(vb)
     out.update(value=value, gx=gx, gy=gy, ga=ga, gb=gb)
     return out
 
@@ -191,14 +193,17 @@ def _warn(value, err, warn_tol, stacklevel):
 class _SinkhornLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, x, b, y, opts, info):
+        need_x, need_y = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        if opts.get("comm") is not None:  # sharded: the final passes are the same on all ranks
+            need_x, need_y = opts["comm"].any((need_x, need_y))
         with torch.no_grad():
             out = _sinkhorn_forward(
                 a.detach(),
                 x.detach(),
                 b.detach(),
                 y.detach(),
-                need_grad_x=ctx.needs_input_grad[1],
-                need_grad_y=ctx.needs_input_grad[3],
+                need_grad_x=need_x,
+                need_grad_y=need_y,
                 **opts,
             )
         ctx.save_for_backward(out["ga"], out["gx"], out["gb"], out["gy"])
@@ -295,6 +300,15 @@ def _divergence_bwd(ctx, gout, *unused):
 _divergence_op.register_autograd(_divergence_bwd, setup_context=_divergence_setup)
 
 
+def _check_loss_args(blur, reach, scaling):
+    if not (blur > 0):
+        raise ValueError(f"blur must be positive; got {blur}")
+    if reach is not None and not (reach > 0):
+        raise ValueError(f"reach must be positive or None; got {reach}")
+    if not (0 < scaling < 1):
+        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
+
+
 def sinkhorn_divergence(
     a,
     x,
@@ -311,18 +325,24 @@ def sinkhorn_divergence(
     backend="auto",
     warn_tol=None,
     info=None,
+    process_group=None,
 ):
     """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ...
 
     ``info`` (a dict, optional) receives ``marginal_error``: the L1 marginal error (B,) of
     the last plan of the schedule, on device. ``warn_tol``: warn when it exceeds this.
+    ``process_group``: a ``torch.distributed`` group; a, x, b, y are then this rank's shards
+    of the global clouds and the loss is the global one (:mod:`flashsinkhorn.distributed`).
     """
-    if not (blur > 0):
-        raise ValueError(f"blur must be positive; got {blur}")
-    if reach is not None and not (reach > 0):
-        raise ValueError(f"reach must be positive or None; got {reach}")
-    if not (0 < scaling < 1):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
+    if process_group is not None:  # sharded over the ranks of a torch.distributed group
+        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
+
+        return distributed.sinkhorn_divergence(
+            a, x, b, y, process_group=process_group, blur=blur, reach=reach,
+            diameter=diameter, scaling=scaling, debias=debias, potentials=potentials,
+            precision=precision, backend=backend, warn_tol=warn_tol, info=info,
+        )  # fmt: skip
+    _check_loss_args(blur, reach, scaling)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
@@ -399,9 +419,11 @@ class SamplesLoss(torch.nn.Module):
         backend: str = "auto",
         precision: str = "tf32",
         warn_tol: float | None = None,
+        process_group=None,
     ):
         super().__init__()
         self.warn_tol = warn_tol
+        self.process_group = process_group
         self.last_marginal_error = None
         if loss != "sinkhorn":
             raise ValueError(
@@ -445,6 +467,7 @@ class SamplesLoss(torch.nn.Module):
             backend=self.backend,
             warn_tol=self.warn_tol,
             info=info,
+            process_group=self.process_group,
         )
         self.last_marginal_error = info.get("marginal_error")
         return out

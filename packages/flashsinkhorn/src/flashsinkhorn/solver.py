@@ -37,8 +37,14 @@ from flashsinkhorn._inputs import (
     prepare_inputs,
 )
 from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
-from flashsinkhorn.primitives import PRECISIONS, resolve_backend, softmin
-from flashsinkhorn.reference import LN2, damping_factor, dual_terms, eps_schedule, parse_reach
+from flashsinkhorn.primitives import PRECISIONS, resolve_backend, self_softmin, softmin
+from flashsinkhorn.reference import (
+    LN2,
+    damping_factor,
+    dual_point_terms,
+    eps_schedule,
+    parse_reach,
+)
 
 __all__ = ["solve", "SinkhornResult", "Problem"]
 
@@ -79,6 +85,40 @@ class Problem:
             self.Xk, self.Yk = kernel_operands(
                 self.X, self.Y, self.center, self.precision, self.backend
             )
+
+    # sums over the problem's points and flags every rank must agree on: overridden by the
+    # sharded problem (flashsinkhorn.distributed), whose points are spread over ranks
+    def total(self, t):
+        """``t.sum(-1)`` over the problem's points (B,)."""
+        return t.sum(-1)
+
+    def any_rank(self, flags):
+        """The flags OR-ed over the ranks that share the problem (here: one)."""
+        return tuple(flags)
+
+    def self_update(self, f, eps, damping):
+        """The debiasing update of a self-transport problem (x against itself): the
+        symmetric kernel, each tile pair computed once (same result as ``sm_x``)."""
+        return self_softmin(self.Xk, self.loga, f, self.cx, eps=eps, c2=self.c2,
+                            damping=damping, precision=self.precision, center=None,
+                            backend=self.backend)  # fmt: skip
+
+    def dense_plan(self, f, g, eps, columns=None):
+        """Dense plan (B, N, M) (tests, small problems). ``columns``: the column side's
+        ``Y, g, b, cy`` if not this problem's (the sharded problem gathers them)."""
+        c = columns or dict(Y=self.Y, g=g, b=self.b, cy=self.cy)
+        X, Y = self.X.detach(), c["Y"].detach()
+        if self.center is not None:
+            X, Y = X - self.center[:, None, :], Y - self.center[:, None, :]
+        C = self.cx[..., :, None] + c["cy"][..., None, :] - self.c2 * (X @ Y.transpose(-1, -2))
+        if self.labels is not None:
+            lx, ly, W, s = self.labels
+            C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
+        return (
+            self.a[..., :, None]
+            * c["b"][..., None, :]
+            * torch.exp((f[..., :, None] + c["g"][..., None, :] - C) / eps)
+        )
 
     @property
     def labels_t(self):
@@ -134,9 +174,9 @@ class Problem:
 # ----------------------------------------------------------------------------------------
 
 
-def _l1_err(w, old, new, eps):
+def _l1_err(prob, w, old, new, eps):
     # L1 marginal error of the plan with the old potential: sum_i w_i |exp((old-new)/eps) - 1|
-    return (w * torch.expm1((old - new) / eps).abs()).sum(-1)
+    return prob.total(w * torch.expm1((old - new) / eps).abs())
 
 
 def _eps_list(prob: Problem, eps, eps_scaling, diameter):
@@ -195,17 +235,17 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
         if schedule == "alternating":
             fn = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
             if measure:
-                ea = _l1_err(prob.a, f, fn, eps)
+                ea = _l1_err(prob, prob.a, f, fn, eps)
             gn = prob.sm_y(fn, eps, damping_factor(eps, ry), guess=gg)[0]
             if measure:
-                eb = _l1_err(prob.b, g, gn, eps)
+                eb = _l1_err(prob, prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
             ft = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
             gt = prob.sm_y(f, eps, damping_factor(eps, ry), guess=gg)[0]
             if measure:
-                ea = _l1_err(prob.a, f, ft, eps)
-                eb = _l1_err(prob.b, g, gt, eps)
+                ea = _l1_err(prob, prob.a, f, ft, eps)
+                eb = _l1_err(prob, prob.b, g, gt, eps)
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
         n_iter = it
         if measure:
@@ -219,7 +259,7 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
             if e_max < tol:
                 converged = True
                 break
-    if not bool(torch.isfinite(f).all() & torch.isfinite(g).all()):
+    if prob.any_rank((not bool(torch.isfinite(f).all() & torch.isfinite(g).all()),))[0]:
         raise FloatingPointError("Sinkhorn produced non-finite potentials; increase eps")
     return f, g, err, n_iter, converged
 
@@ -231,12 +271,13 @@ def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_l
 
 def _ot_value(prob, a, b, f, g, eps, rx, ry):
     """The dual value (B,) of the potentials (f, g) (no graph)."""
+    total = prob.total
     if rx is None and ry is None:
-        return (a * f).sum(-1) + (b * g).sum(-1)
+        return total(a * f) + total(b * g)
     _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
     rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
-    mass = rows.sum(-1)
-    return dual_terms(f, a, rx) + dual_terms(g, b, ry) - eps * (mass - a.sum(-1) * b.sum(-1))
+    duals = total(dual_point_terms(f, a, rx)) + total(dual_point_terms(g, b, ry))
+    return duals - eps * (total(rows) - total(a) * total(b))
 
 
 def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
@@ -254,8 +295,8 @@ def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
         gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
     if need_y:
         gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
-    bsum = prob.b.sum(-1, keepdim=True)
-    asum = prob.a.sum(-1, keepdim=True)
+    bsum = prob.total(prob.b)[..., None]
+    asum = prob.total(prob.a)[..., None]
     if need_a:
         base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
         ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
@@ -277,10 +318,10 @@ class _OTValue(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout):
         f, g = ctx.saved_tensors
+        need = ctx.prob.any_rank(ctx.needs_input_grad[:4])  # the passes are the same on all ranks
         with torch.no_grad():
-            grads = _ot_value_grads(
-                ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, gout, ctx.needs_input_grad[:4]
-            )
+            grads = _ot_value_grads(ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, gout, need)
+        grads = tuple(gr if n else None for gr, n in zip(grads, ctx.needs_input_grad[:4]))
         return (*grads, None, None, None, None, None, None)
 
 
@@ -531,21 +572,26 @@ class SinkhornResult:
         return self._unb(r), self._unb(c)
 
     def plan(self) -> torch.Tensor:
-        """Dense plan (B, N, M): for small problems and tests only (allocates N x M)."""
-        p = self._prob
-        X, Y = p.X.detach(), p.Y.detach()
-        if p.center is not None:
-            X, Y = X - p.center[:, None, :], Y - p.center[:, None, :]
-        C = p.cx[..., :, None] + p.cy[..., None, :] - p.c2 * (X @ Y.transpose(-1, -2))
-        if p.labels is not None:
-            lx, ly, W, s = p.labels
-            C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
-        P = (
-            p.a[..., :, None]
-            * p.b[..., None, :]
-            * torch.exp((self._f[..., :, None] + self._g[..., None, :] - C) / self.eps)
-        )
-        return self._unb(P)
+        """Dense plan (B, N, M): for small problems and tests only (allocates N x M; for a
+        sharded result, this rank's rows against all columns)."""
+        return self._unb(self._prob.dense_plan(self._f, self._g, self.eps))
+
+
+def _check_args(eps, reach, cost, schedule, precision, max_iter, check_every):
+    """solve's scalar arguments: ``(eps, rho_x, rho_y)`` or a ValueError naming one."""
+    eps = check_eps(eps)
+    rx, ry = parse_reach(reach)
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
+    if schedule not in ("alternating", "symmetric"):
+        raise ValueError(f"schedule must be 'alternating' or 'symmetric'; got {schedule!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if int(max_iter) < 1:
+        raise ValueError(f"max_iter must be >= 1; got {max_iter}")
+    if int(check_every) < 1:
+        raise ValueError(f"check_every must be >= 1; got {check_every}")
+    return eps, rx, ry
 
 
 def solve(
@@ -568,6 +614,7 @@ def solve(
     precision: str = "tf32",
     backend: str = "auto",
     warn: bool = True,
+    process_group=None,
 ) -> SinkhornResult:
     """Entropic OT between weighted point clouds by streaming Sinkhorn.
 
@@ -590,6 +637,10 @@ def solve(
         precision: "tf32" (default), "ieee", "tf32x3", "bf16" dot operands (triton backend).
         backend: "auto" (triton on CUDA for float32/16 inputs, torch blockwise on CPU and
             for float64), "triton", "torch".
+        process_group: a ``torch.distributed`` group (NCCL for CUDA tensors, gloo for CPU):
+            x, y, a, b are this rank's shards of the global clouds (concatenated in rank
+            order); the result is the global coupling (:mod:`flashsinkhorn.distributed`).
+            None (default): one process.
 
     Returns:
         :class:`SinkhornResult` with ``f``, ``g``, ``value``, ``marginal_error``, ``n_iter``,
@@ -598,18 +649,16 @@ def solve(
         ``warn`` is true. Under torch.compile the loop and the value run as custom ops
         (no graph break) and ``n_iter``, ``converged`` are 0-dim tensors.
     """
-    eps = check_eps(eps)
-    rx, ry = parse_reach(reach)
-    if cost not in COSTS:
-        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
-    if schedule not in ("alternating", "symmetric"):
-        raise ValueError(f"schedule must be 'alternating' or 'symmetric'; got {schedule!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    if int(max_iter) < 1:
-        raise ValueError(f"max_iter must be >= 1; got {max_iter}")
-    if int(check_every) < 1:
-        raise ValueError(f"check_every must be >= 1; got {check_every}")
+    if process_group is not None:  # sharded over the ranks of a torch.distributed group
+        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
+
+        return distributed.solve(
+            x, y, a, b, process_group=process_group, eps=eps, reach=reach, cost=cost,
+            cost_scale=cost_scale, max_iter=max_iter, tol=tol, schedule=schedule,
+            eps_scaling=eps_scaling, diameter=diameter, check_every=check_every,
+            label_cost=label_cost, precision=precision, backend=backend, warn=warn,
+        )  # fmt: skip
+    eps, rx, ry = _check_args(eps, reach, cost, schedule, precision, max_iter, check_every)
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
