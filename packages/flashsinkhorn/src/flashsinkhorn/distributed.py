@@ -418,7 +418,8 @@ def solve(x, y, a=None, b=None, *, process_group, eps, reach=None, cost="sqeucli
                  tol=tol, schedule=schedule, eps_scaling=eps_scaling, diameter=diameter,
                  check_every=check_every, precision=precision, backend=backend,
                  batched=batched, weights=(a is None, b is None), exchange=exchange,
-                 chunk_bytes=chunk_bytes)  # fmt: skip
+                 chunk_bytes=chunk_bytes,
+                 requires_grad=tuple(t.requires_grad for t in (x3, y3, a2, b2)))  # fmt: skip
     comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
     a2, b2 = _global_weights(comm, a2, b2, a, b)
     if rx is None and ry is None:
