@@ -7,6 +7,8 @@ Public API (docs/flashsinkhorn.md):
   and its functional form :func:`sinkhorn_divergence`;
 - the streaming primitives :func:`softmin`, :func:`plan_apply`, :func:`self_softmin`,
   :func:`symmetric_update` (both updates of a symmetric iteration in one pass);
+- plan sampling (:mod:`flashsinkhorn.sampling`): :func:`sample_plan` (a target index per
+  source point from a result), the primitive :func:`softmax_sample`;
 - the float64 references ``*_ref`` (:mod:`flashsinkhorn.reference`);
 - second order (:mod:`flashsinkhorn.second_order`): :func:`hvp`, :func:`ot_loss`,
   :func:`implicit_grad`, :func:`inverse_hvp`, Newton-CG / trust region, OTDD.
@@ -26,6 +28,7 @@ from flashsinkhorn.reference import (
 )
 from flashsinkhorn.result import LazyPlan, SinkhornResult
 from flashsinkhorn.samples_loss import SamplesLoss, sinkhorn_divergence
+from flashsinkhorn.sampling import sample_plan, softmax_sample, softmax_sample_ref
 from flashsinkhorn.second_order import *  # noqa: F403
 from flashsinkhorn.solver import solve
 
@@ -46,5 +49,8 @@ __all__ = [
     "plan_apply_ref",
     "sinkhorn_ref",
     "samples_loss_ref",
+    "sample_plan",
+    "softmax_sample",
+    "softmax_sample_ref",
     *second_order.__all__,
 ]

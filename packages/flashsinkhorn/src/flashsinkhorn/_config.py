@@ -83,6 +83,19 @@ ONE_PASS_MIN_SCORES = 1 << 22
 SYM_TUNE_SMALL_D = [(128, 64, 8, 3), (128, 64, 8, 2)]
 SYM_LARGE_D = (64, 64, 8, 3)
 
+# The plan-sampling pass (flashsinkhorn.sampling): its running best and argmax per tile slot
+# double the accumulator registers, so 32 scores per thread (128 x 64 at 8 warps, 64 x 64 at
+# 4): the 64-per-thread tiles of TUNE_SMALL_D spill there (static sm_90 compile, triton 3.6).
+SAMPLE_TUNE = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+
+# Sharded passes (flashsinkhorn.distributed): the column operands of the other ranks stream
+# past this rank's rows in chunks of at most this many bytes (kernel operands, the column
+# vector and V), two chunks alive at a time; problems whose operands of both clouds fit in
+# one chunk gather them once instead. 32 MiB: at n = m = 1M, d = 64 (fp32) and 2 ranks a
+# rank holds its 256 MiB of inputs and 256 MiB of kernel operands plus 64 MiB in flight,
+# 0.56 of one GPU's 1 GiB; one chunk is 131k rows, a kernel of 500k x 131k scores.
+SHARD_CHUNK_BYTES = 32 << 20
+
 # The symmetric self kernel uses fixed offsets per tile: safe while the spread of
 # log a + f / eps (log2 units) over a problem stays below this (else two plain passes).
 SELF_SPREAD_MAX = 30.0

@@ -29,11 +29,11 @@ LOW_PRECISIONS = ("tf32", "bf16")
 POLISH_PRECISION = "tf32x3"
 
 
-def l1_err(w, old, new, eps):
+def l1_err(prob, w, old, new, eps):
     """``sum_i w_i |exp((old_i - new_i) / eps) - 1|``: the L1 marginal error of the plan of
-    the old potential (zero weights do not count)."""
+    the old potential (zero weights do not count), summed over the problem's points."""
     e = w * torch.expm1((old - new) / eps).abs()
-    return torch.where(w > 0, e, torch.zeros_like(e)).sum(-1)
+    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
 
 
 def eps_list(prob, eps, eps_scaling, diameter):
@@ -80,7 +80,11 @@ def report(out: Outcome, tol, eps, warn, stacklevel=3):
 
 
 def _say(verbose, text):
-    if verbose:
+    """``verbose``: False, True (print) or a callable taking the line (the sharded solve
+    measures on every rank and prints on one)."""
+    if callable(verbose):
+        verbose(f"flashsinkhorn.solve: {text}")
+    elif verbose:
         print(f"flashsinkhorn.solve: {text}", flush=True)
 
 
@@ -101,7 +105,7 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
         for k, e in enumerate(stages):
             ft, gt = prob.sym_update(f, g, e, damping_factor(e, rx), damping_factor(e, ry))
             if verbose:
-                est = float((l1_err(prob.a, f, ft, e) + l1_err(prob.b, g, gt, e)).max())
+                est = float((l1_err(prob, prob.a, f, ft, e) + l1_err(prob, prob.b, g, gt, e)).max())
                 _say(verbose, f"eps-scaling stage {k + 1}/{len(stages)}, eps {e:.4g}, "
                               f"marginal error (estimate) {est:.3g}")  # fmt: skip
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
@@ -117,17 +121,17 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
     n_iter = 0
     for it in range(1, max_iter + 1):
         # the estimate (a few small elementwise kernels per side) only where it is read
-        measure = it % check_every == 0 and (check or verbose)
+        measure = it % check_every == 0 and (check or bool(verbose))
         # the current potentials as guesses of the updates ("shift" kernel), except the
         # zeros the loop starts from without eps-scaling
         gf, gg = (f, g) if (stages or it > 1) else (None, None)
         if schedule == "alternating":
             fn = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
             if measure:
-                ea = l1_err(prob.a, f, fn, eps)
+                ea = l1_err(prob, prob.a, f, fn, eps)
             gn = prob.sm_y(fn, eps, damping_factor(eps, ry), guess=gg)[0]
             if measure:
-                eb = l1_err(prob.b, g, gn, eps)
+                eb = l1_err(prob, prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
             kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
@@ -136,8 +140,8 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
             else:  # both from one pass where the backend has it
                 ft, gt = prob.sym_update(f, g, eps, kx, ky)
             if measure:
-                ea = l1_err(prob.a, f, ft, eps)
-                eb = l1_err(prob.b, g, gt, eps)
+                ea = l1_err(prob, prob.a, f, ft, eps)
+                eb = l1_err(prob, prob.b, g, gt, eps)
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
         n_iter, cert = it, None
         if not measure:
@@ -147,7 +151,7 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
                       f"{'' if prob.precision == 'tf32' else ', ' + prob.precision}")  # fmt: skip
         if not check or not (est < cheap_tol or it >= next_cert):  # NaN / inf: iterate on
             continue
-        _finite_or_raise(f, g, eps)
+        _finite_or_raise(prob, f, g, eps)
         cert = certify(f, g)
         true = float(cert[0].max())
         _say(verbose, f"iteration {it}, marginal error (float64) {true:.3g}")
@@ -165,15 +169,16 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
         last_true = true
         # ask the estimate for proportionally more before measuring again
         cheap_tol, next_cert = est * tol / true, it + recheck
-    _finite_or_raise(f, g, eps)
+    _finite_or_raise(prob, f, g, eps)
     if cert is None:
         cert = certify(f, g)
         _say(verbose, f"final marginal error (float64) {float(cert[0].max()):.3g}")
     return Outcome(f, g, cert[0], cert[1:], n_iter, converged, stalled, prob)
 
 
-def _finite_or_raise(f, g, eps):
-    if not bool(torch.isfinite(f).all() & torch.isfinite(g).all()):
+def _finite_or_raise(prob, f, g, eps):
+    bad = not bool(torch.isfinite(f).all() & torch.isfinite(g).all())
+    if prob.any_rank((bad,))[0]:  # every rank raises together
         raise FloatingPointError(
             f"Sinkhorn produced non-finite potentials at eps={eps:.3g}: increase eps, rescale "
             "the points or pass float64 inputs"

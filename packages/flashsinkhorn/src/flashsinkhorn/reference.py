@@ -33,11 +33,16 @@ def damping_factor(eps: float, rho: float | None) -> float:
     return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
 
 
+def dual_point_terms(f, a, rho):
+    """Per point: ``a_i f_i`` (balanced side) or ``rho a_i (1 - exp(-f_i / rho))``."""
+    if rho is None:
+        return a * f
+    return rho * a * (1.0 - torch.exp(-f / rho))
+
+
 def dual_terms(f, a, rho):
     """``<a, f>`` (balanced side) or ``rho <a, 1 - exp(-f / rho)>`` (KL-penalized side)."""
-    if rho is None:
-        return (a * f).sum(-1)
-    return (rho * a * (1.0 - torch.exp(-f / rho))).sum(-1)
+    return dual_point_terms(f, a, rho).sum(-1)
 
 
 def eps_schedule(diameter2: float, eps: float, scaling: float) -> list[float]:

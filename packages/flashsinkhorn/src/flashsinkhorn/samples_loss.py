@@ -29,13 +29,7 @@ import torch
 
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
-from flashsinkhorn.primitives import (
-    PRECISIONS,
-    check_precision,
-    problem_backend,
-    resolve_backend,
-    self_softmin,
-)
+from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
 from flashsinkhorn.solver import Problem
 
@@ -67,32 +61,34 @@ def _sinkhorn_forward(
     need_grad_x,
     need_grad_y,
     verbose=False,
+    comm=None,
 ):
-    """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces."""
+    """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces.
+    ``comm``: sharded over a process group (flashsinkhorn.distributed): x, y, a, b are this
+    rank's shards; the passes, sums and the eps schedule are global."""
     eps = blur**2
     rho = rho_from_reach(reach, 0.5)[0]  # GeomLoss: rho = reach**2 for the cost |x - y|^2 / 2
     if diameter is None:
-        diameter = max_diameter(x, y)
+        diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
     be = problem_backend(backend, x.device, x.dtype)  # float64 stays float64 under "auto"
-    c = common_center(x, y)
+    c = common_center(x, y) if comm is None else comm.center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     # the centered kernel operands x - c, y - c are made once here and shared by all three
     # problems (no per-pass centering, nothing between the kernel's loads and its dot)
-    pxy = Problem(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
+    P = Problem if comm is None else comm.problem
+    pxy = P(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
     if debias:
-        pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                      Xk=pxy.Xk, Yk=pxy.Xk)  # fmt: skip
-        pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                      Xk=pxy.Yk, Yk=pxy.Yk)  # fmt: skip
+        kx, ky = ({}, {}) if comm is None else (dict(keys=("x", "x")), dict(keys=("y", "y")))
+        pxx = P(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                Xk=pxy.Xk, Yk=pxy.Xk, **kx)  # fmt: skip
+        pyy = P(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                Xk=pxy.Yk, Yk=pxy.Yk, **ky)  # fmt: skip
 
     def self_upd(p, f, e, dmp):
         # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result; the
         # operand is already centered (and cast for bf16)
-        return self_softmin(
-            p.Xk, p.loga, f, p.cx, eps=e, c2=1.0, damping=dmp, precision=p.precision,
-            center=None, backend=p.backend,
-        )  # fmt: skip
+        return p.self_update(f, e, dmp)
 
     zb = torch.zeros_like(hy)
     za = torch.zeros_like(hx)
@@ -109,7 +105,7 @@ def _sinkhorn_forward(
             ft_aa = self_upd(pxx, f_aa, e, dmp)
             gt_bb = self_upd(pyy, g_bb, e, dmp)
         if verbose:
-            est = float((_l1(a, f_ba, ft_ba, e) + _l1(b, g_ab, gt_ab, e)).max())
+            est = float((_l1(pxy, a, f_ba, ft_ba, e) + _l1(pxy, b, g_ab, gt_ab, e)).max())
             print(f"flashsinkhorn.SamplesLoss: eps {e:.4g} ({k + 1}/"
                   f"{len(eps_list)}), marginal error {est:.3g}", flush=True)  # fmt: skip
         f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
@@ -130,7 +126,7 @@ def _sinkhorn_forward(
     G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
     # L1 marginal error of the last loop plan, from what the last step already computed
-    out["marginal_error"] = _l1(a, f_ba, F_ba, e) + _l1(b, g_ab, G_ab, e)
+    out["marginal_error"] = _l1(pxy, a, f_ba, F_ba, e) + _l1(pxy, b, g_ab, G_ab, e)
     if verbose:
         print(f"flashsinkhorn.SamplesLoss: final marginal error (loop plan) "
               f"{float(out['marginal_error'].max()):.3g}", flush=True)  # fmt: skip
@@ -162,15 +158,16 @@ def _sinkhorn_forward(
             eb, ebb = torch.exp(-G_ab / rho), torch.exp(-G_bb / rho)
             va, ga = a * (rho + e / 2) * (eaa - ea), (rho + e / 2) * (eaa - ea)
             vb, gb = b * (rho + e / 2) * (ebb - eb), (rho + e / 2) * (ebb - eb)
-    value = va.sum(-1) + vb.sum(-1)
+    value = pxy.total(va) + pxy.total(vb)
     out.update(value=value, gx=gx, gy=gy, ga=ga, gb=gb)
     return out
 
 
-def _l1(w, old, new, eps):
-    """L1 marginal error of the plan of the old potential (zero weights do not count)."""
+def _l1(prob, w, old, new, eps):
+    """L1 marginal error of the plan of the old potential (zero weights do not count),
+    summed over the problem's points."""
     e = w * torch.expm1((old - new) / eps).abs()
-    return torch.where(w > 0, e, torch.zeros_like(e)).sum(-1)
+    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
 
 
 def _loss_grads(needs, ga, gx, gb, gy, gout):
@@ -205,14 +202,17 @@ def _warn(value, err, warn_tol, stacklevel):
 class _SinkhornLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, x, b, y, opts, info):
+        need_x, need_y = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        if opts.get("comm") is not None:  # sharded: the final passes are the same on all ranks
+            need_x, need_y = opts["comm"].any((need_x, need_y))
         with torch.no_grad():
             out = _sinkhorn_forward(
                 a.detach(),
                 x.detach(),
                 b.detach(),
                 y.detach(),
-                need_grad_x=ctx.needs_input_grad[1],
-                need_grad_y=ctx.needs_input_grad[3],
+                need_grad_x=need_x,
+                need_grad_y=need_y,
                 **opts,
             )
         ctx.save_for_backward(out["ga"], out["gx"], out["gb"], out["gy"], x, y)
@@ -248,6 +248,11 @@ def _differentiable_grads(ctx, need, x, y, gx, gy):
 
     no_second_order_in_weights(need[0] or need[2], "SamplesLoss")
     a, b, F_ba, G_ab, F_aa, G_bb, e, rho, opts = ctx.second
+    if opts.get("comm") is not None:
+        raise RuntimeError(
+            "SamplesLoss(process_group=...): double backward (create_graph=True) is not "
+            "implemented for sharded problems"
+        )
     if rho is not None:
         raise RuntimeError(
             "SamplesLoss: double backward (create_graph=True) is implemented for balanced "
@@ -365,6 +370,24 @@ def _divergence_bwd(ctx, gout, *unused):
 _divergence_op.register_autograd(_divergence_bwd, setup_context=_divergence_setup)
 
 
+def _check_loss_args(blur, reach, scaling, diameter=None, precision="tf32"):
+    """The loss's scalar arguments, checked and normalized: ``(blur, reach, scaling,
+    diameter)`` with an infinite reach as None (balanced); a ValueError names the argument."""
+    blur = _positive_finite(blur, "blur")
+    reach = None if rho_from_reach(reach, 0.5)[0] is None else float(reach)
+    try:
+        scaling = float(scaling)
+    except (TypeError, ValueError):
+        raise ValueError(f"scaling must lie in (0, 1); got {scaling!r}") from None
+    if not (0 < scaling < 1):
+        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
+    if diameter is not None:
+        diameter = _positive_finite(diameter, "diameter")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    return blur, reach, scaling, diameter
+
+
 def sinkhorn_divergence(
     a,
     x,
@@ -382,25 +405,25 @@ def sinkhorn_divergence(
     warn_tol=None,
     info=None,
     verbose=False,
+    process_group=None,
 ):
     """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ...
 
     ``info`` (a dict, optional) receives ``marginal_error``: the L1 marginal error (B,) of
     the last plan of the schedule, on device. ``warn_tol``: warn when it exceeds this.
     ``verbose``: print each eps stage with the marginal error of its plan.
+    ``process_group``: a ``torch.distributed`` group; a, x, b, y are then this rank's shards
+    of the global clouds and the loss is the global one (:mod:`flashsinkhorn.distributed`).
     """
-    blur = _positive_finite(blur, "blur")
-    reach = None if rho_from_reach(reach, 0.5)[0] is None else float(reach)  # inf: balanced
-    try:
-        scaling = float(scaling)
-    except (TypeError, ValueError):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling!r}") from None
-    if not (0 < scaling < 1):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
-    if diameter is not None:
-        diameter = _positive_finite(diameter, "diameter")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if process_group is not None:  # sharded over the ranks of a torch.distributed group
+        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
+
+        return distributed.sinkhorn_divergence(
+            a, x, b, y, process_group=process_group, blur=blur, reach=reach,
+            diameter=diameter, scaling=scaling, debias=debias, potentials=potentials,
+            precision=precision, backend=backend, warn_tol=warn_tol, info=info,
+        )  # fmt: skip
+    blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
@@ -481,9 +504,11 @@ class SamplesLoss(torch.nn.Module):
         backend: str = "auto",
         precision: str = "tf32",
         warn_tol: float | None = None,
+        process_group=None,
     ):
         super().__init__()
         self.warn_tol = warn_tol
+        self.process_group = process_group
         self.last_marginal_error = None
         if loss != "sinkhorn":
             raise ValueError(
@@ -548,6 +573,7 @@ class SamplesLoss(torch.nn.Module):
             warn_tol=self.warn_tol,
             info=info,
             verbose=self.verbose,
+            process_group=self.process_group,
         )
         self.last_marginal_error = info.get("marginal_error")
         return out

@@ -40,11 +40,12 @@ from flashsinkhorn.primitives import (
     check_precision,
     problem_backend,
     resolve_backend,
+    self_softmin,
     softmin,
     symmetric_update,
 )
-from flashsinkhorn.reference import LN2, dual_terms, parse_rho
-from flashsinkhorn.result import Inputs, SinkhornResult, certificate
+from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
+from flashsinkhorn.result import SinkhornResult, certificate
 
 __all__ = ["solve", "SinkhornResult", "Problem"]
 
@@ -89,6 +90,40 @@ class Problem:
     def with_precision(self, precision):
         """The same problem at another dot precision (its own kernel operands)."""
         return replace(self, precision=precision, Xk=None, Yk=None)
+
+    # sums over the problem's points and flags every rank must agree on: overridden by the
+    # sharded problem (flashsinkhorn.distributed), whose points are spread over ranks
+    def total(self, t):
+        """``t.sum(-1)`` over the problem's points (B,)."""
+        return t.sum(-1)
+
+    def any_rank(self, flags):
+        """The flags OR-ed over the ranks that share the problem (here: one)."""
+        return tuple(flags)
+
+    def self_update(self, f, eps, damping):
+        """The debiasing update of a self-transport problem (x against itself): the
+        symmetric kernel, each tile pair computed once (same result as ``sm_x``)."""
+        return self_softmin(self.Xk, self.loga, f, self.cx, eps=eps, c2=self.c2,
+                            damping=damping, precision=self.precision, center=None,
+                            backend=self.backend)  # fmt: skip
+
+    def dense_plan(self, f, g, eps, columns=None):
+        """Dense plan (B, N, M) (tests, small problems). ``columns``: the column side's
+        ``Y, g, b, cy`` if not this problem's (the sharded problem gathers them)."""
+        c = columns or dict(Y=self.Y, g=g, b=self.b, cy=self.cy)
+        X, Y = self.X.detach(), c["Y"].detach()
+        if self.center is not None:
+            X, Y = X - self.center[:, None, :], Y - self.center[:, None, :]
+        C = self.cx[..., :, None] + c["cy"][..., None, :] - self.c2 * (X @ Y.transpose(-1, -2))
+        if self.labels is not None:
+            lx, ly, W, s = self.labels
+            C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
+        return (
+            self.a[..., :, None]
+            * c["b"][..., None, :]
+            * torch.exp((f[..., :, None] + c["g"][..., None, :] - C) / eps)
+        )
 
     @property
     def labels_t(self):
@@ -161,12 +196,13 @@ class Problem:
 
 def _ot_value(prob, a, b, f, g, eps, rx, ry):
     """The dual value (B,) of the potentials (f, g) (no graph)."""
+    total = prob.total
     if rx is None and ry is None:
-        return (a * f).sum(-1) + (b * g).sum(-1)
+        return total(a * f) + total(b * g)
     _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
     rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
-    mass = rows.sum(-1)
-    return dual_terms(f, a, rx) + dual_terms(g, b, ry) - eps * (mass - a.sum(-1) * b.sum(-1))
+    duals = total(dual_point_terms(f, a, rx)) + total(dual_point_terms(g, b, ry))
+    return duals - eps * (total(rows) - total(a) * total(b))
 
 
 def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
@@ -184,8 +220,8 @@ def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
         gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
     if need_y:
         gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
-    bsum = prob.b.sum(-1, keepdim=True)
-    asum = prob.a.sum(-1, keepdim=True)
+    bsum = prob.total(prob.b)[..., None]
+    asum = prob.total(prob.a)[..., None]
     if need_a:
         base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
         ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
@@ -214,7 +250,10 @@ class _OTValue(torch.autograd.Function):
             _check_second_order(ctx.prob, need)
         with torch.no_grad():
             unit = torch.ones_like(gout) if second else gout
-            grads = _ot_value_grads(ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit, need)
+            # sharded: the passes are the same on all ranks (any rank needing one runs it)
+            grads = _ot_value_grads(ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit,
+                                    ctx.prob.any_rank(need))  # fmt: skip
+        grads = tuple(gr if n else None for gr, n in zip(grads, need))
         if second:
             gX, gY = _differentiable_value_grads(X, Y, grads[0], grads[1], ctx, f, g)
             go = gout[:, None, None]
@@ -225,6 +264,11 @@ class _OTValue(torch.autograd.Function):
 def _check_second_order(prob, need):
     from flashsinkhorn.second_order._autograd import no_second_order_in_weights
 
+    if type(prob).total is not Problem.total:
+        raise RuntimeError(
+            "solve(..., process_group=...).value: double backward (create_graph=True) is not "
+            "implemented for sharded problems"
+        )
     if prob.cost == "dot" or prob.labels is not None:
         raise RuntimeError(
             "solve(...).value: double backward (create_graph=True) is implemented for "
@@ -328,9 +372,9 @@ def _potentials_op(*args):
         lx, ly, W, _ = prob.labels
         check_label_range("labels_x", lx, W, W.shape[0])
         check_label_range("labels_y", ly, W, W.shape[1])
-    inp = Inputs(x_in, y_in, prob.a, prob.b, prob.cost, cost_scale, prob.labels)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
-    out = _run_and_certify(prob, inp, loop, eps_scaling, diameter, verbose)
+    certify = certifier(float64_problem(x_in, y_in, prob), prob, eps, rx, ry)
+    out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
     _loop.report(out, tol, eps, warn)
     dev = prob.X.device
     n_iter = torch.tensor(out.n_iter, dtype=torch.int64, device=dev)
@@ -350,16 +394,45 @@ def _(*args):
     )
 
 
-def _run_and_certify(prob, inp, loop, eps_scaling, diameter, verbose):
-    """The loop (no graph), its potentials in the returned dtype, and their float64
-    certificate (what ``marginal_error`` and ``converged`` report)."""
-    eps, rx, ry = loop[:3]
+def float64_problem(x3, y3, prob, features=cost_features, make=None):
+    """A thunk building ``prob`` again in float64 from the points ``x3, y3`` (B, N, D)
+    (the features recomputed in float64: cosine normalizes in float64), on the torch
+    backend: the certificate's problem. ``features`` / ``make``: the sharded problem's."""
+
+    def build():
+        d = torch.float64
+        X, Y, cx, cy, c2, c = features(x3.detach().to(d), y3.detach().to(d), prob.cost,
+                                       prob.cost_scale)  # fmt: skip
+        lab = None
+        if prob.labels is not None:
+            lx, ly, W, s = prob.labels
+            lab = (lx, ly, W.to(d), s)
+        return (make or Problem)(X, Y, prob.a.to(d), prob.b.to(d), cx, cy, c2, prob.cost,
+                                 prob.cost_scale, lab, "ieee", "torch", c)  # fmt: skip
+
+    return build
+
+
+def certifier(build64, prob, eps, rx, ry):
+    """``certify(f, g) -> (err, rows, cols)``: the float64 :func:`certificate` of the
+    potentials in the dtype they are returned in (the float64 problem built once, lazily)."""
+    dt = _potential_dtype(prob.X, prob.backend)
+    cache = {}
+
+    def certify(f, g):
+        if "p" not in cache:
+            cache["p"] = build64()
+        return certificate(cache["p"], f.to(dt), g.to(dt), eps, rx, ry)
+
+    return certify
+
+
+def _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose):
+    """The loop (no graph) and the float64 certificate of its potentials (what
+    ``marginal_error`` and ``converged`` report), potentials in the returned dtype."""
+    eps = loop[0]
     dt = _potential_dtype(prob.X, prob.backend)
     stages = _loop.eps_list(prob, eps, eps_scaling, diameter)
-
-    def certify(f, g):  # on the potentials as they will be returned
-        return certificate(inp, f.to(dt), g.to(dt), eps, rx, ry)
-
     with torch.no_grad():
         out = _loop.run(prob, loop, stages, certify, verbose)
     out.f, out.g = out.f.to(dt), out.g.to(dt)
@@ -423,13 +496,13 @@ def _ot_value_bwd(ctx, gout):
 _ot_value_op.register_autograd(_ot_value_bwd, setup_context=_ot_value_setup)
 
 
-def _solve_compiled(prob, inp, X, Y, a, b, loop, eps_scaling, diameter, warn, verbose):
+def _solve_compiled(prob, x3, y3, X, Y, a, b, loop, eps_scaling, diameter, warn, verbose):
     """solve's loop and value through the custom ops (``X, Y, a, b`` carry the graph).
     Returns ``(f, g, err, n_iter, converged, value)`` (n_iter, converged: 0-dim tensors)."""
     eps, rx, ry, max_iter, tol, schedule, check_every = loop
     f, g, err, n_iter, converged = _potentials_op(
-        *_op_problem_args(prob), inp.x, inp.y, prob.cost_scale, eps, rx, ry, max_iter, tol,
-        schedule, check_every, eps_scaling, diameter, warn, verbose,
+        *_op_problem_args(prob), x3.detach(), y3.detach(), prob.cost_scale, eps, rx, ry,
+        max_iter, tol, schedule, check_every, eps_scaling, diameter, warn, verbose,
     )  # fmt: skip
     value = _ot_value_op(*_op_problem_args(prob, X, Y, a, b), f, g, eps, rx, ry)
     return f, g, err, n_iter, converged, value
@@ -457,6 +530,7 @@ def solve(
     warn: bool = True,
     verbose: bool = False,
     reach=None,
+    process_group=None,
 ) -> SinkhornResult:
     """Entropic OT between weighted point clouds by streaming Sinkhorn.
 
@@ -489,6 +563,10 @@ def solve(
         verbose: print the eps-scaling stages and, every ``check_every`` iterations, the
             iteration, eps and marginal error (one host sync each).
         reach: not an argument of solve (``rho`` is): raises a TypeError that says so.
+        process_group: a ``torch.distributed`` group (NCCL for CUDA tensors, gloo for CPU):
+            x, y, a, b are this rank's shards of the global clouds (concatenated in rank
+            order); the result is the global coupling (:mod:`flashsinkhorn.distributed`).
+            None (default): one process.
 
     Returns:
         :class:`SinkhornResult` (``value``, ``potentials``, ``plan``, ``lazy_plan``,
@@ -504,19 +582,19 @@ def solve(
             "solve() takes rho= (the KL penalty in cost units; reach= meant that before "
             "flashsinkhorn 0.2); reach is GeomLoss's distance, rho = 2 * cost_scale * reach**2"
         )
-    eps = check_eps(eps)
-    rx, ry = parse_rho(rho)
-    if cost not in COSTS:
-        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
-    if schedule not in ("alternating", "symmetric"):
-        raise ValueError(f"schedule must be 'alternating' or 'symmetric'; got {schedule!r}")
-    max_iter = _positive_int(max_iter, "max_iter")
-    check_every = _positive_int(check_every, "check_every")
-    tol = _check_tol(tol)
-    if eps_scaling is not None and not (0 < float(eps_scaling) < 1):
-        raise ValueError(f"eps_scaling must be None or lie in (0, 1); got {eps_scaling!r}")
-    if diameter is not None and not (0 < float(diameter) < float("inf")):
-        raise ValueError(f"diameter must be None or a finite positive number; got {diameter!r}")
+    if process_group is not None:  # sharded over the ranks of a torch.distributed group
+        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
+
+        return distributed.solve(
+            x, y, a, b, process_group=process_group, eps=eps, rho=rho, cost=cost,
+            cost_scale=cost_scale, max_iter=max_iter, tol=tol, schedule=schedule,
+            eps_scaling=eps_scaling, diameter=diameter, check_every=check_every,
+            label_cost=label_cost, precision=precision, backend=backend, warn=warn,
+            verbose=verbose,
+        )  # fmt: skip
+    eps, rx, ry, max_iter, check_every, tol = _check_args(
+        eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
+    )
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
@@ -531,15 +609,15 @@ def solve(
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
     prob = Problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(), cy.detach(),
                    c2, cost, cost_scale, labels, precision, be, center)  # fmt: skip
-    inp = Inputs(x3.detach(), y3.detach(), prob.a, prob.b, cost, float(cost_scale), labels)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
+    certify = certifier(float64_problem(x3, y3, prob), prob, eps, rx, ry)
     marginals = None
     if compiling:
         f, g, err, n_iter, converged, value = _solve_compiled(
-            prob, inp, X, Y, a2, b2, loop, eps_scaling, diameter, warn, verbose
+            prob, x3, y3, X, Y, a2, b2, loop, eps_scaling, diameter, warn, verbose
         )
     else:
-        out = _run_and_certify(prob, inp, loop, eps_scaling, diameter, verbose)
+        out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
         _loop.report(out, tol, eps, warn)
         f, g, err, n_iter, converged, marginals = (
             out.f, out.g, out.err, out.n_iter, out.converged, out.marginals
@@ -561,8 +639,34 @@ def solve(
         _f=f,
         _g=g,
         _marginals=marginals,
-        _certify=(inp, rx, ry),
+        _certify=certify,
     )
+
+
+def _check_args(eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter):
+    """solve's scalar arguments, checked: ``(eps, rho_x, rho_y, max_iter, check_every, tol)``
+    or a ValueError naming the argument (also used by the sharded solve)."""
+    eps = check_eps(eps)
+    rx, ry = parse_rho(rho)
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
+    if schedule not in ("alternating", "symmetric"):
+        raise ValueError(f"schedule must be 'alternating' or 'symmetric'; got {schedule!r}")
+    max_iter = _positive_int(max_iter, "max_iter")
+    check_every = _positive_int(check_every, "check_every")
+    tol = _check_tol(tol)
+    if eps_scaling is not None and not _in_open_interval(eps_scaling, 0.0, 1.0):
+        raise ValueError(f"eps_scaling must be None or lie in (0, 1); got {eps_scaling!r}")
+    if diameter is not None and not _in_open_interval(diameter, 0.0, float("inf")):
+        raise ValueError(f"diameter must be None or a finite positive number; got {diameter!r}")
+    return eps, rx, ry, max_iter, check_every, tol
+
+
+def _in_open_interval(v, lo, hi):
+    try:
+        return lo < float(v) < hi
+    except (TypeError, ValueError):
+        return False
 
 
 def _positive_int(v, name):
