@@ -251,7 +251,7 @@ def test_rounding_draw_equals_uniform_ref(ib):
     @triton.jit
     def _k(out, ib, key, HOIST: tl.constexpr, BLOCK: tl.constexpr):
         off = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        u = K._draw(off, ib.to(tl.uint32), key.to(tl.uint32), HOIST)
+        u = K._draw(K._hash(off, ib.to(tl.uint32), key.to(tl.uint32), HOIST))
         tl.store(out + off, u)
 
     n, seed, step = 1 << 16, 12345, 7

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .reference import ADAM, GROUP, M32, SGD, uniform_ref
+from .reference import ADAM, GROUP, M32, M_BIT, SGD, V_BIT, hash_ref
 
 C127 = 1.0 / 127.0  # rounded to fp32 where used
 C255 = 1.0 / 255.0
@@ -54,6 +54,14 @@ def _ceil_scale_t(amax: torch.Tensor, scale_f32: bool) -> torch.Tensor:
     return (((b + 0xFFFF) >> 16) << 16).to(torch.int32).view(torch.float32)
 
 
+def code_offset_t(h: torch.Tensor, bit: int) -> torch.Tensor:
+    """1 + a state code's rounding draw, fp32 in [1 + 2**-9, 2 - 2**-9], from the hash bits
+    ``h`` (int64): the 8 bits k from ``bit`` are the mantissa's top 8 bits, the next bit set
+    (``reference.code_draw_ref`` plus 1, exactly). The code is then ``floor(x + it) - 1``."""
+    k = (h >> bit) & 0xFF
+    return ((k << 15) | 0x3F804000).to(torch.int32).view(torch.float32)
+
+
 def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     """One in-place step on one local tensor in plain torch fp32 (the kernel's arithmetic).
 
@@ -78,6 +86,10 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     def grp(x):
         return (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, GROUP)
 
+    h = None  # the step's hash bits per element: every stochastic rounding draws from them
+    if sr and (bits or quant):
+        h = hash_ref(seed, step, torch.arange(n, dtype=torch.int64, device=p.device) + idx_base)
+
     def dec_m():
         if not quant:
             return st["m"].reshape(-1)
@@ -94,7 +106,10 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
         x = mg * inv[:, None]
         phi = 2.0 * x / (1.0 + x.abs())
-        code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
+        if h is None:
+            code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
+        else:  # |phi * 127| <= 127 (+ an ulp): floor(. + u) in [-127, 127], no clamp
+            code = torch.floor(phi * 127.0 + grp(code_offset_t(h, M_BIT))) - 1.0
         st["m"].copy_(code.reshape(-1)[:n])
         st["ms"].copy_(s)
 
@@ -124,8 +139,13 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
             s = _ceil_scale_t(svg.amax(1), hp["scale_dtype"] == torch.float32)
             # 255 / s, not 255 * (1 / s) (torch's scalar / tensor): one rounding, as the kernel
             inv = torch.where(s > 0, torch.full_like(s, 255.0) / torch.where(s > 0, s, 1.0), 0.0)
-            code = torch.clamp(torch.floor(svg * inv[:, None] + 0.5), 0, 255)
-            code = torch.where(svg > 0, code.clamp(min=1), code)
+            if h is None:
+                code = torch.clamp(torch.floor(svg * inv[:, None] + 0.5), 0, 255)
+                code = torch.where(svg > 0, code.clamp(min=1), code)
+            else:  # the kernel's max(t, lo) with lo = 2 (code 1) where svg != 0, else 1
+                t = svg * inv[:, None] + grp(code_offset_t(h, V_BIT))
+                t = torch.maximum(t, torch.where(svg <= 0, 1.0, 2.0))
+                code = torch.floor(t) - 1.0
             st["v"].copy_(code.reshape(-1)[:n])
             st["vs"].copy_(s)
         else:
@@ -162,8 +182,7 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         _, invq = _narrow_q(pnb, is_bf16, bits)
         r = (th - pn.to(f32)) * invq
         if sr:
-            idx = torch.arange(n, dtype=torch.int64, device=p.device) + idx_base
-            code = torch.floor(r + uniform_ref(seed, step, idx))
+            code = torch.floor(r + h.to(f32) * (2.0**-32))
         else:
             code = torch.floor(r + 0.5)
         lim = 2 ** (bits - 1)
