@@ -43,7 +43,10 @@ def _check_drift(dev, backend, dtype):
         want = _drift(lambda ps: torch.optim.AdamW(ps, **kw), noisy, dev)
         for okw in DRIFT_OPTIONS:
             got = _drift(
-                lambda ps: fo.FlashAdamW(ps, backend=backend, **kw, **okw), noisy, dev, dtype
+                lambda ps, okw=okw: fo.FlashAdamW(ps, backend=backend, **kw, **okw),
+                noisy,
+                dev,
+                dtype,
             )
             # before the codes were rounded stochastically: +36 % (constant) / +3.7 % (noisy)
             # with bf16 scales; now +0.1 % each (CPU path, fp32 parameters)

@@ -17,9 +17,9 @@ Storage formats (all per element unless noted):
   and the state codes: ``floor(x + u)`` with ``u`` drawn from a counter-based hash of
   (per-tensor seed, step, element index), identical on CPU and GPU and across resumes. The
   correction takes the hash as one fp32 draw, the variance and momentum codes 8 bits each
-  (``V_BIT``, ``M_BIT``). Unbiased codes matter: with bf16 scales the group maximum sits below the top
-  code, and an EMA increment below half a code (``(1 - beta2) * v`` is) is lost every step
-  when rounded to nearest (docs/design/flashoptim.md, "Unbiased 8-bit states").
+  (``V_BIT``, ``M_BIT``). Unbiased codes matter: with bf16 scales the group maximum sits
+  below the top code, and an EMA increment below half a code (``(1 - beta2) * v`` is) is
+  lost every step when rounded to nearest (docs/design/flashoptim.md, "Unbiased 8-bit states").
 """
 
 from __future__ import annotations
