@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .reference import ADAM, GROUP, M32, M_BIT, SGD, V_BIT, hash_ref
+from .reference import ADAM, BF16_MAX, GROUP, M32, M_BIT, MOM_SCALE_MIN, SGD, V_BIT, hash_ref
 
 C127 = 1.0 / 127.0  # rounded to fp32 where used
 C255 = 1.0 / 255.0
@@ -102,8 +102,10 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
             st["m"].copy_(m)
             return
         mg = grp(m)
-        s = _ceil_scale_t(mg.abs().amax(1), hp["scale_dtype"] == torch.float32)
-        inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+        f32s = hp["scale_dtype"] == torch.float32
+        s = _ceil_scale_t(mg.abs().amax(1), f32s).clamp(min=MOM_SCALE_MIN)
+        inv = 1.0 / s  # finite (s >= 2**-126), 0 where s = inf
+        s = s if f32s else s.clamp(max=BF16_MAX)
         x = mg * inv[:, None]
         phi = 2.0 * x / (1.0 + x.abs())
         if h is None:
@@ -127,10 +129,11 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         else:
             gf = gf + f32_c(hp["wd"]) * th
         m = m + (gf - m) * f32_c(1 - hp["b1"])
-        v = v * f32_c(hp["b2"]) + f32_c(1 - hp["b2"]) * (gf * gf)
+        # ((1 - b2) g) g: finite up to |g| ~ 1.8e20, as torch's addcmul (g * g overflowed at 1.8e19)
+        v = v * f32_c(hp["b2"]) + (f32_c(1 - hp["b2"]) * gf) * gf
         step_size = f32_c(hp["lr"] / (1 - hp["b1"] ** step))
         isb = f32_c(1 / math.sqrt(1 - hp["b2"] ** step))
-        sv = _sqrt_rn(v)
+        sv = _sqrt_rn(v).clamp(max=BF16_MAX)  # v = inf: finite scale and codes, update 0
         denom = sv * isb + f32_c(hp["eps"])
         th = th - step_size * (m / denom)
         enc_m(m)

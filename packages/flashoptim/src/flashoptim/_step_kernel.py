@@ -374,12 +374,14 @@ def _step_tile(
         else:
             m = m + (g - m) * one_m_b1
         if FMA and DECOUPLED:
-            v = tl.fma(g * g, one_m_b2, v * b2)
+            v = tl.fma(g * one_m_b2, g, v * b2)
         elif FMA:
-            v = tl.fma(v, b2, one_m_b2 * (g * g))
+            v = tl.fma(v, b2, (one_m_b2 * g) * g)
         else:
-            v = v * b2 + one_m_b2 * (g * g)
-        svg = tl.sqrt(v)  # once: the denominator and the variance code
+            v = v * b2 + (one_m_b2 * g) * g
+        # once: the denominator and the variance code; capped at the largest bf16, so v = inf
+        # ((1 - b2) g^2 above fp32's range) keeps a finite scale and codes (update m / inf = 0)
+        svg = tl.minimum(tl.sqrt(v), 3.3895313892515355e38)
         if FMA and DECOUPLED:
             th = tl.fma(th, decay_mult, -(step_size * _div(m, svg * inv_sqrt_bc2 + eps, ASM)))
         else:
@@ -427,9 +429,15 @@ def _step_tile(
         h = _hash(off, ib, key, DRAW_HOIST)
     if HAS_MOM:
         if QUANT:
-            ms_new = _ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32)
-            nz = tl.where(ms_new > 0, ms_new, 1.0)
-            inv = tl.where(ms_new > 0, _div_safe(1.0, nz, ASM), 0.0)
+            # s >= 2**-126 (reference.MOM_SCALE_MIN): 1/s is finite for subnormal momenta and
+            # zero groups; a group beyond the largest bf16 has s = inf, codes 0 (1/inf = 0)
+            # and stores that largest value
+            ms_new = tl.maximum(
+                _ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32), 1.1754943508222875e-38
+            )
+            inv = _div_safe(1.0, ms_new, ASM)
+            if not SCALE_F32:
+                ms_new = tl.minimum(ms_new, 3.3895313892515355e38)
             x = m * inv[:, None]
             # 2x / (1 + |x|) * 127 == (x / (1 + |x|)) * 254 bitwise (2x is exact). s >= max|m|
             # so |x| <= 1 + 2**-22 and |254 x / (1 + |x|)| < 127 + 2**-14: floor(. + 0.5), and

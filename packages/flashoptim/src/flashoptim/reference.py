@@ -115,6 +115,13 @@ def join_ref(p: torch.Tensor, code: torch.Tensor, bits: int) -> torch.Tensor:
     return p.to(torch.float64) + code.to(torch.float64) * q
 
 
+# the momentum's group scale is at least the smallest normal fp32 (1/s stays finite: a
+# subnormal scale's reciprocal overflowed and its codes were garbage); a momentum group
+# beyond the largest bf16 codes 0 (1/inf) and stores that largest value
+MOM_SCALE_MIN = 2.0**-126
+BF16_MAX = 3.3895313892515355e38  # also the cap of sqrt(v): its scale and codes stay finite
+
+
 def _ceil_scale_ref(amax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     if scale_dtype == torch.float32:
         return amax.to(torch.float32)
@@ -129,9 +136,9 @@ def quantize_momentum_ref(m: torch.Tensor, scale_dtype=torch.bfloat16, u=None):
     ``u``: per-element rounding draws in (0, 1) (stochastic rounding of the codes, unbiased:
     E[code] = 127 phi); None rounds to nearest."""
     x = pad_groups(m.to(torch.float64)).view(-1, GROUP)
-    s = _ceil_scale_ref(x.abs().amax(1), scale_dtype)
-    sf = s.to(torch.float64)[:, None]
-    xn = torch.where(sf > 0, x / torch.where(sf > 0, sf, 1.0), 0.0)
+    s = _ceil_scale_ref(x.abs().amax(1), scale_dtype).clamp(min=MOM_SCALE_MIN)
+    xn = x / s.to(torch.float64)[:, None]  # 0 where s = inf
+    s = s.clamp(max=BF16_MAX) if scale_dtype == torch.bfloat16 else s
     phi = 2 * xn / (1 + xn.abs())
     add = 0.5 if u is None else pad_groups(u.to(torch.float64)).view(-1, GROUP)
     code = torch.clamp(torch.floor(phi * 127 + add), -127, 127)
@@ -147,7 +154,7 @@ def dequantize_momentum_ref(code: torch.Tensor, s: torch.Tensor) -> torch.Tensor
 def quantize_variance_ref(v: torch.Tensor, scale_dtype=torch.bfloat16, u=None):
     """float64 reference: (uint8 codes of sqrt(v)/s, scales s); nonzero v never codes 0.
     ``u``: rounding draws as in ``quantize_momentum_ref``."""
-    sv = pad_groups(v.to(torch.float64).clamp(min=0).sqrt()).view(-1, GROUP)
+    sv = pad_groups(v.to(torch.float64).clamp(min=0).sqrt().clamp(max=BF16_MAX)).view(-1, GROUP)
     s = _ceil_scale_ref(sv.amax(1), scale_dtype)
     sf = s.to(torch.float64)[:, None]
     r = torch.where(sf > 0, sv / torch.where(sf > 0, sf, 1.0), 0.0)
