@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ._plan import flat
 from .reference import ADAM, BF16_MAX, GROUP, M32, M_BIT, MOM_SCALE_MIN, SGD, V_BIT, hash_ref
 
 C127 = 1.0 / 127.0  # rounded to fp32 where used
@@ -70,11 +71,12 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     """
     f32 = torch.float32
     n = p.numel()
-    st = {k: v.view(-1) for k, v in st.items() if v is not None}  # flat views, same storage
+    # flat views in memory order, same storage (every array has the parameter's strides)
+    st = {k: v.view(-1) if v.dim() <= 1 else flat(v) for k, v in st.items() if v is not None}
     bits, quant, sr = hp["ecc"], hp["quant"], hp["sr"]
     is_bf16 = p.dtype == torch.bfloat16
-    pf = p.reshape(-1)
-    gf = g.reshape(-1).to(f32)
+    pf = flat(p)
+    gf = flat(g).to(f32)
     if bits:
         pb = pf.view(torch.int16).to(torch.int64) & 0xFFFF
         q, _ = _narrow_q(pb, is_bf16, bits)

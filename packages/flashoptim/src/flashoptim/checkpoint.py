@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._cpu import _narrow_q
-from ._plan import local
+from ._plan import flat, local
 from .reference import (
     GROUP,
     pad_groups,
@@ -142,12 +142,14 @@ class CheckpointMixin:
                 self._load_per_element(st, key, v, local(per_el).to(lp.device), group)
                 continue
             if group["quantize"] and v.is_floating_point():  # torch.optim checkpoint
-                v = v.to(torch.float64).reshape(-1)
+                # quantized in the parameter's memory order (its groups of 32 are the step's)
+                lay = torch.empty_like(st[key], dtype=torch.float64)
+                lay.copy_(v.reshape(lay.shape))
                 if key == self._v_key:
-                    codes, s = quantize_variance_ref(v, group["scale_dtype"])
+                    codes, s = quantize_variance_ref(flat(lay), group["scale_dtype"])
                 else:
-                    codes, s = quantize_momentum_ref(v, group["scale_dtype"])
-                st[key].copy_(codes.view_as(st[key]))
+                    codes, s = quantize_momentum_ref(flat(lay), group["scale_dtype"])
+                flat(st[key]).copy_(codes)
                 st[key + "_scale"].copy_(s)
             else:
                 st[key].copy_(v.view_as(st[key]))

@@ -123,12 +123,18 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         super().add_param_group(param_group)
         if not hasattr(self, "_pindex"):
             self._pindex = {}
-        for p in self.param_groups[-1]["params"]:
+        gi = len(self.param_groups) - 1
+        for i, p in enumerate(self.param_groups[-1]["params"]):
             self._pindex.setdefault(id(p), len(self._pindex))
+            where = f"parameter {i} of param group {gi}"
             if p.is_complex():
-                raise ValueError("flashoptim does not support complex parameters")
+                raise ValueError(f"flashoptim does not support complex parameters ({where})")
             if p.dtype not in _plan.P_CODE:
-                raise ValueError(f"parameter dtype must be fp32, bf16 or fp16; got {p.dtype}")
+                raise ValueError(
+                    f"{where}: parameter dtype must be fp32, bf16 or fp16; got {p.dtype}"
+                )
+            if not _plan.dense(local(p)):
+                raise _plan.layout_error(local(p), where)
 
     # ------------------------------------------------------------------ state
     def _bits(self, group, p) -> int:
@@ -159,14 +165,16 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if self._v_key is not None:
             keys.append((self._v_key, torch.uint8))
         for key, cdt in keys:
+            # every per-element state has the parameter's strides (zeros_like keeps a dense
+            # layout): the step runs over memory order, element i of each array the same
             if quant:
-                st[key] = torch.zeros(lp.shape, dtype=cdt, device=dev)
+                st[key] = torch.zeros_like(lp, dtype=cdt)
                 st[key + "_scale"] = torch.zeros(ng, dtype=group["scale_dtype"], device=dev)
             else:
-                st[key] = torch.zeros(lp.shape, dtype=torch.float32, device=dev)
+                st[key] = torch.zeros_like(lp, dtype=torch.float32)
         bits = self._bits(group, p)
         if bits:
-            st["correction"] = torch.zeros(lp.shape, dtype=ECC_DTYPE[bits], device=dev)
+            st["correction"] = torch.zeros_like(lp, dtype=ECC_DTYPE[bits])
         return st
 
     def _state_view(self, st, group) -> dict:
@@ -360,8 +368,10 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         for p in ps:
             if p.grad.is_sparse:
                 raise ValueError("flashoptim does not support sparse gradients")
-            st = self._init_state(p, group)
             lp = local(p)
+            if not lp.is_contiguous():
+                self._match_layout(p, group)
+            st = self._init_state(p, group)
             key = (
                 st["step"],
                 p.dtype,
@@ -381,6 +391,19 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if self.capturable:
             return _capturable.device_plan(self, group, ps, out, cache)
         return dict(group=group, plan=None, buckets=out, cache=cache, ps=ps)
+
+    def _match_layout(self, p, group) -> None:
+        """A strided (channels_last, transposed) parameter: it must be dense, and its gradient
+        gets the parameter's strides (autograd's gradients have them already; another layout
+        is copied into one, in ``p.grad``, once)."""
+        lp, lg = local(p), local(p.grad)
+        if not _plan.dense(lp):
+            i = next(i for i, q in enumerate(group["params"]) if q is p)
+            raise _plan.layout_error(lp, f"parameter {i} of its param group")
+        if lg.stride() != lp.stride():
+            if hasattr(p.grad, "_local_tensor"):
+                raise ValueError("a DTensor gradient must have its parameter's strides")
+            p.grad = torch.empty_like(lp, dtype=lg.dtype).copy_(lg)
 
     def _commit(self, prep, skip: dict | None = None) -> None:
         """Launch (or run on the CPU path) the step of every bucket of ``prep`` and advance
