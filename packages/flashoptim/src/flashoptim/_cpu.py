@@ -77,6 +77,8 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     is_bf16 = p.dtype == torch.bfloat16
     pf = flat(p)
     gf = flat(g).to(f32)
+    if hp.get("maximize"):
+        gf = -gf
     if bits:
         pb = pf.view(torch.int16).to(torch.int64) & 0xFFFF
         q, _ = _narrow_q(pb, is_bf16, bits)

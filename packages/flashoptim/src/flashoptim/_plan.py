@@ -265,6 +265,7 @@ def mode_flags(kind: int, ent: dict, hp: dict, has_mom: bool) -> dict:
         NESTEROV=hp.get("nesterov", False),
         HAS_MOM=has_mom,
         SCALE_F32=hp["scale_dtype"] == torch.float32,
+        MAXIMIZE=hp.get("maximize", False),
     )
 
 

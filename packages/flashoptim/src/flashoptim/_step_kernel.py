@@ -298,6 +298,7 @@ def _step_tile(
     SCALE_F32: tl.constexpr,
     ASM: tl.constexpr,
     DRAW_HOIST: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
 ):
     """One tile of the step, in place: load everything (as stored), decode the master weight
     and the states, update, requantize and store the states, split the master weight and
@@ -330,6 +331,8 @@ def _step_tile(
         g = _bf16_f32(g_raw, ASM)
     else:
         g = g_raw.to(tl.float32)
+    if MAXIMIZE:  # torch.optim's maximize: ascend, as on -g (a sign the update ops absorb)
+        g = -g
     if ECC > 0:
         c = c_raw.to(tl.int32).to(tl.float32)
         if P_DTYPE == 1:
@@ -609,6 +612,7 @@ def _step_kernel(
     SCALARS_ON_DEVICE: tl.constexpr,
     DRAW_HOIST: tl.constexpr,  # every tensor's rounding-stream base is a multiple of 8
     INDEX64: tl.constexpr,  # int64 element offsets (a tensor of >= 2**31 - 2 * CHUNK elements)
+    MAXIMIZE: tl.constexpr,  # step on -g (torch.optim's maximize=True)
 ):
     if CHECK_SKIP:
         if tl.load(skip_flag) == epoch:
@@ -720,6 +724,7 @@ def _step_kernel(
                 SCALE_F32,
                 ASM,
                 DRAW_HOIST,
+                MAXIMIZE,
             )
 
 

@@ -99,8 +99,18 @@ class CheckpointMixin:
         """Load our own state dict, or a plain torch.optim one (quantized on load).
 
         torch's loader would cast floating states to the parameter dtype (fp32 scales and
-        states to bf16), so the states are mapped to parameters here, unchanged.
+        states to bf16), so the states are mapped to parameters here, unchanged. The
+        ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim.
         """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict["param_groups"]
         saved = state_dict["state"]
         if len(groups) != len(self.param_groups):
@@ -108,11 +118,32 @@ class CheckpointMixin:
                 f"state dict has {len(groups)} param groups; optimizer has {len(self.param_groups)}"
             )
         id_map = {}
-        for g_new, g_old in zip(self.param_groups, groups):
+        for gi, (g_new, g_old) in enumerate(zip(self.param_groups, groups)):
             if len(g_new["params"]) != len(g_old["params"]):
-                raise ValueError("state dict param group sizes do not match the optimizer")
-            for p, pid in zip(g_new["params"], g_old["params"]):
-                id_map[pid] = (p, g_new)
+                raise ValueError(
+                    f"state dict param group {gi} has {len(g_old['params'])} parameters; the"
+                    f" optimizer's has {len(g_new['params'])}"
+                )
+            if g_old.get("amsgrad"):
+                raise ValueError(
+                    f"state dict param group {gi} has amsgrad=True: flashoptim keeps no"
+                    " max_exp_avg_sq, so loading it would silently drop that state"
+                )
+            for i, (p, pid) in enumerate(zip(g_new["params"], g_old["params"])):
+                id_map[pid] = (p, g_new, f"parameter {i} of param group {gi}")
+            merged = dict(g_new, **{k: v for k, v in g_old.items() if k != "params"})
+            try:
+                self._check_group(merged)
+            except ValueError as e:
+                raise ValueError(f"state dict param group {gi}: {e}") from None
+        for pid, st_old in saved.items():
+            if pid not in id_map:
+                raise ValueError(f"state dict has state for parameter id {pid!r}, not in any group")
+            p, _, where = id_map[pid]
+            if "max_exp_avg_sq" in st_old:
+                raise ValueError(f"{where}: max_exp_avg_sq (amsgrad) cannot be loaded")
+            self._check_state_shapes(p, st_old, where)
+        for g_new, g_old in zip(self.param_groups, groups):
             for k, v in g_old.items():
                 if k != "params":
                     g_new[k] = v
@@ -123,8 +154,20 @@ class CheckpointMixin:
             t.zero_()
         self._plans.clear()
         for pid, st_old in saved.items():
-            p, group = id_map[pid]
+            p, group, _ = id_map[pid]
             self._load_param_state(p, group, st_old)
+
+    def _check_state_shapes(self, p, st_old, where) -> None:
+        """Every per-element state has the parameter's (local) number of elements."""
+        n = local(p).numel()
+        for k, v in st_old.items():
+            if not torch.is_tensor(v) or k == "step" or k.endswith("_scale"):
+                continue
+            if local(v).numel() != n:
+                raise ValueError(
+                    f"{where}: state {k!r} has shape {tuple(v.shape)}, the parameter has"
+                    f" {tuple(p.shape)} (a state dict of another model?)"
+                )
 
     def _load_param_state(self, p, group, st_old) -> None:
         lp = local(p)

@@ -10,6 +10,7 @@ On CUDA a step is one fused Triton launch per bucket of tensors (``_plan.py``,
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Iterable
 from itertools import repeat
 from typing import Any
@@ -77,9 +78,27 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         seed: int = 0,
         capturable: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        amsgrad: bool = False,
     ):
-        if defaults.get("lr", 0.0) < 0:
-            raise ValueError(f"lr must be >= 0; got {defaults['lr']}")
+        # torch.optim's keywords: foreach / fused name torch's kernels (every flashoptim step
+        # is one fused multi-tensor launch per bucket: accepted, no effect); maximize flips
+        # the gradient's sign inside the kernel; the rest have no meaning here
+        if differentiable:
+            raise ValueError(
+                "differentiable=True is not supported: the step updates quantized states in"
+                " place, outside autograd (use torch.optim for differentiable optimizers)"
+            )
+        if amsgrad:
+            raise ValueError(
+                "amsgrad=True is not supported: flashoptim keeps no max_exp_avg_sq state"
+                " (use torch.optim.AdamW(amsgrad=True))"
+            )
+        del foreach, fused
+        defaults = dict(defaults, maximize=bool(maximize))
         if master_weight_bits not in (None, 24, 32):
             raise ValueError(f"master_weight_bits must be 24, 32 or None; got {master_weight_bits}")
         if scale_dtype not in (torch.bfloat16, torch.float32):
@@ -117,10 +136,17 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         self._epoch = 0  # eager: the current checked step's mark (never reset by a skip)
         self._plans: dict = {}  # id(group) -> cached plan (tables reused across steps)
         self._release_enabled = False
+        self._warned_skip = False
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+        except ValueError as e:
+            self.param_groups.pop()
+            raise ValueError(f"param group {len(self.param_groups)}: {e}") from None
         if not hasattr(self, "_pindex"):
             self._pindex = {}
         gi = len(self.param_groups) - 1
@@ -135,6 +161,17 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
                 )
             if not _plan.dense(local(p)):
                 raise _plan.layout_error(local(p), where)
+
+    def _check_group(self, group) -> None:
+        """Hyperparameters of a param group (constructor defaults and group dicts alike)."""
+        lr = group["lr"]
+        if not torch.is_tensor(lr) and not lr >= 0:
+            raise ValueError(f"lr must be >= 0; got {lr}")
+        wd = group.get("weight_decay", 0.0)
+        if not wd >= 0:
+            raise ValueError(f"weight_decay must be >= 0; got {wd}")
+        if group.get("amsgrad"):
+            raise ValueError("amsgrad=True is not supported (no max_exp_avg_sq state)")
 
     # ------------------------------------------------------------------ state
     def _bits(self, group, p) -> int:
@@ -204,6 +241,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             else float(group["lr"]),
             wd=float(group["weight_decay"]),
             decoupled=self._decoupled,
+            maximize=bool(group.get("maximize", False)),
         )
 
     # ------------------------------------------------------------------ step
@@ -262,6 +300,16 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if self.on_nonfinite == "raise":
             raise NonFiniteGradError("non-finite gradient: step not taken")
         self.skipped_steps += 1
+        if not self._warned_skip:
+            self._warned_skip = True
+            step = max((st.get("step", 0) for st in self.state.values()), default=0) + 1
+            warnings.warn(
+                f"flashoptim: a gradient holds inf/NaN: step {step} was skipped (parameters and"
+                " states unchanged). Later skips are only counted in optimizer.skipped_steps;"
+                " on_nonfinite='raise' raises instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -469,6 +517,32 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         flags = _plan.mode_flags(self._kind, ent, hp, self._has_mom(group))
         flags["SCALARS_ON_DEVICE"] = scal is not None
         _plan.launch_step(ent, scalars, flags, skip, self._epoch)
+
+    # the per-step caches (plans with offset tables, device flags) are not part of the state:
+    # a copy (copy.deepcopy, pickle) starts without them and rebuilds them on its first step
+    _CACHES = ("_plans", "_dskip", "_dflag", "_eflag")
+
+    def __getstate__(self) -> dict:
+        if self.capturable and self._plans:
+            self.sync_steps()  # the device step counts into state["step"]
+        d = super().__getstate__()  # defaults, state, param_groups
+        for k, v in self.__dict__.items():  # our options and counters, not torch's hooks
+            if k not in d and not k.startswith("_optimizer_") and k not in self._CACHES:
+                d[k] = v
+        d.pop("_pindex", None)  # ids of the old parameters: rebuilt from param_groups
+        return d
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for k in self._CACHES:
+            if not isinstance(self.__dict__.get(k), dict):
+                self.__dict__[k] = {}
+        self._epoch = 0
+        self._warned_skip = self.__dict__.get("_warned_skip", False)
+        self._pindex = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                self._pindex.setdefault(id(p), len(self._pindex))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

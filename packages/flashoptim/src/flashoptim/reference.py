@@ -186,6 +186,8 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     bits, quant, sr, sdt = hp["ecc"], hp["quant"], hp["sr"], hp["scale_dtype"]
     n = p.numel()
     g64 = g.reshape(-1).to(torch.float64)
+    if hp.get("maximize"):
+        g64 = -g64
     if bits:
         th = join_ref(p.reshape(-1), st["c"], bits)
     else:
