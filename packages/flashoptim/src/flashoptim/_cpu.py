@@ -54,6 +54,64 @@ def _ceil_scale_t(amax: torch.Tensor, scale_f32: bool) -> torch.Tensor:
     return (((b + 0xFFFF) >> 16) << 16).to(torch.int32).view(torch.float32)
 
 
+def join_t(pf: torch.Tensor, c: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """The fp32 master weight ``p + c * q`` of a flat parameter ``pf`` and its correction
+    ``c`` (``bits`` 0: the parameter itself)."""
+    if not bits:
+        return pf.to(torch.float32)
+    pb = pf.view(torch.int16).to(torch.int64) & 0xFFFF
+    q, _ = _narrow_q(pb, pf.dtype == torch.bfloat16, bits)
+    return pf.to(torch.float32) + c.to(torch.float32) * q
+
+
+def groups_t(x: torch.Tensor) -> torch.Tensor:
+    """A flat tensor zero-padded to whole groups, as [groups, 32]."""
+    pad = (-x.numel()) % GROUP
+    return (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, GROUP)
+
+
+def decode_momentum_t(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 momentum of flat int8 ``codes`` and their group ``scales``."""
+    y = groups_t(codes.to(torch.float32)) * f32_c(C127)
+    x = y / (2.0 - y.abs())
+    return (x * scales.to(torch.float32)[:, None]).reshape(-1)[: codes.numel()]
+
+
+def encode_momentum_t(m: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_f32: bool):
+    """Quantize the flat fp32 momentum ``m`` into ``codes`` and ``scales`` (in place)."""
+    mg = groups_t(m)
+    s = _ceil_scale_t(mg.abs().amax(1), scale_f32)
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    x = mg * inv[:, None]
+    phi = 2.0 * x / (1.0 + x.abs())
+    code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
+    codes.copy_(code.reshape(-1)[: m.numel()].view_as(codes))
+    scales.copy_(s)
+
+
+def split_t(th, pf, c, bits, sr, seed, step, idx_base) -> None:
+    """Store the fp32 master weights ``th`` as the nearest narrow value in the flat parameter
+    ``pf`` and the rest in its correction ``c`` (stochastic rounding with the draws of
+    (seed, step, idx_base + i) when ``sr``); an fp32 ``pf`` takes ``th``."""
+    if pf.dtype == torch.float32:
+        pf.copy_(th)
+        return
+    is_bf16 = pf.dtype == torch.bfloat16
+    pn = _to_narrow_t(th, is_bf16)
+    if bits:
+        pnb = pn.view(torch.int16).to(torch.int64) & 0xFFFF
+        _, invq = _narrow_q(pnb, is_bf16, bits)
+        r = (th - pn.to(torch.float32)) * invq
+        if sr:
+            idx = torch.arange(th.numel(), dtype=torch.int64, device=th.device) + idx_base
+            code = torch.floor(r + uniform_ref(seed, step, idx))
+        else:
+            code = torch.floor(r + 0.5)
+        lim = 2 ** (bits - 1)
+        c.copy_(torch.clamp(code, -lim, lim - 1).view_as(c))
+    pf.copy_(pn)
+
+
 def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     """One in-place step on one local tensor in plain torch fp32 (the kernel's arithmetic).
 
@@ -63,46 +121,26 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     f32 = torch.float32
     n = p.numel()
     st = {k: v.view(-1) for k, v in st.items() if v is not None}  # flat views, same storage
-    bits, quant, sr = hp["ecc"], hp["quant"], hp["sr"]
-    is_bf16 = p.dtype == torch.bfloat16
+    bits, quant = hp["ecc"], hp["quant"]
+    scale_f32 = hp["scale_dtype"] == torch.float32
     pf = p.reshape(-1)
     gf = g.reshape(-1).to(f32)
-    if bits:
-        pb = pf.view(torch.int16).to(torch.int64) & 0xFFFF
-        q, _ = _narrow_q(pb, is_bf16, bits)
-        th = pf.to(f32) + st["c"].to(f32) * q
-    else:
-        th = pf.to(f32)
-    pad = (-n) % GROUP
-
-    def grp(x):
-        return (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, GROUP)
+    th = join_t(pf, st.get("c"), bits)
 
     def dec_m():
-        if not quant:
-            return st["m"].reshape(-1)
-        y = grp(st["m"].to(f32)) * f32_c(C127)
-        x = y / (2.0 - y.abs())
-        return (x * st["ms"].to(f32)[:, None]).reshape(-1)[:n]
+        return decode_momentum_t(st["m"], st["ms"]) if quant else st["m"].reshape(-1)
 
     def enc_m(m):
-        if not quant:
+        if quant:
+            encode_momentum_t(m, st["m"], st["ms"], scale_f32)
+        else:
             st["m"].copy_(m)
-            return
-        mg = grp(m)
-        s = _ceil_scale_t(mg.abs().amax(1), hp["scale_dtype"] == torch.float32)
-        inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
-        x = mg * inv[:, None]
-        phi = 2.0 * x / (1.0 + x.abs())
-        code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
-        st["m"].copy_(code.reshape(-1)[:n])
-        st["ms"].copy_(s)
 
     lr = f32_c(hp["lr"])
     if kind == ADAM:
         m = dec_m()
         if quant:
-            c = grp(st["v"].to(f32))
+            c = groups_t(st["v"].to(f32))
             sv = c * st["vs"].to(f32)[:, None] * f32_c(C255)
             v = (sv * sv).reshape(-1)[:n]
         else:
@@ -120,8 +158,8 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         th = th - step_size * (m / denom)
         enc_m(m)
         if quant:
-            svg = grp(sv)
-            s = _ceil_scale_t(svg.amax(1), hp["scale_dtype"] == torch.float32)
+            svg = groups_t(sv)
+            s = _ceil_scale_t(svg.amax(1), scale_f32)
             # 255 / s, not 255 * (1 / s) (torch's scalar / tensor): one rounding, as the kernel
             inv = torch.where(s > 0, torch.full_like(s, 255.0) / torch.where(s > 0, s, 1.0), 0.0)
             code = torch.clamp(torch.floor(svg * inv[:, None] + 0.5), 0, 255)
@@ -153,22 +191,7 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         th = th - lr * torch.sign(c)
         m = m * f32_c(hp["b2"]) + f32_c(1 - hp["b2"]) * gf
         enc_m(m)
-    if p.dtype == torch.float32:
-        pf.copy_(th)
-        return
-    pn = _to_narrow_t(th, is_bf16)
-    if bits:
-        pnb = pn.view(torch.int16).to(torch.int64) & 0xFFFF
-        _, invq = _narrow_q(pnb, is_bf16, bits)
-        r = (th - pn.to(f32)) * invq
-        if sr:
-            idx = torch.arange(n, dtype=torch.int64, device=p.device) + idx_base
-            code = torch.floor(r + uniform_ref(seed, step, idx))
-        else:
-            code = torch.floor(r + 0.5)
-        lim = 2 ** (bits - 1)
-        st["c"].copy_(torch.clamp(code, -lim, lim - 1).view_as(st["c"]))
-    pf.copy_(pn)
+    split_t(th, pf, st.get("c"), bits, hp["sr"], seed, step, idx_base)
 
 
 def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
