@@ -63,6 +63,74 @@ def code_offset_t(h: torch.Tensor, bit: int) -> torch.Tensor:
     return ((k << 15) | 0x3F804000).to(torch.int32).view(torch.float32)
 
 
+def join_t(pf: torch.Tensor, c: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """The fp32 master weight ``p + c * q`` of a flat parameter ``pf`` and its correction
+    ``c`` (``bits`` 0: the parameter itself)."""
+    if not bits:
+        return pf.to(torch.float32)
+    pb = pf.view(torch.int16).to(torch.int64) & 0xFFFF
+    q, _ = _narrow_q(pb, pf.dtype == torch.bfloat16, bits)
+    return pf.to(torch.float32) + c.to(torch.float32) * q
+
+
+def groups_t(x: torch.Tensor) -> torch.Tensor:
+    """A flat tensor zero-padded to whole groups, as [groups, 32]."""
+    pad = (-x.numel()) % GROUP
+    return (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, GROUP)
+
+
+def decode_momentum_t(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 momentum of flat int8 ``codes`` and their group ``scales``."""
+    y = groups_t(codes.to(torch.float32)) * f32_c(C127)
+    x = y / (2.0 - y.abs())
+    return (x * scales.to(torch.float32)[:, None]).reshape(-1)[: codes.numel()]
+
+
+def encode_momentum_t(
+    m: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_f32: bool, h=None
+):
+    """Quantize the flat fp32 momentum ``m`` into ``codes`` and ``scales`` (in place); ``h``:
+    the step's hash bits per element (stochastic rounding of the codes), None: nearest."""
+    mg = groups_t(m)
+    s = _ceil_scale_t(mg.abs().amax(1), scale_f32).clamp(min=MOM_SCALE_MIN)
+    inv = 1.0 / s  # finite (s >= 2**-126), 0 where s = inf
+    s = s if scale_f32 else s.clamp(max=BF16_MAX)
+    x = mg * inv[:, None]
+    phi = 2.0 * x / (1.0 + x.abs())
+    if h is None:
+        code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
+    else:  # |phi * 127| <= 127 (+ an ulp): floor(. + 1 + u) - 1 in [-127, 127], no clamp
+        code = torch.floor(phi * 127.0 + groups_t(code_offset_t(h, M_BIT))) - 1.0
+    codes.copy_(code.reshape(-1)[: m.numel()].view_as(codes))
+    scales.copy_(s)
+
+
+def split_t(th, pf, c, bits, sr, seed, step, idx_base, h=None) -> None:
+    """Store the fp32 master weights ``th`` as the nearest narrow value in the flat parameter
+    ``pf`` and the rest in its correction ``c`` (stochastic rounding with the draws of
+    (seed, step, idx_base + i) when ``sr``; ``h``: those hash bits, if computed already); an
+    fp32 ``pf`` takes ``th``."""
+    if pf.dtype == torch.float32:
+        pf.copy_(th)
+        return
+    is_bf16 = pf.dtype == torch.bfloat16
+    pn = _to_narrow_t(th, is_bf16)
+    if bits:
+        pnb = pn.view(torch.int16).to(torch.int64) & 0xFFFF
+        _, invq = _narrow_q(pnb, is_bf16, bits)
+        r = (th - pn.to(torch.float32)) * invq
+        if sr:
+            if h is None:
+                idx = torch.arange(th.numel(), dtype=torch.int64, device=th.device) + idx_base
+                h = hash_ref(seed, step, idx)
+            code = torch.floor(r + h.to(torch.float32) * (2.0**-32))
+        else:
+            code = torch.floor(r + 0.5)
+        lim = 2 ** (bits - 1)
+        c.copy_(torch.clamp(code, -lim, lim - 1).view_as(c))
+    pf.copy_(pn)
+
+
 def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     """One in-place step on one local tensor in plain torch fp32 (the kernel's arithmetic).
 
@@ -74,56 +142,30 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     # flat views in memory order, same storage (every array has the parameter's strides)
     st = {k: v.view(-1) if v.dim() <= 1 else flat(v) for k, v in st.items() if v is not None}
     bits, quant, sr = hp["ecc"], hp["quant"], hp["sr"]
-    is_bf16 = p.dtype == torch.bfloat16
+    scale_f32 = hp["scale_dtype"] == torch.float32
     pf = flat(p)
     gf = flat(g).to(f32)
     if hp.get("maximize"):
         gf = -gf
-    if bits:
-        pb = pf.view(torch.int16).to(torch.int64) & 0xFFFF
-        q, _ = _narrow_q(pb, is_bf16, bits)
-        th = pf.to(f32) + st["c"].to(f32) * q
-    else:
-        th = pf.to(f32)
-    pad = (-n) % GROUP
-
-    def grp(x):
-        return (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, GROUP)
-
+    th = join_t(pf, st.get("c"), bits)
     h = None  # the step's hash bits per element: every stochastic rounding draws from them
     if sr and (bits or quant):
         h = hash_ref(seed, step, torch.arange(n, dtype=torch.int64, device=p.device) + idx_base)
 
     def dec_m():
-        if not quant:
-            return st["m"].reshape(-1)
-        y = grp(st["m"].to(f32)) * f32_c(C127)
-        x = y / (2.0 - y.abs())
-        return (x * st["ms"].to(f32)[:, None]).reshape(-1)[:n]
+        return decode_momentum_t(st["m"], st["ms"]) if quant else st["m"].reshape(-1)
 
     def enc_m(m):
-        if not quant:
+        if quant:
+            encode_momentum_t(m, st["m"], st["ms"], scale_f32, h)
+        else:
             st["m"].copy_(m)
-            return
-        mg = grp(m)
-        f32s = hp["scale_dtype"] == torch.float32
-        s = _ceil_scale_t(mg.abs().amax(1), f32s).clamp(min=MOM_SCALE_MIN)
-        inv = 1.0 / s  # finite (s >= 2**-126), 0 where s = inf
-        s = s if f32s else s.clamp(max=BF16_MAX)
-        x = mg * inv[:, None]
-        phi = 2.0 * x / (1.0 + x.abs())
-        if h is None:
-            code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
-        else:  # |phi * 127| <= 127 (+ an ulp): floor(. + u) in [-127, 127], no clamp
-            code = torch.floor(phi * 127.0 + grp(code_offset_t(h, M_BIT))) - 1.0
-        st["m"].copy_(code.reshape(-1)[:n])
-        st["ms"].copy_(s)
 
     lr = f32_c(hp["lr"])
     if kind == ADAM:
         m = dec_m()
         if quant:
-            c = grp(st["v"].to(f32))
+            c = groups_t(st["v"].to(f32))
             sv = c * st["vs"].to(f32)[:, None] * f32_c(C255)
             v = (sv * sv).reshape(-1)[:n]
         else:
@@ -142,15 +184,15 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         th = th - step_size * (m / denom)
         enc_m(m)
         if quant:
-            svg = grp(sv)
-            s = _ceil_scale_t(svg.amax(1), hp["scale_dtype"] == torch.float32)
+            svg = groups_t(sv)
+            s = _ceil_scale_t(svg.amax(1), scale_f32)
             # 255 / s, not 255 * (1 / s) (torch's scalar / tensor): one rounding, as the kernel
             inv = torch.where(s > 0, torch.full_like(s, 255.0) / torch.where(s > 0, s, 1.0), 0.0)
             if h is None:
                 code = torch.clamp(torch.floor(svg * inv[:, None] + 0.5), 0, 255)
                 code = torch.where(svg > 0, code.clamp(min=1), code)
             else:  # the kernel's max(t, lo) with lo = 2 (code 1) where svg != 0, else 1
-                t = svg * inv[:, None] + grp(code_offset_t(h, V_BIT))
+                t = svg * inv[:, None] + groups_t(code_offset_t(h, V_BIT))
                 t = torch.maximum(t, torch.where(svg <= 0, 1.0, 2.0))
                 code = torch.floor(t) - 1.0
             st["v"].copy_(code.reshape(-1)[:n])
@@ -180,21 +222,7 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         th = th - lr * torch.sign(c)
         m = m * f32_c(hp["b2"]) + f32_c(1 - hp["b2"]) * gf
         enc_m(m)
-    if p.dtype == torch.float32:
-        pf.copy_(th)
-        return
-    pn = _to_narrow_t(th, is_bf16)
-    if bits:
-        pnb = pn.view(torch.int16).to(torch.int64) & 0xFFFF
-        _, invq = _narrow_q(pnb, is_bf16, bits)
-        r = (th - pn.to(f32)) * invq
-        if sr:
-            code = torch.floor(r + h.to(f32) * (2.0**-32))
-        else:
-            code = torch.floor(r + 0.5)
-        lim = 2 ** (bits - 1)
-        st["c"].copy_(torch.clamp(code, -lim, lim - 1).view_as(st["c"]))
-    pf.copy_(pn)
+    split_t(th, pf, st.get("c"), bits, sr, seed, step, idx_base, h)
 
 
 def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,31 @@ def global_index_base(p: torch.Tensor) -> int:
         return 0
 
 
+def meshes_of(ps) -> list:
+    """The distinct device meshes of the DTensor parameters among ``ps``."""
+    out: dict = {}
+    for p in ps:
+        if hasattr(p, "_local_tensor"):
+            out.setdefault(id(p.device_mesh), p.device_mesh)
+    return list(out.values())
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device a collective over ``mesh`` takes its tensors on."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def all_ranks_max_(t: torch.Tensor, meshes) -> None:
+    """``t`` becomes its elementwise maximum over every rank of every mesh, in place."""
+    import torch.distributed as dist
+
+    for mesh in meshes:
+        for d in range(mesh.ndim):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
+
+
 def capturing() -> bool:
     """Whether a CUDA graph capture is in progress on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -261,6 +261,147 @@ def _chunk(units, u, tab, N16: tl.constexpr, INDEX64: tl.constexpr):
 
 
 @triton.jit
+def _join_master(p, c_raw, P_DTYPE: tl.constexpr, ECC: tl.constexpr, ASM: tl.constexpr):
+    """The fp32 master weight ``p + c * q`` of the stored parameter ``p`` and its correction
+    codes ``c_raw`` (ECC bits; ECC 0: ``p`` itself)."""
+    if ECC > 0:
+        c = c_raw.to(tl.int32).to(tl.float32)
+        if P_DTYPE == 1:
+            pf = _bf16_f32(p, ASM)
+            if ASM:
+                q = _q_bf16x2(p, ECC, False)
+            else:
+                q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
+            th = pf + c * q
+        else:
+            th = p.to(tl.float32) + c * _pow2(_correction_exp(p, P_DTYPE, ECC))
+    else:
+        th = p.to(tl.float32)
+    return th
+
+
+@triton.jit
+def _round_bf16(x, ASM: tl.constexpr):
+    """fp32 -> bf16, round to nearest even."""
+    if ASM:  # cvt.rn.bf16x2.f32: one F2FP per two
+        return tl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;",
+            "=r,f,f",
+            [x],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+    else:  # the interpreter's bf16 cast is not RNE: integer rounding (as _cpu.py)
+        b = x.to(tl.uint32, bitcast=True)
+        nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+        return nb.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _store_master(
+    th,
+    pp,
+    cp,
+    off,
+    mask,
+    key,
+    ib,
+    P_DTYPE: tl.constexpr,
+    ECC: tl.constexpr,
+    SR: tl.constexpr,
+    ASM: tl.constexpr,
+    DRAW_HOIST: tl.constexpr,
+):
+    """Split the fp32 master weights ``th`` into the stored parameter (nearest narrow value)
+    and its correction codes (rounded stochastically with the draw of (key, ib) when SR) and
+    store both; fp32 parameters (P_DTYPE 0) store ``th``."""
+    if P_DTYPE == 0:
+        tl.store(pp + off, th, mask=mask)
+    else:
+        if P_DTYPE == 1:
+            pn = _round_bf16(th, ASM)
+        else:
+            pn = th.to(tl.float16)
+        tl.store(pp + off, pn, mask=mask)
+        if ECC > 0:
+            if P_DTYPE == 1:
+                pnf = _bf16_f32(pn, ASM)
+            else:
+                pnf = pn.to(tl.float32)
+            if P_DTYPE == 1 and ASM:
+                iq = _q_bf16x2(pn, ECC, True)
+            elif P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
+                iq = (0x7F000000 - _q_bf16(pnf, ECC)).to(tl.float32, bitcast=True)
+            else:
+                iq = _pow2(-_correction_exp(pn, P_DTYPE, ECC))
+            r = (th - pnf) * iq
+            if SR:
+                t = r + _draw(_hash(off, ib, key, DRAW_HOIST))  # (one hash: CSE'd)
+            else:
+                t = r + 0.5
+            # |r| <= 2**(ECC-1) (|th - pn| <= ulp/2), so floor(t) >= -LIM: only the top
+            # (th halfway, rounded down to even, plus u) needs a clamp
+            LIM: tl.constexpr = 1 << (ECC - 1)
+            t = tl.minimum(t, LIM - 1)
+            tl.store(cp + off, _floor_bits(t, ASM, False).to(cp.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_momentum(mc_raw, msc_raw, ASM: tl.constexpr):
+    """Momentum values of int8 codes ``mc_raw`` [groups, 32] with group scales ``msc_raw``:
+    ``y = code / 127``, ``x = y / (2 - |y|)``, ``m = x s``."""
+    mc = mc_raw.to(tl.int32).to(tl.float32)
+    msc = msc_raw.to(tl.float32)
+    y = mc * 0.007874015718698502  # fp32(1/127)
+    x = _div(y, 2.0 - tl.abs(y), ASM)
+    return x * msc[:, None]
+
+
+@triton.jit
+def _store_momentum(
+    m,
+    mp,
+    msp,
+    off,
+    mask,
+    goff,
+    gmask,
+    key,
+    ib,
+    SCALE_F32: tl.constexpr,
+    CODE_SR: tl.constexpr,
+    ASM: tl.constexpr,
+    DRAW_HOIST: tl.constexpr,
+):
+    """Quantize the momentum tile ``m`` [groups, 32] (group scale: absmax rounded up, at
+    least 2**-126; then ``127 * 2x / (1 + |x|)`` of ``x = m / s``, rounded stochastically
+    with the step's hash of (key, ib) when CODE_SR, else to nearest) and store codes and
+    scales. s >= 2**-126 (reference.MOM_SCALE_MIN): 1/s is finite for subnormal momenta and
+    zero groups; a group beyond the largest bf16 has s = inf, codes 0 (1/inf = 0) and stores
+    that largest value."""
+    ms_new = tl.maximum(_ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32), 1.1754943508222875e-38)
+    inv = _div_safe(1.0, ms_new, ASM)
+    if not SCALE_F32:
+        ms_new = tl.minimum(ms_new, 3.3895313892515355e38)
+    x = m * inv[:, None]
+    # 2x / (1 + |x|) * 127 == (x / (1 + |x|)) * 254 bitwise (2x is exact). s >= max|m|
+    # so |x| <= 1 + 2**-22 and |254 x / (1 + |x|)| < 127 + 2**-14: floor(. + 0.5), and
+    # floor(. + 1 + u) - 1 for u in [2**-9, 1 - 2**-9], lie in [-127, 127] without a
+    # clamp (non-finite m, check_finite=False: other garbage)
+    if CODE_SR:
+        h = _hash(off, ib, key, DRAW_HOIST)  # (one hash per tile: CSE'd)
+        t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + _code_offset(h, 0, ASM)  # M_BIT
+    else:
+        t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + 0.5
+    tl.store(mp + off, _floor_bits(t, ASM, CODE_SR).to(tl.int8), mask=mask)
+    if ASM:
+        _store_scales(msp + goff, ms_new, gmask, SCALE_F32)
+    else:
+        tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
+
+
+@triton.jit
 def _step_tile(
     pp,  # pointers to the tensor's arrays (_tensor_arrays)
     gp,
@@ -312,6 +453,7 @@ def _step_tile(
     FMA: tl.constexpr = ASM
     p = tl.load(pp + off, mask=mask, other=0.0)
     g_raw = tl.load(gp + off, mask=mask, other=0.0)
+    c_raw = 0  # (no correction: unused)
     if ECC > 0:
         c_raw = tl.load(cp + off, mask=mask, other=0)
     if HAS_MOM:
@@ -333,27 +475,10 @@ def _step_tile(
         g = g_raw.to(tl.float32)
     if MAXIMIZE:  # torch.optim's maximize: ascend, as on -g (a sign the update ops absorb)
         g = -g
-    if ECC > 0:
-        c = c_raw.to(tl.int32).to(tl.float32)
-        if P_DTYPE == 1:
-            pf = _bf16_f32(p, ASM)
-            if ASM:
-                q = _q_bf16x2(p, ECC, False)
-            else:
-                q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
-            th = pf + c * q
-        else:
-            th = p.to(tl.float32) + c * _pow2(_correction_exp(p, P_DTYPE, ECC))
-    else:
-        th = p.to(tl.float32)
-
+    th = _join_master(p, c_raw, P_DTYPE, ECC, ASM)
     if HAS_MOM:
         if QUANT:
-            mc = mc_raw.to(tl.int32).to(tl.float32)
-            msc = msc_raw.to(tl.float32)
-            y = mc * 0.007874015718698502  # fp32(1/127)
-            x = _div(y, 2.0 - tl.abs(y), ASM)
-            m = x * msc[:, None]
+            m = _decode_momentum(mc_raw, msc_raw, ASM)
         else:
             m = mc_raw
 
@@ -385,6 +510,7 @@ def _step_tile(
         # once: the denominator and the variance code; capped at the largest bf16, so v = inf
         # ((1 - b2) g^2 above fp32's range) keeps a finite scale and codes (update m / inf = 0)
         svg = tl.minimum(tl.sqrt(v), 3.3895313892515355e38)
+
         if FMA and DECOUPLED:
             th = tl.fma(th, decay_mult, -(step_size * _div(m, svg * inv_sqrt_bc2 + eps, ASM)))
         else:
@@ -425,36 +551,11 @@ def _step_tile(
             th = th - lr * sgn
             m = m * b2 + one_m_b2 * g
 
-    # the step's hash bits per element: the correction's draw and the state codes' (8 bits
-    # each, reference.V_BIT / M_BIT): stochastic rounding keeps the 8-bit EMA states unbiased
-    CODE_SR: tl.constexpr = SR and QUANT
-    if SR and (ECC > 0 or QUANT):
-        h = _hash(off, ib, key, DRAW_HOIST)
     if HAS_MOM:
         if QUANT:
-            # s >= 2**-126 (reference.MOM_SCALE_MIN): 1/s is finite for subnormal momenta and
-            # zero groups; a group beyond the largest bf16 has s = inf, codes 0 (1/inf = 0)
-            # and stores that largest value
-            ms_new = tl.maximum(
-                _ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32), 1.1754943508222875e-38
+            _store_momentum(
+                m, mp, msp, off, mask, goff, gmask, key, ib, SCALE_F32, SR, ASM, DRAW_HOIST
             )
-            inv = _div_safe(1.0, ms_new, ASM)
-            if not SCALE_F32:
-                ms_new = tl.minimum(ms_new, 3.3895313892515355e38)
-            x = m * inv[:, None]
-            # 2x / (1 + |x|) * 127 == (x / (1 + |x|)) * 254 bitwise (2x is exact). s >= max|m|
-            # so |x| <= 1 + 2**-22 and |254 x / (1 + |x|)| < 127 + 2**-14: floor(. + 0.5), and
-            # floor(. + 1 + u) - 1 for u in [2**-9, 1 - 2**-9], lie in [-127, 127] without a
-            # clamp (non-finite m, check_finite=False: other garbage)
-            if CODE_SR:
-                t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + _code_offset(h, 0, ASM)  # M_BIT
-            else:
-                t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + 0.5
-            tl.store(mp + off, _floor_bits(t, ASM, CODE_SR).to(tl.int8), mask=mask)
-            if ASM:
-                _store_scales(msp + goff, ms_new, gmask, SCALE_F32)
-            else:
-                tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
         else:
             tl.store(mp + off, m, mask=mask)
     if KIND == 0:
@@ -466,13 +567,14 @@ def _step_tile(
             # and 0 where svg == 0 (then t = 0.5); with the draw 1 + u, lo and the floor are
             # one higher. svg <= s, so svg * 255 / s < 255 + 2**-12 and no clamp at 255 is
             # needed (u <= 1 - 2**-9).
-            if CODE_SR:
+            if SR:
+                h = _hash(off, ib, key, DRAW_HOIST)  # (one hash per tile: CSE'd)
                 lo = tl.where(svg <= 0.0, 1.0, 2.0)
                 t = tl.maximum(svg * inv[:, None] + _code_offset(h, 15, ASM), lo)  # V_BIT
             else:
                 lo = tl.where(svg <= 0.0, 0.0, 1.0)
                 t = tl.maximum(svg * inv[:, None] + 0.5, lo)
-            tl.store(vp + off, _floor_bits(t, ASM, CODE_SR).to(tl.uint8), mask=mask)
+            tl.store(vp + off, _floor_bits(t, ASM, SR).to(tl.uint8), mask=mask)
             if ASM:
                 _store_scales(vsp + goff, vs_new, gmask, SCALE_F32)
             else:
@@ -480,47 +582,7 @@ def _step_tile(
         else:
             tl.store(vp + off, v, mask=mask)
 
-    if P_DTYPE == 0:
-        tl.store(pp + off, th, mask=mask)
-    else:
-        if P_DTYPE == 1:
-            if ASM:  # cvt.rn.bf16x2.f32: one F2FP per two, round to nearest even
-                pn = tl.inline_asm_elementwise(
-                    "cvt.rn.bf16x2.f32 $0, $2, $1;",
-                    "=r,f,f",
-                    [th],
-                    dtype=tl.bfloat16,
-                    is_pure=True,
-                    pack=2,
-                )
-            else:  # the interpreter's bf16 cast is not RNE: integer rounding (as _cpu.py)
-                b = th.to(tl.uint32, bitcast=True)
-                nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
-                pn = nb.to(tl.bfloat16, bitcast=True)
-        else:
-            pn = th.to(tl.float16)
-        tl.store(pp + off, pn, mask=mask)
-        if ECC > 0:
-            if P_DTYPE == 1:
-                pnf = _bf16_f32(pn, ASM)
-            else:
-                pnf = pn.to(tl.float32)
-            if P_DTYPE == 1 and ASM:
-                iq = _q_bf16x2(pn, ECC, True)
-            elif P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
-                iq = (0x7F000000 - _q_bf16(pnf, ECC)).to(tl.float32, bitcast=True)
-            else:
-                iq = _pow2(-_correction_exp(pn, P_DTYPE, ECC))
-            r = (th - pnf) * iq
-            if SR:
-                t = r + _draw(h)
-            else:
-                t = r + 0.5
-            # |r| <= 2**(ECC-1) (|th - pn| <= ulp/2), so floor(t) >= -LIM: only the top
-            # (th halfway, rounded down to even, plus u) needs a clamp
-            LIM: tl.constexpr = 1 << (ECC - 1)
-            t = tl.minimum(t, LIM - 1)
-            tl.store(cp + off, _floor_bits(t, ASM, False).to(cp.dtype.element_ty), mask=mask)
+    _store_master(th, pp, cp, off, mask, key, ib, P_DTYPE, ECC, SR, ASM, DRAW_HOIST)
 
 
 @triton.jit

@@ -176,7 +176,8 @@ class CheckpointMixin:
         st["step"] = int(step.item()) if torch.is_tensor(step) else int(step)
         if "seed" in st_old:
             st["seed"] = int(st_old["seed"])
-        for key in [self._m_key, self._v_key]:
+        m_key, v_key = self._state_keys(group)
+        for key in [m_key, v_key]:
             if key is None or key not in st_old or key not in st:
                 continue
             v = local(st_old[key]).to(lp.device)
@@ -188,7 +189,7 @@ class CheckpointMixin:
                 # quantized in the parameter's memory order (its groups of 32 are the step's)
                 lay = torch.empty_like(st[key], dtype=torch.float64)
                 lay.copy_(v.reshape(lay.shape))
-                if key == self._v_key:
+                if key == v_key:
                     codes, s = quantize_variance_ref(flat(lay), group["scale_dtype"])
                 else:
                     codes, s = quantize_momentum_ref(flat(lay), group["scale_dtype"])
@@ -216,7 +217,7 @@ class CheckpointMixin:
             st[key + "_scale"].copy_(eg[:, 0])
             return
         cf = c.to(torch.float64)
-        if key == self._v_key:
+        if key == self._state_keys(group)[1]:
             sv = cf / 255 * e
             codes2, s2 = quantize_variance_ref(sv * sv, group["scale_dtype"])
         else:

@@ -182,6 +182,10 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
     def _has_mom(self, group) -> bool:
         return True
 
+    def _state_keys(self, group) -> tuple[str | None, str | None]:
+        """The state names of the group's momentum and variance (None: not kept)."""
+        return (self._m_key if self._has_mom(group) else None), self._v_key
+
     def _init_state(self, p: torch.Tensor, group) -> dict:
         st = self.state[p]
         if "step" in st:
@@ -196,11 +200,12 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         idx = self._pindex.get(id(p), 0)
         st["seed"] = mix32_ref(torch.tensor([(self.seed * 1000003 + idx) & 0xFFFFFFFF])).item()
         quant = group["quantize"]
+        m_key, v_key = self._state_keys(group)
         keys = []
-        if self._has_mom(group):
-            keys.append((self._m_key, torch.int8))
-        if self._v_key is not None:
-            keys.append((self._v_key, torch.uint8))
+        if m_key is not None:
+            keys.append((m_key, torch.int8))
+        if v_key is not None:
+            keys.append((v_key, torch.uint8))
         for key, cdt in keys:
             # every per-element state has the parameter's strides (zeros_like keeps a dense
             # layout): the step runs over memory order, element i of each array the same
@@ -217,12 +222,13 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
     def _state_view(self, st, group) -> dict:
         """A parameter's state under the kernel's array names (c, m, ms, v, vs)."""
         sd = {}
-        if self._m_key in st:
-            sd["m"] = st[self._m_key]
-            sd["ms"] = st.get(self._m_key + "_scale")
-        if self._v_key is not None:
-            sd["v"] = st[self._v_key]
-            sd["vs"] = st.get(self._v_key + "_scale")
+        m_key, v_key = self._state_keys(group)
+        if m_key is not None and m_key in st:
+            sd["m"] = st[m_key]
+            sd["ms"] = st.get(m_key + "_scale")
+        if v_key is not None:
+            sd["v"] = st[v_key]
+            sd["vs"] = st.get(v_key + "_scale")
         if "correction" in st:
             sd["c"] = st["correction"]
         return sd
@@ -273,7 +279,9 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         """One check for the whole step: a Triton pre-pass per bucket writing one flag per
         device, then a single host sync; ``torch.isfinite`` for CPU-path tensors. With
         ``flags`` (the step kernels read them on device) only the pre-passes run, no sync.
-        ``mark``: the value the pre-pass writes into a flag (the step's epoch, or 1)."""
+        ``mark``: the value the pre-pass writes into a flag (the step's epoch, or 1).
+        Sharded (DTensor) parameters: the decision is the maximum over all ranks of their
+        meshes (a non-finite gradient element lies in one rank's shard; every rank skips)."""
         on_device = flags is not None
         flags = {} if flags is None else flags
         cpu_ps = []
@@ -287,13 +295,18 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
                 if dev not in flags:
                     flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
                 _plan.launch_prepass(ent, flags[dev], mark)
+        meshes = _meshes(preps)
         if on_device:
+            for f in flags.values():
+                _plan.all_ranks_max_(f, meshes)
             return False
-        for p in cpu_ps:
-            g = local(p.grad)
-            if not bool(torch.isfinite(g).all()):
-                return True
-        return sum(f.to("cpu", non_blocking=False).item() for f in flags.values()) > 0
+        bad = any(not bool(torch.isfinite(local(p.grad)).all()) for p in cpu_ps)
+        bad = bad or sum(f.to("cpu", non_blocking=False).item() for f in flags.values()) > 0
+        if meshes:
+            t = torch.tensor([int(bad)], dtype=torch.int32, device=_plan.mesh_device(meshes[0]))
+            _plan.all_ranks_max_(t, meshes)
+            bad = bool(t.item())
+        return bad
 
     def _skip(self) -> None:
         """Account for a step not taken because of a non-finite gradient."""
@@ -431,11 +444,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             buckets.setdefault(key, []).append(p)
         out = []
         for key, bps in buckets.items():
-            ent = None
-            if key[4]:
-                sts = [self._state_view(self.state[p], group) for p in bps]
-                ent = _plan.build_table(bps, sts, [self.state[p]["seed"] for p in bps])
-            out.append(dict(ps=bps, ent=ent, step=key[0]))
+            out += self._bucket_entries(group, key, bps)
         if self.capturable:
             return _capturable.device_plan(self, group, ps, out, cache)
         return dict(group=group, plan=None, buckets=out, cache=cache, ps=ps)
@@ -453,6 +462,36 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
                 raise ValueError("a DTensor gradient must have its parameter's strides")
             p.grad = torch.empty_like(lp, dtype=lg.dtype).copy_(lg)
 
+    def _bucket_entries(self, group, key: tuple, bps: list) -> list[dict]:
+        """The launch units of one bucket (``key``: step count, dtypes, device, Triton or
+        not, numel % 16 == 0): its parameters with their offset and work tables (None on the
+        CPU path) and step count; one unit per bucket."""
+        ent = None
+        if key[4]:
+            sts = [self._state_view(self.state[p], group) for p in bps]
+            ent = _plan.build_table(bps, sts, [self.state[p]["seed"] for p in bps])
+        return [dict(ps=bps, ent=ent, step=key[0])]
+
+    def _step_bucket(self, group, b: dict, hp: dict, step: int, skip=None) -> None:
+        """Step one unit of ``_bucket_entries``: its kernel launch (``skip``: the device
+        non-finite flag it checks), or the CPU path per parameter."""
+        if b["ent"] is not None:
+            self._launch(b["ent"], group, hp, step, skip=skip)
+            return
+        for p in b["ps"]:
+            st = self.state[p]
+            sv = self._state_view(st, group)
+            cpu_step(
+                self._kind,
+                local(p),
+                local(p.grad),
+                sv,
+                hp,
+                step,
+                st["seed"],
+                _plan.global_index_base(p),
+            )
+
     def _commit(self, prep, skip: dict | None = None) -> None:
         """Launch (or run on the CPU path) the step of every bucket of ``prep`` and advance
         the step counts; an uncached step whose buckets all run the kernel at one step count
@@ -462,9 +501,8 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if plan is not None:  # fast path: one step count for all, cached tables
             step = plan["step"] + 1
             for b in plan["buckets"]:  # hp per bucket: ecc depends on the parameter dtype
-                ent = b["ent"]
-                flag = None if skip is None else skip[ent["tab"].device]
-                self._launch(ent, group, self._hp(group, b["ps"][0]), step, skip=flag)
+                flag = None if skip is None else skip[b["ent"]["tab"].device]
+                self._step_bucket(group, b, self._hp(group, b["ps"][0]), step, skip=flag)
             # the host counts after the launches: this loop (one dict update per parameter)
             # runs while the device steps, before the caller's sync
             plan["step"] = step
@@ -476,22 +514,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             hp = self._hp(group, b["ps"][0])
             for p in b["ps"]:
                 self.state[p]["step"] = step
-            if b["ent"] is not None:
-                self._launch(b["ent"], group, hp, step)
-                continue
-            for p in b["ps"]:
-                st = self.state[p]
-                sv = self._state_view(st, group)
-                cpu_step(
-                    self._kind,
-                    local(p),
-                    local(p.grad),
-                    sv,
-                    hp,
-                    step,
-                    st["seed"],
-                    _plan.global_index_base(p),
-                )
+            self._step_bucket(group, b, hp, step)
         bs = prep["buckets"]
         steps = {b["step"] for b in bs}
         if prep["cache"] and all(b["ent"] is not None for b in bs) and len(steps) == 1:
@@ -562,3 +585,18 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             return None
         ts = list(self._dskip.values())
         return ts[0] if len(ts) == 1 else sum(t.to(ts[0].device) for t in ts)
+
+
+def _meshes(preps) -> list:
+    """The device meshes of the steps' DTensor parameters (cached on a plan)."""
+    out: list = []
+    for prep in preps:
+        plan = prep["plan"]
+        if plan is not None:
+            if "meshes" not in plan:
+                plan["meshes"] = _plan.meshes_of(plan["ps"]) if plan["dt"] else []
+            ms = plan["meshes"]
+        else:
+            ms = _plan.meshes_of(p for b in prep["buckets"] for p in b["ps"])
+        out += [m for m in ms if all(m is not x for x in out)]
+    return out
