@@ -12,6 +12,8 @@ from ._cpu import _narrow_q
 from ._plan import flat, local
 from .reference import (
     GROUP,
+    dequantize_momentum_ref,
+    dequantize_variance_ref,
     pad_groups,
     quantize_momentum_ref,
     quantize_variance_ref,
@@ -178,9 +180,18 @@ class CheckpointMixin:
             st["seed"] = int(st_old["seed"])
         m_key, v_key = self._state_keys(group)
         for key in [m_key, v_key]:
-            if key is None or key not in st_old or key not in st:
+            # our state dicts name 8-bit codes <state>_codes (torch's loader must not read
+            # them as moments); older ones and torch's use <state>
+            src = key + "_codes" if key is not None and key + "_codes" in st_old else key
+            if key is None or src not in st_old or key not in st:
                 continue
-            v = local(st_old[key]).to(lp.device)
+            v = local(st_old[src]).to(lp.device)
+            if not v.is_floating_point() and not group["quantize"]:  # codes into fp32 states
+                dq = dequantize_variance_ref if key == v_key else dequantize_momentum_ref
+                lay = torch.empty_like(st[key])
+                flat(lay).copy_(dq(flat(v), local(st_old[key + "_scale"]).to(lp.device)))
+                st[key].copy_(lay)
+                continue
             per_el = st_old.get(key + "_scale_per_element")
             if per_el is not None and group["quantize"]:  # sharded (DCP) export
                 self._load_per_element(st, key, v, local(per_el).to(lp.device), group)
@@ -239,6 +250,14 @@ class CheckpointMixin:
         sd = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, st in list(sd["state"].items()):
+            # 8-bit codes as <state>_codes: torch.optim's loader cannot take them for moments
+            # (its first step then raises KeyError for the missing <state>; export a torch
+            # state dict with torch_state_dict())
+            st = {
+                (k + "_codes" if torch.is_tensor(v) and _is_codes(k, v) else k): v
+                for k, v in st.items()
+            }
+            sd["state"][idx] = st
             p = params[idx]
             if not hasattr(p, "_local_tensor"):
                 continue
@@ -268,3 +287,64 @@ class CheckpointMixin:
             sd["state"][idx] = new
         sd["flashoptim"] = {"skipped_steps": skipped}
         return sd
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The way back to torch.optim: a state dict in its layout with dequantized fp32
+        moments (``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``, each of its parameter's
+        shape) and torch's group keys, for ``torch.optim.AdamW`` / ``Adam`` / ``SGD`` over fp32
+        copies of the parameters made from ``master_weights()``::
+
+            masters = opt.master_weights()
+            fp32 = [masters[p].clone().requires_grad_() for p in model.parameters()]
+            torch_opt = torch.optim.AdamW(fp32)
+            torch_opt.load_state_dict(opt.torch_state_dict())
+
+        ``load_state_dict`` takes such a dict back (quantizing it). Not for DTensor (FSDP2)
+        parameters: use ``state_dict()`` with torch.distributed.checkpoint there."""
+        if self.capturable:
+            self.sync_steps()
+        state, groups, idx = {}, [], 0
+        for group in self.param_groups:
+            m_key, v_key = self._state_keys(group)
+            ids = []
+            for p in group["params"]:
+                if hasattr(p, "_local_tensor"):
+                    raise ValueError("torch_state_dict() does not export DTensor (FSDP2) states")
+                st = self.state.get(p)
+                if st and "step" in st:
+                    out = {"step": torch.tensor(float(st["step"]))}
+                    for key, dq in (
+                        (m_key, dequantize_momentum_ref),
+                        (v_key, dequantize_variance_ref),
+                    ):
+                        if key is None or key not in st:
+                            continue
+                        lay = torch.empty_like(st[key], dtype=torch.float32)
+                        if group["quantize"]:
+                            flat(lay).copy_(dq(flat(st[key]), st[key + "_scale"]))
+                        else:
+                            lay.copy_(st[key])
+                        out[key] = lay
+                    state[idx] = out
+                ids.append(idx)
+                idx += 1
+            g = {k: v for k, v in group.items() if k not in _OURS and k != "params"}
+            g.update(self._torch_group_keys(group))
+            g["params"] = ids
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    def _torch_group_keys(self, group) -> dict:
+        keys = dict(foreach=None, maximize=bool(group.get("maximize", False)))
+        keys.update(capturable=False, differentiable=False, fused=None)
+        if self._v_key is not None:  # Adam / AdamW
+            keys.update(amsgrad=False, decoupled_weight_decay=self._decoupled)
+        return keys
+
+
+# our group keys that torch.optim does not have
+_OURS = ("master_weight_bits", "quantize", "stochastic_rounding", "scale_dtype")
+
+
+def _is_codes(key: str, v: torch.Tensor) -> bool:
+    return not v.is_floating_point() and key not in ("step", "seed", "correction")
