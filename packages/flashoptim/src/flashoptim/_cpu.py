@@ -174,7 +174,7 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
             th = th * f32_c(1 - hp["lr"] * hp["wd"])
         else:
             gf = gf + f32_c(hp["wd"]) * th
-        m = m + (gf - m) * f32_c(1 - hp["b1"])
+        m = m * f32_c(hp["b1"]) + f32_c(1 - hp["b1"]) * gf
         # ((1 - b2) g) g: finite up to |g| ~ 1.8e20, as torch's addcmul (g * g overflowed at 1.8e19)
         v = v * f32_c(hp["b2"]) + (f32_c(1 - hp["b2"]) * gf) * gf
         step_size = f32_c(hp["lr"] / (1 - hp["b1"] ** step))

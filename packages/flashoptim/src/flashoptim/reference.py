@@ -185,6 +185,7 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     """
     bits, quant, sr, sdt = hp["ecc"], hp["quant"], hp["sr"], hp["scale_dtype"]
     n = p.numel()
+    st = {k: v.reshape(-1) for k, v in st.items()}  # states of any shape, flat (as p)
     g64 = g.reshape(-1).to(torch.float64)
     if hp.get("maximize"):
         g64 = -g64
@@ -206,7 +207,7 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
             th = th * (1 - lr * wd)
         else:
             g64 = g64 + wd * th
-        m = m + (g64 - m) * (1 - b1)
+        m = m * b1 + (1 - b1) * g64
         v = v * b2 + (1 - b2) * g64 * g64
         bc1, bc2 = 1 - b1**step, 1 - b2**step
         th = th - lr / bc1 * (m / (v.sqrt() / math.sqrt(bc2) + eps))
