@@ -4,9 +4,10 @@
     python -m flashoptim.bench --smoke             # tiny, CPU, seconds (CI)
     python -m flashoptim.bench --layout large --providers ours torch-fused --json out.json
 
-Cases (bench ``adamw`` / ``sgd`` / ``lion``, mode ``step`` eager or ``graph`` replayed in a
-CUDA graph), each on a layout: ``large`` (8 x 8192^2 bf16, 537M params), ``small`` (2,050
-tensors, 54.6M params), ``gpt`` (the parameter list of a 12-layer d=768 GPT). Providers:
+Cases (bench ``adamw`` / ``sgd`` / ``lion``, mode ``step`` eager, ``graph`` replayed in a
+CUDA graph, ``compiled``: ``torch.compile(opt.step, mode="reduce-overhead", fullgraph=True)``
+with ``capturable=True``, the 2,050-tensor layout), each on a layout: ``large`` (8 x 8192^2
+bf16, 537M params), ``small`` (2,050 tensors, 54.6M params), ``gpt`` (the parameter list of a 12-layer d=768 GPT). Providers:
 ``ours``; ``torch-fused`` (torch AdamW, fused, bf16 params: no master weights),
 ``torch-fused-fp32`` (fp32 params), ``flashoptim-0.1.4`` (the published flashoptim, loaded
 from its own folder under the name ``flashoptim_peer``: ``--peer-flashoptim-path DIR`` with
@@ -35,7 +36,7 @@ PROVIDERS = [
     "bitsandbytes",
     "torchao",
 ]
-MODES = ["step", "graph"]
+MODES = ["step", "graph", "compiled"]
 LR = 1e-4
 # bytes a step must move per parameter (read + write), bf16 parameters and gradients
 _OURS_ADAMW = 2 + 2 + 1 + 1 + 1 + 0.125 + 2 + 1 + 1 + 1 + 0.125  # p, g, rho, m, v, scales
@@ -138,7 +139,7 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
     state: dict = {}
 
     def make():
-        if mode == "graph" and device.type != "cuda":
+        if mode in ("graph", "compiled") and device.type != "cuda":
             raise H.Skip("CUDA graphs: GPU only")
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -150,12 +151,19 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
         ]
         for p in ps:
             p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
-        opt = make_optimizer(bench, provider, ps, check, mode == "graph", args.peer_flashoptim_path)
+        graph = mode in ("graph", "compiled")  # capturable, a tensor lr
+        opt = make_optimizer(bench, provider, ps, check, graph, args.peer_flashoptim_path)
         opt.step()  # allocates the states (and autotunes)
         state["opt"] = opt
         if device.type == "cuda":
             H.sync(device)
             state["held"] = torch.cuda.memory_allocated(device) - state["base"]
+        if mode == "compiled":  # torch.compile's CUDA graphs: no capture code of ours
+            torch._dynamo.reset()
+            step = torch.compile(opt.step, mode="reduce-overhead", fullgraph=True)
+            for _ in range(3):  # trace, warm up, record
+                step()
+            return step
         return H.cuda_graph(opt.step, device) if mode == "graph" else opt.step
 
     def metrics():
@@ -206,6 +214,9 @@ def cases(layouts, modes, providers, cuda: bool):
             out.append(("adamw", "step", lay, False, [], None))
         if "graph" in modes and cuda:
             out.append(("adamw", "graph", lay, True, [], f"AdamW step, CUDA graph, {name}"))
+        if "compiled" in modes and cuda and lay == "small":
+            out.append(("adamw", "compiled", lay, True, [],
+                        f"AdamW step, torch.compile reduce-overhead, {name}"))  # fmt: skip
         if "step" in modes and big:
             sgd_peers = [p for p in ("flashoptim-0.1.4",) if p in providers]
             out.append(("sgd", "step", lay, False, sgd_peers, f"SGD momentum step, {name}"))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import _capturable, _plan, checkpoint
+from . import _capturable, _compile, _plan, checkpoint
 from ._cpu import cpu_step
 from ._plan import local
 from .reference import ADAM, ECC_BITS, ECC_DTYPE, GROUP, mix32_ref
@@ -137,6 +137,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         self._plans: dict = {}  # id(group) -> cached plan (tables reused across steps)
         self._release_enabled = False
         self._warned_skip = False
+        self._handle = _compile.register(self)  # names it to a compiled graph's step op
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -326,6 +327,34 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        if torch.compiler.is_compiling():  # one custom op in the graph (_compile.py)
+            if closure is not None:
+                raise ValueError("flashoptim: a compiled step() takes no closure")
+            _compile.traced_step(self)
+            return None
+        return self._step(closure)
+
+    def _step_from_graph(self, index: list, params: list, grads: list) -> None:
+        """The compiled graph's step op: step the parameters at ``index`` with the gradients
+        the graph computed (set as their ``.grad``); ``params`` may be copies the graph
+        passes (functionalization), which then receive the updated values."""
+        if _plan.capturing() and not self.capturable:
+            raise RuntimeError(
+                "flashoptim: this step is being captured in a CUDA graph (torch.compile"
+                " mode='reduce-overhead'?): build the optimizer with capturable=True"
+            )
+        allp = [p for g in self.param_groups for p in g["params"]]
+        orig = [allp[i] for i in index]
+        with torch.no_grad():
+            for p, g in zip(orig, grads, strict=True):
+                if p.grad is not g:
+                    p.grad = g
+            self._step(None)
+            for q, p in zip(params, orig, strict=True):
+                if q is not p and q.data_ptr() != p.data_ptr():
+                    q.copy_(p)
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -553,6 +582,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             if k not in d and not k.startswith("_optimizer_") and k not in self._CACHES:
                 d[k] = v
         d.pop("_pindex", None)  # ids of the old parameters: rebuilt from param_groups
+        d.pop("_handle", None)  # the copy gets its own
         return d
 
     def __setstate__(self, state: dict) -> None:
@@ -562,6 +592,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
                 self.__dict__[k] = {}
         self._epoch = 0
         self._warned_skip = self.__dict__.get("_warned_skip", False)
+        self._handle = _compile.register(self)
         self._pindex = {}
         for g in self.param_groups:
             for p in g["params"]:
