@@ -5,15 +5,16 @@
     python -m flashoptim.bench --layout large --providers ours torch-fused --json out.json
 
 Cases (bench ``adamw`` / ``sgd`` / ``lion``, mode ``step`` eager, ``graph`` replayed in a
-CUDA graph, ``compiled``: ``torch.compile(opt.step, mode="reduce-overhead", fullgraph=True)``
-with ``capturable=True``, the 2,050-tensor layout), each on a layout: ``large`` (8 x 8192^2
-bf16, 537M params), ``small`` (2,050 tensors, 54.6M params), ``gpt`` (the parameter list
-of a 12-layer d=768 GPT). Providers: ``ours``; ``torch-fused`` (torch AdamW, fused, bf16
-params: no master weights), ``torch-fused-fp32`` (fp32 params), ``flashoptim-0.1.4`` (the published flashoptim, loaded
-from its own folder under the name ``flashoptim_peer``: ``--peer-flashoptim-path DIR`` with
-DIR/flashoptim/__init__.py, default the first such folder on sys.path that is not this
-package), ``bitsandbytes`` and ``torchao`` (AdamW8bit, bf16 params). ``frac_ceiling``: the
-bytes the step must move over the device copy rate measured in the same process.
+CUDA graph, ``compiled``: ``torch.compile(opt.step, mode="reduce-overhead",
+fullgraph=True)`` with ``capturable=True``, the 2,050-tensor layout), each on a layout:
+``large`` (8 x 8192^2 bf16, 537M params), ``small`` (2,050 tensors, 54.6M params), ``gpt``
+(the parameter list of a 12-layer d=768 GPT). Providers: ``ours``; ``torch-fused`` (torch
+AdamW, fused, bf16 params: no master weights), ``torch-fused-fp32`` (fp32 params),
+``flashoptim-0.1.4`` (the published flashoptim, loaded from its own folder under the name
+``flashoptim_peer``: ``--peer-flashoptim-path DIR`` with DIR/flashoptim/__init__.py, default
+the first such folder on sys.path that is not this package), ``bitsandbytes`` and
+``torchao`` (AdamW8bit, bf16 params). ``frac_ceiling``: the bytes the step must move over
+the device copy rate measured in the same process.
 """
 
 from __future__ import annotations
