@@ -459,7 +459,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             if p.grad.is_sparse:
                 raise ValueError("flashoptim does not support sparse gradients")
             lp = local(p)
-            if not lp.is_contiguous():
+            if not lp.is_contiguous() or local(p.grad).stride() != lp.stride():
                 self._match_layout(p, group)
             st = self._init_state(p, group)
             key = (

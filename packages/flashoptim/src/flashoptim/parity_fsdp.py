@@ -170,12 +170,12 @@ def _state_equal(saved: dict, loaded: dict) -> dict:
         ):
             return {"ok": False, "why": f"{fqn}: step or correction differs"}
         for k in ("exp_avg", "exp_avg_sq"):
-            sk = k + "_scale_per_element"
-            if torch.equal(got[k], st[k]) and torch.equal(got[sk], st[sk]):
+            sk, ck = k + "_scale_per_element", k + "_codes"  # (state_dict's names)
+            if torch.equal(got[ck], st[ck]) and torch.equal(got[sk], st[sk]):
                 exact += 1
                 continue
             regrouped += 1
-            a, b = _decode(k, st[k], st[sk]), _decode(k, got[k], got[sk])
+            a, b = _decode(k, st[ck], st[sk]), _decode(k, got[ck], got[sk])
             worst = max(
                 worst, float((a - b).abs().max() / st[sk].double().abs().max().clamp_min(1e-30))
             )
