@@ -49,7 +49,10 @@ SCALARS = [
 def kernels():
     """(step kernel, pre-pass kernel, chunk size, pre-pass trip size, legacy constexprs)."""
     try:
-        from flashoptim import _step_kernel as k
+        try:
+            from flashoptim_fused import _step_kernel as k
+        except ImportError:  # before the rename (issue #20)
+            from flashoptim import _step_kernel as k
 
         return k._step_kernel, k._nonfinite_kernel, k.CHUNK, k.PREPASS_SUB, {}
     except ImportError:

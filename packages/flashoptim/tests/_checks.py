@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-import flashoptim as fo
-from flashoptim import reference
+import flashoptim_fused as fo
+from flashoptim_fused import reference
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from _checks import INTERP, small_grads, small_params
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def _model(seed=0):
@@ -89,7 +89,7 @@ def test_load_torch_adamw_checkpoint():
     p_t, p_f = next(iter(m_t.parameters())), next(iter(m_f.parameters()))
     assert o_f.state[p_f]["exp_avg"].dtype == torch.int8
     assert o_f.state[p_f]["step"] == 5
-    from flashoptim import reference
+    from flashoptim_fused import reference
 
     m = reference.dequantize_momentum_ref(
         o_f.state[p_f]["exp_avg"].view(-1), o_f.state[p_f]["exp_avg_scale"]
@@ -122,7 +122,7 @@ def test_export_fp32_master_weights():
 def test_load_master_weights_keeps_the_fp32_value(dtype, bits):
     """The narrow parameter is the nearest narrow value of the master and the correction holds
     the rest: the optimizer's master weight is the fp32 value to half a correction step."""
-    from flashoptim import reference
+    from flashoptim_fused import reference
 
     g = torch.Generator().manual_seed(11)
     masters = [

@@ -7,7 +7,7 @@ import pytest
 import torch
 from _checks import small_grads, small_params
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def _twins(Opt, dev="cpu", **kw):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 STEPS = 6
 

@@ -39,7 +39,7 @@ from _checks import (
     state_view,
 )
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 import torch
 from _checks import DEV, INTERP, needs_kernel, small_grads, small_params
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 from _checks import DEV, INTERP, assert_bitwise, needs_kernel
 
-import flashoptim as fo
-from flashoptim import _plan
+import flashoptim_fused as fo
+from flashoptim_fused import _plan
 
 # bf16 buckets (numel % 16 == 0 or not) interleaved with an fp32 one: a plan of three
 # buckets whose parameters are not contiguous runs of the group

@@ -31,9 +31,9 @@ from _checks import (
     snapshot,
 )
 
-import flashoptim as fo
-from flashoptim import _config, _plan, reference
-from flashoptim import _step_kernel as K
+import flashoptim_fused as fo
+from flashoptim_fused import _config, _plan, reference
+from flashoptim_fused import _step_kernel as K
 
 CHUNK = K.CHUNK
 SIZES = (1, 31, 33, 2049, CHUNK + 1, CHUNK, 1)  # tensor boundaries inside chunks and tiles
@@ -524,7 +524,7 @@ def test_gpu_tensor_of_2_31_elements(monkeypatch):
 def _big_tensor_steps(n: int, boundary: int, dev: str) -> None:
     """``test_gpu_tensor_of_2_31_elements`` for a tensor of ``n`` elements and a window
     across element ``boundary`` (a multiple of 8,192)."""
-    from flashoptim import _cpu
+    from flashoptim_fused import _cpu
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1)

@@ -1,8 +1,8 @@
-"""flashoptim-bench: optimizer step time, bandwidth and bytes per parameter against peers.
+"""flashoptim-fused-bench: optimizer step time, bandwidth and bytes per parameter against peers.
 
-    python -m flashoptim.bench                     # GPU suite (CUDA): the headline cases
-    python -m flashoptim.bench --smoke             # tiny, CPU, seconds (CI)
-    python -m flashoptim.bench --layout large --providers ours torch-fused --json out.json
+    python -m flashoptim_fused.bench                     # GPU suite (CUDA): the headline cases
+    python -m flashoptim_fused.bench --smoke             # tiny, CPU, seconds (CI)
+    python -m flashoptim_fused.bench --layout large --providers ours torch-fused --json out.json
 
 Cases (bench ``adamw`` / ``sgd`` / ``lion``, mode ``step`` eager, ``graph`` replayed in a
 CUDA graph, ``compiled``: ``torch.compile(opt.step, mode="reduce-overhead",
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 from . import _harness as H
 
@@ -226,7 +226,7 @@ def cases(layouts, modes, providers, cuda: bool):
 
 
 def main(argv=None) -> int:
-    ap = H.parser("flashoptim-bench", __doc__.split("\n")[0], PROVIDERS, MODES)
+    ap = H.parser("flashoptim-fused-bench", __doc__.split("\n")[0], PROVIDERS, MODES)
     ap.add_argument("--layout", action="append", help="large, small, gpt, smoke (repeatable)")
     ap.add_argument("--peer-flashoptim-path", default=None)
     args = ap.parse_args(argv)

@@ -1,9 +1,10 @@
-"""flashoptim: torch.optim optimizers with weight splitting and companded 8-bit states.
+"""flashoptim_fused (distribution ``flashoptim-fused``): torch.optim optimizers with weight
+splitting and companded 8-bit states.
 
 FlashAdamW keeps ~7.1 bytes per parameter (bf16 weight, int8 correction, int8 momentum,
 uint8 variance, group scales, bf16 gradient) instead of 16, in one fused Triton kernel per
 bucket of tensors on CUDA and the same arithmetic in plain torch on CPU. ``step_ref`` is the
-float64 reference of one step (``flashoptim.reference`` has the quantizers).
+float64 reference of one step (``flashoptim_fused.reference`` has the quantizers).
 """
 
 from .adamw import FlashAdam, FlashAdamW
@@ -15,7 +16,7 @@ from .reference import step_ref
 from .release import GradientReleaseHandle, enable_gradient_release
 from .sgd import FlashSGD, FlashSGDW
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FlashAdam",

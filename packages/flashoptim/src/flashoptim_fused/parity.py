@@ -1,7 +1,7 @@
 """Training parity on a real run: a byte-level GPT on the Python standard library's sources.
 
-    python -m flashoptim.parity --out DIR            # GPU: ~25M params, 3 seeds x 2 optimizers
-    python -m flashoptim.parity --smoke --out DIR    # CPU, tiny model, seconds
+    python -m flashoptim_fused.parity --out DIR            # GPU: ~25M params, 3 seeds x 2 optimizers
+    python -m flashoptim_fused.parity --smoke --out DIR    # CPU, tiny model, seconds
 
 FlashAdamW (defaults: bf16 weights, 24-bit master, companded 8-bit states) against
 torch.optim.AdamW (fp32 weights, bf16 autocast on CUDA, fused), same init, data order and
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -285,7 +285,7 @@ def plot(result, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashoptim.parity")
+    ap = argparse.ArgumentParser(prog="python -m flashoptim_fused.parity")
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--steps", type=int, default=None)

@@ -1,9 +1,9 @@
 """Training parity under FSDP2 (``fully_shard``) on several GPUs, and a resharded resume.
 
-    python -m flashoptim.parity_fsdp --out DIR               # GPUs: world = all GPUs (NCCL)
-    python -m flashoptim.parity_fsdp --smoke --out DIR       # CPU, 2 gloo processes, seconds
+    python -m flashoptim_fused.parity_fsdp --out DIR               # GPUs: world = all GPUs (NCCL)
+    python -m flashoptim_fused.parity_fsdp --smoke --out DIR       # CPU, 2 gloo processes, seconds
 
-The byte-level GPT of :mod:`flashoptim.parity`, every block and the root sharded with
+The byte-level GPT of :mod:`flashoptim_fused.parity`, every block and the root sharded with
 ``fully_shard``; the global batch and data order are those of the single-GPU parity run
 (each rank takes its slice of the batch; FSDP2 averages the gradients). Per seed:
 
@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import flashoptim as fo
-from flashoptim.parity import (
+import flashoptim_fused as fo
+from flashoptim_fused.parity import (
     GPT,
     add_optimizers_option,
     load_corpus,
@@ -328,7 +328,7 @@ def _spawn(fn, args, nprocs, result_path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashoptim.parity_fsdp")
+    ap = argparse.ArgumentParser(prog="python -m flashoptim_fused.parity_fsdp")
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model")
     ap.add_argument(

@@ -1,4 +1,4 @@
-"""torch.compile support: under dynamo, ``step()`` is one custom op (``flashoptim::step``,
+"""torch.compile support: under dynamo, ``step()`` is one custom op (``flashoptim_fused::step``,
 declared to mutate the parameters, with a no-op fake impl), so ``torch.compile(opt.step,
 fullgraph=True)`` and compiled training steps trace it without a graph break or tracing our
 host code. At run time the op runs the eager step of the optimizer it names, on the
@@ -24,7 +24,7 @@ def register(opt) -> int:
     return h
 
 
-@torch.library.custom_op("flashoptim::step", mutates_args=("params",))
+@torch.library.custom_op("flashoptim_fused::step", mutates_args=("params",))
 def step_op(
     handle: int, index: list[int], params: list[torch.Tensor], grads: list[torch.Tensor]
 ) -> None:
@@ -46,4 +46,4 @@ def traced_step(opt) -> None:
     allp = [p for g in opt.param_groups for p in g["params"]]
     index = [i for i, p in enumerate(allp) if p.grad is not None]
     ps = [allp[i] for i in index]
-    torch.ops.flashoptim.step(opt._handle, index, ps, [p.grad for p in ps])
+    torch.ops.flashoptim_fused.step(opt._handle, index, ps, [p.grad for p in ps])
