@@ -6,9 +6,10 @@ them (``gpu`` tests: ``tools/gpu_run.sh``)."""
 
 import tempfile
 
-import flashoptim_fused as fo
 import pytest
 import torch
+
+import flashoptim_fused as fo
 
 
 class _Regressor(torch.nn.Module):

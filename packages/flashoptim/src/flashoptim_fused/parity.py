@@ -1,7 +1,7 @@
 """Training parity on a real run: a byte-level GPT on the Python standard library's sources.
 
-    python -m flashoptim_fused.parity --out DIR            # GPU: ~25M params, 3 seeds x 2 optimizers
-    python -m flashoptim_fused.parity --smoke --out DIR    # CPU, tiny model, seconds
+    python -m flashoptim_fused.parity --out DIR    # GPU: ~25M params, 3 seeds x 2 optimizers
+    python -m flashoptim_fused.parity --smoke --out DIR  # CPU, tiny model, seconds
 
 FlashAdamW (defaults: bf16 weights, 24-bit master, companded 8-bit states) against
 torch.optim.AdamW (fp32 weights, bf16 autocast on CUDA, fused), same init, data order and
