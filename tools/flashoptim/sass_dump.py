@@ -166,6 +166,7 @@ def base_consts(chunk: int) -> dict:
         SCALARS_ON_DEVICE=False,
         DRAW_HOIST=True,
         INDEX64=False,
+        MAXIMIZE=False,
     )
 
 
@@ -226,6 +227,7 @@ def main(argv=None) -> int:
         for block, warps, pf in CONFIGS:
             consts = dict(base, BLOCK=block, PF=pf, **legacy)
             consts.update(over)
+            consts = {k: v for k, v in consts.items() if k in step.arg_names}  # older kernels
             if "DRAW_HOIST" in over and "LEAN" in legacy:  # the legacy name of the choice
                 consts["LEAN"] = 2 if over["DRAW_HOIST"] else 1
             k = compile_fn(step, _signature(step, consts), consts, warps)

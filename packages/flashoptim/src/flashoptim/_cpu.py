@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .reference import ADAM, GROUP, M32, SGD, uniform_ref
+from ._plan import flat
+from .reference import ADAM, BF16_MAX, GROUP, M32, M_BIT, MOM_SCALE_MIN, SGD, V_BIT, hash_ref
 
 C127 = 1.0 / 127.0  # rounded to fp32 where used
 C255 = 1.0 / 255.0
@@ -54,6 +55,14 @@ def _ceil_scale_t(amax: torch.Tensor, scale_f32: bool) -> torch.Tensor:
     return (((b + 0xFFFF) >> 16) << 16).to(torch.int32).view(torch.float32)
 
 
+def code_offset_t(h: torch.Tensor, bit: int) -> torch.Tensor:
+    """1 + a state code's rounding draw, fp32 in [1 + 2**-9, 2 - 2**-9], from the hash bits
+    ``h`` (int64): the 8 bits k from ``bit`` are the mantissa's top 8 bits, the next bit set
+    (``reference.code_draw_ref`` plus 1, exactly). The code is then ``floor(x + it) - 1``."""
+    k = (h >> bit) & 0xFF
+    return ((k << 15) | 0x3F804000).to(torch.int32).view(torch.float32)
+
+
 def join_t(pf: torch.Tensor, c: torch.Tensor | None, bits: int) -> torch.Tensor:
     """The fp32 master weight ``p + c * q`` of a flat parameter ``pf`` and its correction
     ``c`` (``bits`` 0: the parameter itself)."""
@@ -77,22 +86,30 @@ def decode_momentum_t(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return (x * scales.to(torch.float32)[:, None]).reshape(-1)[: codes.numel()]
 
 
-def encode_momentum_t(m: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_f32: bool):
-    """Quantize the flat fp32 momentum ``m`` into ``codes`` and ``scales`` (in place)."""
+def encode_momentum_t(
+    m: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_f32: bool, h=None
+):
+    """Quantize the flat fp32 momentum ``m`` into ``codes`` and ``scales`` (in place); ``h``:
+    the step's hash bits per element (stochastic rounding of the codes), None: nearest."""
     mg = groups_t(m)
-    s = _ceil_scale_t(mg.abs().amax(1), scale_f32)
-    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    s = _ceil_scale_t(mg.abs().amax(1), scale_f32).clamp(min=MOM_SCALE_MIN)
+    inv = 1.0 / s  # finite (s >= 2**-126), 0 where s = inf
+    s = s if scale_f32 else s.clamp(max=BF16_MAX)
     x = mg * inv[:, None]
     phi = 2.0 * x / (1.0 + x.abs())
-    code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
+    if h is None:
+        code = torch.clamp(torch.floor(phi * 127.0 + 0.5), -127, 127)
+    else:  # |phi * 127| <= 127 (+ an ulp): floor(. + 1 + u) - 1 in [-127, 127], no clamp
+        code = torch.floor(phi * 127.0 + groups_t(code_offset_t(h, M_BIT))) - 1.0
     codes.copy_(code.reshape(-1)[: m.numel()].view_as(codes))
     scales.copy_(s)
 
 
-def split_t(th, pf, c, bits, sr, seed, step, idx_base) -> None:
+def split_t(th, pf, c, bits, sr, seed, step, idx_base, h=None) -> None:
     """Store the fp32 master weights ``th`` as the nearest narrow value in the flat parameter
     ``pf`` and the rest in its correction ``c`` (stochastic rounding with the draws of
-    (seed, step, idx_base + i) when ``sr``); an fp32 ``pf`` takes ``th``."""
+    (seed, step, idx_base + i) when ``sr``; ``h``: those hash bits, if computed already); an
+    fp32 ``pf`` takes ``th``."""
     if pf.dtype == torch.float32:
         pf.copy_(th)
         return
@@ -103,8 +120,10 @@ def split_t(th, pf, c, bits, sr, seed, step, idx_base) -> None:
         _, invq = _narrow_q(pnb, is_bf16, bits)
         r = (th - pn.to(torch.float32)) * invq
         if sr:
-            idx = torch.arange(th.numel(), dtype=torch.int64, device=th.device) + idx_base
-            code = torch.floor(r + uniform_ref(seed, step, idx))
+            if h is None:
+                idx = torch.arange(th.numel(), dtype=torch.int64, device=th.device) + idx_base
+                h = hash_ref(seed, step, idx)
+            code = torch.floor(r + h.to(torch.float32) * (2.0**-32))
         else:
             code = torch.floor(r + 0.5)
         lim = 2 ** (bits - 1)
@@ -120,19 +139,25 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     """
     f32 = torch.float32
     n = p.numel()
-    st = {k: v.view(-1) for k, v in st.items() if v is not None}  # flat views, same storage
-    bits, quant = hp["ecc"], hp["quant"]
+    # flat views in memory order, same storage (every array has the parameter's strides)
+    st = {k: v.view(-1) if v.dim() <= 1 else flat(v) for k, v in st.items() if v is not None}
+    bits, quant, sr = hp["ecc"], hp["quant"], hp["sr"]
     scale_f32 = hp["scale_dtype"] == torch.float32
-    pf = p.reshape(-1)
-    gf = g.reshape(-1).to(f32)
+    pf = flat(p)
+    gf = flat(g).to(f32)
+    if hp.get("maximize"):
+        gf = -gf
     th = join_t(pf, st.get("c"), bits)
+    h = None  # the step's hash bits per element: every stochastic rounding draws from them
+    if sr and (bits or quant):
+        h = hash_ref(seed, step, torch.arange(n, dtype=torch.int64, device=p.device) + idx_base)
 
     def dec_m():
         return decode_momentum_t(st["m"], st["ms"]) if quant else st["m"].reshape(-1)
 
     def enc_m(m):
         if quant:
-            encode_momentum_t(m, st["m"], st["ms"], scale_f32)
+            encode_momentum_t(m, st["m"], st["ms"], scale_f32, h)
         else:
             st["m"].copy_(m)
 
@@ -150,10 +175,11 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         else:
             gf = gf + f32_c(hp["wd"]) * th
         m = m + (gf - m) * f32_c(1 - hp["b1"])
-        v = v * f32_c(hp["b2"]) + f32_c(1 - hp["b2"]) * (gf * gf)
+        # ((1 - b2) g) g: finite up to |g| ~ 1.8e20, as torch's addcmul (g * g overflowed at 1.8e19)
+        v = v * f32_c(hp["b2"]) + (f32_c(1 - hp["b2"]) * gf) * gf
         step_size = f32_c(hp["lr"] / (1 - hp["b1"] ** step))
         isb = f32_c(1 / math.sqrt(1 - hp["b2"] ** step))
-        sv = _sqrt_rn(v)
+        sv = _sqrt_rn(v).clamp(max=BF16_MAX)  # v = inf: finite scale and codes, update 0
         denom = sv * isb + f32_c(hp["eps"])
         th = th - step_size * (m / denom)
         enc_m(m)
@@ -162,8 +188,13 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
             s = _ceil_scale_t(svg.amax(1), scale_f32)
             # 255 / s, not 255 * (1 / s) (torch's scalar / tensor): one rounding, as the kernel
             inv = torch.where(s > 0, torch.full_like(s, 255.0) / torch.where(s > 0, s, 1.0), 0.0)
-            code = torch.clamp(torch.floor(svg * inv[:, None] + 0.5), 0, 255)
-            code = torch.where(svg > 0, code.clamp(min=1), code)
+            if h is None:
+                code = torch.clamp(torch.floor(svg * inv[:, None] + 0.5), 0, 255)
+                code = torch.where(svg > 0, code.clamp(min=1), code)
+            else:  # the kernel's max(t, lo) with lo = 2 (code 1) where svg != 0, else 1
+                t = svg * inv[:, None] + groups_t(code_offset_t(h, V_BIT))
+                t = torch.maximum(t, torch.where(svg <= 0, 1.0, 2.0))
+                code = torch.floor(t) - 1.0
             st["v"].copy_(code.reshape(-1)[:n])
             st["vs"].copy_(s)
         else:
@@ -191,7 +222,7 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
         th = th - lr * torch.sign(c)
         m = m * f32_c(hp["b2"]) + f32_c(1 - hp["b2"]) * gf
         enc_m(m)
-    split_t(th, pf, st.get("c"), bits, hp["sr"], seed, step, idx_base)
+    split_t(th, pf, st.get("c"), bits, sr, seed, step, idx_base, h)
 
 
 def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -206,18 +237,25 @@ def f32_c(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
-def muon_momentum_cpu(g: torch.Tensor, st: dict, hp: dict, u_out: torch.Tensor) -> None:
+def muon_momentum_cpu(g, st: dict, hp: dict, u_out, step: int, seed: int, idx_base=0) -> None:
     """FlashMuon's pass 1 on one local tensor (``_muon_kernel._momentum_tile``): the momentum
-    EMA ``m += (1 - mu)(g - m)`` stored in ``st`` (``m``, ``ms``), and the direction ``u``
-    (Nesterov: ``m + (1 - mu)(g - m)``, else ``m``) rounded to bf16 into the flat ``u_out``."""
-    mc = st["m"].view(-1)
-    gf = g.reshape(-1).to(torch.float32)
+    EMA ``m += (1 - mu)(g - m)`` stored in ``st`` (``m``, ``ms``; codes rounded with the
+    step's hash when ``hp["sr"]``), and the direction ``u`` (Nesterov: ``m + (1 - mu)(g -
+    m)``, else ``m``) rounded to bf16 into the flat ``u_out``, all in memory order."""
+    mc = flat(st["m"])
+    gf = flat(g).to(torch.float32)
+    if hp.get("maximize"):
+        gf = -gf
     m = decode_momentum_t(mc, st["ms"]) if hp["quant"] else mc
     c = f32_c(1 - hp["mu"])
     m = m + (gf - m) * c
     u = m + (gf - m) * c if hp["nesterov"] else m
     if hp["quant"]:
-        encode_momentum_t(m, mc, st["ms"], hp["scale_dtype"] == torch.float32)
+        h = None
+        if hp["sr"]:
+            idx = torch.arange(mc.numel(), dtype=torch.int64, device=mc.device) + idx_base
+            h = hash_ref(seed, step, idx)
+        encode_momentum_t(m, mc, st["ms"], hp["scale_dtype"] == torch.float32, h)
     else:
         mc.copy_(m)
     u_out.copy_(_to_narrow_t(u, True))
@@ -225,10 +263,11 @@ def muon_momentum_cpu(g: torch.Tensor, st: dict, hp: dict, u_out: torch.Tensor) 
 
 def muon_update_cpu(p, c, o, hp: dict, ratio: float, step: int, seed: int, idx_base=0) -> None:
     """FlashMuon's pass 2 on one local tensor (``_muon_kernel._update_tile``): the master
-    weight ``theta (1 - lr wd) - (lr ratio) O`` of the orthogonalised update ``o`` (bf16),
-    split back into ``p`` and its correction ``c`` (None: no correction)."""
-    pf = p.reshape(-1)
-    cf = None if c is None else c.view(-1)
+    weight ``theta (1 - lr wd) - (lr ratio) O`` of the orthogonalised update ``o`` (bf16, in
+    the parameter's memory order), split back into ``p`` and its correction ``c`` (None: no
+    correction)."""
+    pf = flat(p)
+    cf = None if c is None else flat(c)
     th = join_t(pf, cf, hp["ecc"])
     th = th * f32_c(1 - hp["lr"] * hp["wd"])
     th = th - (f32_c(hp["lr"]) * f32_c(ratio)) * o.reshape(-1).to(torch.float32)

@@ -4,7 +4,8 @@ same fp32 arithmetic in torch: ``_cpu.muon_momentum_cpu`` / ``muon_update_cpu``;
 orchestration: ``muon.py``).
 
 * ``_momentum_kernel`` (before the orthogonalisation): decode the int8 momentum, take the
-  EMA ``m += (1 - mu)(g - m)``, quantize and store it, and write the Nesterov direction
+  EMA ``m += (1 - mu)(g - m)``, quantize and store it (codes rounded stochastically from the
+  step's hash, as the step kernel's; ``maximize``: on ``-g``), and write the Nesterov direction
   ``u = m + (1 - mu)(g - m)`` (or ``m``) rounded to bf16 into the wave's workspace.
   Bytes per element (bf16 gradient, bf16 scales): 2 (g) + 1 + 1 (codes) + 0.125 (scales) +
   2 (u) = 6.125.
@@ -81,11 +82,16 @@ def _momentum_tile(
     mask,
     goff,
     gmask,
+    key,
+    ib,
     one_m_mu,
     QUANT: tl.constexpr,
     NESTEROV: tl.constexpr,
     SCALE_F32: tl.constexpr,
+    SR: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
     ASM: tl.constexpr,
+    DRAW_HOIST: tl.constexpr,
 ):
     """One tile of pass 1, in place on the momentum, ``u`` into the workspace."""
     g_raw = tl.load(gp + off, mask=mask, other=0.0)
@@ -98,6 +104,8 @@ def _momentum_tile(
         g = _bf16_f32(g_raw, ASM)
     else:
         g = g_raw.to(tl.float32)
+    if MAXIMIZE:
+        g = -g
     if QUANT:
         m = _decode_momentum(mc_raw, msc_raw, ASM)
     if ASM:  # one explicit fma each: a fixed contraction order (as the step kernel)
@@ -112,13 +120,13 @@ def _momentum_tile(
     else:
         u = m
     if QUANT:
-        _store_momentum(m, mp, msp, off, mask, goff, gmask, SCALE_F32, ASM)
+        _store_momentum(m, mp, msp, off, mask, goff, gmask, key, ib, SCALE_F32, SR, ASM, DRAW_HOIST)
     else:
         tl.store(mp + off, m, mask=mask)
     tl.store(up + off, _round_bf16(u, ASM), mask=mask)
 
 
-@triton.jit(do_not_specialize=["nunits", "epoch"])
+@triton.jit(do_not_specialize=["nunits", "step_mix", "epoch"])
 def _momentum_kernel(
     units,  # int32 [nunits, 2]: tensor index, chunk index within the tensor
     nunits,
@@ -128,11 +136,14 @@ def _momentum_kernel(
     ms_base,
     u_base,  # the wave's bf16 workspace
     one_m_mu,
+    step_mix,
     skip_flag,
     epoch,
     QUANT: tl.constexpr,
     NESTEROV: tl.constexpr,
     SCALE_F32: tl.constexpr,
+    SR: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
     ALIGNED: tl.constexpr,
     N16: tl.constexpr,
     CHECK_SKIP: tl.constexpr,
@@ -141,6 +152,7 @@ def _momentum_kernel(
     BLOCK: tl.constexpr,
     PF: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
+    DRAW_HOIST: tl.constexpr,
     INDEX64: tl.constexpr,
 ):
     if CHECK_SKIP:
@@ -151,6 +163,7 @@ def _momentum_kernel(
     tile = rows[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     for w in range(tl.program_id(0), nunits, tl.num_programs(0)):
         row, lu, n = _chunk(units, w, tab, N16, INDEX64)
+        key, ib = _rounding_stream(row, step_mix, 0, SR, QUANT)  # the codes' draws
         ng = (n + GROUP_SIZE - 1) // GROUP_SIZE
         gp = _array_ptr(g_base, row, 1, ALIGNED)
         mp = _array_ptr(m_base, row, 3, ALIGNED)
@@ -176,11 +189,16 @@ def _momentum_kernel(
                 off < n,
                 goff,
                 goff < ng,
+                key,
+                ib,
                 one_m_mu,
                 QUANT,
                 NESTEROV,
                 SCALE_F32,
+                SR,
+                MAXIMIZE,
                 ASM,
+                DRAW_HOIST,
             )
 
 
@@ -256,7 +274,7 @@ def _update_kernel(
         if ECC > 0:
             cp = _array_ptr(c_base, row, 2, ALIGNED)
         op = _array_ptr(o_base, row, 5, ALIGNED)
-        key, ib = _rounding_stream(row, step_mix, ECC, SR)
+        key, ib = _rounding_stream(row, step_mix, ECC, SR, False)
         # lr times the tensor's shape-dependent scale (fp32 bits in column 6), in fp32
         alpha = lr * tl.load(row + 6).to(tl.int32).to(tl.float32, bitcast=True)
         base = lu * UNIT
@@ -305,14 +323,16 @@ def _common(ent: dict, skip, epoch: int) -> tuple[tuple, dict]:
         BLOCK=block,
         PF=pf,
         GROUP_SIZE=GROUP,
+        DRAW_HOIST=ent["ib8"],
         INDEX64=ent["index64"],
         num_warps=warps,
     )
     return (ent["skip"] if skip is None else skip, epoch if skip is not None else 0), meta
 
 
-def launch_momentum(ent: dict, ws: torch.Tensor, hp: dict, skip=None, epoch: int = 0) -> None:
-    """Pass 1 over one wave: the momentum of every tensor in place, ``u`` into ``ws``."""
+def launch_momentum(ent: dict, ws: torch.Tensor, hp: dict, step_mix: int, skip=None, epoch=0):
+    """Pass 1 over one wave: the momentum of every tensor in place, ``u`` into ``ws``
+    (``step_mix``: the step's key of the rounding stream, ``(step * GOLDEN) mod 2**32``)."""
     nunits = ent["work"].shape[0]
     if nunits == 0:
         return
@@ -327,10 +347,13 @@ def launch_momentum(ent: dict, ws: torch.Tensor, hp: dict, skip=None, epoch: int
         b[4],
         ws,
         1 - hp["mu"],
+        step_mix,
         *flag,
         QUANT=hp["quant"],
         NESTEROV=hp["nesterov"],
         SCALE_F32=hp["scale_dtype"] == torch.float32,
+        SR=hp["sr"],
+        MAXIMIZE=hp.get("maximize", False),
         **meta,
     )
 
@@ -356,6 +379,5 @@ def launch_update(ent: dict, ws: torch.Tensor, hp: dict, step_mix: int, skip=Non
         ECC=hp["ecc"],
         SR=hp["sr"],
         P_DTYPE=P_CODE[ent["dtype"]],
-        DRAW_HOIST=ent["ib8"],
         **meta,
     )

@@ -112,20 +112,33 @@ def newton_schulz(
     return out
 
 
-def _orthogonalize_sharded(p, u: torch.Tensor, coefficients, steps: int, eps: float) -> None:
-    """A DTensor matrix: all-gather ``u`` (its local rows, flat bf16), orthogonalise the full
-    matrix on every rank, and write this rank's part of ``O`` back into ``u``. Per matrix of
-    A x B elements each rank receives (world - 1) / world * 2 A B bytes; nothing else moves."""
-    from torch.distributed.tensor import DTensor, Replicate
+def _logical(u: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """The workspace region ``u`` (flat, in ``lp``'s memory order, as the passes write it)
+    viewed as the tensor ``lp``: its shape with its strides."""
+    return u.view(lp.shape) if lp.is_contiguous() else u.as_strided(lp.shape, lp.stride())
 
+
+def _orthogonalize_one(p, u: torch.Tensor, coefficients, steps: int, eps: float) -> None:
+    """One matrix on its own: a parameter stored in another memory order (a transpose,
+    channels_last), or a DTensor (FSDP2). A DTensor's ``u`` (its local rows) is all-gathered,
+    the full matrix orthogonalised on every rank and this rank's part of ``O`` written back:
+    per matrix of A x B elements each rank receives (world - 1) / world * 2 A B bytes,
+    nothing else moves."""
     lp = local(p)
-    mesh = p.device_mesh
-    full = DTensor.from_local(
-        u.view(lp.shape), mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    ).full_tensor()
-    o = newton_schulz(full.reshape(matrix_shape(p)), coefficients, steps, eps)
-    rep = DTensor.from_local(o.view(p.shape), mesh, [Replicate()] * mesh.ndim, run_check=False)
-    u.copy_(rep.redistribute(mesh, p.placements).to_local().reshape(-1))
+    x = _logical(u, lp)
+    if hasattr(p, "_local_tensor"):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = p.device_mesh
+        full = DTensor.from_local(
+            x, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        ).full_tensor()
+        o = newton_schulz(full.reshape(matrix_shape(p)), coefficients, steps, eps)
+        rep = DTensor.from_local(o.view(p.shape), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        x.copy_(rep.redistribute(mesh, p.placements).to_local())
+        return
+    o = newton_schulz(x.reshape(matrix_shape(p)), coefficients, steps, eps)
+    x.copy_(o.view(p.shape))
 
 
 class FlashMuon(FlashOptimizer):
@@ -256,6 +269,13 @@ class FlashMuon(FlashOptimizer):
         b1, b2 = group["betas"]
         return dict(self._common_hp(group, p), b1=float(b1), b2=float(b2), eps=float(group["eps"]))
 
+    def _torch_group_keys(self, group) -> dict:
+        """``torch_state_dict()``: a Muon group as torch.optim.Muon's, an AdamW group as
+        torch.optim.AdamW's (split the dict by ``use_muon`` for the two torch optimizers)."""
+        if group["use_muon"]:
+            return {}
+        return super()._torch_group_keys(group)
+
     # ------------------------------------------------------------------ waves
     def _bucket_entries(self, group, key, bps):
         """Muon groups: the bucket's matrices sorted by shape (stable: same-shape matrices
@@ -281,13 +301,13 @@ class FlashMuon(FlashOptimizer):
         offs, runs, o = [], [], 0
         for i, p in enumerate(ps):
             n = local(p).numel()
-            sharded = hasattr(p, "_local_tensor")
+            alone = hasattr(p, "_local_tensor") or not local(p).is_contiguous()
             shape = matrix_shape(p)
             last = runs[-1] if runs else None
-            if last and not sharded and not last["sharded"] and last["shape"] == shape:
+            if last and not alone and not last["alone"] and last["shape"] == shape:
                 last["k"] += 1
             else:
-                runs.append(dict(i=i, k=1, shape=shape, sharded=sharded, stride=-(-n // 16) * 16))
+                runs.append(dict(i=i, k=1, shape=shape, alone=alone, stride=-(-n // 16) * 16))
             offs.append(o)
             o += -(-n // 16) * 16
         ent = None
@@ -324,16 +344,20 @@ class FlashMuon(FlashOptimizer):
         ps, ent = b["ps"], b["ent"]
         ws = torch.empty(max(b["ws_numel"], 1), dtype=torch.bfloat16, device=local(ps[0]).device)
         views = [ws[o : o + local(p).numel()] for p, o in zip(ps, b["offs"])]
+        mix = (step * GOLDEN) & M32  # the step's key of the rounding stream
         if ent is not None:
-            _muon_kernel.launch_momentum(ent, ws, hp, skip, self._epoch)
+            _muon_kernel.launch_momentum(ent, ws, hp, mix, skip, self._epoch)
         else:
             for p, u in zip(ps, views):
-                muon_momentum_cpu(local(p.grad), self._state_view(self.state[p], group), hp, u)
+                st = self.state[p]
+                sv = self._state_view(st, group)
+                ib = global_index_base(p)
+                muon_momentum_cpu(local(p.grad), sv, hp, u, step, st["seed"], ib)
         coeffs, steps, eps = group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
         for run in b["runs"]:
             i, k, (rows, cols) = run["i"], run["k"], run["shape"]
-            if run["sharded"]:
-                _orthogonalize_sharded(ps[i], views[i], coeffs, steps, eps)
+            if run["alone"]:
+                _orthogonalize_one(ps[i], views[i], coeffs, steps, eps)
                 continue
             if k == 1:
                 x = views[i].view(rows, cols)
@@ -341,7 +365,7 @@ class FlashMuon(FlashOptimizer):
                 x = ws.as_strided((k, rows, cols), (run["stride"], cols, 1), b["offs"][i])
             newton_schulz(x, coeffs, steps, eps, out=x)
         if ent is not None:
-            _muon_kernel.launch_update(ent, ws, hp, (step * GOLDEN) & M32, skip, self._epoch)
+            _muon_kernel.launch_update(ent, ws, hp, mix, skip, self._epoch)
             return
         for p, o, r in zip(ps, views, b["ratios"]):
             st = self.state[p]

@@ -10,6 +10,7 @@ On CUDA a step is one fused Triton launch per bucket of tensors (``_plan.py``,
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Iterable
 from itertools import repeat
 from typing import Any
@@ -77,9 +78,27 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         seed: int = 0,
         capturable: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        amsgrad: bool = False,
     ):
-        if defaults.get("lr", 0.0) < 0:
-            raise ValueError(f"lr must be >= 0; got {defaults['lr']}")
+        # torch.optim's keywords: foreach / fused name torch's kernels (every flashoptim step
+        # is one fused multi-tensor launch per bucket: accepted, no effect); maximize flips
+        # the gradient's sign inside the kernel; the rest have no meaning here
+        if differentiable:
+            raise ValueError(
+                "differentiable=True is not supported: the step updates quantized states in"
+                " place, outside autograd (use torch.optim for differentiable optimizers)"
+            )
+        if amsgrad:
+            raise ValueError(
+                "amsgrad=True is not supported: flashoptim keeps no max_exp_avg_sq state"
+                " (use torch.optim.AdamW(amsgrad=True))"
+            )
+        del foreach, fused
+        defaults = dict(defaults, maximize=bool(maximize))
         if master_weight_bits not in (None, 24, 32):
             raise ValueError(f"master_weight_bits must be 24, 32 or None; got {master_weight_bits}")
         if scale_dtype not in (torch.bfloat16, torch.float32):
@@ -117,18 +136,42 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         self._epoch = 0  # eager: the current checked step's mark (never reset by a skip)
         self._plans: dict = {}  # id(group) -> cached plan (tables reused across steps)
         self._release_enabled = False
+        self._warned_skip = False
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+        except ValueError as e:
+            self.param_groups.pop()
+            raise ValueError(f"param group {len(self.param_groups)}: {e}") from None
         if not hasattr(self, "_pindex"):
             self._pindex = {}
-        for p in self.param_groups[-1]["params"]:
+        gi = len(self.param_groups) - 1
+        for i, p in enumerate(self.param_groups[-1]["params"]):
             self._pindex.setdefault(id(p), len(self._pindex))
+            where = f"parameter {i} of param group {gi}"
             if p.is_complex():
-                raise ValueError("flashoptim does not support complex parameters")
+                raise ValueError(f"flashoptim does not support complex parameters ({where})")
             if p.dtype not in _plan.P_CODE:
-                raise ValueError(f"parameter dtype must be fp32, bf16 or fp16; got {p.dtype}")
+                raise ValueError(
+                    f"{where}: parameter dtype must be fp32, bf16 or fp16; got {p.dtype}"
+                )
+            if not _plan.dense(local(p)):
+                raise _plan.layout_error(local(p), where)
+
+    def _check_group(self, group) -> None:
+        """Hyperparameters of a param group (constructor defaults and group dicts alike)."""
+        lr = group["lr"]
+        if not torch.is_tensor(lr) and not lr >= 0:
+            raise ValueError(f"lr must be >= 0; got {lr}")
+        wd = group.get("weight_decay", 0.0)
+        if not wd >= 0:
+            raise ValueError(f"weight_decay must be >= 0; got {wd}")
+        if group.get("amsgrad"):
+            raise ValueError("amsgrad=True is not supported (no max_exp_avg_sq state)")
 
     # ------------------------------------------------------------------ state
     def _bits(self, group, p) -> int:
@@ -164,14 +207,16 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if v_key is not None:
             keys.append((v_key, torch.uint8))
         for key, cdt in keys:
+            # every per-element state has the parameter's strides (zeros_like keeps a dense
+            # layout): the step runs over memory order, element i of each array the same
             if quant:
-                st[key] = torch.zeros(lp.shape, dtype=cdt, device=dev)
+                st[key] = torch.zeros_like(lp, dtype=cdt)
                 st[key + "_scale"] = torch.zeros(ng, dtype=group["scale_dtype"], device=dev)
             else:
-                st[key] = torch.zeros(lp.shape, dtype=torch.float32, device=dev)
+                st[key] = torch.zeros_like(lp, dtype=torch.float32)
         bits = self._bits(group, p)
         if bits:
-            st["correction"] = torch.zeros(lp.shape, dtype=ECC_DTYPE[bits], device=dev)
+            st["correction"] = torch.zeros_like(lp, dtype=ECC_DTYPE[bits])
         return st
 
     def _state_view(self, st, group) -> dict:
@@ -202,6 +247,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             else float(group["lr"]),
             wd=float(group["weight_decay"]),
             decoupled=self._decoupled,
+            maximize=bool(group.get("maximize", False)),
         )
 
     # ------------------------------------------------------------------ step
@@ -267,6 +313,16 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if self.on_nonfinite == "raise":
             raise NonFiniteGradError("non-finite gradient: step not taken")
         self.skipped_steps += 1
+        if not self._warned_skip:
+            self._warned_skip = True
+            step = max((st.get("step", 0) for st in self.state.values()), default=0) + 1
+            warnings.warn(
+                f"flashoptim: a gradient holds inf/NaN: step {step} was skipped (parameters and"
+                " states unchanged). Later skips are only counted in optimizer.skipped_steps;"
+                " on_nonfinite='raise' raises instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -373,8 +429,10 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         for p in ps:
             if p.grad.is_sparse:
                 raise ValueError("flashoptim does not support sparse gradients")
-            st = self._init_state(p, group)
             lp = local(p)
+            if not lp.is_contiguous():
+                self._match_layout(p, group)
+            st = self._init_state(p, group)
             key = (
                 st["step"],
                 p.dtype,
@@ -390,6 +448,19 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if self.capturable:
             return _capturable.device_plan(self, group, ps, out, cache)
         return dict(group=group, plan=None, buckets=out, cache=cache, ps=ps)
+
+    def _match_layout(self, p, group) -> None:
+        """A strided (channels_last, transposed) parameter: it must be dense, and its gradient
+        gets the parameter's strides (autograd's gradients have them already; another layout
+        is copied into one, in ``p.grad``, once)."""
+        lp, lg = local(p), local(p.grad)
+        if not _plan.dense(lp):
+            i = next(i for i, q in enumerate(group["params"]) if q is p)
+            raise _plan.layout_error(lp, f"parameter {i} of its param group")
+        if lg.stride() != lp.stride():
+            if hasattr(p.grad, "_local_tensor"):
+                raise ValueError("a DTensor gradient must have its parameter's strides")
+            p.grad = torch.empty_like(lp, dtype=lg.dtype).copy_(lg)
 
     def _bucket_entries(self, group, key: tuple, bps: list) -> list[dict]:
         """The launch units of one bucket (``key``: step count, dtypes, device, Triton or
@@ -469,6 +540,32 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         flags = _plan.mode_flags(self._kind, ent, hp, self._has_mom(group))
         flags["SCALARS_ON_DEVICE"] = scal is not None
         _plan.launch_step(ent, scalars, flags, skip, self._epoch)
+
+    # the per-step caches (plans with offset tables, device flags) are not part of the state:
+    # a copy (copy.deepcopy, pickle) starts without them and rebuilds them on its first step
+    _CACHES = ("_plans", "_dskip", "_dflag", "_eflag")
+
+    def __getstate__(self) -> dict:
+        if self.capturable and self._plans:
+            self.sync_steps()  # the device step counts into state["step"]
+        d = super().__getstate__()  # defaults, state, param_groups
+        for k, v in self.__dict__.items():  # our options and counters, not torch's hooks
+            if k not in d and not k.startswith("_optimizer_") and k not in self._CACHES:
+                d[k] = v
+        d.pop("_pindex", None)  # ids of the old parameters: rebuilt from param_groups
+        return d
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for k in self._CACHES:
+            if not isinstance(self.__dict__.get(k), dict):
+                self.__dict__[k] = {}
+        self._epoch = 0
+        self._warned_skip = self.__dict__.get("_warned_skip", False)
+        self._pindex = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                self._pindex.setdefault(id(p), len(self._pindex))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

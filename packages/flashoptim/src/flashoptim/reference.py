@@ -13,8 +13,13 @@ Storage formats (all per element unless noted):
   ``s`` is one scale per group of 32 elements: the group's absmax rounded *up* to a bf16
   value (8 exponent bits, the range of fp32: it cannot underflow like an fp16 scale) or kept
   in fp32 (``scale_dtype=torch.float32``). Encoding and decoding use the same stored ``s``.
-* stochastic rounding draws ``u`` in [0, 1) from a counter-based hash of
-  (per-tensor seed, step, element index): identical on CPU and GPU and across resumes.
+* stochastic rounding (``stochastic_rounding=True``, the default) rounds the correction
+  and the state codes: ``floor(x + u)`` with ``u`` drawn from a counter-based hash of
+  (per-tensor seed, step, element index), identical on CPU and GPU and across resumes. The
+  correction takes the hash as one fp32 draw, the variance and momentum codes 8 bits each
+  (``V_BIT``, ``M_BIT``). Unbiased codes matter: with bf16 scales the group maximum sits
+  below the top code, and an EMA increment below half a code (``(1 - beta2) * v`` is) is
+  lost every step when rounded to nearest (docs/design/flashoptim.md, "Unbiased 8-bit states").
 """
 
 from __future__ import annotations
@@ -43,12 +48,33 @@ def mix32_ref(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_ref(seed: int, step: int, idx: torch.Tensor) -> torch.Tensor:
-    """The stochastic-rounding draw u in [0, 1) for element indices ``idx`` (int64)."""
+def hash_ref(seed: int, step: int, idx: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits of element indices ``idx`` (int64) at this step: every stochastic
+    rounding of the step draws from them (``uniform_ref``, ``code_draw_ref``)."""
     key = torch.tensor([(seed + (step * GOLDEN)) & M32], dtype=torch.int64, device=idx.device)
     key = mix32_ref(key)
-    h = mix32_ref((idx & M32) ^ key)
-    return (h >> 8).to(torch.float32) * (2.0**-24)
+    return mix32_ref((idx & M32) ^ key)
+
+
+def uniform_ref(seed: int, step: int, idx: torch.Tensor) -> torch.Tensor:
+    """The correction's stochastic-rounding draw u in [0, 1]: the hash bits as fp32 (rounded
+    to nearest, as the GPU's I2F.U32 and numpy convert) times 2**-32; E[u] = 1/2."""
+    return hash_ref(seed, step, idx).to(torch.float32) * (2.0**-32)
+
+
+# the hash bits each state code rounds with: the variance code bits 15..22 (as stored in a
+# float's mantissa: one LOP3 on the GPU), the momentum code bits 0..7. The correction reads
+# all 32 as one fp32 draw, in which bits 15..22 weigh 2**-10 .. 2**-17: they change its
+# rounding only when its threshold falls in one 2**-9 interval of u (correlation <= 2**-9)
+V_BIT, M_BIT = 15, 0
+
+
+def code_draw_ref(h: torch.Tensor, bit: int) -> torch.Tensor:
+    """A state code's rounding draw from hash bits ``h``: (k + 1/2) / 256 for the 8 bits k
+    from ``bit``, in [2**-9, 1 - 2**-9] (centred: the 8-bit draw is unbiased to 2**-9 of a
+    code), float64."""
+    k = (h >> bit) & 0xFF
+    return (k.to(torch.float64) + 0.5) / 256.0
 
 
 # ---------------------------------------------------------- float64 reference (oracle)
@@ -89,6 +115,13 @@ def join_ref(p: torch.Tensor, code: torch.Tensor, bits: int) -> torch.Tensor:
     return p.to(torch.float64) + code.to(torch.float64) * q
 
 
+# the momentum's group scale is at least the smallest normal fp32 (1/s stays finite: a
+# subnormal scale's reciprocal overflowed and its codes were garbage); a momentum group
+# beyond the largest bf16 codes 0 (1/inf) and stores that largest value
+MOM_SCALE_MIN = 2.0**-126
+BF16_MAX = 3.3895313892515355e38  # also the cap of sqrt(v): its scale and codes stay finite
+
+
 def _ceil_scale_ref(amax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     if scale_dtype == torch.float32:
         return amax.to(torch.float32)
@@ -98,14 +131,17 @@ def _ceil_scale_ref(amax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tenso
     return torch.where(low, bumped, s)
 
 
-def quantize_momentum_ref(m: torch.Tensor, scale_dtype=torch.bfloat16):
-    """float64 reference: (int8 codes, scales) of a flat momentum tensor (groups of 32)."""
+def quantize_momentum_ref(m: torch.Tensor, scale_dtype=torch.bfloat16, u=None):
+    """float64 reference: (int8 codes, scales) of a flat momentum tensor (groups of 32).
+    ``u``: per-element rounding draws in (0, 1) (stochastic rounding of the codes, unbiased:
+    E[code] = 127 phi); None rounds to nearest."""
     x = pad_groups(m.to(torch.float64)).view(-1, GROUP)
-    s = _ceil_scale_ref(x.abs().amax(1), scale_dtype)
-    sf = s.to(torch.float64)[:, None]
-    xn = torch.where(sf > 0, x / torch.where(sf > 0, sf, 1.0), 0.0)
+    s = _ceil_scale_ref(x.abs().amax(1), scale_dtype).clamp(min=MOM_SCALE_MIN)
+    xn = x / s.to(torch.float64)[:, None]  # 0 where s = inf
+    s = s.clamp(max=BF16_MAX) if scale_dtype == torch.bfloat16 else s
     phi = 2 * xn / (1 + xn.abs())
-    code = torch.clamp(torch.floor(phi * 127 + 0.5), -127, 127)
+    add = 0.5 if u is None else pad_groups(u.to(torch.float64)).view(-1, GROUP)
+    code = torch.clamp(torch.floor(phi * 127 + add), -127, 127)
     return code.to(torch.int8).view(-1)[: m.numel()], s
 
 
@@ -115,13 +151,15 @@ def dequantize_momentum_ref(code: torch.Tensor, s: torch.Tensor) -> torch.Tensor
     return (x * s.to(torch.float64)[:, None]).view(-1)[: code.numel()]
 
 
-def quantize_variance_ref(v: torch.Tensor, scale_dtype=torch.bfloat16):
-    """float64 reference: (uint8 codes of sqrt(v)/s, scales s); nonzero v never codes 0."""
-    sv = pad_groups(v.to(torch.float64).clamp(min=0).sqrt()).view(-1, GROUP)
+def quantize_variance_ref(v: torch.Tensor, scale_dtype=torch.bfloat16, u=None):
+    """float64 reference: (uint8 codes of sqrt(v)/s, scales s); nonzero v never codes 0.
+    ``u``: rounding draws as in ``quantize_momentum_ref``."""
+    sv = pad_groups(v.to(torch.float64).clamp(min=0).sqrt().clamp(max=BF16_MAX)).view(-1, GROUP)
     s = _ceil_scale_ref(sv.amax(1), scale_dtype)
     sf = s.to(torch.float64)[:, None]
     r = torch.where(sf > 0, sv / torch.where(sf > 0, sf, 1.0), 0.0)
-    code = torch.clamp(torch.floor(r * 255 + 0.5), 0, 255)
+    add = 0.5 if u is None else pad_groups(u.to(torch.float64)).view(-1, GROUP)
+    code = torch.clamp(torch.floor(r * 255 + add), 0, 255)
     code = torch.where(sv > 0, code.clamp(min=1), code)
     return code.to(torch.uint8).view(-1)[: v.numel()], s
 
@@ -147,6 +185,8 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     """
     bits, quant = hp["ecc"], hp["quant"]
     g64 = g.reshape(-1).to(torch.float64)
+    if hp.get("maximize"):
+        g64 = -g64
     if bits:
         th = join_ref(p.reshape(-1), st["c"], bits)
     else:
@@ -169,7 +209,7 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
         v = v * b2 + (1 - b2) * g64 * g64
         bc1, bc2 = 1 - b1**step, 1 - b2**step
         th = th - lr / bc1 * (m / (v.sqrt() / math.sqrt(bc2) + eps))
-        mv = [("m", m, quantize_momentum_ref), ("v", v, quantize_variance_ref)]
+        mv = [("m", m, quantize_momentum_ref, M_BIT), ("v", v, quantize_variance_ref, V_BIT)]
     elif kind == SGD:
         mu, damp = hp["b1"], hp["dampening"]
         if hp["decoupled"]:
@@ -179,7 +219,7 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
         if mu != 0:
             m = g64.clone() if step == 1 else dec_m() * mu + (1 - damp) * g64
             d = g64 + mu * m if hp["nesterov"] else m
-            mv = [("m", m, quantize_momentum_ref)]
+            mv = [("m", m, quantize_momentum_ref, M_BIT)]
         else:
             d, mv = g64, []
         th = th - lr * d
@@ -190,25 +230,28 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
         c = m * b1 + (1 - b1) * g64
         th = th - lr * torch.sign(c)
         m = m * b2 + (1 - b2) * g64
-        mv = [("m", m, quantize_momentum_ref)]
+        mv = [("m", m, quantize_momentum_ref, M_BIT)]
     return _finish_ref(p, th, mv, new, hp, step, seed, idx_base)
 
 
 def _finish_ref(p, th, mv, new, hp, step, seed, idx_base):
-    """The end of a reference step: quantize the states ``mv`` (name, value, quantizer)
-    into ``new`` and split the master weights ``th`` into (narrow param, correction)."""
+    """The end of a reference step: quantize the states ``mv`` (name, value, quantizer, the
+    hash bits its codes round with) into ``new`` and split the master weights ``th`` into
+    (narrow param, correction), stochastically from the step's hash when ``hp["sr"]``."""
     bits, quant, sr, sdt = hp["ecc"], hp["quant"], hp["sr"], hp["scale_dtype"]
-    for name, val, qf in mv:
+    h = None
+    if sr:
+        idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device) + idx_base
+        h = hash_ref(seed, step, idx)
+    for name, val, qf, bit in mv:
         if quant:
-            new[name], new[name + "s"] = qf(val, sdt)
+            u = None if h is None else code_draw_ref(h, bit)
+            new[name], new[name + "s"] = qf(val, sdt, u)
         else:
             new[name] = val.to(torch.float32)
     th32 = th.to(torch.float32)
     if bits:
-        u = None
-        if sr:
-            idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device) + idx_base
-            u = uniform_ref(seed, step, idx)
+        u = None if h is None else h.to(torch.float32) * (2.0**-32)
         pn, new["c"] = split_ref(th32, p.dtype, bits, u)
     else:
         pn = th32.to(p.dtype)
@@ -252,6 +295,8 @@ def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None):
     bits, quant = hp["ecc"], hp["quant"]
     shape = (p.shape[0], p.numel() // max(p.shape[0], 1))
     g64 = g.reshape(-1).to(torch.float64)
+    if hp.get("maximize"):
+        g64 = -g64
     pf = p.reshape(-1)
     th = join_ref(pf, st["c"].reshape(-1), bits) if bits else pf.to(torch.float64)
     mc = st["m"].reshape(-1)
@@ -266,5 +311,6 @@ def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None):
     o = o.reshape(-1).to(torch.float64)
     lr, wd = hp["lr"], hp["wd"]
     th = th * (1 - lr * wd) - lr * hp["ratio"] * o
-    pn, new = _finish_ref(p, th, [("m", m, quantize_momentum_ref)], {}, hp, step, seed, idx_base)
+    mv = [("m", m, quantize_momentum_ref, M_BIT)]
+    pn, new = _finish_ref(p, th, mv, {}, hp, step, seed, idx_base)
     return pn, new, u, o
