@@ -181,7 +181,7 @@ def muon_fused_passes(opt) -> callable:
 
     def fn():
         for w, ws in zip(waves, wss):
-            _muon_kernel.launch_momentum(w["ent"], ws, hp)
+            _muon_kernel.launch_momentum(w["ent"], ws, hp, 0x9E3779B9)
             _muon_kernel.launch_update(w["ent"], ws, hp, 0x9E3779B9)
 
     return fn
