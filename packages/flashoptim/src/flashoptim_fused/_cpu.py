@@ -235,3 +235,40 @@ def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
 def f32_c(x: float) -> torch.Tensor:
     """A Python float rounded to fp32 (a 0-d tensor), as a kernel scalar argument is."""
     return torch.tensor(x, dtype=torch.float32)
+
+
+def muon_momentum_cpu(g, st: dict, hp: dict, u_out, step: int, seed: int, idx_base=0) -> None:
+    """FlashMuon's pass 1 on one local tensor (``_muon_kernel._momentum_tile``): the momentum
+    EMA ``m += (1 - mu)(g - m)`` stored in ``st`` (``m``, ``ms``; codes rounded with the
+    step's hash when ``hp["sr"]``), and the direction ``u`` (Nesterov: ``m + (1 - mu)(g -
+    m)``, else ``m``) rounded to bf16 into the flat ``u_out``, all in memory order."""
+    mc = flat(st["m"])
+    gf = flat(g).to(torch.float32)
+    if hp.get("maximize"):
+        gf = -gf
+    m = decode_momentum_t(mc, st["ms"]) if hp["quant"] else mc
+    c = f32_c(1 - hp["mu"])
+    m = m + (gf - m) * c
+    u = m + (gf - m) * c if hp["nesterov"] else m
+    if hp["quant"]:
+        h = None
+        if hp["sr"]:
+            idx = torch.arange(mc.numel(), dtype=torch.int64, device=mc.device) + idx_base
+            h = hash_ref(seed, step, idx)
+        encode_momentum_t(m, mc, st["ms"], hp["scale_dtype"] == torch.float32, h)
+    else:
+        mc.copy_(m)
+    u_out.copy_(_to_narrow_t(u, True))
+
+
+def muon_update_cpu(p, c, o, hp: dict, ratio: float, step: int, seed: int, idx_base=0) -> None:
+    """FlashMuon's pass 2 on one local tensor (``_muon_kernel._update_tile``): the master
+    weight ``theta (1 - lr wd) - (lr ratio) O`` of the orthogonalised update ``o`` (bf16, in
+    the parameter's memory order), split back into ``p`` and its correction ``c`` (None: no
+    correction)."""
+    pf = flat(p)
+    cf = None if c is None else flat(c)
+    th = join_t(pf, cf, hp["ecc"])
+    th = th * f32_c(1 - hp["lr"] * hp["wd"])
+    th = th - (f32_c(hp["lr"]) * f32_c(ratio)) * o.reshape(-1).to(torch.float32)
+    split_t(th, pf, cf, hp["ecc"], hp["sr"], seed, step, idx_base)

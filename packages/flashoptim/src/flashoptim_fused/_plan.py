@@ -133,8 +133,12 @@ def needs_index64(numels) -> bool:
 
 def index_buckets(ps: list, buckets: list) -> None:
     """A plan's buckets get ``idx``: their parameters' positions in ``ps`` (for the gradient
-    rebase); a single bucket holding every parameter in order needs none."""
-    if len(buckets) == 1 and len(buckets[0]["ps"]) == len(ps):
+    rebase); a single bucket holding every parameter in their order needs none."""
+    if (
+        len(buckets) == 1
+        and len(buckets[0]["ps"]) == len(ps)
+        and all(map(operator.is_, buckets[0]["ps"], ps))
+    ):
         buckets[0]["idx"] = None
         return
     pos = {id(p): i for i, p in enumerate(ps)}

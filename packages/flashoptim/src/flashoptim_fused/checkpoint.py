@@ -50,10 +50,11 @@ class CheckpointMixin:
         """Start from fp32 weights: set every parameter to the nearest narrow (bf16/fp16)
         value of its fp32 master and keep the rest in its correction.
 
-        ``masters``: one tensor per parameter, in ``param_groups`` order, each of the
-        parameter's shape (for FSDP2, DTensors sharded like the parameters, or their local
-        shards). Call it after building the optimizer, typically with the weights the model had
-        before ``model.to(torch.bfloat16)``::
+        ``masters``: one tensor per parameter, in ``param_groups`` order (FlashMuon's groups
+        reorder a model's parameters), or a dict {parameter: tensor}, each of the parameter's
+        shape (for FSDP2, DTensors sharded like the parameters, or their local shards). Call
+        it after building the optimizer, typically with the weights the model had before
+        ``model.to(torch.bfloat16)``::
 
             masters = [p.detach().clone() for p in model.parameters()]
             model.to(torch.bfloat16)
@@ -69,6 +70,11 @@ class CheckpointMixin:
         "Parity at 400 steps"). fp32 parameters are set to their master; with
         ``master_weight_bits=None`` only the narrow value is kept."""
         params = [p for group in self.param_groups for p in group["params"]]
+        if isinstance(masters, dict):
+            missing = sum(1 for p in params if p not in masters)
+            if missing:
+                raise ValueError(f"load_master_weights: no tensor for {missing} parameters")
+            masters = [masters[p] for p in params]
         masters = list(masters)
         if len(masters) != len(params):
             raise ValueError(

@@ -183,8 +183,7 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     states, ``c`` correction); returns the new (param, state dict). Mirrors ``cpu_step``
     but computes the update in float64 from the decoded values.
     """
-    bits, quant, sr, sdt = hp["ecc"], hp["quant"], hp["sr"], hp["scale_dtype"]
-    n = p.numel()
+    bits, quant = hp["ecc"], hp["quant"]
     st = {k: v.reshape(-1) for k, v in st.items()}  # states of any shape, flat (as p)
     g64 = g.reshape(-1).to(torch.float64)
     if hp.get("maximize"):
@@ -233,9 +232,18 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
         th = th - lr * torch.sign(c)
         m = m * b2 + (1 - b2) * g64
         mv = [("m", m, quantize_momentum_ref, M_BIT)]
+    return _finish_ref(p, th, mv, new, hp, step, seed, idx_base)
+
+
+def _finish_ref(p, th, mv, new, hp, step, seed, idx_base):
+    """The end of a reference step: quantize the states ``mv`` (name, value, quantizer, the
+    hash bits its codes round with) into ``new`` and split the master weights ``th`` into
+    (narrow param, correction), stochastically from the step's hash when ``hp["sr"]``."""
+    bits, quant, sr, sdt = hp["ecc"], hp["quant"], hp["sr"], hp["scale_dtype"]
     h = None
     if sr:
-        h = hash_ref(seed, step, torch.arange(n, dtype=torch.int64, device=p.device) + idx_base)
+        idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device) + idx_base
+        h = hash_ref(seed, step, idx)
     for name, val, qf, bit in mv:
         if quant:
             u = None if h is None else code_draw_ref(h, bit)
@@ -249,3 +257,61 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     else:
         pn = th32.to(p.dtype)
     return pn.view_as(p), new
+
+
+# ------------------------------------------------------------------------------- Muon
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's)
+
+
+def newton_schulz_ref(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps=5, eps=1e-7):
+    """float64 reference of Muon's orthogonalisation of a matrix ``x`` (..., A, B): on the
+    wide orientation (transposed when A > B), ``X = x / max(||x||_F, eps)``, then ``steps``
+    times ``X = a X + (b S + c S^2) X`` with ``S = X X^T``. Returns float64, ``x``'s shape."""
+    X = x.to(torch.float64)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    a, b, c = coefficients
+    for _ in range(steps):
+        s = X @ X.mT
+        X = a * X + (b * s + c * s @ s) @ X
+    return X.mT if tall else X
+
+
+def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None):
+    """float64 reference of one FlashMuon step on one matrix (the quantized algorithm).
+
+    ``p`` (rows, ...) is orthogonalised as (rows, numel / rows); ``st``: the stored state
+    (``m``/``ms`` codes and scales or an fp32 ``m``, correction ``c``); ``hp``: the
+    optimizer's hyperparameters (``FlashMuon._hp``) plus ``ratio`` (the shape-dependent lr
+    scale) and ``ns`` (coefficients, steps, eps). ``orthogonalize`` (default: the float64
+    ``newton_schulz_ref`` with ``hp["ns"]``) maps the direction ``u`` (float64, the matrix's
+    shape) to ``O``. Returns (param, new state, u, O), u and O flat float64::
+
+        m = m + (1 - mu)(g - m);  u = m + (1 - mu)(g - m) (Nesterov) or m;  O = NS(u)
+        theta = theta (1 - lr wd) - lr ratio O
+    """
+    bits, quant = hp["ecc"], hp["quant"]
+    shape = (p.shape[0], p.numel() // max(p.shape[0], 1))
+    g64 = g.reshape(-1).to(torch.float64)
+    if hp.get("maximize"):
+        g64 = -g64
+    pf = p.reshape(-1)
+    th = join_ref(pf, st["c"].reshape(-1), bits) if bits else pf.to(torch.float64)
+    mc = st["m"].reshape(-1)
+    m = dequantize_momentum_ref(mc, st["ms"]) if quant else mc.to(torch.float64)
+    c = 1 - hp["mu"]
+    m = m + c * (g64 - m)
+    u = m + c * (g64 - m) if hp["nesterov"] else m
+    if orthogonalize is None:
+        o = newton_schulz_ref(u.view(shape), *hp["ns"])
+    else:
+        o = orthogonalize(u.view(shape))
+    o = o.reshape(-1).to(torch.float64)
+    lr, wd = hp["lr"], hp["wd"]
+    th = th * (1 - lr * wd) - lr * hp["ratio"] * o
+    mv = [("m", m, quantize_momentum_ref, M_BIT)]
+    pn, new = _finish_ref(p, th, mv, {}, hp, step, seed, idx_base)
+    return pn, new, u, o
