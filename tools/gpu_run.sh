@@ -52,7 +52,7 @@ for wheels in .whl .whl-bnb; do
       --no-index --no-deps --no-compile --target "$site" --upgrade "$wheels"/*.whl
   fi
 done
-# our sources first: the flashoptim 0.1.4 peer wheel has the same import name as ours
+# our sources first (ours imports as flashoptim_fused, the flashoptim 0.1.4 peer as flashoptim)
 export PYTHONPATH="$root/packages/flashsinkhorn/src:$root/packages/flashoptim/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 
 python3 - >"$out/env.json" 2>>"$log" <<'PY'
@@ -104,10 +104,11 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 
 if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
   for pkg in ${GPU_BENCH_PACKAGES:-${packages[@]}}; do
-    import_name="${pkg//-/_}"
+    import_name="${pkg//-/_}"  # (also names LIMIT_BENCH_* / BENCH_ARGS_*)
+    module="$import_name"; [ "$pkg" = flashoptim ] && module=flashoptim_fused
     [ "$pkg" = mhc-proj ] && [ $built != 1 ] && continue
     limit="LIMIT_BENCH_${import_name}"; extra="BENCH_ARGS_${import_name}"
-    step "bench $pkg" "${!limit:-150}" "$out/bench-$pkg.txt" python3 -m "$import_name.bench" \
+    step "bench $pkg" "${!limit:-150}" "$out/bench-$pkg.txt" python3 -m "$module.bench" \
       --json "$out/bench-$pkg.json" ${!extra:-}
   done
 fi

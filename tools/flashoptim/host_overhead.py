@@ -29,9 +29,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-import flashoptim as fo  # noqa: E402
-from flashoptim import _step_kernel  # noqa: E402
-from flashoptim.bench import layout_shapes  # noqa: E402
+import flashoptim_fused as fo  # noqa: E402
+from flashoptim_fused import _step_kernel  # noqa: E402
+from flashoptim_fused.bench import layout_shapes  # noqa: E402
 
 _KERNELS = ["_step_kernel", "_step_kernel_tuned", "_nonfinite_kernel"]
 

@@ -49,7 +49,10 @@ SCALARS = [
 def kernels():
     """(step kernel, pre-pass kernel, chunk size, pre-pass trip size, legacy constexprs)."""
     try:
-        from flashoptim import _step_kernel as k
+        try:
+            from flashoptim_fused import _step_kernel as k
+        except ImportError:  # before the rename (issue #20)
+            from flashoptim import _step_kernel as k
 
         return k._step_kernel, k._nonfinite_kernel, k.CHUNK, k.PREPASS_SUB, {}
     except ImportError:
@@ -166,7 +169,55 @@ def base_consts(chunk: int) -> dict:
         SCALARS_ON_DEVICE=False,
         DRAW_HOIST=True,
         INDEX64=False,
+        MAXIMIZE=False,
     )
+
+
+# FlashMuon's two passes (``_muon_kernel``, after 1cd3e42): (name, constexpr overrides)
+MUON_MODES = [
+    ("momentum", {}),
+    ("momentum_nocheck", dict(CHECK_SKIP=False)),
+    ("momentum_plain", dict(NESTEROV=False)),
+    ("momentum_fp32_states", dict(QUANT=False)),
+    ("momentum_unaligned", dict(ALIGNED=False, N16=False)),
+    ("update", {}),
+    ("update_nocheck", dict(CHECK_SKIP=False)),
+    ("update_nosr", dict(SR=False)),
+    ("update_fp32", dict(P_DTYPE=0, ECC=0)),
+    ("update_unaligned", dict(ALIGNED=False, N16=False)),
+]
+
+
+def muon_files(chunk: int) -> dict:
+    """SASS of the FlashMuon passes at their one config (BLOCK 2048, PF 1, 4 warps); prints
+    registers and spills per mode. Empty before the Muon kernels existed."""
+    try:
+        from flashoptim_fused import _muon_kernel as mk
+    except ImportError:
+        return {}
+    base = dict(QUANT=True, NESTEROV=True, SCALE_F32=False, ECC=8, SR=True, P_DTYPE=1)
+    base.update(ALIGNED=True, N16=True, CHECK_SKIP=True, ASM=True, UNIT=chunk, BLOCK=2048)
+    base.update(PF=1, GROUP_SIZE=32, DRAW_HOIST=True, INDEX64=False)
+    files = {}
+    for name, over in MUON_MODES:
+        consts = dict(base, **over)
+        p = P_TYPES[consts["P_DTYPE"]]
+        sig = {"units": "*i32", "nunits": "i32", "tab": "*i64", "skip_flag": "*i32", "epoch": "i32"}
+        if name.startswith("momentum"):
+            fn = mk._momentum_kernel
+            sig.update(g_base="*bf16", u_base="*bf16", one_m_mu="fp32")
+            sig.update(m_base="*i8" if consts["QUANT"] else "*fp32", ms_base="*bf16")
+        else:
+            fn = mk._update_kernel
+            sig.update(p_base=f"*{p}", c_base="*i8" if consts["ECC"] else f"*{p}")
+            sig.update(o_base="*bf16", lr="fp32", decay_mult="fp32", step_mix="i32")
+        k = compile_fn(fn, sig, consts, 4)
+        from sass_count import _regs_spills  # (imports this module)
+
+        regs, spills = _regs_spills(k)
+        print(f"muon-{name}: {regs} registers, {spills} bytes of stack", file=sys.stderr)
+        files[f"muon-{name}-b2048w4pf1.sass"] = sass_lines(k)
+    return files
 
 
 def main(argv=None) -> int:
@@ -179,6 +230,7 @@ def main(argv=None) -> int:
         for block, warps, pf in CONFIGS:
             consts = dict(base, BLOCK=block, PF=pf, **legacy)
             consts.update(over)
+            consts = {k: v for k, v in consts.items() if k in step.arg_names}  # older kernels
             if "DRAW_HOIST" in over and "LEAN" in legacy:  # the legacy name of the choice
                 consts["LEAN"] = 2 if over["DRAW_HOIST"] else 1
             k = compile_fn(step, _signature(step, consts), consts, warps)
@@ -193,6 +245,7 @@ def main(argv=None) -> int:
                 k = compile_fn(prepass, sig, consts, 4)
                 name = f"prepass-{gname}-{'aligned' if aligned else 'unaligned'}"
                 files[name + ("-index64" if index64 else "") + ".sass"] = sass_lines(k)
+    files.update(muon_files(chunk))
     for fname, text in sorted(files.items()):
         with open(os.path.join(out, fname), "w") as f:
             f.write(text)

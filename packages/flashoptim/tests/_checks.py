@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-import flashoptim as fo
-from flashoptim import reference
+import flashoptim_fused as fo
+from flashoptim_fused import reference
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -175,14 +175,31 @@ def assert_matches_reference(opt, ps, before, ties: bool = False) -> None:
 
 
 def assert_step_matches_reference(
-    kind, hp, step, seed, p0, g, st0, p1, st1, idx_base: int = 0, ties: bool = False
+    kind,
+    hp,
+    step,
+    seed,
+    p0,
+    g,
+    st0,
+    p1,
+    st1,
+    idx_base: int = 0,
+    ties: bool = False,
+    big=None,
+    fuzz: bool = False,
 ) -> None:
     """A step from (``p0``, stored state ``st0``) with gradient ``g`` that gave (``p1``,
     ``st1``), against ``reference.step_ref`` from the same inputs: group scales within 2% (a
     bf16 scale rounds up once), codes within one (``ties``: a GPU tie on top, two), fp32
     states within a few fp32 roundings of the magnitudes involved, master weights within two
     correction codes plus the fp32 rounding of the weight and the update (Lion with
-    ``ties``: sign(c ~ 0) may flip on < 1% of the elements, moving a weight by 2 lr)."""
+    ``ties``: sign(c ~ 0) may flip on < 1% of the elements, moving a weight by 2 lr). ``big``:
+    the magnitudes the fp32 update rounds at, per element, for updates far from lr * 1 (the
+    fuzzer's: |old weight| + |new weight| + |update|; default |new weight| + lr). ``fuzz``
+    (inputs anywhere in the float range): fp32 rounding may move a group's ceil-rounded scale
+    one bf16 step off the float64 one (inputs at a bf16 boundary), whose codes then agree
+    within two, and fp32 states carry subnormal round-off (2**-149 absolute)."""
     gd = g.detach().reshape(-1).to(torch.float64)
     ref_p, ref_st = reference.step_ref(
         kind, p0, g, {k: v.clone() for k, v in st0.items()}, hp, step, seed, idx_base
@@ -198,9 +215,18 @@ def assert_step_matches_reference(
             old = st0[k].reshape(-1).double().abs().to(v.device)
             gv = gd.to(v.device)
             tol = 2.0**-20 * (ref.double().abs() + old + gv.abs() + gv * gv)
+            if fuzz:
+                tol = tol + 2.0**-147
             assert ((ref.double() - v.double()).abs() <= tol).all(), k
         else:
             d = (ref.int() - v.int()).abs()
+            if fuzz:  # groups whose scale moved one step: within 2
+                same = reference.pad_groups(
+                    (ref_st[k + "s"].double() == st1[k + "s"].reshape(-1).double().cpu())
+                    .repeat_interleave(reference.GROUP)
+                    .to(d.device)
+                )[: d.numel()]
+                d = torch.where(same, d, (d - 1).clamp(min=0))
             assert d.max() <= (2 if ties else 1), (k, int(d.max()))
             if ties:
                 assert _few(d > 0, 0.02), k
@@ -211,11 +237,11 @@ def assert_step_matches_reference(
         th = reference.join_ref(pn, st1["c"].reshape(-1), hp["ecc"])
         th_ref = reference.join_ref(ref_pn, ref_st["c"].reshape(-1).to(pn.device), hp["ecc"])
         q = torch.maximum(reference.ulp_ref(pn), reference.ulp_ref(ref_pn)) / 2.0 ** hp["ecc"]
-        tol = 2 * q + 2.0**-21 * (th.abs() + lr)
+        tol = 2 * q + 2.0**-21 * (th.abs() + lr if big is None else big)
     else:  # the narrow (or fp32) parameter is the only copy: one rounding step of it
         th, th_ref = pn.double(), ref_pn.double()
         ulp = reference.ulp_ref(pn) if pn.dtype != torch.float32 else 0.0
-        tol = ulp + 2.0**-21 * (th.abs() + lr)
+        tol = ulp + 2.0**-21 * (th.abs() + lr if big is None else big)
     bad = (th - th_ref).abs() > tol
     if ties and kind == reference.LION:
         assert _few(bad, 0.01)

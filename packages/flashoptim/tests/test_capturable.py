@@ -16,9 +16,9 @@ the graph test compares codes up to ties and parameters to a tolerance.
 import pytest
 import torch
 
-import flashoptim as fo
-from flashoptim import _capturable, _plan
-from flashoptim import _step_kernel as K
+import flashoptim_fused as fo
+from flashoptim_fused import _capturable, _plan
+from flashoptim_fused import _step_kernel as K
 
 SHAPES = [(64,), (40, 3), (33,), (7,), (2048 + 96,)]
 

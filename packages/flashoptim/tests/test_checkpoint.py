@@ -5,9 +5,9 @@ import io
 
 import pytest
 import torch
-from _checks import INTERP
+from _checks import INTERP, small_grads, small_params
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def _model(seed=0):
@@ -89,7 +89,7 @@ def test_load_torch_adamw_checkpoint():
     p_t, p_f = next(iter(m_t.parameters())), next(iter(m_f.parameters()))
     assert o_f.state[p_f]["exp_avg"].dtype == torch.int8
     assert o_f.state[p_f]["step"] == 5
-    from flashoptim import reference
+    from flashoptim_fused import reference
 
     m = reference.dequantize_momentum_ref(
         o_f.state[p_f]["exp_avg"].view(-1), o_f.state[p_f]["exp_avg_scale"]
@@ -122,7 +122,7 @@ def test_export_fp32_master_weights():
 def test_load_master_weights_keeps_the_fp32_value(dtype, bits):
     """The narrow parameter is the nearest narrow value of the master and the correction holds
     the rest: the optimizer's master weight is the fp32 value to half a correction step."""
-    from flashoptim import reference
+    from flashoptim_fused import reference
 
     g = torch.Generator().manual_seed(11)
     masters = [
@@ -199,3 +199,53 @@ def test_fp32_masters_remove_the_dead_zone(backend):
     assert moved["bf16_init"] == 0.0
     expected = lr / 2**-13  # 0.246
     assert abs(moved["fp32_masters"] - expected) < 0.03, moved
+
+
+@pytest.mark.parametrize(
+    "Flash,Torch,kw",
+    [
+        (fo.FlashAdamW, torch.optim.AdamW, dict(weight_decay=0.1)),
+        (fo.FlashSGD, torch.optim.SGD, dict(momentum=0.9)),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_torch_round_trip(Flash, Torch, kw):
+    """The way back to torch: ``torch_state_dict()`` (fp32 moments) + ``master_weights()``
+    continue in torch.optim as our optimizer continues (fp32 states: to fp32 round-off;
+    default 8-bit states: within their resolution), and torch's state dict loads back. Our
+    native format keeps 8-bit codes under ``<state>_codes``: torch's loader cannot take them
+    for moments (torch's step raises instead of reading codes as values)."""
+    for okw, tol in ((dict(quantize=False, master_weight_bits=32), 1e-5), ({}, 5e-3)):
+        ps = small_params()
+        opt = Flash(ps, lr=1e-2, **okw, **kw)
+        for s in range(3):
+            for p, g in zip(ps, small_grads(ps, s)):
+                p.grad = g
+            opt.step()
+        masters = opt.master_weights()
+        fp32 = [masters[p].clone().requires_grad_() for p in ps]
+        t = Torch(fp32, lr=1e-2, **kw)
+        t.load_state_dict(opt.torch_state_dict())
+        back = Flash([p.detach().clone().requires_grad_() for p in ps], lr=1e-2, **okw, **kw)
+        back.load_state_dict(t.state_dict())
+        qs = [q for q in back.param_groups[0]["params"]]
+        for s in range(3, 6):
+            for p, q, r, g in zip(ps, qs, fp32, small_grads(ps, s)):
+                p.grad, q.grad, r.grad = g, g.clone(), g.clone()
+            opt.step()
+            t.step()
+            back.step()
+        for p, q, r in zip(ps, qs, fp32):
+            w = fo.master_weight(p, opt)
+            assert (w - r.detach()).abs().max() < tol
+            assert (fo.master_weight(q, back) - w).abs().max() < tol
+    native = opt.state_dict()
+    assert all(k != opt._m_key for st in native["state"].values() for k in st)
+    t = Torch([p.detach().clone().requires_grad_() for p in ps], lr=1e-2, **kw)
+    t.load_state_dict(native)
+    for p in t.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+        assert opt._m_key not in t.state[p]  # no codes taken for moments
+    if Torch is torch.optim.AdamW:  # (torch's SGD starts a fresh momentum_buffer)
+        with pytest.raises(KeyError):
+            t.step()

@@ -6,10 +6,10 @@ import pytest
 import torch
 from _checks import OPT_IDS, OPTION_IDS, OPTIONS, OPTS, assert_matches_reference, grad, snapshot
 
-import flashoptim as fo
-from flashoptim import _cpu
-from flashoptim import reference as R
-from flashoptim.reference import ADAM, LION, SGD
+import flashoptim_fused as fo
+from flashoptim_fused import _cpu
+from flashoptim_fused import reference as R
+from flashoptim_fused.reference import ADAM, LION, SGD
 
 
 def _hp(kind, **kw):

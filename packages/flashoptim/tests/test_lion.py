@@ -5,7 +5,7 @@ import pytest
 import torch
 from _checks import assert_quantized_tracks_unquantized, small_grads, small_params
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def _lion_ref(p, g, m, lr, b1, b2, wd):

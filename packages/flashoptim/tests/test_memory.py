@@ -4,7 +4,7 @@ measured by the allocator around a real training step."""
 import pytest
 import torch
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 @pytest.mark.parametrize(

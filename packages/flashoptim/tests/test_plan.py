@@ -8,8 +8,8 @@ import pytest
 import torch
 from _checks import DEV, INTERP, assert_bitwise, needs_kernel
 
-import flashoptim as fo
-from flashoptim import _plan
+import flashoptim_fused as fo
+from flashoptim_fused import _plan
 
 # bf16 buckets (numel % 16 == 0 or not) interleaved with an fp32 one: a plan of three
 # buckets whose parameters are not contiguous runs of the group
@@ -148,15 +148,23 @@ def test_cached_plan_across_load_state_dict():
 
 @needs_kernel
 def test_rebase_declines_a_non_contiguous_gradient():
-    """A cached plan never rebases a gradient it cannot address (here: non-contiguous);
-    the rebuild raises the table's error, as without the cache."""
-    p = torch.randn(8, 16, device=DEV).bfloat16().requires_grad_()
-    opt = fo.FlashAdamW([p], backend="triton")
-    p.grad = torch.randn(8, 16, device=DEV).bfloat16()
-    opt.step()
-    p.grad = torch.randn(16, 8, device=DEV).bfloat16().t()
-    with pytest.raises(ValueError, match="contiguous"):
+    """A cached plan never rebases a gradient it cannot address (here: transposed); the
+    rebuild copies it into the parameter's layout, and the step equals one with the same
+    values contiguous."""
+    ps = [torch.randn(8, 16, device=DEV).bfloat16().requires_grad_() for _ in range(2)]
+    ps[1].data.copy_(ps[0])
+    a, b = (fo.FlashAdamW([p], backend="triton") for p in ps)
+    g0 = torch.randn(8, 16, device=DEV).bfloat16()
+    g1 = torch.randn(16, 8, device=DEV).bfloat16().t()
+    for opt, p in ((a, ps[0]), (b, ps[1])):
+        p.grad = g0.clone()
         opt.step()
+    ps[0].grad = g1
+    ps[1].grad = g1.contiguous()
+    a.step()
+    b.step()
+    assert ps[0].grad.is_contiguous()
+    _assert_equal(a, ps[:1], b, ps[1:])
 
 
 @needs_kernel

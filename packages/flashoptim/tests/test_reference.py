@@ -4,8 +4,8 @@ cases, the rounding draws, and properties over any fp32 value (hypothesis)."""
 import pytest
 import torch
 
-from flashoptim import _cpu
-from flashoptim import reference as R
+from flashoptim_fused import _cpu
+from flashoptim_fused import reference as R
 
 
 @pytest.mark.parametrize("bits", [8, 16])

@@ -4,7 +4,7 @@ ordinary step; per-parameter clipping."""
 import pytest
 import torch
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def _mlp(seed, dtype=torch.float32):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from _checks import assert_matches_torch_unquantized, assert_quantized_tracks_unquantized
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 @pytest.mark.parametrize(

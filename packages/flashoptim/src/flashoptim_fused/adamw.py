@@ -21,13 +21,26 @@ class FlashAdamW(FlashOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        decoupled_weight_decay: bool | None = None,
         **kw,
     ):
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"betas must be in [0, 1); got {betas}")
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0; got {eps}")
+        # torch.optim.Adam's decoupled_weight_decay=True is AdamW; None: the class's own
+        if decoupled_weight_decay is not None and bool(decoupled_weight_decay) != self._decoupled:
+            if self._decoupled:
+                raise ValueError(
+                    "FlashAdamW decays decoupled; for L2 decay added to the gradient"
+                    " (decoupled_weight_decay=False) use FlashAdam"
+                )
+            self._decoupled = True
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), **kw)
+
+    def _check_group(self, group) -> None:
+        super()._check_group(group)
+        b1, b2 = group["betas"]
+        if not 0.0 <= b1 < 1.0 or not 0.0 <= b2 < 1.0:
+            raise ValueError(f"betas must be in [0, 1); got {group['betas']}")
+        if not group["eps"] >= 0:
+            raise ValueError(f"eps must be >= 0; got {group['eps']}")
 
     def _hp(self, group, p):
         b1, b2 = group["betas"]
@@ -40,4 +53,5 @@ class FlashAdam(FlashAdamW):
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **kw):
+        """``decoupled_weight_decay=True`` (torch.optim.Adam's keyword) makes it AdamW."""
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)

@@ -1,18 +1,23 @@
-"""flashoptim-bench: optimizer step time, bandwidth and bytes per parameter against peers.
+"""flashoptim-fused-bench: optimizer step time, bandwidth and bytes per parameter against peers.
 
-    python -m flashoptim.bench                     # GPU suite (CUDA): the headline cases
-    python -m flashoptim.bench --smoke             # tiny, CPU, seconds (CI)
-    python -m flashoptim.bench --layout large --providers ours torch-fused --json out.json
+    python -m flashoptim_fused.bench                     # GPU suite (CUDA): the headline cases
+    python -m flashoptim_fused.bench --smoke             # tiny, CPU, seconds (CI)
+    python -m flashoptim_fused.bench --layout large --providers ours torch-fused --json out.json
 
-Cases (bench ``adamw`` / ``sgd`` / ``lion``, mode ``step`` eager or ``graph`` replayed in a
-CUDA graph), each on a layout: ``large`` (8 x 8192^2 bf16, 537M params), ``small`` (2,050
-tensors, 54.6M params), ``gpt`` (the parameter list of a 12-layer d=768 GPT). Providers:
-``ours``; ``torch-fused`` (torch AdamW, fused, bf16 params: no master weights),
-``torch-fused-fp32`` (fp32 params), ``flashoptim-0.1.4`` (the published flashoptim, loaded
-from its own folder under the name ``flashoptim_peer``: ``--peer-flashoptim-path DIR`` with
-DIR/flashoptim/__init__.py, default the first such folder on sys.path that is not this
-package), ``bitsandbytes`` and ``torchao`` (AdamW8bit, bf16 params). ``frac_ceiling``: the
-bytes the step must move over the device copy rate measured in the same process.
+Cases (bench ``adamw`` / ``sgd`` / ``lion`` / ``muon``, mode ``step`` eager, ``graph``
+replayed in a CUDA graph, ``compiled``: ``torch.compile(opt.step, mode="reduce-overhead",
+fullgraph=True)`` with ``capturable=True``, the 2,050-tensor layout; ``muon_fused``: FlashMuon's
+two fused passes alone, without the Newton-Schulz matmuls), each on a layout (Muon: its 2-D
+tensors): ``large`` (8 x 8192^2 bf16, 537M params), ``small`` (2,050 tensors, 54.6M params),
+``gpt`` (the parameter list of a 12-layer d=768 GPT). Providers: ``ours``; ``torch-fused``
+(torch AdamW, fused, bf16 params: no master weights), ``torch-fused-fp32`` (fp32 params),
+``flashoptim-0.1.4`` (the published flashoptim, loaded from its own folder under the name
+``flashoptim_peer``: ``--peer-flashoptim-path DIR`` with DIR/flashoptim/__init__.py, default
+the first such folder on sys.path that is not this package), ``bitsandbytes`` and
+``torchao`` (AdamW8bit, bf16 params); ``torch-muon`` / ``torch-muon-fp32`` (torch.optim.Muon,
+torch 2.9+, bf16 / fp32 params). ``frac_ceiling``: the bytes the step must move over the
+device copy rate measured in the same process; ``frac_floor`` of a Muon step: its
+Newton-Schulz FLOPs at the bf16 matmul rate measured in the same process, over its time.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 
 import torch
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 from . import _harness as H
 
@@ -34,8 +39,10 @@ PROVIDERS = [
     "flashoptim-0.1.4",
     "bitsandbytes",
     "torchao",
+    "torch-muon",
+    "torch-muon-fp32",
 ]
-MODES = ["step", "graph"]
+MODES = ["step", "graph", "compiled"]
 LR = 1e-4
 # bytes a step must move per parameter (read + write), bf16 parameters and gradients
 _OURS_ADAMW = 2 + 2 + 1 + 1 + 1 + 0.125 + 2 + 1 + 1 + 1 + 0.125  # p, g, rho, m, v, scales
@@ -51,7 +58,10 @@ BYTES = {
     ("sgd", "ours", False): _OURS_MOM,
     ("sgd", "flashoptim-0.1.4", False): _OURS_MOM,
     ("lion", "ours", False): _OURS_MOM,
+    # FlashMuon's passes: g, momentum codes and scales, u written; then p, rho, O read
+    ("muon_fused", "ours", False): 2 + 1 + 1 + 0.125 + 2 + 2 + 2 + 1 + 1 + 2,
 }
+MUON_REPS = (1, 5)  # warm-up and timed steps of a Muon case (~0.2 s each at 537M)
 
 
 def layout_shapes(name: str) -> list[tuple[int, ...]]:
@@ -92,6 +102,12 @@ def load_peer_flashoptim(path: str | None = None):
 
 def make_optimizer(bench: str, provider: str, params, check: bool, graph: bool, peer_path=None):
     lr = LR
+    if bench.startswith("muon"):
+        if provider == "ours":
+            return fo.FlashMuon(params, lr=0.02, check_finite=check)
+        if not hasattr(torch.optim, "Muon"):
+            raise H.Skip(f"torch {torch.__version__} has no torch.optim.Muon (2.9+)")
+        return torch.optim.Muon(params, lr=0.02)
     if provider == "ours":
         if graph:  # a tensor lr on device, as an LR schedule needs under graph replay
             lr = torch.tensor(LR, dtype=torch.float64, device=params[0].device)
@@ -130,15 +146,58 @@ def _tuned_config() -> str | None:
     return None if cfg is None else f"{cfg.kwargs} warps={cfg.num_warps}"
 
 
+def ns_flops(shapes, steps: int = 5) -> float:
+    """FLOPs of Muon's Newton-Schulz on these matrices: per iteration on the wide (A, B),
+    A <= B, orientation 2 A^2 B (X X^T) + 2 A^3 (S S) + 2 A^2 B (the update)."""
+    total = 0.0
+    for s in shapes:
+        a, b = sorted((s[0], torch.Size(s[1:]).numel()))
+        total += steps * (4 * a * a * b + 2 * a**3)
+    return total
+
+
+def matmul_ceiling_tflops(device: torch.device) -> float | None:
+    """bf16 matmul rate (8192^3, TFLOP/s) measured here; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = H.time_fn(lambda: a @ a, device, warmup=3, reps=10)["time_ms"]
+    return 2 * 8192**3 / (t * 1e-3) / 1e12
+
+
+def muon_fused_passes(opt) -> callable:
+    """FlashMuon's two fused passes over every wave of its (cached) plan, without the
+    orthogonalisation between them: the non-matmul part of the step, timed alone."""
+    from . import _muon_kernel
+
+    group = opt.param_groups[0]
+    plan = opt._plans.get(id(group))
+    if plan is None:
+        raise H.Skip("the fused passes are the Triton path's (CUDA)")
+    hp = opt._hp(group, plan["ps"][0])
+    waves = plan["buckets"]
+    dev = plan["ps"][0].device
+    wss = [torch.zeros(w["ws_numel"], dtype=torch.bfloat16, device=dev) for w in waves]
+
+    def fn():
+        for w, ws in zip(waves, wss):
+            _muon_kernel.launch_momentum(w["ent"], ws, hp, 0x9E3779B9)
+            _muon_kernel.launch_update(w["ent"], ws, hp, 0x9E3779B9)
+
+    return fn
+
+
 def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, headline=None):
     shapes = layout_shapes(layout)
+    if bench.startswith("muon"):
+        shapes = [s for s in shapes if len(s) == 2]
     n = sum(torch.Size(s).numel() for s in shapes)
-    dtype = torch.float32 if provider == "torch-fused-fp32" else torch.bfloat16
+    dtype = torch.float32 if provider.endswith("-fp32") else torch.bfloat16
     params = dict(layout=layout, n_params=n, n_tensors=len(shapes), check_finite=check)
     state: dict = {}
 
     def make():
-        if mode == "graph" and device.type != "cuda":
+        if mode in ("graph", "compiled") and device.type != "cuda":
             raise H.Skip("CUDA graphs: GPU only")
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -150,12 +209,21 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
         ]
         for p in ps:
             p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
-        opt = make_optimizer(bench, provider, ps, check, mode == "graph", args.peer_flashoptim_path)
+        graph = mode in ("graph", "compiled")  # capturable, a tensor lr
+        opt = make_optimizer(bench, provider, ps, check, graph, args.peer_flashoptim_path)
         opt.step()  # allocates the states (and autotunes)
         state["opt"] = opt
         if device.type == "cuda":
             H.sync(device)
             state["held"] = torch.cuda.memory_allocated(device) - state["base"]
+        if bench == "muon_fused":
+            return muon_fused_passes(opt)
+        if mode == "compiled":  # torch.compile's CUDA graphs: no capture code of ours
+            torch._dynamo.reset()
+            step = torch.compile(opt.step, mode="reduce-overhead", fullgraph=True)
+            for _ in range(3):  # trace, warm up, record
+                step()
+            return step
         return H.cuda_graph(opt.step, device) if mode == "graph" else opt.step
 
     def metrics():
@@ -170,15 +238,18 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
         return m
 
     per_param = BYTES.get((bench, provider, check))
+    muon = bench == "muon"
+    tflops = getattr(args, "matmul_tflops", None)
     row = res.run(
         bench,
         provider,
         mode,
         params,
         make,
-        warmup=args.warmup,
-        reps=args.reps,
+        warmup=min(args.warmup, MUON_REPS[0]) if muon else args.warmup,
+        reps=min(args.reps, MUON_REPS[1]) if muon else args.reps,
         bytes_moved=None if per_param is None else per_param * n,
+        floor_ms=ns_flops(shapes) / (tflops * 1e12) * 1e3 if muon and tflops else None,
         ceiling_gbps=ceiling,
         metrics=metrics,
         headline=headline if provider == "ours" else None,
@@ -193,7 +264,7 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
 def cases(layouts, modes, providers, cuda: bool):
     """(bench, mode, layout, check_finite, providers of the case, headline label) of the
     suite, the headline rows first."""
-    peers_adamw = [p for p in PROVIDERS[1:] if p in providers]
+    peers_adamw = [p for p in PROVIDERS[1:] if p in providers and "muon" not in p]
     out = []
     for lay in layouts:
         big = lay == "large"
@@ -206,15 +277,23 @@ def cases(layouts, modes, providers, cuda: bool):
             out.append(("adamw", "step", lay, False, [], None))
         if "graph" in modes and cuda:
             out.append(("adamw", "graph", lay, True, [], f"AdamW step, CUDA graph, {name}"))
+        if "compiled" in modes and cuda and lay == "small":
+            out.append(("adamw", "compiled", lay, True, [],
+                        f"AdamW step, torch.compile reduce-overhead, {name}"))  # fmt: skip
         if "step" in modes and big:
             sgd_peers = [p for p in ("flashoptim-0.1.4",) if p in providers]
             out.append(("sgd", "step", lay, False, sgd_peers, f"SGD momentum step, {name}"))
             out.append(("lion", "step", lay, False, [], f"Lion step, {name}"))
+        if "step" in modes and (big or lay == "smoke"):
+            muon_peers = [p for p in ("torch-muon", "torch-muon-fp32") if p in providers]
+            out.append(("muon", "step", lay, True, muon_peers, f"Muon step, {name}"))
+            out.append(("muon_fused", "step", lay, False, [],
+                        f"Muon fused passes (no Newton-Schulz), {name}"))  # fmt: skip
     return out
 
 
 def main(argv=None) -> int:
-    ap = H.parser("flashoptim-bench", __doc__.split("\n")[0], PROVIDERS, MODES)
+    ap = H.parser("flashoptim-fused-bench", __doc__.split("\n")[0], PROVIDERS, MODES)
     ap.add_argument("--layout", action="append", help="large, small, gpt, smoke (repeatable)")
     ap.add_argument("--peer-flashoptim-path", default=None)
     args = ap.parse_args(argv)
@@ -235,12 +314,16 @@ def main(argv=None) -> int:
     res.save(args.json)
     ceiling = H.copy_ceiling_gbps(device)
     res.env["copy_ceiling_gbps"] = ceiling
-    for bench, mode, lay, check, peers, headline in cases(layouts, args.mode, args.providers, cuda):
+    plan = cases(layouts, args.mode, args.providers, cuda)
+    if any(c[0] == "muon" for c in plan):
+        args.matmul_tflops = matmul_ceiling_tflops(device)
+        res.env["matmul_ceiling_tflops_bf16"] = args.matmul_tflops
+    for bench, mode, lay, check, peers, headline in plan:
         if "ours" in args.providers:
             run_case(res, bench, mode, lay, "ours", check, device, args, ceiling, headline)
         for prov in peers:
-            if device.type != "cuda" and prov not in ("torch-fused", "torch-fused-fp32"):
-                continue  # the peers' optimizers are CUDA-only
+            if device.type != "cuda" and not prov.startswith(("torch-fused", "torch-muon")):
+                continue  # the other peers' optimizers are CUDA-only
             run_case(res, bench, mode, lay, prov, check, device, args, ceiling)
     print(H.markdown(res.rows))
     return 0

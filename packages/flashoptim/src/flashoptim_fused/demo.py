@@ -1,4 +1,4 @@
-"""python -m flashoptim.demo: a short CPU tour (well under a minute).
+"""python -m flashoptim_fused.demo: a short CPU tour (well under a minute).
 
 1. Train a small 2-D convnet on scikit-learn's digits (8x8 images) with FlashAdamW (bf16
    weights, 24-bit master weights, 8-bit companded states) and with torch AdamW (fp32).
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def _digits():

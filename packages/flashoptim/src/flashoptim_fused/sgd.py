@@ -26,10 +26,6 @@ class FlashSGD(FlashOptimizer):
         nesterov: bool = False,
         **kw,
     ):
-        if momentum < 0:
-            raise ValueError(f"momentum must be >= 0; got {momentum}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov momentum requires a momentum and zero dampening")
         d = dict(
             lr=lr,
             momentum=momentum,
@@ -38,6 +34,13 @@ class FlashSGD(FlashOptimizer):
             nesterov=nesterov,
         )
         super().__init__(params, d, **kw)
+
+    def _check_group(self, group) -> None:
+        super()._check_group(group)
+        if not group["momentum"] >= 0:
+            raise ValueError(f"momentum must be >= 0; got {group['momentum']}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov momentum requires a momentum and zero dampening")
 
     def _has_mom(self, group) -> bool:
         return group["momentum"] != 0

@@ -1,9 +1,9 @@
 """Training parity under FSDP2 (``fully_shard``) on several GPUs, and a resharded resume.
 
-    python -m flashoptim.parity_fsdp --out DIR               # GPUs: world = all GPUs (NCCL)
-    python -m flashoptim.parity_fsdp --smoke --out DIR       # CPU, 2 gloo processes, seconds
+    python -m flashoptim_fused.parity_fsdp --out DIR               # GPUs: world = all GPUs (NCCL)
+    python -m flashoptim_fused.parity_fsdp --smoke --out DIR       # CPU, 2 gloo processes, seconds
 
-The byte-level GPT of :mod:`flashoptim.parity`, every block and the root sharded with
+The byte-level GPT of :mod:`flashoptim_fused.parity`, every block and the root sharded with
 ``fully_shard``; the global batch and data order are those of the single-GPU parity run
 (each rank takes its slice of the batch; FSDP2 averages the gradients). Per seed:
 
@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import flashoptim as fo
-from flashoptim.parity import (
+import flashoptim_fused as fo
+from flashoptim_fused.parity import (
     GPT,
     add_optimizers_option,
     load_corpus,
@@ -170,12 +170,12 @@ def _state_equal(saved: dict, loaded: dict) -> dict:
         ):
             return {"ok": False, "why": f"{fqn}: step or correction differs"}
         for k in ("exp_avg", "exp_avg_sq"):
-            sk = k + "_scale_per_element"
-            if torch.equal(got[k], st[k]) and torch.equal(got[sk], st[sk]):
+            sk, ck = k + "_scale_per_element", k + "_codes"  # (state_dict's names)
+            if torch.equal(got[ck], st[ck]) and torch.equal(got[sk], st[sk]):
                 exact += 1
                 continue
             regrouped += 1
-            a, b = _decode(k, st[k], st[sk]), _decode(k, got[k], got[sk])
+            a, b = _decode(k, st[ck], st[sk]), _decode(k, got[ck], got[sk])
             worst = max(
                 worst, float((a - b).abs().max() / st[sk].double().abs().max().clamp_min(1e-30))
             )
@@ -328,7 +328,7 @@ def _spawn(fn, args, nprocs, result_path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashoptim.parity_fsdp")
+    ap = argparse.ArgumentParser(prog="python -m flashoptim_fused.parity_fsdp")
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model")
     ap.add_argument(

@@ -141,14 +141,15 @@ def _tensor_arrays(
 
 
 @triton.jit
-def _rounding_stream(row, step_mix, ECC: tl.constexpr, SR: tl.constexpr):
+def _rounding_stream(row, step_mix, ECC: tl.constexpr, SR: tl.constexpr, QUANT: tl.constexpr):
     """(key, index base) of the stochastic rounding draws of the tensor whose table row is
     ``row``: the key mixes its seed with the step, the base is its global index of element 0
-    (mod 2**32). Both stay 0 where nothing is rounded stochastically."""
+    (mod 2**32). Both stay 0 where nothing is rounded stochastically (neither a correction
+    nor a state code)."""
     key = 0
     ib = 0
-    if ECC > 0:
-        if SR:
+    if SR:
+        if ECC > 0 or QUANT:
             key = _mix32(tl.load(row + 8).to(tl.uint32) + step_mix.to(tl.uint32))
             ib = tl.load(row + 9).to(tl.uint32)  # idx base mod 2**32
     return key, ib
@@ -190,14 +191,13 @@ def _device_scalars(sp):
 
 
 @triton.jit
-def _draw(off, ib, key, HOIST: tl.constexpr):
-    """The stochastic-rounding draw ``reference.uniform_ref``, ``(mix32((off + ib) ^ key) >> 8)
-    * 2**-24``, bit for bit, in fewer integer ops. With x = a ^ key, a = off + ib:
+def _hash(off, ib, key, HOIST: tl.constexpr):
+    """The step's 32 hash bits per element, ``reference.hash_ref``, ``mix32((off + ib) ^ key)``,
+    bit for bit, in fewer integer ops. With x = a ^ key, a = off + ib:
     x ^ (x >> 16) = hi ^ (hi >> 16) ^ (a & 7) for hi = (a & ~7) ^ key (the low 3 bits of a do
     not reach bit 16). HOIST (the launcher has checked ib % 8 == 0 for every tensor of the
     bucket; always true unsharded): a thread's 8 consecutive elements share hi, so the first
-    round is one XOR per element. Last round: (h >> 8) as a float is (h & ~0xFF) * 2**-8
-    exactly (at most 24 significant bits)."""
+    round is one XOR per element."""
     if HOIST:
         a = off.to(tl.uint32) + (ib & 0xFFFFFFF8)
         hi = (a & 0xFFFFFFF8) ^ key
@@ -208,8 +208,39 @@ def _draw(off, ib, key, HOIST: tl.constexpr):
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
-    h = (x ^ (x >> 16)) & 0xFFFFFF00
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _draw(h):
+    """The correction's draw ``reference.uniform_ref`` from hash bits ``h``: fp32(h) * 2**-32
+    (one I2F.U32, rounded to nearest)."""
     return h.to(tl.float32) * 2.3283064365386963e-10  # 2**-32
+
+
+@triton.jit
+def _code_offset(h, BIT: tl.constexpr, ASM: tl.constexpr):
+    """1 + a state code's rounding draw (``_cpu.code_offset_t``): the 8 hash bits from BIT
+    as the top 8 mantissa bits of a float in [1, 2), the next bit set (a centred draw in
+    [2**-9, 1 - 2**-9]); the code is floor(x + it) - 1. On the GPU one LOP3 ``(h & M) | C``
+    (BIT 15: the bits are in place; else a shift first): Triton's two ops would each take
+    an immediate."""
+    if BIT == 15:
+        k = h
+    else:
+        k = h << (15 - BIT)
+    if ASM:
+        f = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x007F8000, 0x3F804000, 0xEA;",
+            "=r,r",
+            [k],
+            dtype=tl.uint32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        f = (k & 0x007F8000) | 0x3F804000
+    return f.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -227,6 +258,147 @@ def _chunk(units, u, tab, N16: tl.constexpr, INDEX64: tl.constexpr):
     if N16:
         n = tl.multiple_of(n, 16)
     return row, lu, n
+
+
+@triton.jit
+def _join_master(p, c_raw, P_DTYPE: tl.constexpr, ECC: tl.constexpr, ASM: tl.constexpr):
+    """The fp32 master weight ``p + c * q`` of the stored parameter ``p`` and its correction
+    codes ``c_raw`` (ECC bits; ECC 0: ``p`` itself)."""
+    if ECC > 0:
+        c = c_raw.to(tl.int32).to(tl.float32)
+        if P_DTYPE == 1:
+            pf = _bf16_f32(p, ASM)
+            if ASM:
+                q = _q_bf16x2(p, ECC, False)
+            else:
+                q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
+            th = pf + c * q
+        else:
+            th = p.to(tl.float32) + c * _pow2(_correction_exp(p, P_DTYPE, ECC))
+    else:
+        th = p.to(tl.float32)
+    return th
+
+
+@triton.jit
+def _round_bf16(x, ASM: tl.constexpr):
+    """fp32 -> bf16, round to nearest even."""
+    if ASM:  # cvt.rn.bf16x2.f32: one F2FP per two
+        return tl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;",
+            "=r,f,f",
+            [x],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+    else:  # the interpreter's bf16 cast is not RNE: integer rounding (as _cpu.py)
+        b = x.to(tl.uint32, bitcast=True)
+        nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+        return nb.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _store_master(
+    th,
+    pp,
+    cp,
+    off,
+    mask,
+    key,
+    ib,
+    P_DTYPE: tl.constexpr,
+    ECC: tl.constexpr,
+    SR: tl.constexpr,
+    ASM: tl.constexpr,
+    DRAW_HOIST: tl.constexpr,
+):
+    """Split the fp32 master weights ``th`` into the stored parameter (nearest narrow value)
+    and its correction codes (rounded stochastically with the draw of (key, ib) when SR) and
+    store both; fp32 parameters (P_DTYPE 0) store ``th``."""
+    if P_DTYPE == 0:
+        tl.store(pp + off, th, mask=mask)
+    else:
+        if P_DTYPE == 1:
+            pn = _round_bf16(th, ASM)
+        else:
+            pn = th.to(tl.float16)
+        tl.store(pp + off, pn, mask=mask)
+        if ECC > 0:
+            if P_DTYPE == 1:
+                pnf = _bf16_f32(pn, ASM)
+            else:
+                pnf = pn.to(tl.float32)
+            if P_DTYPE == 1 and ASM:
+                iq = _q_bf16x2(pn, ECC, True)
+            elif P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
+                iq = (0x7F000000 - _q_bf16(pnf, ECC)).to(tl.float32, bitcast=True)
+            else:
+                iq = _pow2(-_correction_exp(pn, P_DTYPE, ECC))
+            r = (th - pnf) * iq
+            if SR:
+                t = r + _draw(_hash(off, ib, key, DRAW_HOIST))  # (one hash: CSE'd)
+            else:
+                t = r + 0.5
+            # |r| <= 2**(ECC-1) (|th - pn| <= ulp/2), so floor(t) >= -LIM: only the top
+            # (th halfway, rounded down to even, plus u) needs a clamp
+            LIM: tl.constexpr = 1 << (ECC - 1)
+            t = tl.minimum(t, LIM - 1)
+            tl.store(cp + off, _floor_bits(t, ASM, False).to(cp.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_momentum(mc_raw, msc_raw, ASM: tl.constexpr):
+    """Momentum values of int8 codes ``mc_raw`` [groups, 32] with group scales ``msc_raw``:
+    ``y = code / 127``, ``x = y / (2 - |y|)``, ``m = x s``."""
+    mc = mc_raw.to(tl.int32).to(tl.float32)
+    msc = msc_raw.to(tl.float32)
+    y = mc * 0.007874015718698502  # fp32(1/127)
+    x = _div(y, 2.0 - tl.abs(y), ASM)
+    return x * msc[:, None]
+
+
+@triton.jit
+def _store_momentum(
+    m,
+    mp,
+    msp,
+    off,
+    mask,
+    goff,
+    gmask,
+    key,
+    ib,
+    SCALE_F32: tl.constexpr,
+    CODE_SR: tl.constexpr,
+    ASM: tl.constexpr,
+    DRAW_HOIST: tl.constexpr,
+):
+    """Quantize the momentum tile ``m`` [groups, 32] (group scale: absmax rounded up, at
+    least 2**-126; then ``127 * 2x / (1 + |x|)`` of ``x = m / s``, rounded stochastically
+    with the step's hash of (key, ib) when CODE_SR, else to nearest) and store codes and
+    scales. s >= 2**-126 (reference.MOM_SCALE_MIN): 1/s is finite for subnormal momenta and
+    zero groups; a group beyond the largest bf16 has s = inf, codes 0 (1/inf = 0) and stores
+    that largest value."""
+    ms_new = tl.maximum(_ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32), 1.1754943508222875e-38)
+    inv = _div_safe(1.0, ms_new, ASM)
+    if not SCALE_F32:
+        ms_new = tl.minimum(ms_new, 3.3895313892515355e38)
+    x = m * inv[:, None]
+    # 2x / (1 + |x|) * 127 == (x / (1 + |x|)) * 254 bitwise (2x is exact). s >= max|m|
+    # so |x| <= 1 + 2**-22 and |254 x / (1 + |x|)| < 127 + 2**-14: floor(. + 0.5), and
+    # floor(. + 1 + u) - 1 for u in [2**-9, 1 - 2**-9], lie in [-127, 127] without a
+    # clamp (non-finite m, check_finite=False: other garbage)
+    if CODE_SR:
+        h = _hash(off, ib, key, DRAW_HOIST)  # (one hash per tile: CSE'd)
+        t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + _code_offset(h, 0, ASM)  # M_BIT
+    else:
+        t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + 0.5
+    tl.store(mp + off, _floor_bits(t, ASM, CODE_SR).to(tl.int8), mask=mask)
+    if ASM:
+        _store_scales(msp + goff, ms_new, gmask, SCALE_F32)
+    else:
+        tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
 
 
 @triton.jit
@@ -267,6 +439,7 @@ def _step_tile(
     SCALE_F32: tl.constexpr,
     ASM: tl.constexpr,
     DRAW_HOIST: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
 ):
     """One tile of the step, in place: load everything (as stored), decode the master weight
     and the states, update, requantize and store the states, split the master weight and
@@ -280,6 +453,7 @@ def _step_tile(
     FMA: tl.constexpr = ASM
     p = tl.load(pp + off, mask=mask, other=0.0)
     g_raw = tl.load(gp + off, mask=mask, other=0.0)
+    c_raw = 0  # (no correction: unused)
     if ECC > 0:
         c_raw = tl.load(cp + off, mask=mask, other=0)
     if HAS_MOM:
@@ -299,27 +473,12 @@ def _step_tile(
         g = _bf16_f32(g_raw, ASM)
     else:
         g = g_raw.to(tl.float32)
-    if ECC > 0:
-        c = c_raw.to(tl.int32).to(tl.float32)
-        if P_DTYPE == 1:
-            pf = _bf16_f32(p, ASM)
-            if ASM:
-                q = _q_bf16x2(p, ECC, False)
-            else:
-                q = _q_bf16(pf, ECC).to(tl.float32, bitcast=True)
-            th = pf + c * q
-        else:
-            th = p.to(tl.float32) + c * _pow2(_correction_exp(p, P_DTYPE, ECC))
-    else:
-        th = p.to(tl.float32)
-
+    if MAXIMIZE:  # torch.optim's maximize: ascend, as on -g (a sign the update ops absorb)
+        g = -g
+    th = _join_master(p, c_raw, P_DTYPE, ECC, ASM)
     if HAS_MOM:
         if QUANT:
-            mc = mc_raw.to(tl.int32).to(tl.float32)
-            msc = msc_raw.to(tl.float32)
-            y = mc * 0.007874015718698502  # fp32(1/127)
-            x = _div(y, 2.0 - tl.abs(y), ASM)
-            m = x * msc[:, None]
+            m = _decode_momentum(mc_raw, msc_raw, ASM)
         else:
             m = mc_raw
 
@@ -338,17 +497,22 @@ def _step_tile(
                 th = th * decay_mult
         else:
             g = g + wd * th
+        # b1 m + (1 - b1) g, not m + (g - m)(1 - b1): with b1 = 0 the old m must not leak
+        # through fp32 cancellation (17% off a gradient 1e6 times smaller than m; the fuzzer)
         if FMA:
-            m = tl.fma(g - m, one_m_b1, m)
+            m = tl.fma(g, one_m_b1, m * b1)
         else:
-            m = m + (g - m) * one_m_b1
+            m = m * b1 + one_m_b1 * g
         if FMA and DECOUPLED:
-            v = tl.fma(g * g, one_m_b2, v * b2)
+            v = tl.fma(g * one_m_b2, g, v * b2)
         elif FMA:
-            v = tl.fma(v, b2, one_m_b2 * (g * g))
+            v = tl.fma(v, b2, (one_m_b2 * g) * g)
         else:
-            v = v * b2 + one_m_b2 * (g * g)
-        svg = tl.sqrt(v)  # once: the denominator and the variance code
+            v = v * b2 + (one_m_b2 * g) * g
+        # once: the denominator and the variance code; capped at the largest bf16, so v = inf
+        # ((1 - b2) g^2 above fp32's range) keeps a finite scale and codes (update m / inf = 0)
+        svg = tl.minimum(tl.sqrt(v), 3.3895313892515355e38)
+
         if FMA and DECOUPLED:
             th = tl.fma(th, decay_mult, -(step_size * _div(m, svg * inv_sqrt_bc2 + eps, ASM)))
         else:
@@ -391,19 +555,9 @@ def _step_tile(
 
     if HAS_MOM:
         if QUANT:
-            ms_new = _ceil_scale(tl.max(tl.abs(m), axis=1), SCALE_F32)
-            nz = tl.where(ms_new > 0, ms_new, 1.0)
-            inv = tl.where(ms_new > 0, _div_safe(1.0, nz, ASM), 0.0)
-            x = m * inv[:, None]
-            # 2x / (1 + |x|) * 127 == (x / (1 + |x|)) * 254 bitwise (2x is exact). s >= max|m|
-            # so |x| <= 1 + 2**-22 and t < 127.5 + 2**-14: floor(t) lies in [-127, 127]
-            # without a clamp (non-finite m, check_finite=False: other garbage)
-            t = _div(x, 1.0 + tl.abs(x), ASM) * 254.0 + 0.5
-            tl.store(mp + off, _floor_bits(t, ASM).to(tl.int8), mask=mask)
-            if ASM:
-                _store_scales(msp + goff, ms_new, gmask, SCALE_F32)
-            else:
-                tl.store(msp + goff, ms_new.to(msp.dtype.element_ty), mask=gmask)
+            _store_momentum(
+                m, mp, msp, off, mask, goff, gmask, key, ib, SCALE_F32, SR, ASM, DRAW_HOIST
+            )
         else:
             tl.store(mp + off, m, mask=mask)
     if KIND == 0:
@@ -412,11 +566,17 @@ def _step_tile(
             nz = tl.where(vs_new > 0, vs_new, 1.0)
             inv = tl.where(vs_new > 0, _div_safe(255.0, nz, ASM), 0.0)
             # floor(max(t, lo)) with lo = 1 where svg > 0 or NaN (a nonzero v never codes 0)
-            # and 0 where svg == 0 (then t = 0.5). svg <= s, so t < 255.5 + 2**-12 and no
-            # clamp at 255 is needed.
-            lo = tl.where(svg <= 0.0, 0.0, 1.0)
-            t = tl.maximum(svg * inv[:, None] + 0.5, lo)
-            tl.store(vp + off, _floor_bits(t, ASM).to(tl.uint8), mask=mask)
+            # and 0 where svg == 0 (then t = 0.5); with the draw 1 + u, lo and the floor are
+            # one higher. svg <= s, so svg * 255 / s < 255 + 2**-12 and no clamp at 255 is
+            # needed (u <= 1 - 2**-9).
+            if SR:
+                h = _hash(off, ib, key, DRAW_HOIST)  # (one hash per tile: CSE'd)
+                lo = tl.where(svg <= 0.0, 1.0, 2.0)
+                t = tl.maximum(svg * inv[:, None] + _code_offset(h, 15, ASM), lo)  # V_BIT
+            else:
+                lo = tl.where(svg <= 0.0, 0.0, 1.0)
+                t = tl.maximum(svg * inv[:, None] + 0.5, lo)
+            tl.store(vp + off, _floor_bits(t, ASM, SR).to(tl.uint8), mask=mask)
             if ASM:
                 _store_scales(vsp + goff, vs_new, gmask, SCALE_F32)
             else:
@@ -424,47 +584,7 @@ def _step_tile(
         else:
             tl.store(vp + off, v, mask=mask)
 
-    if P_DTYPE == 0:
-        tl.store(pp + off, th, mask=mask)
-    else:
-        if P_DTYPE == 1:
-            if ASM:  # cvt.rn.bf16x2.f32: one F2FP per two, round to nearest even
-                pn = tl.inline_asm_elementwise(
-                    "cvt.rn.bf16x2.f32 $0, $2, $1;",
-                    "=r,f,f",
-                    [th],
-                    dtype=tl.bfloat16,
-                    is_pure=True,
-                    pack=2,
-                )
-            else:  # the interpreter's bf16 cast is not RNE: integer rounding (as _cpu.py)
-                b = th.to(tl.uint32, bitcast=True)
-                nb = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
-                pn = nb.to(tl.bfloat16, bitcast=True)
-        else:
-            pn = th.to(tl.float16)
-        tl.store(pp + off, pn, mask=mask)
-        if ECC > 0:
-            if P_DTYPE == 1:
-                pnf = _bf16_f32(pn, ASM)
-            else:
-                pnf = pn.to(tl.float32)
-            if P_DTYPE == 1 and ASM:
-                iq = _q_bf16x2(pn, ECC, True)
-            elif P_DTYPE == 1:  # 1/q = 2**-k: biased exponents of q and 1/q sum to 254
-                iq = (0x7F000000 - _q_bf16(pnf, ECC)).to(tl.float32, bitcast=True)
-            else:
-                iq = _pow2(-_correction_exp(pn, P_DTYPE, ECC))
-            r = (th - pnf) * iq
-            if SR:
-                t = r + _draw(off, ib, key, DRAW_HOIST)
-            else:
-                t = r + 0.5
-            # |r| <= 2**(ECC-1) (|th - pn| <= ulp/2), so floor(t) >= -LIM: only the top
-            # (th halfway, rounded down to even, plus u) needs a clamp
-            LIM: tl.constexpr = 1 << (ECC - 1)
-            t = tl.minimum(t, LIM - 1)
-            tl.store(cp + off, _floor_bits(t, ASM).to(cp.dtype.element_ty), mask=mask)
+    _store_master(th, pp, cp, off, mask, key, ib, P_DTYPE, ECC, SR, ASM, DRAW_HOIST)
 
 
 @triton.jit
@@ -556,6 +676,7 @@ def _step_kernel(
     SCALARS_ON_DEVICE: tl.constexpr,
     DRAW_HOIST: tl.constexpr,  # every tensor's rounding-stream base is a multiple of 8
     INDEX64: tl.constexpr,  # int64 element offsets (a tensor of >= 2**31 - 2 * CHUNK elements)
+    MAXIMIZE: tl.constexpr,  # step on -g (torch.optim's maximize=True)
 ):
     if CHECK_SKIP:
         if tl.load(skip_flag) == epoch:
@@ -602,7 +723,7 @@ def _step_kernel(
             HAS_MOM,
             ALIGNED,
         )
-        key, ib = _rounding_stream(row, step_mix, ECC, SR)
+        key, ib = _rounding_stream(row, step_mix, ECC, SR, QUANT)
         base = lu * UNIT  # a multiple of UNIT (int32 unless INDEX64)
         nt = (tl.minimum(n - base, UNIT) + BLOCK - 1) // BLOCK  # tiles of this chunk, >= 1
         lim = tl.minimum(n, base + UNIT)  # the chunk's end
@@ -667,6 +788,7 @@ def _step_kernel(
                 SCALE_F32,
                 ASM,
                 DRAW_HOIST,
+                MAXIMIZE,
             )
 
 

@@ -10,13 +10,14 @@ On CUDA a step is one fused Triton launch per bucket of tensors (``_plan.py``,
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Iterable
 from itertools import repeat
 from typing import Any
 
 import torch
 
-from . import _capturable, _plan, checkpoint
+from . import _capturable, _compile, _plan, checkpoint
 from ._cpu import cpu_step
 from ._plan import local
 from .reference import ADAM, ECC_BITS, ECC_DTYPE, GROUP, mix32_ref
@@ -77,9 +78,27 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         seed: int = 0,
         capturable: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+        amsgrad: bool = False,
     ):
-        if defaults.get("lr", 0.0) < 0:
-            raise ValueError(f"lr must be >= 0; got {defaults['lr']}")
+        # torch.optim's keywords: foreach / fused name torch's kernels (every flashoptim step
+        # is one fused multi-tensor launch per bucket: accepted, no effect); maximize flips
+        # the gradient's sign inside the kernel; the rest have no meaning here
+        if differentiable:
+            raise ValueError(
+                "differentiable=True is not supported: the step updates quantized states in"
+                " place, outside autograd (use torch.optim for differentiable optimizers)"
+            )
+        if amsgrad:
+            raise ValueError(
+                "amsgrad=True is not supported: flashoptim keeps no max_exp_avg_sq state"
+                " (use torch.optim.AdamW(amsgrad=True))"
+            )
+        del foreach, fused
+        defaults = dict(defaults, maximize=bool(maximize))
         if master_weight_bits not in (None, 24, 32):
             raise ValueError(f"master_weight_bits must be 24, 32 or None; got {master_weight_bits}")
         if scale_dtype not in (torch.bfloat16, torch.float32):
@@ -117,18 +136,43 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         self._epoch = 0  # eager: the current checked step's mark (never reset by a skip)
         self._plans: dict = {}  # id(group) -> cached plan (tables reused across steps)
         self._release_enabled = False
+        self._warned_skip = False
+        self._handle = _compile.register(self)  # names it to a compiled graph's step op
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+        except ValueError as e:
+            self.param_groups.pop()
+            raise ValueError(f"param group {len(self.param_groups)}: {e}") from None
         if not hasattr(self, "_pindex"):
             self._pindex = {}
-        for p in self.param_groups[-1]["params"]:
+        gi = len(self.param_groups) - 1
+        for i, p in enumerate(self.param_groups[-1]["params"]):
             self._pindex.setdefault(id(p), len(self._pindex))
+            where = f"parameter {i} of param group {gi}"
             if p.is_complex():
-                raise ValueError("flashoptim does not support complex parameters")
+                raise ValueError(f"flashoptim does not support complex parameters ({where})")
             if p.dtype not in _plan.P_CODE:
-                raise ValueError(f"parameter dtype must be fp32, bf16 or fp16; got {p.dtype}")
+                raise ValueError(
+                    f"{where}: parameter dtype must be fp32, bf16 or fp16; got {p.dtype}"
+                )
+            if not _plan.dense(local(p)):
+                raise _plan.layout_error(local(p), where)
+
+    def _check_group(self, group) -> None:
+        """Hyperparameters of a param group (constructor defaults and group dicts alike)."""
+        lr = group["lr"]
+        if not torch.is_tensor(lr) and not lr >= 0:
+            raise ValueError(f"lr must be >= 0; got {lr}")
+        wd = group.get("weight_decay", 0.0)
+        if not wd >= 0:
+            raise ValueError(f"weight_decay must be >= 0; got {wd}")
+        if group.get("amsgrad"):
+            raise ValueError("amsgrad=True is not supported (no max_exp_avg_sq state)")
 
     # ------------------------------------------------------------------ state
     def _bits(self, group, p) -> int:
@@ -138,6 +182,10 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
 
     def _has_mom(self, group) -> bool:
         return True
+
+    def _state_keys(self, group) -> tuple[str | None, str | None]:
+        """The state names of the group's momentum and variance (None: not kept)."""
+        return (self._m_key if self._has_mom(group) else None), self._v_key
 
     def _init_state(self, p: torch.Tensor, group) -> dict:
         st = self.state[p]
@@ -153,31 +201,35 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         idx = self._pindex.get(id(p), 0)
         st["seed"] = mix32_ref(torch.tensor([(self.seed * 1000003 + idx) & 0xFFFFFFFF])).item()
         quant = group["quantize"]
+        m_key, v_key = self._state_keys(group)
         keys = []
-        if self._has_mom(group):
-            keys.append((self._m_key, torch.int8))
-        if self._v_key is not None:
-            keys.append((self._v_key, torch.uint8))
+        if m_key is not None:
+            keys.append((m_key, torch.int8))
+        if v_key is not None:
+            keys.append((v_key, torch.uint8))
         for key, cdt in keys:
+            # every per-element state has the parameter's strides (zeros_like keeps a dense
+            # layout): the step runs over memory order, element i of each array the same
             if quant:
-                st[key] = torch.zeros(lp.shape, dtype=cdt, device=dev)
+                st[key] = torch.zeros_like(lp, dtype=cdt)
                 st[key + "_scale"] = torch.zeros(ng, dtype=group["scale_dtype"], device=dev)
             else:
-                st[key] = torch.zeros(lp.shape, dtype=torch.float32, device=dev)
+                st[key] = torch.zeros_like(lp, dtype=torch.float32)
         bits = self._bits(group, p)
         if bits:
-            st["correction"] = torch.zeros(lp.shape, dtype=ECC_DTYPE[bits], device=dev)
+            st["correction"] = torch.zeros_like(lp, dtype=ECC_DTYPE[bits])
         return st
 
     def _state_view(self, st, group) -> dict:
         """A parameter's state under the kernel's array names (c, m, ms, v, vs)."""
         sd = {}
-        if self._m_key in st:
-            sd["m"] = st[self._m_key]
-            sd["ms"] = st.get(self._m_key + "_scale")
-        if self._v_key is not None:
-            sd["v"] = st[self._v_key]
-            sd["vs"] = st.get(self._v_key + "_scale")
+        m_key, v_key = self._state_keys(group)
+        if m_key is not None and m_key in st:
+            sd["m"] = st[m_key]
+            sd["ms"] = st.get(m_key + "_scale")
+        if v_key is not None:
+            sd["v"] = st[v_key]
+            sd["vs"] = st.get(v_key + "_scale")
         if "correction" in st:
             sd["c"] = st["correction"]
         return sd
@@ -196,6 +248,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             else float(group["lr"]),
             wd=float(group["weight_decay"]),
             decoupled=self._decoupled,
+            maximize=bool(group.get("maximize", False)),
         )
 
     # ------------------------------------------------------------------ step
@@ -227,7 +280,9 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         """One check for the whole step: a Triton pre-pass per bucket writing one flag per
         device, then a single host sync; ``torch.isfinite`` for CPU-path tensors. With
         ``flags`` (the step kernels read them on device) only the pre-passes run, no sync.
-        ``mark``: the value the pre-pass writes into a flag (the step's epoch, or 1)."""
+        ``mark``: the value the pre-pass writes into a flag (the step's epoch, or 1).
+        Sharded (DTensor) parameters: the decision is the maximum over all ranks of their
+        meshes (a non-finite gradient element lies in one rank's shard; every rank skips)."""
         on_device = flags is not None
         flags = {} if flags is None else flags
         cpu_ps = []
@@ -241,22 +296,65 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
                 if dev not in flags:
                     flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
                 _plan.launch_prepass(ent, flags[dev], mark)
+        meshes = _meshes(preps)
         if on_device:
+            for f in flags.values():
+                _plan.all_ranks_max_(f, meshes)
             return False
-        for p in cpu_ps:
-            g = local(p.grad)
-            if not bool(torch.isfinite(g).all()):
-                return True
-        return sum(f.to("cpu", non_blocking=False).item() for f in flags.values()) > 0
+        bad = any(not bool(torch.isfinite(local(p.grad)).all()) for p in cpu_ps)
+        bad = bad or sum(f.to("cpu", non_blocking=False).item() for f in flags.values()) > 0
+        if meshes:
+            t = torch.tensor([int(bad)], dtype=torch.int32, device=_plan.mesh_device(meshes[0]))
+            _plan.all_ranks_max_(t, meshes)
+            bad = bool(t.item())
+        return bad
 
     def _skip(self) -> None:
         """Account for a step not taken because of a non-finite gradient."""
         if self.on_nonfinite == "raise":
             raise NonFiniteGradError("non-finite gradient: step not taken")
         self.skipped_steps += 1
+        if not self._warned_skip:
+            self._warned_skip = True
+            step = max((st.get("step", 0) for st in self.state.values()), default=0) + 1
+            warnings.warn(
+                f"flashoptim: a gradient holds inf/NaN: step {step} was skipped (parameters and"
+                " states unchanged). Later skips are only counted in optimizer.skipped_steps;"
+                " on_nonfinite='raise' raises instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        if torch.compiler.is_compiling():  # one custom op in the graph (_compile.py)
+            if closure is not None:
+                raise ValueError("flashoptim: a compiled step() takes no closure")
+            _compile.traced_step(self)
+            return None
+        return self._step(closure)
+
+    def _step_from_graph(self, index: list, params: list, grads: list) -> None:
+        """The compiled graph's step op: step the parameters at ``index`` with the gradients
+        the graph computed (set as their ``.grad``); ``params`` may be copies the graph
+        passes (functionalization), which then receive the updated values."""
+        if _plan.capturing() and not self.capturable:
+            raise RuntimeError(
+                "flashoptim: this step is being captured in a CUDA graph (torch.compile"
+                " mode='reduce-overhead'?): build the optimizer with capturable=True"
+            )
+        allp = [p for g in self.param_groups for p in g["params"]]
+        orig = [allp[i] for i in index]
+        with torch.no_grad():
+            for p, g in zip(orig, grads, strict=True):
+                if p.grad is not g:
+                    p.grad = g
+            self._step(None)
+            for q, p in zip(params, orig, strict=True):
+                if q is not p and q.data_ptr() != p.data_ptr():
+                    q.copy_(p)
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -360,8 +458,10 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         for p in ps:
             if p.grad.is_sparse:
                 raise ValueError("flashoptim does not support sparse gradients")
-            st = self._init_state(p, group)
             lp = local(p)
+            if not lp.is_contiguous() or local(p.grad).stride() != lp.stride():
+                self._match_layout(p, group)
+            st = self._init_state(p, group)
             key = (
                 st["step"],
                 p.dtype,
@@ -373,14 +473,53 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             buckets.setdefault(key, []).append(p)
         out = []
         for key, bps in buckets.items():
-            ent = None
-            if key[4]:
-                sts = [self._state_view(self.state[p], group) for p in bps]
-                ent = _plan.build_table(bps, sts, [self.state[p]["seed"] for p in bps])
-            out.append(dict(ps=bps, ent=ent, step=key[0]))
+            out += self._bucket_entries(group, key, bps)
         if self.capturable:
             return _capturable.device_plan(self, group, ps, out, cache)
         return dict(group=group, plan=None, buckets=out, cache=cache, ps=ps)
+
+    def _match_layout(self, p, group) -> None:
+        """A strided (channels_last, transposed) parameter: it must be dense, and its gradient
+        gets the parameter's strides (autograd's gradients have them already; another layout
+        is copied into one, in ``p.grad``, once)."""
+        lp, lg = local(p), local(p.grad)
+        if not _plan.dense(lp):
+            i = next(i for i, q in enumerate(group["params"]) if q is p)
+            raise _plan.layout_error(lp, f"parameter {i} of its param group")
+        if lg.stride() != lp.stride():
+            if hasattr(p.grad, "_local_tensor"):
+                raise ValueError("a DTensor gradient must have its parameter's strides")
+            p.grad = torch.empty_like(lp, dtype=lg.dtype).copy_(lg)
+
+    def _bucket_entries(self, group, key: tuple, bps: list) -> list[dict]:
+        """The launch units of one bucket (``key``: step count, dtypes, device, Triton or
+        not, numel % 16 == 0): its parameters with their offset and work tables (None on the
+        CPU path) and step count; one unit per bucket."""
+        ent = None
+        if key[4]:
+            sts = [self._state_view(self.state[p], group) for p in bps]
+            ent = _plan.build_table(bps, sts, [self.state[p]["seed"] for p in bps])
+        return [dict(ps=bps, ent=ent, step=key[0])]
+
+    def _step_bucket(self, group, b: dict, hp: dict, step: int, skip=None) -> None:
+        """Step one unit of ``_bucket_entries``: its kernel launch (``skip``: the device
+        non-finite flag it checks), or the CPU path per parameter."""
+        if b["ent"] is not None:
+            self._launch(b["ent"], group, hp, step, skip=skip)
+            return
+        for p in b["ps"]:
+            st = self.state[p]
+            sv = self._state_view(st, group)
+            cpu_step(
+                self._kind,
+                local(p),
+                local(p.grad),
+                sv,
+                hp,
+                step,
+                st["seed"],
+                _plan.global_index_base(p),
+            )
 
     def _commit(self, prep, skip: dict | None = None) -> None:
         """Launch (or run on the CPU path) the step of every bucket of ``prep`` and advance
@@ -391,9 +530,8 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if plan is not None:  # fast path: one step count for all, cached tables
             step = plan["step"] + 1
             for b in plan["buckets"]:  # hp per bucket: ecc depends on the parameter dtype
-                ent = b["ent"]
-                flag = None if skip is None else skip[ent["tab"].device]
-                self._launch(ent, group, self._hp(group, b["ps"][0]), step, skip=flag)
+                flag = None if skip is None else skip[b["ent"]["tab"].device]
+                self._step_bucket(group, b, self._hp(group, b["ps"][0]), step, skip=flag)
             # the host counts after the launches: this loop (one dict update per parameter)
             # runs while the device steps, before the caller's sync
             plan["step"] = step
@@ -405,22 +543,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             hp = self._hp(group, b["ps"][0])
             for p in b["ps"]:
                 self.state[p]["step"] = step
-            if b["ent"] is not None:
-                self._launch(b["ent"], group, hp, step)
-                continue
-            for p in b["ps"]:
-                st = self.state[p]
-                sv = self._state_view(st, group)
-                cpu_step(
-                    self._kind,
-                    local(p),
-                    local(p.grad),
-                    sv,
-                    hp,
-                    step,
-                    st["seed"],
-                    _plan.global_index_base(p),
-                )
+            self._step_bucket(group, b, hp, step)
         bs = prep["buckets"]
         steps = {b["step"] for b in bs}
         if prep["cache"] and all(b["ent"] is not None for b in bs) and len(steps) == 1:
@@ -447,6 +570,34 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         flags["SCALARS_ON_DEVICE"] = scal is not None
         _plan.launch_step(ent, scalars, flags, skip, self._epoch)
 
+    # the per-step caches (plans with offset tables, device flags) are not part of the state:
+    # a copy (copy.deepcopy, pickle) starts without them and rebuilds them on its first step
+    _CACHES = ("_plans", "_dskip", "_dflag", "_eflag")
+
+    def __getstate__(self) -> dict:
+        if self.capturable and self._plans:
+            self.sync_steps()  # the device step counts into state["step"]
+        d = super().__getstate__()  # defaults, state, param_groups
+        for k, v in self.__dict__.items():  # our options and counters, not torch's hooks
+            if k not in d and not k.startswith("_optimizer_") and k not in self._CACHES:
+                d[k] = v
+        d.pop("_pindex", None)  # ids of the old parameters: rebuilt from param_groups
+        d.pop("_handle", None)  # the copy gets its own
+        return d
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for k in self._CACHES:
+            if not isinstance(self.__dict__.get(k), dict):
+                self.__dict__[k] = {}
+        self._epoch = 0
+        self._warned_skip = self.__dict__.get("_warned_skip", False)
+        self._handle = _compile.register(self)
+        self._pindex = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                self._pindex.setdefault(id(p), len(self._pindex))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
 
@@ -465,3 +616,18 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             return None
         ts = list(self._dskip.values())
         return ts[0] if len(ts) == 1 else sum(t.to(ts[0].device) for t in ts)
+
+
+def _meshes(preps) -> list:
+    """The device meshes of the steps' DTensor parameters (cached on a plan)."""
+    out: list = []
+    for prep in preps:
+        plan = prep["plan"]
+        if plan is not None:
+            if "meshes" not in plan:
+                plan["meshes"] = _plan.meshes_of(plan["ps"]) if plan["dt"] else []
+            ms = plan["meshes"]
+        else:
+            ms = _plan.meshes_of(p for b in prep["buckets"] for p in b["ps"])
+        out += [m for m in ms if all(m is not x for x in out)]
+    return out

@@ -48,15 +48,36 @@ def _div_safe(n, d, ASM: tl.constexpr):
 
 
 @triton.jit
-def _floor_bits(t, ASM: tl.constexpr):
-    """int32 bits of ``floor(t) + 1.5 * 2**23`` for |t| < 2**22: their low 8 (16) bits are
-    floor(t) as int8 (int16) two's complement, or as uint8 for floor(t) in [0, 255]."""
-    if ASM:
-        f = tl.inline_asm_elementwise(
-            "add.rm.f32 $0, $1, 0f4B400000;", "=f,f", [t], dtype=tl.float32, is_pure=True, pack=1
-        )
+def _floor_bits(t, ASM: tl.constexpr, MINUS1: tl.constexpr):
+    """int32 bits of ``floor(t) + 1.5 * 2**23`` (MINUS1: ``floor(t) - 1 + 1.5 * 2**23``, for a
+    draw given as 1 + u) for |t| < 2**22: their low 8 (16) bits are the floor (minus 1) as
+    int8 (int16) two's complement, or as uint8 in [0, 255]. One ``add.rm`` either way: the
+    sum lies in [2**23, 2**24), where fp32 spacing is 1."""
+    if MINUS1:
+        C: tl.constexpr = 12582911.0
     else:
-        f = tl.floor(t) + 12582912.0
+        C: tl.constexpr = 12582912.0
+    if ASM:
+        if MINUS1:
+            f = tl.inline_asm_elementwise(
+                "add.rm.f32 $0, $1, 0f4B3FFFFF;",
+                "=f,f",
+                [t],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            f = tl.inline_asm_elementwise(
+                "add.rm.f32 $0, $1, 0f4B400000;",
+                "=f,f",
+                [t],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+    else:
+        f = tl.floor(t) + C
     return f.to(tl.int32, bitcast=True)
 
 

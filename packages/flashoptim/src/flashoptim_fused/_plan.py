@@ -37,6 +37,36 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's elements in memory order (``t.view(-1)`` for a
+    contiguous one; a channels_last or transposed one is stepped over its storage: every
+    array of a parameter has the parameter's strides, so element i of each is the same)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory (any order): what the step needs."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((s, d) for d, s in zip(t.shape, t.stride()) if d != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def layout_error(p: torch.Tensor, where: str) -> ValueError:
+    return ValueError(
+        f"{where} (shape {tuple(p.shape)}, strides {p.stride()}) is not dense: flashoptim"
+        " steps a parameter over its storage, which must hold exactly its elements (any"
+        " memory format: contiguous, channels_last, a transpose); pass a non-overlapping,"
+        " dense tensor (e.g. .contiguous()), not an expanded or strided view"
+    )
+
+
 def global_index_base(p: torch.Tensor) -> int:
     """Flat index of the first local element in the full tensor (DTensor Shard(0) only): the
     start of the tensor's stochastic-rounding stream, so a sharded run rounds as one."""
@@ -50,6 +80,31 @@ def global_index_base(p: torch.Tensor) -> int:
         return int(off[0]) * stride if p.dim() else 0
     except Exception:  # pragma: no cover - older torch / exotic placements
         return 0
+
+
+def meshes_of(ps) -> list:
+    """The distinct device meshes of the DTensor parameters among ``ps``."""
+    out: dict = {}
+    for p in ps:
+        if hasattr(p, "_local_tensor"):
+            out.setdefault(id(p.device_mesh), p.device_mesh)
+    return list(out.values())
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device a collective over ``mesh`` takes its tensors on."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def all_ranks_max_(t: torch.Tensor, meshes) -> None:
+    """``t`` becomes its elementwise maximum over every rank of every mesh, in place."""
+    import torch.distributed as dist
+
+    for mesh in meshes:
+        for d in range(mesh.ndim):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
 
 
 def capturing() -> bool:
@@ -78,8 +133,12 @@ def needs_index64(numels) -> bool:
 
 def index_buckets(ps: list, buckets: list) -> None:
     """A plan's buckets get ``idx``: their parameters' positions in ``ps`` (for the gradient
-    rebase); a single bucket holding every parameter in order needs none."""
-    if len(buckets) == 1 and len(buckets[0]["ps"]) == len(ps):
+    rebase); a single bucket holding every parameter in their order needs none."""
+    if (
+        len(buckets) == 1
+        and len(buckets[0]["ps"]) == len(ps)
+        and all(map(operator.is_, buckets[0]["ps"], ps))
+    ):
         buckets[0]["idx"] = None
         return
     pos = {id(p): i for i, p in enumerate(ps)}
@@ -109,8 +168,17 @@ def build_table(ps: list, states: list, seeds: list) -> dict:
             if t is None:
                 row.append(0)
                 continue
-            if not t.is_contiguous():
-                raise ValueError("flashoptim needs contiguous parameters and gradients")
+            if j in (4, 6):  # group scales: 1-D
+                ok_layout = t.is_contiguous()
+            else:  # per-element arrays: the parameter's dense layout
+                ok_layout = dense(t) and t.stride() == cols[0][i].stride()
+            if not ok_layout:
+                raise ValueError(
+                    f"flashoptim: array {j} of tensor {i} of the bucket has shape"
+                    f" {tuple(t.shape)} and strides {t.stride()}; the parameter has"
+                    f" {cols[0][i].stride()}: every array must be dense with the parameter's"
+                    " strides"
+                )
             if t.device != p0.device:
                 raise ValueError("all tensors of a step must be on one device")
             es = t.element_size()
@@ -168,7 +236,7 @@ def rebase_grads(plan: dict, gs: list, gptrs: tuple) -> bool:
         if (
             set(map(_DTYPE, bgs)) != {old.dtype}
             or set(map(_GET_DEVICE, bgs)) != {old.get_device()}
-            or not all(map(_IS_CONTIGUOUS, bgs))
+            or not all(map(_IS_CONTIGUOUS, bgs))  # (a plan with strided parameters: rebuild)
         ):
             return False
         base = bgs[0]
@@ -226,6 +294,7 @@ def mode_flags(kind: int, ent: dict, hp: dict, has_mom: bool) -> dict:
         NESTEROV=hp.get("nesterov", False),
         HAS_MOM=has_mom,
         SCALE_F32=hp["scale_dtype"] == torch.float32,
+        MAXIMIZE=hp.get("maximize", False),
     )
 
 

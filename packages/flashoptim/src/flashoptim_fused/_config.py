@@ -21,6 +21,8 @@ import triton
 # 8 warps for SGD. docs/design/flashoptim.md has the configs that lost.
 CONFIGS = [(2048, 1, 4), (2048, 1, 8)]
 DEFAULT_CONFIG = CONFIGS[0]  # without autotuning (FLASHOPTIM_NO_AUTOTUNE=1, the interpreter)
+# FlashMuon's two fused passes: not autotuned (its Newton-Schulz matmuls dominate the step)
+MUON_CONFIG = (2048, 1, 4)
 
 
 def interpret() -> bool:

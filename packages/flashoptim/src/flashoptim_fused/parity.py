@@ -1,12 +1,16 @@
 """Training parity on a real run: a byte-level GPT on the Python standard library's sources.
 
-    python -m flashoptim.parity --out DIR            # GPU: ~25M params, 3 seeds x 2 optimizers
-    python -m flashoptim.parity --smoke --out DIR    # CPU, tiny model, seconds
+    python -m flashoptim_fused.parity --out DIR    # GPU: ~25M params, 3 seeds x 2 optimizers
+    python -m flashoptim_fused.parity --optimizers torch_muon,flash_muon --out DIR   # Muon
+    python -m flashoptim_fused.parity --smoke --out DIR  # CPU, tiny model, seconds
 
 FlashAdamW (defaults: bf16 weights, 24-bit master, companded 8-bit states) against
 torch.optim.AdamW (fp32 weights, bf16 autocast on CUDA, fused), same init, data order and
-schedule per seed. Writes ``parity.json`` (loss curves, final losses, whole-step peak memory,
-tokens/s) and ``flashoptim-parity.png`` into DIR.
+schedule per seed; FlashMuon (Muon for the blocks' matrices, AdamW for embeddings, head,
+norms and biases: ``muon.default_use_muon``) against torch.optim.Muon + torch.optim.AdamW
+on the same split, both with Moonlight's ``adjust_lr_fn="match_rms_adamw"`` so the AdamW
+learning rate and weight decay carry over. Writes ``parity.json`` (loss curves, final
+losses, whole-step peak memory, tokens/s) and ``flashoptim-parity.png`` into DIR.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import flashoptim as fo
+import flashoptim_fused as fo
+from flashoptim_fused.muon import default_use_muon
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -109,37 +114,71 @@ FLASH_VARIANTS = {
     # master starts on a bf16 value and updates under half an ulp stay invisible
     "flash_adamw_bf16_init": {"bf16_init": True},
 }
-OPTIMIZERS = ("torch_adamw", *FLASH_VARIANTS)
+OPTIMIZERS = ("torch_adamw", *FLASH_VARIANTS, "torch_muon", "flash_muon")
+# (peer, ours) pairs a verdict compares: summary key "verdict" (AdamW), "verdict_muon"
+PAIRS = {"verdict": ("torch_adamw", "flash_adamw"), "verdict_muon": ("torch_muon", "flash_muon")}
+
+
+class _Both:
+    """torch.optim.Muon for the matrices and torch.optim.AdamW for the rest, stepped as one."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _optimizer(opt_name, model, cfg, device):
+    """(optimizer, its LR schedulers' optimizers, autocast context) of a run."""
+    hp = dict(lr=cfg["lr"], weight_decay=0.1)
+    if opt_name.startswith("flash_"):
+        masters = {p: p.detach().clone() for p in model.parameters()}
+        model.to(torch.bfloat16)  # in place: the same parameter objects
+        if opt_name == "flash_muon":
+            opt = fo.FlashMuon(
+                model.named_parameters(),
+                adjust_lr_fn="match_rms_adamw",
+                adamw_betas=(0.9, 0.95),
+                **hp,
+            )
+            bf16_init = False
+        else:
+            kw = dict(FLASH_VARIANTS[opt_name])
+            bf16_init = kw.pop("bf16_init", False)
+            opt = fo.FlashAdamW(model.parameters(), betas=(0.9, 0.95), **hp, **kw)
+        if not bf16_init:  # the fp32 init stays the master weights (see load_master_weights)
+            opt.load_master_weights(masters)
+        return opt, [opt], contextlib.nullcontext()
+    fused = {"fused": True} if device.type == "cuda" else {}
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    if opt_name == "torch_muon":
+        named = list(model.named_parameters())
+        mats = [p for n, p in named if default_use_muon(n, p)]
+        rest = [p for n, p in named if not default_use_muon(n, p)]
+        muon = torch.optim.Muon(mats, adjust_lr_fn="match_rms_adamw", **hp)
+        adamw = torch.optim.AdamW(rest, betas=(0.9, 0.95), **hp, **fused)
+        return _Both(muon, adamw), [muon, adamw], autocast
+    opt = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), **hp, **fused)
+    return opt, [opt], autocast
 
 
 def run(opt_name, seed, cfg, data, device) -> dict:
     torch.manual_seed(seed)
     model = GPT(cfg["d"], cfg["layers"], cfg["heads"], cfg["ctx"]).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    if opt_name.startswith("flash_adamw"):
-        masters = [p.detach().clone() for p in model.parameters()]
-        model = model.to(torch.bfloat16)
-        kw = dict(FLASH_VARIANTS[opt_name])
-        bf16_init = kw.pop("bf16_init", False)
-        opt = fo.FlashAdamW(
-            model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95), **kw
-        )
-        if not bf16_init:  # the fp32 init stays the master weights (see load_master_weights)
-            opt.load_master_weights(masters)
-        del masters
-        autocast = contextlib.nullcontext()
-    else:
-        kw = {"fused": True} if device.type == "cuda" else {}
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95), **kw
-        )
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if device.type == "cuda"
-            else contextlib.nullcontext()
-        )
+    opt, sched_opts, autocast = _optimizer(opt_name, model, cfg, device)
     steps = cfg["steps"]
-    sched = lr_schedule(opt, steps)
+    scheds = [lr_schedule(o, steps) for o in sched_opts]
     train, val = data
     g = torch.Generator().manual_seed(1000 + seed)  # same data order for both optimizers
     B, T = cfg["batch"], cfg["ctx"]
@@ -160,7 +199,8 @@ def run(opt_name, seed, cfg, data, device) -> dict:
             loss = F.cross_entropy(logits.float().view(-1, 256), xb[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
-        sched.step()
+        for sched in scheds:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     if device.type == "cuda":
@@ -206,21 +246,22 @@ def add_optimizers_option(ap: argparse.ArgumentParser, allowed) -> None:
 
 
 def parse_optimizers(text: str, allowed) -> list[str]:
-    """The ``--optimizers`` list: comma-separated names from ``allowed``, including the two
-    the verdict compares."""
+    """The ``--optimizers`` list: comma-separated names from ``allowed``, including both of
+    at least one pair a verdict compares (``PAIRS`` within ``allowed``)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if any(n not in allowed for n in names) or not {"torch_adamw", "flash_adamw"} <= set(names):
+    pairs = [p for p in PAIRS.values() if set(p) <= set(allowed)]
+    if any(n not in allowed for n in names) or not any(set(p) <= set(names) for p in pairs):
+        need = " or ".join(" and ".join(p) for p in pairs)
         raise SystemExit(
-            f"--optimizers must include torch_adamw and flash_adamw and name only"
-            f" {', '.join(allowed)}; got {text!r}"
+            f"--optimizers must include {need} and name only {', '.join(allowed)}; got {text!r}"
         )
     return names
 
 
 def summarize(runs: list[dict], peak_key: str) -> dict:
     """Per optimizer (in the order the runs name them), the lists over seeds of the final
-    losses, peak memory (``peak_key``) and tokens/s; and the verdict: is FlashAdamW's mean
-    validation loss inside torch AdamW's seed range."""
+    losses, peak memory (``peak_key``) and tokens/s; and per pair of ``PAIRS`` that ran the
+    verdict: is our mean validation loss inside the torch optimizer's seed range."""
     summary = {}
     for name in dict.fromkeys(r["optimizer"] for r in runs):
         rs = [r for r in runs if r["optimizer"] == name]
@@ -228,14 +269,17 @@ def summarize(runs: list[dict], peak_key: str) -> dict:
             k: [r[k] for r in rs]
             for k in ("final_train_loss", "val_loss", peak_key, "tokens_per_s")
         }
-    ta, fa = summary["torch_adamw"]["val_loss"], summary["flash_adamw"]["val_loss"]
     mean = lambda x: sum(x) / len(x)
-    summary["verdict"] = {
-        "torch_val_range": [min(ta), max(ta)],
-        "flash_val_mean": mean(fa),
-        "flash_mean_within_torch_range": min(ta) <= mean(fa) <= max(ta),
-        "flash_minus_torch_val_mean": mean(fa) - mean(ta),
-    }
+    for key, (peer, ours) in PAIRS.items():
+        if peer not in summary or ours not in summary:
+            continue
+        ta, fa = summary[peer]["val_loss"], summary[ours]["val_loss"]
+        summary[key] = {
+            "torch_val_range": [min(ta), max(ta)],
+            "flash_val_mean": mean(fa),
+            "flash_mean_within_torch_range": min(ta) <= mean(fa) <= max(ta),
+            "flash_minus_torch_val_mean": mean(fa) - mean(ta),
+        }
     return summary
 
 
@@ -246,7 +290,12 @@ def plot(result, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = {"flash_adamw": "tab:red", "torch_adamw": "tab:blue"}
+    colors = {
+        "flash_adamw": "tab:red",
+        "torch_adamw": "tab:blue",
+        "flash_muon": "tab:orange",
+        "torch_muon": "tab:green",
+    }
     for r in result["runs"]:
         ls = r["losses"]
         k = max(1, len(ls) // 100)
@@ -267,16 +316,15 @@ def plot(result, path):
     )
     ax.legend(fontsize=7, ncol=2)
     v = result["summary"]
-    ax.text(
-        0.02,
-        0.03,
-        f"val loss ({len(v['torch_adamw']['val_loss'])} seeds): torch AdamW "
-        + ", ".join(f"{x:.3f}" for x in v["torch_adamw"]["val_loss"])
-        + " | FlashAdamW "
-        + ", ".join(f"{x:.3f}" for x in v["flash_adamw"]["val_loss"]),
-        transform=ax.transAxes,
-        fontsize=7,
-    )
+    lines = [
+        f"val loss: {peer} "
+        + ", ".join(f"{x:.3f}" for x in v[peer]["val_loss"])
+        + f" | {ours} "
+        + ", ".join(f"{x:.3f}" for x in v[ours]["val_loss"])
+        for key, (peer, ours) in PAIRS.items()
+        if key in v
+    ]
+    ax.text(0.02, 0.03, "\n".join(lines), transform=ax.transAxes, fontsize=7)
     lo = min(min(r["losses"][len(r["losses"]) // 3 :]) for r in result["runs"])
     hi = max(r["losses"][len(r["losses"]) // 20] for r in result["runs"])
     ax.set_ylim(lo * 0.95, hi)
@@ -285,7 +333,7 @@ def plot(result, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashoptim.parity")
+    ap = argparse.ArgumentParser(prog="python -m flashoptim_fused.parity")
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--steps", type=int, default=None)

@@ -16,9 +16,13 @@ class FlashLion(FlashOptimizer):
     _decoupled = True
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, **kw):
-        if not 0.0 <= betas[0] <= 1.0 or not 0.0 <= betas[1] <= 1.0:
-            raise ValueError(f"betas must be in [0, 1]; got {betas}")
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), **kw)
+
+    def _check_group(self, group) -> None:
+        super()._check_group(group)
+        b1, b2 = group["betas"]
+        if not 0.0 <= b1 <= 1.0 or not 0.0 <= b2 <= 1.0:
+            raise ValueError(f"betas must be in [0, 1]; got {group['betas']}")
 
     def _hp(self, group, p):
         b1, b2 = group["betas"]
