@@ -65,12 +65,6 @@ SHIFT_LO = 2.0**-60
 # the H200 runs timed 50k x 50k (2.5e9 scores, 1.26x faster at d = 64); 2^22 scores take
 # about 2 us at that rate.
 SM90_MIN_SCORES = 1 << 22
-# ... and only for rows of at most this many bytes (d <= 512 fp32, d <= 1024 bf16): the
-# H200 run of 2026-12-02 measured the Gluon pass at d = 64 and 512 (tf32, bf16: 1.06-1.44x
-# the Triton kernel), but at d = 1024 tf32 it did not finish in the check's 45 s (a slow
-# compile of 32 chunks per tile or a hang: not yet told apart), so wider rows take the
-# Triton kernel (23.6 ms at 50k x 50k, d = 1024 tf32, 0.50 of the floor).
-SM90_MAX_ROW_BYTES = 2048
 
 # The symmetric iteration in one pass (_symmetric_triton, _symmetric_hopper): each row block
 # writes the column partial sums of a chunk of columns into a (B, row_blocks, W) fp32

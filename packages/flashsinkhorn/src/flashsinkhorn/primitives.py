@@ -126,8 +126,6 @@ def sm90_pass_reason(x, y, precision, v=None, labels=None, center=None) -> str |
     B, N, _ = x.shape
     if B * N * y.shape[1] < _config.SM90_MIN_SCORES:
         return f"fewer than {_config.SM90_MIN_SCORES} scores (_config.SM90_MIN_SCORES)"
-    if x.shape[2] * x.element_size() > _config.SM90_MAX_ROW_BYTES:
-        return f"rows wider than {_config.SM90_MAX_ROW_BYTES} bytes (_config.SM90_MAX_ROW_BYTES)"
     return _softmin_hopper.unsupported_reason(x, y, precision, v=v, labels=labels, center=center)
 
 
@@ -453,7 +451,7 @@ def symmetric_update(
     rb = (loga + (f - cx) / eps) * LOG2E + half
     cb = (logb + (g - cy) / eps) * LOG2E + half
     rsum = None
-    if backend == "auto" and sm90_pass_reason(xk, yk, precision) is None:
+    if backend == "auto" and _symmetric_hopper.unsupported_reason(xk, yk, precision) is None:
         try:  # the sm_90 Gluon kernel (CUDA, tf32 / bf16, 16-byte rows)
             rsum, csum = _symmetric_hopper.symmetric_sums_hopper(
                 xk, yk, rb, cb, eps=eps, c2=c2, precision=precision
