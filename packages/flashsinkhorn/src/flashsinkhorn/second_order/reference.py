@@ -21,8 +21,9 @@ def _float64(x, y, a, b):
     x = x.double()
     y = y.double()
     n, m = x.shape[0], y.shape[0]
-    a = torch.full((n,), 1.0 / n, dtype=torch.float64) if a is None else a.double()
-    b = torch.full((m,), 1.0 / m, dtype=torch.float64) if b is None else b.double()
+    kw = dict(dtype=torch.float64, device=x.device)
+    a = torch.full((n,), 1.0 / n, **kw) if a is None else a.double()
+    b = torch.full((m,), 1.0 / m, **kw) if b is None else b.double()
     return x, y, a, b
 
 
@@ -41,8 +42,8 @@ def _sinkhorn(x, y, a, b, eps, rx, ry, n_iter, labels=None):
         lx, ly, table = labels
         C = C + table.double()[lx.long()][:, ly.long()]
     la, lb = torch.log(a), torch.log(b)
-    f = torch.zeros(x.shape[0], dtype=torch.float64)
-    g = torch.zeros(y.shape[0], dtype=torch.float64)
+    f = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+    g = torch.zeros(y.shape[0], dtype=torch.float64, device=x.device)
     for _ in range(n_iter):
         f = -kx * eps * torch.logsumexp((g[None, :] - C) / eps + lb[None, :], dim=1)
         g = -ky * eps * torch.logsumexp((f[:, None] - C) / eps + la[:, None], dim=0)
