@@ -71,6 +71,11 @@ def _smoke_bench(session: nox.Session, package: str, env: dict[str, str]) -> Non
     session.log(f"smoke benchmark JSON written to {out}")
 
 
+def _doc_blocks(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    """Every ```python block of the package's README and docs pages, run as written."""
+    session.run("python", str(ROOT / "tools" / "run_doc_blocks.py"), *args, env=env)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and format check over the whole tree, and the tests of tools/ (the
@@ -90,7 +95,7 @@ TEST_VARIANTS = ["flashsinkhorn", "mhc-proj", "mhc-proj-cpu-only", "flashoptim"]
 @nox.parametrize("variant", TEST_VARIANTS)
 def tests(session: nox.Session, variant: str) -> None:
     """One fresh venv per package: install it with its [test] extra, run its CPU suite
-    (Triton under the interpreter), then its --smoke benchmark."""
+    (Triton under the interpreter), its --smoke benchmark and its docs' python blocks."""
     env = dict(CPU_ENV)
     package = variant.removesuffix("-cpu-only")
     source = f"{ROOT / 'packages' / package}[test]"
@@ -104,6 +109,7 @@ def tests(session: nox.Session, variant: str) -> None:
     _install(session, source)
     _pytest(session, package, env)
     _smoke_bench(session, package, env)
+    _doc_blocks(session, package, env=env)
 
 
 @nox.session
@@ -144,6 +150,7 @@ def demo(session: nox.Session) -> None:
         session.run("python", "-m", f"{import_name}.demo", env=CPU_ENV)
         for module in EXTRA_DEMOS.get(package, []):
             session.run("python", "-c", _RUN_IF_PRESENT.format(module=module), env=CPU_ENV)
+    _doc_blocks(session, "--all-packages", env=CPU_ENV)  # the root README and shared pages
 
 
 # Runs a demo module only if the package ships it (later issues add more demos).
