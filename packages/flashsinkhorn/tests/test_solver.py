@@ -293,29 +293,41 @@ def test_problem_prepares_centered_operands_once(backend):
     "schedule,eps_scaling", [("alternating", 0.5), ("symmetric", 0.5), ("symmetric", None)]
 )
 def test_triton_loop_with_guesses_matches_float64(monkeypatch, schedule, eps_scaling):
-    """solve()'s loop on the Triton backend passes the current potentials as guesses (the
-    shift kernel) in the eps-scaling warm start and the fixed-eps iterations, and no guess
-    for the zeros of a cold start (the running-max kernel): against the float64 torch
-    loop, unbalanced, both schedules."""
+    """solve()'s loop on the Triton backend: the alternating iterations pass the current
+    potentials as guesses (the shift kernel), the cold start's zeros none (the running-max
+    kernel); the symmetric iterations (eps-scaling stages, schedule="symmetric" after the
+    cold start) run one pass for both potentials (symmetric_update). Against the float64
+    torch loop, unbalanced, both schedules."""
     import flashsinkhorn.primitives as sm
 
-    guesses = []
-    real = sm._triton_pass
+    guesses, one_pass = [], []
+    real_pass, real_sums = sm._triton_pass, sm.symmetric_sums_triton
 
-    def spy(*args):
+    def spy(*args, **kw):
         guesses.append(args[-1] is not None)
-        return real(*args)
+        return real_pass(*args, **kw)
+
+    def spy_sums(*args, **kw):
+        one_pass.append(1)
+        return real_sums(*args, **kw)
 
     monkeypatch.setattr(sm, "_triton_pass", spy)
+    monkeypatch.setattr(sm, "symmetric_sums_triton", spy_sums)
     x, y, a, b = clouds(45, 38, 3, seed=3)
     kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule,
               rho=2.0)  # fmt: skip
     r64 = fs.solve(x, y, a, b, backend="torch", **kw)
     r = fs.solve(x.float(), y.float(), a.float(), b.float(), backend="triton",
                  precision="ieee", **kw)  # fmt: skip
-    with_guess = sum(guesses)
-    assert with_guess > 60 if eps_scaling else with_guess == 2 * 29
-    assert guesses[:2] == [False, False]  # the cold start
+    if schedule == "alternating":
+        expect = [False] * (0 if eps_scaling else 2) + [True] * (60 if eps_scaling else 58)
+        sym_loop = 0
+    else:
+        expect = [] if eps_scaling else [False, False]
+        sym_loop = 30 if eps_scaling else 29
+    assert guesses == expect + [False]  # + the unbalanced value's pass
+    warm = len(one_pass) - sym_loop  # the eps-scaling stages and their start from zeros
+    assert warm >= 3 if eps_scaling else warm == 0
     torch.testing.assert_close(r.f.double(), r64.f, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(r.g.double(), r64.g, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(r.value.double(), r64.value, atol=2e-6, rtol=1e-5)

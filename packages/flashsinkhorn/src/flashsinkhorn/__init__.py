@@ -5,7 +5,8 @@ Public API (docs/flashsinkhorn.md):
 
 - :func:`solve` -> :class:`SinkhornResult`; :class:`SamplesLoss` (GeomLoss-compatible, p=2)
   and its functional form :func:`sinkhorn_divergence`;
-- the streaming primitives :func:`softmin`, :func:`plan_apply`, :func:`self_softmin`;
+- the streaming primitives :func:`softmin`, :func:`plan_apply`, :func:`self_softmin`,
+  :func:`symmetric_update` (both updates of a symmetric iteration in one pass);
 - plan sampling (:mod:`flashsinkhorn.sampling`): :func:`sample_plan` (a target index per
   source point from a result), the primitive :func:`softmax_sample`;
 - the float64 references ``*_ref`` (:mod:`flashsinkhorn.reference`);
@@ -16,13 +17,14 @@ Public API (docs/flashsinkhorn.md):
 __version__ = "0.2.0"
 
 from flashsinkhorn import second_order
-from flashsinkhorn.primitives import plan_apply, self_softmin, softmin
+from flashsinkhorn.primitives import plan_apply, self_softmin, softmin, symmetric_update
 from flashsinkhorn.reference import (
     cost_matrix_ref,
     plan_apply_ref,
     samples_loss_ref,
     sinkhorn_ref,
     softmin_ref,
+    symmetric_update_ref,
 )
 from flashsinkhorn.result import LazyPlan, SinkhornResult
 from flashsinkhorn.samples_loss import SamplesLoss, sinkhorn_divergence
@@ -40,8 +42,10 @@ __all__ = [
     "softmin",
     "plan_apply",
     "self_softmin",
+    "symmetric_update",
     "cost_matrix_ref",
     "softmin_ref",
+    "symmetric_update_ref",
     "plan_apply_ref",
     "sinkhorn_ref",
     "samples_loss_ref",

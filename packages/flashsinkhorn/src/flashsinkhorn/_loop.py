@@ -99,13 +99,11 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
     f = torch.zeros((B, N), dtype=dt, device=prob.X.device)
     g = torch.zeros((B, M), dtype=dt, device=prob.X.device)
     # eps-scaling warm start: one symmetric iteration per stage (GeomLoss)
-    if stages:
+    if stages:  # each symmetric update: one pass for both potentials where it can
         e0 = stages[0]
-        g = prob.sm_y(f, e0, damping_factor(e0, ry))[0]
-        f = prob.sm_x(torch.zeros_like(g), e0, damping_factor(e0, rx))[0]
+        f, g = prob.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
         for k, e in enumerate(stages):
-            ft = prob.sm_x(g, e, damping_factor(e, rx), guess=f)[0]
-            gt = prob.sm_y(f, e, damping_factor(e, ry), guess=g)[0]
+            ft, gt = prob.sym_update(f, g, e, damping_factor(e, rx), damping_factor(e, ry))
             if verbose:
                 est = float((l1_err(prob, prob.a, f, ft, e) + l1_err(prob, prob.b, g, gt, e)).max())
                 _say(verbose, f"eps-scaling stage {k + 1}/{len(stages)}, eps {e:.4g}, "
@@ -136,8 +134,11 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
                 eb = l1_err(prob, prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
-            ft = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
-            gt = prob.sm_y(f, eps, damping_factor(eps, ry), guess=gg)[0]
+            kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
+            if gf is None:  # the cold start from zeros: running-max passes
+                ft, gt = prob.sm_x(g, eps, kx)[0], prob.sm_y(f, eps, ky)[0]
+            else:  # both from one pass where the backend has it
+                ft, gt = prob.sym_update(f, g, eps, kx, ky)
             if measure:
                 ea = l1_err(prob, prob.a, f, ft, eps)
                 eb = l1_err(prob, prob.b, g, gt, eps)
@@ -157,7 +158,7 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
         if true < tol:
             converged = True
             break
-        if prob.backend == "triton" and prob.precision in LOW_PRECISIONS:
+        if prob.backend != "torch" and prob.precision in LOW_PRECISIONS:
             # the low-precision cost is off by more than tol allows: continue exactly
             _say(verbose, f"switching to precision {POLISH_PRECISION!r}")
             prob = prob.with_precision(POLISH_PRECISION)

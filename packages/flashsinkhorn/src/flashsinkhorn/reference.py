@@ -6,6 +6,8 @@ The solvers import the schedule (:func:`eps_schedule`) and the unbalanced dampin
 
 - :func:`cost_matrix_ref`: ``cost_scale * C(x, y)`` (+ label term), as :func:`solve` defines it.
 - :func:`softmin_ref`: the streaming c-transform of :func:`flashsinkhorn.softmin`.
+- :func:`symmetric_update_ref`: both updates of a symmetric iteration
+  (:func:`flashsinkhorn.symmetric_update`).
 - :func:`plan_apply_ref`: ``P @ V`` for the squared-Euclidean cost.
 - :func:`sinkhorn_ref`: alternating log-domain Sinkhorn, the dual value of :func:`solve`.
 - :func:`samples_loss_ref`: GeomLoss's ``SamplesLoss("sinkhorn", p=2)`` (value).
@@ -147,6 +149,21 @@ def softmin_ref(x, y, g, logb, cx, cy, *, eps, c2, damping=1.0, v=None, labels=N
     if v is not None:
         vbar = torch.softmax(S, dim=-1) @ v.to(d)
     return out, lse2, vbar
+
+
+def symmetric_update_ref(x, y, f, g, loga, logb, cx, cy, *, eps, c2, damping_x=1.0,
+                         damping_y=1.0, labels=None):  # fmt: skip
+    """Dense float64 reference of :func:`flashsinkhorn.symmetric_update`: ``(f_new, g_new)``,
+    each the c-transform of the other side's old potential (two :func:`softmin_ref`)."""
+    lab_t = None
+    if labels is not None:
+        lx, ly, W, w_scale = labels
+        lab_t = (ly, lx, W.transpose(-1, -2), w_scale)
+    f_new = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=c2, damping=damping_x,
+                        labels=labels)[0]  # fmt: skip
+    g_new = softmin_ref(y, x, f, loga, cy, cx, eps=eps, c2=c2, damping=damping_y,
+                        labels=lab_t)[0]  # fmt: skip
+    return f_new, g_new
 
 
 def plan_apply_ref(x, y, a, b, f, g, v, *, eps, cost_scale=1.0):

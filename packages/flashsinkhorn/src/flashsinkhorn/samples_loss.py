@@ -29,7 +29,7 @@ import torch
 
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
-from flashsinkhorn.primitives import PRECISIONS, check_precision, resolve_backend
+from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
 from flashsinkhorn.solver import Problem
 
@@ -71,9 +71,7 @@ def _sinkhorn_forward(
     if diameter is None:
         diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
-    be = resolve_backend(backend, x.device)
-    if backend == "auto" and x.dtype == torch.float64:
-        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
+    be = problem_backend(backend, x.device, x.dtype)  # float64 stays float64 under "auto"
     c = common_center(x, y) if comm is None else comm.center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     # the centered kernel operands x - c, y - c are made once here and shared by all three
@@ -96,15 +94,13 @@ def _sinkhorn_forward(
     za = torch.zeros_like(hx)
     e = eps_list[0]
     dmp = damping_factor(e, rho)
-    g_ab = pxy.sm_y(za, e, dmp)[0]
-    f_ba = pxy.sm_x(zb, e, dmp)[0]
+    f_ba, g_ab = pxy.sym_update(za, zb, e, dmp, dmp)  # one pass for both where it can
     if debias:
         f_aa = self_upd(pxx, za, e, dmp)
         g_bb = self_upd(pyy, zb, e, dmp)
     for k, e in enumerate(eps_list):
         dmp = damping_factor(e, rho)
-        ft_ba = pxy.sm_x(g_ab, e, dmp, guess=f_ba)[0]
-        gt_ab = pxy.sm_y(f_ba, e, dmp, guess=g_ab)[0]
+        ft_ba, gt_ab = pxy.sym_update(f_ba, g_ab, e, dmp, dmp)
         if debias:
             ft_aa = self_upd(pxx, f_aa, e, dmp)
             gt_bb = self_upd(pyy, g_bb, e, dmp)

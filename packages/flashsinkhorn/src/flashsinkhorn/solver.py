@@ -36,7 +36,14 @@ from flashsinkhorn._inputs import (
     prepare_inputs,
 )
 from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
-from flashsinkhorn.primitives import check_precision, resolve_backend, self_softmin, softmin
+from flashsinkhorn.primitives import (
+    check_precision,
+    problem_backend,
+    resolve_backend,
+    self_softmin,
+    softmin,
+    symmetric_update,
+)
 from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
 from flashsinkhorn.result import SinkhornResult, certificate
 
@@ -149,6 +156,21 @@ class Problem:
             want_lse=want_lse,
             guess=guess,
         )
+
+    def sym_update(self, f, g, eps, damping_x=1.0, damping_y=1.0):
+        """Both updates of a symmetric iteration from the old ``(f, g)``: one streaming
+        pass where the backend has it (:func:`flashsinkhorn.symmetric_update`). A subclass
+        that redefines the passes (a problem sharded over ranks) gets its own two passes,
+        unless it redefines this too."""
+        cls = type(self)
+        if cls.sm_x is not Problem.sm_x or cls.sm_y is not Problem.sm_y:
+            ft = self.sm_x(g, eps, damping_x, guess=f)[0]
+            return ft, self.sm_y(f, eps, damping_y, guess=g)[0]
+        return symmetric_update(
+            self.Xk, self.Yk, f, g, self.loga, self.logb, self.cx, self.cy, eps=eps,
+            c2=self.c2, damping_x=damping_x, damping_y=damping_y, labels=self.labels,
+            precision=self.precision, backend=self.backend,
+        )  # fmt: skip
 
     def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
         """g-side update (rows = y); ``guess``: the current g."""
@@ -588,10 +610,8 @@ def solve(
         check_masses(a2, b2, rx, ry)
         if cost == "cosine":
             _check_nonzero_rows(x3, y3)
-    be = resolve_backend(backend, x3.device)
-    if backend == "auto" and x3.dtype == torch.float64:
-        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
-    check_precision(precision, be)
+    be = problem_backend(backend, x3.device, x3.dtype)  # float64 stays float64 under "auto"
+    check_precision(precision, resolve_backend(backend, x3.device))
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)

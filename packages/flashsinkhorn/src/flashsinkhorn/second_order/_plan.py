@@ -244,6 +244,8 @@ def solve_potentials(
         sx, sy = xc.contiguous()[None], yc.contiguous()[None]
         x2b, y2b, logab, logbb = x2[None], y2[None], loga[None], logb[None]
         klab = klab_t = None
+        # "auto" lets softmin run the sm_90 Gluon pass where it applies (tf32 loops)
+        kbe = "auto" if backend == "auto" else "triton"
         if lab is not None:
             lx32, ly32 = lab[0].to(torch.int32)[None], lab[1].to(torch.int32)[None]
             klab = (lx32, ly32, lab[2].float().contiguous(), 1.0)
@@ -252,13 +254,13 @@ def solve_potentials(
         def upd_f(g, e, prec):
             return softmin(
                 sx, sy, g[None], logbb, x2b, y2b, eps=e, c2=2.0, damping=_kappa(rx, e),
-                labels=klab, precision=prec, backend="triton",
+                labels=klab, precision=prec, backend=kbe,
             )[0][0]  # fmt: skip
 
         def upd_g(f, e, prec):
             return softmin(
                 sy, sx, f[None], logab, y2b, x2b, eps=e, c2=2.0, damping=_kappa(ry, e),
-                labels=klab_t, precision=prec, backend="triton",
+                labels=klab_t, precision=prec, backend=kbe,
             )[0][0]  # fmt: skip
 
     else:
