@@ -95,7 +95,7 @@ def case_solve_unbalanced_symmetric_eps_scaling(c):
     for reach, cost, schedule, scaling in (((0.5, None), "sqeuclidean", "symmetric", 0.6),
                                            (1.0, "cosine", "alternating", None),
                                            (0.8, "dot", "alternating", 0.5)):  # fmt: skip
-        kw = dict(eps=0.1, reach=reach, cost=cost, schedule=schedule, eps_scaling=scaling,
+        kw = dict(eps=0.1, rho=reach, cost=cost, schedule=schedule, eps_scaling=scaling,
                   tol=1e-6, max_iter=3000)  # fmt: skip
         ref = fs.solve(x, y, a, b, **kw)
         r = fs.solve(c.split(x, c.nx), c.split(y, c.ny), c.split(a, c.nx), c.split(b, c.ny),
@@ -114,10 +114,10 @@ def case_solve_gradients(c):
         x, y, a, b = _problem(N, M, 3, seed=3)
         b = b if reach is None else 1.3 * b
         leaves = [t.clone().requires_grad_() for t in (x, y, a, b)]
-        fs.solve(*leaves, eps=0.1, reach=reach, tol=1e-10, max_iter=3000).value.backward()
+        fs.solve(*leaves, eps=0.1, rho=reach, tol=1e-10, max_iter=3000).value.backward()
         shards = [c.split(t, s).clone().requires_grad_()
                   for t, s in zip((x, y, a, b), (c.nx, c.ny, c.nx, c.ny))]  # fmt: skip
-        r = fs.solve(*shards, eps=0.1, reach=reach, tol=1e-10, max_iter=3000,
+        r = fs.solve(*shards, eps=0.1, rho=reach, tol=1e-10, max_iter=3000,
                      process_group=c.group)  # fmt: skip
         (2.0 * r.value).backward()
         for name, sh, full, s in zip("xyab", shards, leaves, (c.nx, c.ny, c.nx, c.ny)):
@@ -154,10 +154,10 @@ def case_plan_operations(c):
         _close("apply_transpose", r.apply_transpose(c.split(U, c.nx)),
                c.split(ref.apply_transpose(U), c.ny))  # fmt: skip
         _close("barycentric_map", r.barycentric_map(), c.split(ref.barycentric_map(), c.nx))
-        (rows, cols), (rr, rc) = r.marginals(), ref.marginals()
+        (rows, cols), (rr, rc) = r.marginals, ref.marginals
         _close("row marginal", rows, c.split(rr, c.nx))
         _close("column marginal", cols, c.split(rc, c.ny))
-        _close("plan rows", r.plan(), c.split(ref.plan(), c.nx))
+        _close("plan rows", r.plan, c.split(ref.plan, c.nx))
 
 
 def case_samples_loss(c):

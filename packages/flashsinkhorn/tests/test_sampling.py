@@ -167,17 +167,17 @@ def test_hash_uniforms_are_uniform_and_rows_independent():
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_sample_plan_follows_the_solved_plan(backend):
     """``sample_plan`` on a solve result (weights, unbalanced) draws from the rows of
-    ``result.plan()``: chi-square per distinct row, and draw by draw equal to the reference
+    ``result.plan``: chi-square per distinct row, and draw by draw equal to the reference
     on the result's potentials."""
     n_distinct, reps, m = 4, 2500, 6
     base, x, y, _, _, _ = _replicated_problem(n_distinct, reps, m, 2, seed=5)
     gen = torch.Generator().manual_seed(1)
     b = torch.rand(m, generator=gen) + 0.3
-    r = fs.solve(x[0], y[0], None, b / b.sum(), eps=0.1, reach=2.0, backend=backend,
+    r = fs.solve(x[0], y[0], None, b / b.sum(), eps=0.1, rho=2.0, backend=backend,
                  precision="ieee", max_iter=300, tol=1e-6)  # fmt: skip
     idx = fs.sample_plan(r, seed=99)
     assert idx.shape == (n_distinct * reps,) and idx.dtype == torch.int64
-    P = r.plan().double()
+    P = r.plan.double()
     rows = P[::reps] / P[::reps].sum(-1, keepdim=True)
     assert min(_chi2_pvalues(idx[None], rows, n_distinct, reps)) > 1e-3
     p = r._prob

@@ -13,7 +13,7 @@ Public API (docs/flashsinkhorn.md):
   :func:`implicit_grad`, :func:`inverse_hvp`, Newton-CG / trust region, OTDD.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from flashsinkhorn import second_order
 from flashsinkhorn.primitives import plan_apply, self_softmin, softmin
@@ -24,15 +24,17 @@ from flashsinkhorn.reference import (
     sinkhorn_ref,
     softmin_ref,
 )
+from flashsinkhorn.result import LazyPlan, SinkhornResult
 from flashsinkhorn.samples_loss import SamplesLoss, sinkhorn_divergence
 from flashsinkhorn.sampling import sample_plan, softmax_sample, softmax_sample_ref
 from flashsinkhorn.second_order import *  # noqa: F403
-from flashsinkhorn.solver import SinkhornResult, solve
+from flashsinkhorn.solver import solve
 
 __all__ = [
     "__version__",
     "solve",
     "SinkhornResult",
+    "LazyPlan",
     "SamplesLoss",
     "sinkhorn_divergence",
     "softmin",

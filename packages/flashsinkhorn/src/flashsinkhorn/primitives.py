@@ -34,7 +34,14 @@ from flashsinkhorn import _config
 from flashsinkhorn._softmin_triton import HAS_TRITON, self_softmin_triton, softmin_triton
 from flashsinkhorn.reference import LN2, LOG2E
 
-__all__ = ["softmin", "plan_apply", "self_softmin", "resolve_backend", "PRECISIONS"]
+__all__ = [
+    "softmin",
+    "plan_apply",
+    "self_softmin",
+    "resolve_backend",
+    "check_precision",
+    "PRECISIONS",
+]
 
 PRECISIONS = ("tf32", "ieee", "tf32x3", "bf16")
 
@@ -54,6 +61,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                 "starts; use backend='torch' or 'auto' instead"
             )
     return backend
+
+
+def check_precision(precision: str, backend: str) -> None:
+    """``precision`` must be one of PRECISIONS; bf16 on the triton backend needs a GPU: the
+    Triton interpreter computes bf16 dot products wrongly (off by orders of magnitude)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if precision == "bf16" and backend == "triton" and _config.interpret():
+        raise ValueError(
+            "precision='bf16' on backend='triton' needs a GPU: the Triton interpreter "
+            "(TRITON_INTERPRET=1) computes bf16 dot products wrongly; use precision='tf32' "
+            "or 'ieee', or backend='torch' (exact float32)"
+        )
 
 
 def _check_operands(x, y, g, logb, cx, cy, eps, v, guess):
@@ -189,10 +209,9 @@ def softmin(
     Returns:
         ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     _check_operands(x, y, g, logb, cx, cy, eps, v, guess)
     be = resolve_backend(backend, x.device)
+    check_precision(precision, be)
     if be == "triton":
         return _triton_pass(
             x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
@@ -263,6 +282,7 @@ def self_softmin(
     host sync, skipped with ``check=False``). Shapes: x (B, N, D), loga, f, cx (B, N).
     """
     be = resolve_backend(backend, x.device)
+    check_precision(precision, be)
     A = (loga + f / eps) * LOG2E
     use_fast = be == "triton"
     if use_fast and check:
