@@ -31,8 +31,7 @@ POLISH_PRECISION = "tf32x3"
 
 def l1_err(prob, w, old, new, eps):
     """``sum_i w_i |exp((old_i - new_i) / eps) - 1|``: the L1 marginal error of the plan of
-    the old potential (zero weights do not count); the sum over all of the problem's
-    points (``prob.total``: every rank's, for a sharded problem)."""
+    the old potential (zero weights do not count), summed over the problem's points."""
     e = w * torch.expm1((old - new) / eps).abs()
     return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
 
@@ -81,7 +80,11 @@ def report(out: Outcome, tol, eps, warn, stacklevel=3):
 
 
 def _say(verbose, text):
-    if verbose:
+    """``verbose``: False, True (print) or a callable taking the line (the sharded solve
+    measures on every rank and prints on one)."""
+    if callable(verbose):
+        verbose(f"flashsinkhorn.solve: {text}")
+    elif verbose:
         print(f"flashsinkhorn.solve: {text}", flush=True)
 
 
@@ -120,7 +123,7 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
     n_iter = 0
     for it in range(1, max_iter + 1):
         # the estimate (a few small elementwise kernels per side) only where it is read
-        measure = it % check_every == 0 and (check or verbose)
+        measure = it % check_every == 0 and (check or bool(verbose))
         # the current potentials as guesses of the updates ("shift" kernel), except the
         # zeros the loop starts from without eps-scaling
         gf, gg = (f, g) if (stages or it > 1) else (None, None)
@@ -174,7 +177,7 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
 
 def _finite_or_raise(prob, f, g, eps):
     bad = not bool(torch.isfinite(f).all() & torch.isfinite(g).all())
-    if prob.any_rank((bad,))[0]:  # on every rank of a sharded problem
+    if prob.any_rank((bad,))[0]:  # every rank raises together
         raise FloatingPointError(
             f"Sinkhorn produced non-finite potentials at eps={eps:.3g}: increase eps, rescale "
             "the points or pass float64 inputs"

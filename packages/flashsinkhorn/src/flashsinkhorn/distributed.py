@@ -41,7 +41,7 @@ import torch
 
 from flashsinkhorn import _config
 from flashsinkhorn._inputs import prepare_inputs
-from flashsinkhorn.operands import cost_features
+from flashsinkhorn.operands import centered_sqnorm, cost_features
 from flashsinkhorn.primitives import check_precision, resolve_backend, softmin
 from flashsinkhorn.reference import LN2
 from flashsinkhorn.result import SinkhornResult
@@ -227,13 +227,13 @@ class _Comm:
         ``key``, in global order: ``ops`` (B, n_r, D) this rank's kernel operands, ``h``
         (B, n_r) its fused column vector, ``v`` (B, n_r, DV) or None."""
         if self.exchange == "gather":
-            # the gathered operands of this cloud, per operand tensor (a problem switched to
-            # another precision, the float64 certificate: other operands)
-            cached = self._gathered.get((key, id(ops)))
-            if cached is None or cached[0] is not ops:
-                cached = self._gathered[(key, id(ops))] = (ops, self.gather(key, ops))
+            # one gathered copy per operand tensor (the float64 certificate's problem and a
+            # tf32x3 polish have their own operands next to the loop's)
+            ck = (key, ops.dtype, ops.data_ptr())
+            if ck not in self._gathered:
+                self._gathered[ck] = self.gather(key, ops)
             V = None if v is None else self.gather(key, v)
-            fn(0, cached[1], self.gather(key, h), V)
+            fn(0, self._gathered[ck], self.gather(key, h), V)
             return
         B = ops.shape[0]
         row_bytes = B * (ops.shape[2] * ops.element_size() + h.element_size())
@@ -344,12 +344,12 @@ class ShardedProblem(Problem):
         """The debiasing update (rows and columns the same cloud): a plain sharded pass."""
         return self.sm_x(f, eps, damping, guess=f)[0]
 
-    def dense_plan(self, f, g, eps, max_entries=None):
+    def dense_plan(self, f, g, eps):
         """This rank's rows of the dense plan (B, N_r, M): tests and small problems only."""
-        k = self.keys[1]
-        cols = dict(Y=self.comm.gather(k, self.Y), g=self.comm.gather(k, g),
-                    b=self.comm.gather(k, self.b), cy=self.comm.gather(k, self.cy))  # fmt: skip
-        return Problem.dense_plan(self, f, g, eps, max_entries, columns=cols)
+        cols = dict(Y=self.comm.gather(self.keys[1], self.Y), g=self.comm.gather(self.keys[1], g),
+                    b=self.comm.gather(self.keys[1], self.b),
+                    cy=self.comm.gather(self.keys[1], self.cy))  # fmt: skip
+        return Problem.dense_plan(self, f, g, eps, columns=cols)
 
     def sample_rows(self, g, eps, seed):
         """:func:`flashsinkhorn.sample_plan` for this rank's rows: global column indices."""
@@ -380,6 +380,17 @@ class ShardedProblem(Problem):
 # ----------------------------------------------------------------------------------------
 
 
+def _features(comm, x3, y3, cost, cost_scale):
+    """:func:`flashsinkhorn.operands.cost_features` with the global common center."""
+    X, Y, cx, cy, c2, _ = cost_features(x3, y3, cost, cost_scale, center=False)
+    if cost == "dot":
+        return X, Y, cx, cy, c2, None
+    Xd, Yd = X.detach(), Y.detach()
+    c = comm.center(Xd, Yd)
+    k = 0.5 * c2  # cx = (c2 / 2) |X - c|^2 for the squared-Euclidean and cosine costs
+    return X, Y, k * centered_sqnorm(Xd, c), k * centered_sqnorm(Yd, c), c2, c
+
+
 def _global_weights(comm, a2, b2, a, b):
     """Default weights are uniform over the GLOBAL clouds (prepare_inputs made 1/n_r)."""
     if a is None:
@@ -389,72 +400,67 @@ def _global_weights(comm, a2, b2, a, b):
     return a2, b2
 
 
-def _check_global_masses(comm, a2, b2, what="rho"):
-    """A balanced problem's masses, summed over the ranks, must agree (as check_masses)."""
-    ma, mb = comm.total(a2), comm.total(b2)
-    if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
-        raise ValueError(f"balanced OT needs a.sum() == b.sum() over all ranks; got "
-                         f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights or "
-                         f"pass {what}= for unbalanced OT")  # fmt: skip
-
-
 def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclidean",
           cost_scale=1.0, max_iter=1000, tol=1e-5, schedule="alternating", eps_scaling=None,
           diameter=None, check_every=10, label_cost=None, precision="tf32", backend="auto",
-          warn=True, verbose=False, reach=None, exchange="auto", chunk_bytes=None):  # fmt: skip
+          warn=True, verbose=False, exchange="auto", chunk_bytes=None):  # fmt: skip
     """:func:`flashsinkhorn.solve` over a process group (see the module docstring); x, y, a,
     b are this rank's shards. ``exchange`` ("auto", "stream", "gather") and ``chunk_bytes``
     override the exchange choice (tests and benchmarks)."""
-    from flashsinkhorn import _loop  # noqa: PLC0415
     from flashsinkhorn import solver as S  # noqa: PLC0415 (solver imports this module lazily)
-    from flashsinkhorn.result import Inputs, certificate_problem  # noqa: PLC0415
 
     group = _check_group(process_group)
     if torch.compiler.is_compiling():
         raise NotImplementedError("solve(process_group=...) does not run under torch.compile")
     with _collective_errors(group):
         eps, rx, ry, max_iter, check_every, tol = S._check_args(
-            eps, rho, reach, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
+            eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
         )
         if label_cost is not None:
             raise ValueError("label_cost is not supported with process_group")
         x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
         _check_device(group, x3)
-        be = resolve_backend(backend, x3.device)
-        if backend == "auto" and x3.dtype == torch.float64:
-            be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
-        check_precision(precision, be)
-        if cost == "cosine":
-            S._check_nonzero_rows(x3, y3)
     agree = dict(eps=eps, rho=(rx, ry), cost=cost, cost_scale=cost_scale, max_iter=max_iter,
                  tol=tol, schedule=schedule, eps_scaling=eps_scaling, diameter=diameter,
                  check_every=check_every, precision=precision, backend=backend,
-                 verbose=verbose, batched=batched, weights=(a is None, b is None),
-                 exchange=exchange, chunk_bytes=chunk_bytes,
+                 verbose=bool(verbose),
+                 batched=batched, weights=(a is None, b is None), exchange=exchange,
+                 chunk_bytes=chunk_bytes,
                  requires_grad=tuple(t.requires_grad for t in (x3, y3, a2, b2)))  # fmt: skip
     comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
     a2, b2 = _global_weights(comm, a2, b2, a, b)
     if rx is None and ry is None:
-        _check_global_masses(comm, a2, b2)
-    X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale, center=comm.center)
+        ma, mb = comm.total(a2), comm.total(b2)
+        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
+            raise ValueError("balanced OT needs a.sum() == b.sum() over all ranks; got "
+                             f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights "
+                             "or pass rho= for unbalanced OT")  # fmt: skip
+    be = resolve_backend(backend, x3.device)
+    if backend == "auto" and x3.dtype == torch.float64:
+        be = "torch"
+    check_precision(precision, be)
+    X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
     prob = comm.problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(),
                         cy.detach(), c2, cost, cost_scale, None, precision, be, center)  # fmt: skip
-    inp = Inputs(x3.detach(), y3.detach(), prob.a, prob.b, cost, float(cost_scale), None)
-    # the float64 certificate measures over all ranks too
-    cert_prob = certificate_problem(inp, make=comm.problem, center=comm.center)
     if eps_scaling is not None and diameter is None:
         diameter = comm.diameter(prob.X, prob.Y)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
-    out = S._run_and_certify(prob, inp, loop, eps_scaling, diameter, verbose, cert_prob)
-    _loop.report(out, tol, eps, warn)
+    # the float64 certificate on the sharded problem rebuilt in float64 (global sums)
+    build64 = S.float64_problem(x3, y3, prob, features=lambda *t: _features(comm, *t),
+                                make=comm.problem)  # fmt: skip
+    certify = S.certifier(build64, prob, eps, rx, ry)
+    # every rank measures (collectives), rank 0 prints
+    say = (lambda line: print(line, flush=True) if comm.rank == 0 else None) if verbose else False
+    out = S._run_and_certify(prob, certify, loop, eps_scaling, diameter, say)
+    S._loop.report(out, tol, eps, warn)
     prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
-    value = S._OTValue.apply(X, Y, a2, b2, out.f, out.g, prob, eps, rx, ry)
     f, g, err = out.f, out.g, out.err
+    value = S._OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
     return SinkhornResult(
         f=f if batched else f[0], g=g if batched else g[0], value=value if batched else value[0],
         marginal_error=err if batched else err[0], n_iter=out.n_iter, converged=out.converged,
         eps=eps, precision=prob.precision, _prob=prob, _batched=batched, _f=f, _g=g,
-        _marginals=out.marginals, _certify=(inp, rx, ry),
+        _marginals=out.marginals, _certify=certify,
     )  # fmt: skip
 
 
@@ -477,7 +483,7 @@ def problem(x, y, a=None, b=None, *, process_group, cost="sqeuclidean", cost_sca
                  chunk_bytes=chunk_bytes)  # fmt: skip
     comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
     a2, b2 = _global_weights(comm, a2, b2, a, b)
-    X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale, center=comm.center)
+    X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
     return comm.problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(),
                         cy.detach(), c2, cost, cost_scale, None, precision, be, center)  # fmt: skip
 
@@ -492,8 +498,8 @@ def _check_device(group, x3):
 
 
 def sinkhorn_divergence(a, x, b, y, *, process_group, blur, reach, diameter, scaling, debias,
-                        potentials, precision, backend, warn_tol, info, verbose=False,
-                        exchange="auto", chunk_bytes=None):  # fmt: skip
+                        potentials, precision, backend, warn_tol, info, exchange="auto",
+                        chunk_bytes=None):  # fmt: skip
     """:func:`flashsinkhorn.sinkhorn_divergence` over a process group: a, x, b, y are this
     rank's shards; the value (and marginal error) is global, the gradients go to this
     rank's points, ``potentials=True`` returns this rank's potentials."""
@@ -508,18 +514,15 @@ def sinkhorn_divergence(a, x, b, y, *, process_group, blur, reach, diameter, sca
                                                             precision)  # fmt: skip
         x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
         _check_device(group, x3)
-        check_precision(precision, resolve_backend(backend, x3.device))
-    agree = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling,
+    agree = dict(blur=float(blur), reach=reach, diameter=diameter, scaling=float(scaling),
                  debias=bool(debias), potentials=bool(potentials), precision=precision,
-                 backend=backend, verbose=bool(verbose), batched=batched,
-                 weights=(a is None, b is None), exchange=exchange,
-                 chunk_bytes=chunk_bytes)  # fmt: skip
+                 backend=backend, batched=batched, weights=(a is None, b is None),
+                 exchange=exchange, chunk_bytes=chunk_bytes)  # fmt: skip
     comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
     a2, b2 = _global_weights(comm, a2, b2, a, b)
-    if reach is None:
-        _check_global_masses(comm, a2, b2, "reach")
-    opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=bool(debias),
-                precision=precision, backend=backend, verbose=bool(verbose), comm=comm)  # fmt: skip
+    opts = dict(blur=float(blur), reach=None if reach is None else float(reach),
+                diameter=diameter, scaling=float(scaling), debias=bool(debias),
+                precision=precision, backend=backend, comm=comm)  # fmt: skip
     info = {} if info is None else info
     if potentials:
         with torch.no_grad():

@@ -97,8 +97,6 @@ def cost_features(x, y, cost, cost_scale, center=True):
     """Return ``(X, Y, cx, cy, c2, c)`` with ``C = cost_scale * cost(x, y)`` in kernel form
     ``C_ij = cx_i + cy_j - c2 <X_i - c, Y_j - c>`` (``c`` (B, D) or None).
 
-    ``center``: True (the common mean of the two clouds), False (none), or a function
-    ``(X, Y) -> c`` of the detached features (the sharded solve's global mean).
     X, Y keep the autograd graph (the cosine normalization); cx, cy are detached.
     """
     s = float(cost_scale)
@@ -115,7 +113,7 @@ def cost_features(x, y, cost, cost_scale, center=True):
     else:
         raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
     Xd, Yd = X.detach(), Y.detach()
-    if center is not False:
-        c = common_center(Xd, Yd) if center is True else center(Xd, Yd)
+    if center:
+        c = common_center(Xd, Yd)
         return X, Y, k * centered_sqnorm(Xd, c), k * centered_sqnorm(Yd, c), c2, c
     return X, Y, k * (Xd * Xd).sum(-1), k * (Yd * Yd).sum(-1), c2, None

@@ -5,9 +5,9 @@ The names follow POT's and GeomLoss's ``OTResult``: ``value``, ``potentials``, `
 ``marginals`` / ``marginal_a`` / ``marginal_b``.
 
 The certificate (``marginal_error``, ``converged``) is measured in float64 on the returned
-potentials: :func:`certificate` recomputes the two half-updates of the problem from the
-user's points in float64 (the blockwise torch path), so a float32 or tf32 solve can never
-report a better error than the plan of its own potentials has. It costs two float64
+potentials: :func:`certificate` recomputes the two half-updates of the problem rebuilt in
+float64 from the user's points (the blockwise torch path), so a float32 or tf32 solve can
+never report a better error than the plan of its own potentials has. It costs two float64
 streaming passes per measurement (a few per solve).
 """
 
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashsinkhorn.operands import cost_features
 from flashsinkhorn.reference import LN2, damping_factor
 
 __all__ = ["SinkhornResult", "LazyPlan", "PLAN_MAX_ENTRIES"]
@@ -27,71 +26,38 @@ __all__ = ["SinkhornResult", "LazyPlan", "PLAN_MAX_ENTRIES"]
 PLAN_MAX_ENTRIES = 1 << 26
 
 
-@dataclass
-class Inputs:
-    """The user's problem, batched and detached: what the float64 certificate starts from."""
-
-    x: torch.Tensor  # (B, N, D)
-    y: torch.Tensor  # (B, M, D)
-    a: torch.Tensor  # (B, N)
-    b: torch.Tensor  # (B, M)
-    cost: str
-    cost_scale: float
-    labels: tuple | None  # (lx (B, N), ly (B, M), W, scale)
-
-
-def certificate(inp: Inputs, f, g, eps, rx, ry, prob=None):
-    """Float64 truth of the potentials ``(f (B, N), g (B, M))``.
+def certificate(prob64, f, g, eps, rx, ry):
+    """Float64 truth of the potentials ``(f (B, N), g (B, M))`` on ``prob64``, the problem
+    rebuilt in float64 from the user's points (``solver.float64_problem``; the blockwise
+    torch path, or its sharded twin).
 
     Returns ``(err (B,), rows (B, N), cols (B, M))``: ``rows = P 1`` and ``cols = P^T 1``
     of the plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)`` and the L1 fixed-point
     residual ``err = sum_i a_i |expm1((f_i - f~_i) / eps)| + sum_j b_j |...|`` with
     ``f~ = kappa_x softmin(g)``, ``g~ = kappa_y softmin(f)`` the updates. Balanced, ``err``
     is exactly ``|P 1 - a|_1 + |P^T 1 - b|_1``; unbalanced it is the residual of the
-    optimality conditions in the same units. All in float64, from the points themselves.
-    ``prob``: the float64 problem of ``inp`` to measure with (the sharded one, whose passes
-    and sums run over every rank: :mod:`flashsinkhorn.distributed`); None builds it here.
+    optimality conditions in the same units.
     """
     d = torch.float64
+    p = prob64
     with torch.no_grad():
-        if prob is None:
-            prob = certificate_problem(inp)
-        cx, cy = prob.cx, prob.cy
-        a, b, f, g = inp.a.to(d), inp.b.to(d), f.to(d), g.to(d)
-        _, lse_x, _ = prob.sm_x(g, eps, want_lse=True)
-        _, lse_y, _ = prob.sm_y(f, eps, want_lse=True)
+        f, g = f.to(d), g.to(d)
+        _, lse_x, _ = p.sm_x(g, eps, 1.0, want_lse=True)
+        _, lse_y, _ = p.sm_y(f, eps, 1.0, want_lse=True)
         # log of the row sums over a_i: (f_i - softmin_i(g)) / eps, softmin = cx - eps ln2 lse2
-        tx = (f - cx) / eps + LN2 * lse_x
-        ty = (g - cy) / eps + LN2 * lse_y
-        rows, cols = a * torch.exp(tx), b * torch.exp(ty)
+        tx = (f - p.cx) / eps + LN2 * lse_x
+        ty = (g - p.cy) / eps + LN2 * lse_y
+        rows, cols = p.a * torch.exp(tx), p.b * torch.exp(ty)
         # residual of f = kappa * softmin(g): (f - kappa sm) / eps = tx + (1 - kappa) sm / eps
         kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
-        rx_ = tx if kx == 1.0 else tx + (1.0 - kx) * (cx / eps - LN2 * lse_x)
-        ry_ = ty if ky == 1.0 else ty + (1.0 - ky) * (cy / eps - LN2 * lse_y)
+        rx_ = tx if kx == 1.0 else tx + (1.0 - kx) * (p.cx / eps - LN2 * lse_x)
+        ry_ = ty if ky == 1.0 else ty + (1.0 - ky) * (p.cy / eps - LN2 * lse_y)
         # zero weights do not count (their rows carry no mass, whatever the potential)
-        ex = torch.where(a > 0, a * torch.expm1(rx_).abs(), torch.zeros_like(a))
-        ey = torch.where(b > 0, b * torch.expm1(ry_).abs(), torch.zeros_like(b))
-        err = prob.total(ex) + prob.total(ey)
+        ex = torch.where(p.a > 0, p.a * torch.expm1(rx_).abs(), torch.zeros_like(p.a))
+        ey = torch.where(p.b > 0, p.b * torch.expm1(ry_).abs(), torch.zeros_like(p.b))
+        err = p.total(ex) + p.total(ey)
         err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
     return err, rows, cols
-
-
-def certificate_problem(inp: Inputs, make=None, center=True):
-    """The float64 torch-backend problem of the user's points that :func:`certificate`
-    measures with (``make``: the Problem class or factory; ``center``: as in
-    :func:`flashsinkhorn.operands.cost_features`)."""
-    from flashsinkhorn.solver import Problem  # noqa: PLC0415 (solver imports this module)
-
-    d = torch.float64
-    X, Y, cx, cy, c2, c = cost_features(inp.x.to(d), inp.y.to(d), inp.cost, inp.cost_scale,
-                                        center=center)  # fmt: skip
-    labels = None
-    if inp.labels is not None:
-        lx, ly, W, s = inp.labels
-        labels = (lx, ly, W.to(d), s)
-    make = make or Problem
-    return make(X, Y, inp.a.to(d), inp.b.to(d), cx, cy, c2, inp.cost, inp.cost_scale, labels,
-                "ieee", "torch", c)  # fmt: skip
 
 
 class LazyPlan:
@@ -150,8 +116,9 @@ class SinkhornResult:
             tolerance finishes in "tf32x3" when tf32's rounding of the cost keeps the
             float64 error above tol).
 
-    ``plan`` (dense, guarded by ``PLAN_MAX_ENTRIES``), ``lazy_plan``, ``marginals``,
-    ``marginal_a``, ``marginal_b`` follow POT's ``OTResult``; ``apply(V)``,
+    ``potentials`` / ``potential_a`` / ``potential_b``, ``plan`` (dense, guarded by
+    ``PLAN_MAX_ENTRIES``), ``lazy_plan``, ``marginals`` / ``marginal_a`` / ``marginal_b``
+    follow POT's and GeomLoss's ``OTResult``; ``apply(V)``,
     ``apply_transpose(U)``, ``barycentric_map()`` stream.
     """
 
@@ -168,7 +135,7 @@ class SinkhornResult:
     _f: torch.Tensor = field(repr=False, default=None)
     _g: torch.Tensor = field(repr=False, default=None)
     _marginals: tuple = field(repr=False, default=None)
-    _certify: tuple = field(repr=False, default=None)  # (Inputs, rho_x, rho_y)
+    _certify: object = field(repr=False, default=None)  # (f, g) -> (err, rows, cols)
 
     def _unb(self, t):
         return t if self._batched else t[0]
@@ -188,6 +155,14 @@ class SinkhornResult:
         return self.f, self.g
 
     @property
+    def potential_a(self):
+        return self.f
+
+    @property
+    def potential_b(self):
+        return self.g
+
+    @property
     def lazy_plan(self) -> LazyPlan:
         return LazyPlan(self)
 
@@ -202,8 +177,7 @@ class SinkhornResult:
         """``(P 1, P^T 1)`` of the returned potentials' plan, computed in float64 (the
         certificate's measurement), in the potentials' dtype."""
         if self._marginals is None:  # (under torch.compile the loop's op returns no marginals)
-            inp, rx, ry = self._certify
-            self._marginals = certificate(inp, self._f, self._g, self.eps, rx, ry)[1:]
+            self._marginals = self._certify(self._f, self._g)[1:]
         rows, cols = self._marginals
         return self._unb(rows.to(self._f.dtype)), self._unb(cols.to(self._f.dtype))
 
@@ -248,6 +222,13 @@ class SinkhornResult:
         return self._unb(ybar)
 
     def dense_plan(self, max_entries: int | None = PLAN_MAX_ENTRIES) -> torch.Tensor:
-        """The dense plan (allocates B x N x M; a sharded result: this rank's rows against
-        all columns); ``max_entries=None`` lifts the guard."""
-        return self._unb(self._prob.dense_plan(self._f, self._g, self.eps, max_entries))
+        """The dense plan (allocates B x N x M); ``max_entries=None`` lifts the guard."""
+        p = self._prob
+        B, N, M = p.X.shape[0], p.X.shape[1], p.Y.shape[1]
+        if max_entries is not None and B * N * M > max_entries:
+            raise ValueError(
+                f"the dense plan has {B * N * M} entries > max_entries={max_entries}: use "
+                "lazy_plan / apply(V) (streaming), or dense_plan(max_entries=None) on purpose"
+            )
+        P = p.dense_plan(self._f, self._g, self.eps)
+        return self._unb(P)

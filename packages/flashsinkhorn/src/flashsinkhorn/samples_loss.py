@@ -88,11 +88,9 @@ def _sinkhorn_forward(
                 Xk=pxy.Yk, Yk=pxy.Yk, **ky)  # fmt: skip
 
     def self_upd(p, f, e, dmp):
-        # OT(a, a) / OT(b, b): the symmetric kernel (triton, each tile pair computed once)
+        # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result; the
+        # operand is already centered (and cast for bf16)
         return p.self_update(f, e, dmp)
-
-    def _l1(w, old, new, e):
-        return pxy.total(_l1_terms(w, old, new, e))
 
     zb = torch.zeros_like(hy)
     za = torch.zeros_like(hx)
@@ -111,7 +109,7 @@ def _sinkhorn_forward(
             ft_aa = self_upd(pxx, f_aa, e, dmp)
             gt_bb = self_upd(pyy, g_bb, e, dmp)
         if verbose:
-            est = float((_l1(a, f_ba, ft_ba, e) + _l1(b, g_ab, gt_ab, e)).max())
+            est = float((_l1(pxy, a, f_ba, ft_ba, e) + _l1(pxy, b, g_ab, gt_ab, e)).max())
             print(f"flashsinkhorn.SamplesLoss: eps {e:.4g} ({k + 1}/"
                   f"{len(eps_list)}), marginal error {est:.3g}", flush=True)  # fmt: skip
         f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
@@ -132,7 +130,7 @@ def _sinkhorn_forward(
     G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
     # L1 marginal error of the last loop plan, from what the last step already computed
-    out["marginal_error"] = _l1(a, f_ba, F_ba, e) + _l1(b, g_ab, G_ab, e)
+    out["marginal_error"] = _l1(pxy, a, f_ba, F_ba, e) + _l1(pxy, b, g_ab, G_ab, e)
     if verbose:
         print(f"flashsinkhorn.SamplesLoss: final marginal error (loop plan) "
               f"{float(out['marginal_error'].max()):.3g}", flush=True)  # fmt: skip
@@ -169,11 +167,11 @@ def _sinkhorn_forward(
     return out
 
 
-def _l1_terms(w, old, new, eps):
-    """Per point, the L1 marginal error of the plan of the old potential (zero weights do
-    not count): the loss sums them over the problem's points."""
+def _l1(prob, w, old, new, eps):
+    """L1 marginal error of the plan of the old potential (zero weights do not count),
+    summed over the problem's points."""
     e = w * torch.expm1((old - new) / eps).abs()
-    return torch.where(w > 0, e, torch.zeros_like(e))
+    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
 
 
 def _loss_grads(needs, ga, gx, gb, gy, gout):
@@ -255,8 +253,10 @@ def _differentiable_grads(ctx, need, x, y, gx, gy):
     no_second_order_in_weights(need[0] or need[2], "SamplesLoss")
     a, b, F_ba, G_ab, F_aa, G_bb, e, rho, opts = ctx.second
     if opts.get("comm") is not None:
-        raise RuntimeError("SamplesLoss(process_group=...): double backward (create_graph=True) "
-                           "is not implemented for a sharded loss")  # fmt: skip
+        raise RuntimeError(
+            "SamplesLoss(process_group=...): double backward (create_graph=True) is not "
+            "implemented for sharded problems"
+        )
     if rho is not None:
         raise RuntimeError(
             "SamplesLoss: double backward (create_graph=True) is implemented for balanced "
@@ -374,10 +374,11 @@ def _divergence_bwd(ctx, gout, *unused):
 _divergence_op.register_autograd(_divergence_bwd, setup_context=_divergence_setup)
 
 
-def _check_loss_args(blur, reach, scaling, diameter, precision):
-    """The loss's scalar arguments, normalized: ``(blur, reach, scaling, diameter)``."""
+def _check_loss_args(blur, reach, scaling, diameter=None, precision="tf32"):
+    """The loss's scalar arguments, checked and normalized: ``(blur, reach, scaling,
+    diameter)`` with an infinite reach as None (balanced); a ValueError names the argument."""
     blur = _positive_finite(blur, "blur")
-    reach = None if rho_from_reach(reach, 0.5)[0] is None else float(reach)  # inf: balanced
+    reach = None if rho_from_reach(reach, 0.5)[0] is None else float(reach)
     try:
         scaling = float(scaling)
     except (TypeError, ValueError):
@@ -425,7 +426,6 @@ def sinkhorn_divergence(
             a, x, b, y, process_group=process_group, blur=blur, reach=reach,
             diameter=diameter, scaling=scaling, debias=debias, potentials=potentials,
             precision=precision, backend=backend, warn_tol=warn_tol, info=info,
-            verbose=verbose,
         )  # fmt: skip
     blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
     # under torch.compile the data-dependent checks run inside the custom op
@@ -480,8 +480,7 @@ class SamplesLoss(torch.nn.Module):
     ``cluster_scale`` (GeomLoss's clustering approximation) raise: every pair is computed
     exactly here, at any size. ``verbose=True`` prints each eps stage with the marginal
     error of its plan. Extra arguments: ``precision`` ("tf32", "ieee", "tf32x3", "bf16"),
-    ``backend`` "triton" / "torch", ``warn_tol`` and ``process_group`` (a
-    ``torch.distributed`` group: the inputs are this rank's shards, the loss the global one).
+    ``backend`` "triton" / "torch", and ``warn_tol``.
 
     Convergence is reported, not hidden: after each call ``self.last_marginal_error``
     holds the L1 marginal error (row + column) of the schedule's last plan (a tensor on
@@ -513,6 +512,7 @@ class SamplesLoss(torch.nn.Module):
     ):
         super().__init__()
         self.warn_tol = warn_tol
+        self.process_group = process_group
         self.last_marginal_error = None
         if loss != "sinkhorn":
             raise ValueError(
@@ -551,7 +551,6 @@ class SamplesLoss(torch.nn.Module):
             precision,
         )
         self.verbose = bool(verbose)
-        self.process_group = process_group
 
     def forward(self, *args):
         if len(args) == 2:

@@ -38,7 +38,7 @@ from flashsinkhorn._inputs import (
 from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
 from flashsinkhorn.primitives import check_precision, resolve_backend, self_softmin, softmin
 from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
-from flashsinkhorn.result import Inputs, SinkhornResult, certificate
+from flashsinkhorn.result import SinkhornResult, certificate
 
 __all__ = ["solve", "SinkhornResult", "Problem"]
 
@@ -84,9 +84,8 @@ class Problem:
         """The same problem at another dot precision (its own kernel operands)."""
         return replace(self, precision=precision, Xk=None, Yk=None)
 
-    # sums over the problem's points, flags every rank must agree on, the debiasing update
-    # and the dense plan: overridden by the sharded problem (flashsinkhorn.distributed),
-    # whose points are spread over the ranks of a process group
+    # sums over the problem's points and flags every rank must agree on: overridden by the
+    # sharded problem (flashsinkhorn.distributed), whose points are spread over ranks
     def total(self, t):
         """``t.sum(-1)`` over the problem's points (B,)."""
         return t.sum(-1)
@@ -102,17 +101,10 @@ class Problem:
                             damping=damping, precision=self.precision, center=None,
                             backend=self.backend)  # fmt: skip
 
-    def dense_plan(self, f, g, eps, max_entries=None, columns=None):
-        """Dense plan (B, N, M) (tests, small problems); raises above ``max_entries``.
-        ``columns``: the column side's ``Y, g, b, cy`` if not this problem's (the sharded
-        problem gathers them)."""
+    def dense_plan(self, f, g, eps, columns=None):
+        """Dense plan (B, N, M) (tests, small problems). ``columns``: the column side's
+        ``Y, g, b, cy`` if not this problem's (the sharded problem gathers them)."""
         c = columns or dict(Y=self.Y, g=g, b=self.b, cy=self.cy)
-        B, N, M = self.X.shape[0], self.X.shape[1], c["Y"].shape[1]
-        if max_entries is not None and B * N * M > max_entries:
-            raise ValueError(
-                f"the dense plan has {B * N * M} entries > max_entries={max_entries}: use "
-                "lazy_plan / apply(V) (streaming), or dense_plan(max_entries=None) on purpose"
-            )
         X, Y = self.X.detach(), c["Y"].detach()
         if self.center is not None:
             X, Y = X - self.center[:, None, :], Y - self.center[:, None, :]
@@ -234,11 +226,11 @@ class _OTValue(torch.autograd.Function):
         second = torch.is_grad_enabled() and (need[0] or need[1])
         if second:
             _check_second_order(ctx.prob, need)
-        # sharded: every rank runs the same passes (its points' need or another rank's)
-        passes = ctx.prob.any_rank(need)
         with torch.no_grad():
             unit = torch.ones_like(gout) if second else gout
-            grads = _ot_value_grads(ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit, passes)
+            # sharded: the passes are the same on all ranks (any rank needing one runs it)
+            grads = _ot_value_grads(ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit,
+                                    ctx.prob.any_rank(need))  # fmt: skip
         grads = tuple(gr if n else None for gr, n in zip(grads, need))
         if second:
             gX, gY = _differentiable_value_grads(X, Y, grads[0], grads[1], ctx, f, g)
@@ -250,10 +242,10 @@ class _OTValue(torch.autograd.Function):
 def _check_second_order(prob, need):
     from flashsinkhorn.second_order._autograd import no_second_order_in_weights
 
-    if getattr(prob, "comm", None) is not None:
+    if type(prob).total is not Problem.total:
         raise RuntimeError(
-            "solve(..., process_group=...).value: double backward (create_graph=True) is "
-            "not implemented for a sharded problem"
+            "solve(..., process_group=...).value: double backward (create_graph=True) is not "
+            "implemented for sharded problems"
         )
     if prob.cost == "dot" or prob.labels is not None:
         raise RuntimeError(
@@ -358,9 +350,9 @@ def _potentials_op(*args):
         lx, ly, W, _ = prob.labels
         check_label_range("labels_x", lx, W, W.shape[0])
         check_label_range("labels_y", ly, W, W.shape[1])
-    inp = Inputs(x_in, y_in, prob.a, prob.b, prob.cost, cost_scale, prob.labels)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
-    out = _run_and_certify(prob, inp, loop, eps_scaling, diameter, verbose)
+    certify = certifier(float64_problem(x_in, y_in, prob), prob, eps, rx, ry)
+    out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
     _loop.report(out, tol, eps, warn)
     dev = prob.X.device
     n_iter = torch.tensor(out.n_iter, dtype=torch.int64, device=dev)
@@ -380,17 +372,45 @@ def _(*args):
     )
 
 
-def _run_and_certify(prob, inp, loop, eps_scaling, diameter, verbose, cert_prob=None):
-    """The loop (no graph), its potentials in the returned dtype, and their float64
-    certificate (what ``marginal_error`` and ``converged`` report). ``cert_prob``: the
-    float64 problem the certificate measures with (the sharded one), None: built there."""
-    eps, rx, ry = loop[:3]
+def float64_problem(x3, y3, prob, features=cost_features, make=None):
+    """A thunk building ``prob`` again in float64 from the points ``x3, y3`` (B, N, D)
+    (the features recomputed in float64: cosine normalizes in float64), on the torch
+    backend: the certificate's problem. ``features`` / ``make``: the sharded problem's."""
+
+    def build():
+        d = torch.float64
+        X, Y, cx, cy, c2, c = features(x3.detach().to(d), y3.detach().to(d), prob.cost,
+                                       prob.cost_scale)  # fmt: skip
+        lab = None
+        if prob.labels is not None:
+            lx, ly, W, s = prob.labels
+            lab = (lx, ly, W.to(d), s)
+        return (make or Problem)(X, Y, prob.a.to(d), prob.b.to(d), cx, cy, c2, prob.cost,
+                                 prob.cost_scale, lab, "ieee", "torch", c)  # fmt: skip
+
+    return build
+
+
+def certifier(build64, prob, eps, rx, ry):
+    """``certify(f, g) -> (err, rows, cols)``: the float64 :func:`certificate` of the
+    potentials in the dtype they are returned in (the float64 problem built once, lazily)."""
+    dt = _potential_dtype(prob.X, prob.backend)
+    cache = {}
+
+    def certify(f, g):
+        if "p" not in cache:
+            cache["p"] = build64()
+        return certificate(cache["p"], f.to(dt), g.to(dt), eps, rx, ry)
+
+    return certify
+
+
+def _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose):
+    """The loop (no graph) and the float64 certificate of its potentials (what
+    ``marginal_error`` and ``converged`` report), potentials in the returned dtype."""
+    eps = loop[0]
     dt = _potential_dtype(prob.X, prob.backend)
     stages = _loop.eps_list(prob, eps, eps_scaling, diameter)
-
-    def certify(f, g):  # on the potentials as they will be returned
-        return certificate(inp, f.to(dt), g.to(dt), eps, rx, ry, prob=cert_prob)
-
     with torch.no_grad():
         out = _loop.run(prob, loop, stages, certify, verbose)
     out.f, out.g = out.f.to(dt), out.g.to(dt)
@@ -454,13 +474,13 @@ def _ot_value_bwd(ctx, gout):
 _ot_value_op.register_autograd(_ot_value_bwd, setup_context=_ot_value_setup)
 
 
-def _solve_compiled(prob, inp, X, Y, a, b, loop, eps_scaling, diameter, warn, verbose):
+def _solve_compiled(prob, x3, y3, X, Y, a, b, loop, eps_scaling, diameter, warn, verbose):
     """solve's loop and value through the custom ops (``X, Y, a, b`` carry the graph).
     Returns ``(f, g, err, n_iter, converged, value)`` (n_iter, converged: 0-dim tensors)."""
     eps, rx, ry, max_iter, tol, schedule, check_every = loop
     f, g, err, n_iter, converged = _potentials_op(
-        *_op_problem_args(prob), inp.x, inp.y, prob.cost_scale, eps, rx, ry, max_iter, tol,
-        schedule, check_every, eps_scaling, diameter, warn, verbose,
+        *_op_problem_args(prob), x3.detach(), y3.detach(), prob.cost_scale, eps, rx, ry,
+        max_iter, tol, schedule, check_every, eps_scaling, diameter, warn, verbose,
     )  # fmt: skip
     value = _ot_value_op(*_op_problem_args(prob, X, Y, a, b), f, g, eps, rx, ry)
     return f, g, err, n_iter, converged, value
@@ -535,6 +555,11 @@ def solve(
         torch.compile the loop and the value run as custom ops (no graph break) and
         ``n_iter``, ``converged`` are 0-dim tensors.
     """
+    if reach is not None:
+        raise TypeError(
+            "solve() takes rho= (the KL penalty in cost units; reach= meant that before "
+            "flashsinkhorn 0.2); reach is GeomLoss's distance, rho = 2 * cost_scale * reach**2"
+        )
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
         from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
 
@@ -543,10 +568,10 @@ def solve(
             cost_scale=cost_scale, max_iter=max_iter, tol=tol, schedule=schedule,
             eps_scaling=eps_scaling, diameter=diameter, check_every=check_every,
             label_cost=label_cost, precision=precision, backend=backend, warn=warn,
-            verbose=verbose, reach=reach,
+            verbose=verbose,
         )  # fmt: skip
     eps, rx, ry, max_iter, check_every, tol = _check_args(
-        eps, rho, reach, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
+        eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
@@ -564,15 +589,15 @@ def solve(
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
     prob = Problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(), cy.detach(),
                    c2, cost, cost_scale, labels, precision, be, center)  # fmt: skip
-    inp = Inputs(x3.detach(), y3.detach(), prob.a, prob.b, cost, float(cost_scale), labels)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
+    certify = certifier(float64_problem(x3, y3, prob), prob, eps, rx, ry)
     marginals = None
     if compiling:
         f, g, err, n_iter, converged, value = _solve_compiled(
-            prob, inp, X, Y, a2, b2, loop, eps_scaling, diameter, warn, verbose
+            prob, x3, y3, X, Y, a2, b2, loop, eps_scaling, diameter, warn, verbose
         )
     else:
-        out = _run_and_certify(prob, inp, loop, eps_scaling, diameter, verbose)
+        out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
         _loop.report(out, tol, eps, warn)
         f, g, err, n_iter, converged, marginals = (
             out.f, out.g, out.err, out.n_iter, out.converged, out.marginals
@@ -594,19 +619,13 @@ def solve(
         _f=f,
         _g=g,
         _marginals=marginals,
-        _certify=(inp, rx, ry),
+        _certify=certify,
     )
 
 
-def _check_args(eps, rho, reach, cost, schedule, max_iter, check_every, tol, eps_scaling,
-                diameter):  # fmt: skip
-    """solve's scalar arguments: ``(eps, rho_x, rho_y, max_iter, check_every, tol)``, or an
-    error naming the bad one."""
-    if reach is not None:
-        raise TypeError(
-            "solve() takes rho= (the KL penalty in cost units; reach= meant that before "
-            "flashsinkhorn 0.2); reach is GeomLoss's distance, rho = 2 * cost_scale * reach**2"
-        )
+def _check_args(eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter):
+    """solve's scalar arguments, checked: ``(eps, rho_x, rho_y, max_iter, check_every, tol)``
+    or a ValueError naming the argument (also used by the sharded solve)."""
     eps = check_eps(eps)
     rx, ry = parse_rho(rho)
     if cost not in COSTS:
@@ -616,11 +635,18 @@ def _check_args(eps, rho, reach, cost, schedule, max_iter, check_every, tol, eps
     max_iter = _positive_int(max_iter, "max_iter")
     check_every = _positive_int(check_every, "check_every")
     tol = _check_tol(tol)
-    if eps_scaling is not None and not (0 < float(eps_scaling) < 1):
+    if eps_scaling is not None and not _in_open_interval(eps_scaling, 0.0, 1.0):
         raise ValueError(f"eps_scaling must be None or lie in (0, 1); got {eps_scaling!r}")
-    if diameter is not None and not (0 < float(diameter) < float("inf")):
+    if diameter is not None and not _in_open_interval(diameter, 0.0, float("inf")):
         raise ValueError(f"diameter must be None or a finite positive number; got {diameter!r}")
     return eps, rx, ry, max_iter, check_every, tol
+
+
+def _in_open_interval(v, lo, hi):
+    try:
+        return lo < float(v) < hi
+    except (TypeError, ValueError):
+        return False
 
 
 def _positive_int(v, name):

@@ -115,9 +115,13 @@ class _EnvelopeGrads(torch.autograd.Function):
         return HX, HY, None
 
 
-def differentiable_grads(X, Y, gX, gY, terms, cg_tol=1e-6):
+def differentiable_grads(X, Y, gX, gY, terms, cg_tol=None):
     """``(gX, gY)`` (B, N, D), (B, M, D), attached to ``(X, Y)``: their derivative is the sum
-    of the terms' streaming HVPs."""
+    of the terms' streaming HVPs. ``cg_tol`` (relative, of the Schur CG): by default 1e-10
+    for float64 plans and 1e-6 (``ot_loss``'s default) otherwise."""
+    if cg_tol is None:
+        f64 = all(t.plan.x.dtype == torch.float64 for t in terms)
+        cg_tol = 1e-10 if f64 else 1e-6
     holder = {"grads": (gX, gY), "terms": terms, "cg_tol": cg_tol}
     return _EnvelopeGrads.apply(X, Y, holder)
 
