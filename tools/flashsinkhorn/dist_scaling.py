@@ -23,8 +23,9 @@ y shifted by ``0.5/sqrt(d)`` (the package benchmark's problem), eps = 0.05, tf32
   relative to the one-GPU value.
 - ``dist_samples_loss``: ``SamplesLoss(blur=sqrt(eps), scaling=0.5, debias=False)`` forward,
   one GPU against K ranks; time per iteration = time / (passes / 2); value agreement.
-- ``dist_sample_plan``: plan sampling with the global coupling (the potentials after k2
-  iterations), one GPU against K ranks, the fraction of identical draws.
+- ``dist_sample_plan``: plan sampling with the global coupling (the potentials after the
+  k2 iterations), one GPU against K ranks: the fraction of identical draws, the time
+  against one iteration.
 - ``dist_flow_matching``: the data-parallel OT flow-matching example
   (packages/flashsinkhorn/examples/dp_flow_matching.py), global against per-rank couplings.
 
@@ -144,14 +145,19 @@ class Run:
         if rank == 0:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             self.R.save(os.path.join(args.out, "bench-dist.json"))
-        self.one = {}  # one-GPU results for the agreement columns, by (case, n)
+        self.one_peak = {}  # n -> the one-GPU peak (MiB)
+        self.per_iteration = {}  # n -> (one GPU, K ranks) ms per iteration
 
-    def over_budget(self, name, params):
-        late = torch.tensor([time.time() - self.t0 > self.args.budget], device=DEV)
-        dist.broadcast(late, 0, group=self.group)  # every rank takes rank 0's decision
+    def over_budget(self, name, params, estimate_s=None):
+        """Skip a case that would start after ``--budget`` seconds, or (with an estimate of
+        its duration) end after it; rank 0 decides for every rank."""
+        end = time.time() - self.t0 + (estimate_s or 0.0)
+        late = torch.tensor([end > self.args.budget], device=DEV)
+        dist.broadcast(late, 0, group=self.group)
         if bool(late):
+            est = "" if estimate_s is None else f" (estimated {estimate_s:.0f} s)"
             self.add(name, "ours", params, status="skipped",
-                     error=f"time budget {self.args.budget:.0f} s")  # fmt: skip
+                     error=f"time budget {self.args.budget:.0f} s{est}")  # fmt: skip
         return bool(late)
 
     def add(self, bench, provider, params, **kw):
@@ -169,11 +175,14 @@ class Run:
 
     # ----------------------------------------------------------------------------------
     def iteration(self, n):
+        """Iterations (and plan sampling from the potentials they reach) on one GPU, then
+        over the K ranks."""
         params = {"n": n, "m": n, "d": D_FEAT, "eps": EPS, "dtype": "float32"}
-        k1, k2 = self.args.k1, self.args.k2
+        k1, k2, seed = self.args.k1, self.args.k2, 12345
         x, y = self.clouds(n)
         # one GPU: rank 0 alone, the plain path (process_group=None)
-        res1 = torch.zeros(2, device=DEV, dtype=torch.float64)  # time per iteration, value
+        res1 = torch.zeros(3, device=DEV, dtype=torch.float64)  # per iteration, value, sample
+        j1 = None
         if self.rank == 0:
             xg, yg = x.to(DEV), y.to(DEV)
             base = _mem_reset()
@@ -183,54 +192,88 @@ class Run:
             value = float((prob.a * f).sum() + (prob.b * g).sum())
             per = (tb - ta) / (k2 - k1)
             peak = _peaks(base, None)
-            res1 = torch.tensor([per, value], device=DEV, dtype=torch.float64)
-            self.one[("iter", n)] = (per, value, peak[0])
+            draw = partial(fs.softmax_sample, prob.Xk, prob.Yk, g, prob.logb, prob.cy, eps=EPS,
+                           c2=prob.c2, seed=seed)  # fmt: skip
+            ts, j1 = _timed(draw, None)
+            res1 = torch.tensor([per, value, ts], device=DEV, dtype=torch.float64)
+            self.one_peak[n] = peak[0][0]
             self.add("dist_iteration", "ours", params, timing={"time_ms": per},
                      metrics={"peak_mib_per_rank": [p[0] for p in peak],
                               "peak_extra_mib_per_rank": [p[1] for p in peak],
                               "value": value, f"time_ms_{k2}_iters": tb})  # fmt: skip
-            del prob, xg, yg, f, g
+            self.add("dist_sample_plan", "ours", params, timing={"time_ms": ts},
+                     metrics={"ratio_to_one_iteration": ts / per, "iterations": k2})  # fmt: skip
+            j1 = j1[0].cpu()
+            del prob, xg, yg, f, g, draw
         dist.broadcast(res1, 0, group=self.group)
-        per1, value1 = res1.tolist()
+        per1, value1, ts1 = res1.tolist()
         xs, ys = _shard(x, self.rank, self.world).to(DEV), _shard(y, self.rank, self.world).to(DEV)
-        variants = [("ours-sharded", "auto")]
-        if self.args.stream_rows:
-            variants.append(("ours-sharded-stream", "stream"))
-        for name, exchange in variants:
+        exchanges = ["auto"] + (["stream"] if self.args.stream_rows else [])
+        auto_exchange = None
+        for exchange in exchanges:
+            if exchange == "stream" and auto_exchange == "stream":
+                break  # "auto" streamed already
             base = _mem_reset()
             prob = D.problem(xs, ys, process_group=self.group, exchange=exchange)
+            auto_exchange = auto_exchange or prob.comm.exchange
+            name = "ours-sharded" if exchange == "auto" else "ours-sharded-stream"
             ta, _ = _timed(partial(_iterate, prob, k1), self.group)
             tb, (f, g) = _timed(partial(_iterate, prob, k2), self.group)
             value = float(prob.total(prob.a * f) + prob.total(prob.b * g))
             per = (tb - ta) / (k2 - k1)
             peak = _peaks(base, self.group)
-            one_peak = self.one.get(("iter", n), (None, None, [None, None]))[2]
+            one_peak = self.one_peak.get(n)
+            self.per_iteration[n] = (per1, per)
             self.add("dist_iteration", name, params, ranks=self.world, timing={"time_ms": per},
                      metrics={"efficiency": per1 / (self.world * per),
                               "value": value, "value_rel_diff": abs(value - value1) / abs(value1),
                               "exchange": prob.comm.exchange,
                               "peak_mib_per_rank": [p[0] for p in peak],
                               "peak_extra_mib_per_rank": [p[1] for p in peak],
-                              "peak_ratio_to_one_gpu": (max(p[0] for p in peak) / one_peak[0]
-                                                        if one_peak[0] else None),
+                              "peak_ratio_to_one_gpu": (max(p[0] for p in peak) / one_peak
+                                                        if one_peak else None),
                               f"time_ms_{k2}_iters": tb})  # fmt: skip
+            if exchange == "auto":
+                ts, j = _timed(partial(prob.sample_rows, g, EPS, seed), self.group)
+                allj = prob.comm.gather("x", j)[0].cpu()  # every rank's draws
+                same = float((allj == j1).float().mean()) if self.rank == 0 else None
+                self.add("dist_sample_plan", "ours-sharded", params, ranks=self.world,
+                         timing={"time_ms": ts},
+                         metrics={"same_draws_as_one_gpu": same, "iterations": k2,
+                                  "efficiency": ts1 / (self.world * ts),
+                                  "ratio_to_one_iteration": ts / per})  # fmt: skip
             del prob, f, g
         del xs, ys
+
+    def estimate_s(self, case, n):
+        """Seconds a case will take, from the iteration times measured at the largest
+        smaller size (scaled by the n^2 work), or None."""
+        known = [m for m in self.per_iteration if m <= n]
+        if not known:
+            return None
+        m = max(known)
+        per1, perK = (t * (n / m) ** 2 / 1e3 for t in self.per_iteration[m])
+        if case == "iteration":  # k1 + k2 iterations each side, plus one sampling pass
+            return (self.args.k1 + self.args.k2 + 1) * (per1 + perK)
+        return self.loss_iterations(n) * (per1 + perK)
+
+    def loss_iterations(self, n):
+        x, y = self.clouds(min(n, 4096))  # the same bounding box at any n (uniform clouds)
+        return len(eps_schedule(max_diameter(x, y) ** 2, EPS, 0.5)) + 2
 
     # ----------------------------------------------------------------------------------
     def samples_loss(self, n):
         blur = math.sqrt(EPS)
         params = {"n": n, "m": n, "d": D_FEAT, "blur": blur, "scaling": 0.5, "debias": False}
         x, y = self.clouds(n)
-        n_eps = len(eps_schedule(max_diameter(x, y) ** 2, blur**2, 0.5))
-        iters = n_eps + 2  # init, the loop, the final extrapolation (two passes each)
+        iters = len(eps_schedule(max_diameter(x, y) ** 2, blur**2, 0.5)) + 2
         res1 = torch.zeros(2, device=DEV, dtype=torch.float64)
         loss = fs.SamplesLoss(blur=blur, scaling=0.5, debias=False)
         if self.rank == 0:
             xg, yg = x.to(DEV), y.to(DEV)
             base = _mem_reset()
             with torch.no_grad():
-                t, v = _timed(lambda: loss(xg, yg), None)
+                t, v = _timed(partial(loss, xg, yg), None)
             peak = _peaks(base, None)
             res1 = torch.tensor([t, float(v)], device=DEV, dtype=torch.float64)
             self.add("dist_samples_loss", "ours", params, timing={"time_ms": t},
@@ -243,51 +286,13 @@ class Run:
         sl = fs.SamplesLoss(blur=blur, scaling=0.5, debias=False, process_group=self.group)
         base = _mem_reset()
         with torch.no_grad():
-            t, v = _timed(lambda: sl(xs, ys), self.group)
+            t, v = _timed(partial(sl, xs, ys), self.group)
         peak = _peaks(base, self.group)
         self.add("dist_samples_loss", "ours-sharded", params, ranks=self.world,
                  timing={"time_ms": t},
                  metrics={"time_ms_per_iteration": t / iters, "efficiency": t1 / (self.world * t),
                           "value": float(v), "value_rel_diff": abs(float(v) - v1) / abs(v1),
                           "peak_mib_per_rank": [p[0] for p in peak]})  # fmt: skip
-
-    # ----------------------------------------------------------------------------------
-    def sample_plan(self, n):
-        """Draws from the plan of the potentials after k2 iterations: one GPU against K."""
-        params = {"n": n, "m": n, "d": D_FEAT, "eps": EPS, "iterations": self.args.k2}
-        x, y = self.clouds(n)
-        seed = 12345
-        j1 = None
-        t1 = torch.zeros(1, device=DEV, dtype=torch.float64)
-        if self.rank == 0:
-            prob = _plain_problem(x.to(DEV), y.to(DEV))
-            _, g = _iterate(prob, self.args.k2)
-
-            def draw():
-                return fs.softmax_sample(prob.Xk, prob.Yk, g, prob.logb, prob.cy, eps=EPS,
-                                         c2=prob.c2, seed=seed)  # fmt: skip
-
-            draw()  # warm
-            t, j1 = _timed(draw, None)
-            t_iter, _ = _timed(lambda: _iterate(prob, 1), None)
-            t1[0] = t
-            self.add("dist_sample_plan", "ours", params, timing={"time_ms": t},
-                     metrics={"ratio_to_one_iteration": t / t_iter})  # fmt: skip
-            j1 = j1[0].cpu()
-            del prob, g
-        dist.broadcast(t1, 0, group=self.group)
-        xs, ys = _shard(x, self.rank, self.world).to(DEV), _shard(y, self.rank, self.world).to(DEV)
-        prob = D.problem(xs, ys, process_group=self.group)
-        _, g = _iterate(prob, self.args.k2)
-        prob.sample_rows(g, EPS, seed)  # warm
-        t, j = _timed(lambda: prob.sample_rows(g, EPS, seed), self.group)
-        # agreement with the one-GPU draws: every rank's draws, gathered on every rank
-        allj = prob.comm.gather("x", j)[0].cpu()
-        same = float((allj == j1).float().mean()) if self.rank == 0 else None
-        self.add("dist_sample_plan", "ours-sharded", params, ranks=self.world,
-                 timing={"time_ms": t},
-                 metrics={"same_draws_as_one_gpu": same,
-                          "efficiency": float(t1) / (self.world * t)})  # fmt: skip
 
     # ----------------------------------------------------------------------------------
     def flow_matching(self):
@@ -343,11 +348,12 @@ def main(argv=None):
     ap.add_argument("--loss-sizes", type=int, nargs="+", default=None,
                     help="SamplesLoss sizes (default: --sizes)")  # fmt: skip
     ap.add_argument("--k1", type=int, default=1)
-    ap.add_argument("--k2", type=int, default=3)
+    ap.add_argument("--k2", type=int, default=2)
     ap.add_argument("--fm-steps", type=int, default=300)
     ap.add_argument("--fm-batch", type=int, default=4096)
-    ap.add_argument("--budget", type=float, default=480.0,
-                    help="start no case after this many seconds (default 480)")  # fmt: skip
+    ap.add_argument("--budget", type=float, default=500.0,
+                    help="start no case that would end (estimated from the measured iteration "
+                         "times) after this many seconds (default 500)")  # fmt: skip
     ap.add_argument("--no-stream-rows", dest="stream_rows", action="store_false",
                     help="skip the forced-stream variant of the iteration case")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true",
@@ -380,15 +386,17 @@ def main(argv=None):
     fs.softmax_sample(wp.Xk, wp.Yk, g, wp.logb, wp.cy, eps=EPS, c2=2.0, seed=0)
     del wp, wx, wy, g
     run.add("dist_warmup", "ours", {"n": n_warm}, timing={"time_ms": 1e3 * (time.time() - run.t0)})
-    plan = [("iteration", n) for n in args.sizes]
-    plan += [("samples_loss", n) for n in loss_sizes if n == min(loss_sizes)]
-    plan += [("sample_plan", n) for n in args.sizes[:1]]
-    plan += [("flow_matching", None)]
-    plan += [("samples_loss", n) for n in loss_sizes if n != min(loss_sizes)]
-    plan += [("sample_plan", n) for n in args.sizes[1:]]
+    # most important first: the iterations (efficiency, memory, sampling) at every size,
+    # SamplesLoss at the smallest, the flow-matching example, then the larger SamplesLoss
+    sizes = sorted(args.sizes)
+    loss_sizes = sorted(loss_sizes)
+    plan = [("iteration", n) for n in sizes] + [("samples_loss", loss_sizes[0])]
+    plan += [("flow_matching", None)] + [("samples_loss", n) for n in loss_sizes[1:]]
     for case, n in plan:
-        if case != "flow_matching" and run.over_budget(f"dist_{case}", {"n": n}):
-            continue
+        if case != "flow_matching":
+            est = run.estimate_s(case, n)
+            if run.over_budget(f"dist_{case}", {"n": n}, est):
+                continue
         try:  # a failing case is recorded (our code fails the same way on every rank)
             run.flow_matching() if case == "flow_matching" else getattr(run, case)(n)
         except Exception as e:  # noqa: BLE001
