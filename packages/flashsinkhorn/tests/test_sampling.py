@@ -208,9 +208,10 @@ def test_gpu_draws_and_distribution():
     x, y, g, logb, cy, lab = (t.to(dev) if torch.is_tensor(t) else t
                               for t in _inputs(2, 3000, 2000, 64, seed=4))  # fmt: skip
     kw = dict(eps=0.05, c2=2.0, seed=31337)
-    got = fs.softmax_sample(x, y, g, logb, cy, **kw)
-    xr = fs.operands.round_to_tf32(x.contiguous())  # the scores the tf32 dot computes exactly
+    # operands rounded to tf32 (as solve prepares them): the tf32 dot's products are exact
+    xr = fs.operands.round_to_tf32(x.contiguous())
     yr = fs.operands.round_to_tf32(y.contiguous())
+    got = fs.softmax_sample(xr, yr, g, logb, cy, **kw)
     ref = fs.softmax_sample_ref(xr, yr, g, logb, cy, **kw)
     val = _perturbed(xr, yr, g, logb, cy, None, 0.05, kw["seed"])
     _assert_same_draws(got, ref, val, gap=1e-3, max_frac=1e-3)
