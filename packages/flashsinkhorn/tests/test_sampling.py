@@ -164,11 +164,12 @@ def test_hash_uniforms_are_uniform_and_rows_independent():
         assert abs(float(r)) < 0.02
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
-def test_sample_plan_follows_the_solved_plan(backend):
+def test_sample_plan_follows_the_solved_plan():
     """``sample_plan`` on a solve result (weights, unbalanced) draws from the rows of
     ``result.plan``: chi-square per distinct row, and draw by draw equal to the reference
-    on the result's potentials."""
+    on the result's potentials (the kernel's draws are tested against the same reference
+    above: here the torch backend keeps the 10k-row solve fast)."""
+    backend = "torch"
     n_distinct, reps, m = 4, 2500, 6
     base, x, y, _, _, _ = _replicated_problem(n_distinct, reps, m, 2, seed=5)
     gen = torch.Generator().manual_seed(1)
