@@ -34,19 +34,20 @@ def test_gpu_second_order_smoke(tmp_path):
 
 
 def test_dp_flow_matching_example_runs_on_cpu(tmp_path):
-    """The data-parallel OT flow-matching example, 2 gloo ranks, a few steps: every
-    coupling trains and the global coupling's pairs are closer than independent ones."""
+    """The data-parallel OT flow-matching example, 2 gloo ranks, a few steps: the global
+    coupling trains and its pairs are closer than independent ones (the per-rank coupling
+    is the one-process solve, tested elsewhere)."""
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "dp_flow_matching.py")
     out = tmp_path / "fm.json"
     proc = subprocess.run(
         [sys.executable, script, "--world", "2", "--steps", "6", "--batch", "48",
-         "--n-eval", "200", "--json", str(out)],
+         "--n-eval", "200", "--couplings", "global", "independent", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["coupling"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"global", "local", "independent"}
+    assert set(rows) == {"global", "independent"}
     assert rows["global"]["pair_sq_dist"] < rows["independent"]["pair_sq_dist"]
     assert all(r["divergence_1_euler"] >= 0 or abs(r["divergence_1_euler"]) < 1e-3
                for r in rows.values())  # fmt: skip
