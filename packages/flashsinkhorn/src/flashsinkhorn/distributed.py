@@ -170,6 +170,13 @@ class _Comm:
             dist.all_reduce(s, group=self.group)
         return s
 
+    def peak(self, t):
+        """``t.amax(-1)`` over the ranks."""
+        s = t.amax(-1).contiguous()
+        if self.world > 1:
+            dist.all_reduce(s, op=dist.ReduceOp.MAX, group=self.group)
+        return s
+
     def any(self, flags):
         """Each flag OR-ed over the ranks."""
         t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=self.device)
@@ -307,6 +314,9 @@ class ShardedProblem(Problem):
 
     def total(self, t):
         return self.comm.total(t)
+
+    def peak(self, t):
+        return self.comm.peak(t)
 
     def any_rank(self, flags):
         return self.comm.any(flags)
@@ -446,8 +456,11 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
         diameter = comm.diameter(prob.X, prob.Y)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
     # the float64 certificate on the sharded problem rebuilt in float64 (global sums)
+    exact = [None if w is not None else torch.full(t.shape[:2], 1.0 / sum(comm.sizes[k]),
+                                                    dtype=torch.float64, device=t.device)
+             for w, t, k in ((a, x3, "x"), (b, y3, "y"))]  # fmt: skip
     build64 = S.float64_problem(x3, y3, prob, features=lambda *t: _features(comm, *t),
-                                make=comm.problem)  # fmt: skip
+                                make=comm.problem, a64=exact[0], b64=exact[1])  # fmt: skip
     certify = S.certifier(build64, prob, eps, rx, ry)
     # every rank measures (collectives), rank 0 prints
     say = (lambda line: print(line, flush=True) if comm.rank == 0 else None) if verbose else False
@@ -456,6 +469,7 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
     prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
     f, g, err = out.f, out.g, out.err
     value = S._OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+    S.finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
         f=f if batched else f[0], g=g if batched else g[0], value=value if batched else value[0],
         marginal_error=err if batched else err[0], n_iter=out.n_iter, converged=out.converged,
