@@ -198,6 +198,8 @@ def test_bad_arguments_raise():
         fs.softmax_sample(x, y, g[:, :3], logb, cy, seed=1, **kw)
     with pytest.raises(ValueError, match="eps"):
         fs.softmax_sample(x, y, g, logb, cy, seed=1, eps=0.0, c2=2.0)
+    with pytest.raises(ValueError, match="precision"):
+        fs.softmax_sample(x, y, g, logb, cy, seed=1, precision="fp8", **kw)
 
 
 @pytest.mark.gpu

@@ -49,7 +49,7 @@ from flashsinkhorn._softmin_triton import (
     _pick,
     _triton_configs,
 )
-from flashsinkhorn.primitives import PRECISIONS, _block_rows, resolve_backend
+from flashsinkhorn.primitives import _block_rows, check_precision, resolve_backend
 from flashsinkhorn.reference import LOG2E
 
 if HAS_TRITON:
@@ -350,8 +350,6 @@ def softmax_sample(
     Returns:
         int64 (B, N) global column indices, or ``(indices, score)``.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     if x.dim() != 3 or y.dim() != 3 or y.shape[0] != x.shape[0] or y.shape[2] != x.shape[2]:
         raise ValueError(f"x must be (B, N, D) and y (B, M, D); got {tuple(x.shape)}, "
                          f"{tuple(y.shape)}")  # fmt: skip
@@ -362,6 +360,7 @@ def softmax_sample(
     if not (eps > 0):
         raise ValueError(f"eps must be positive; got {eps}")
     be = resolve_backend(backend, x.device)
+    check_precision(precision, be)  # bf16 under the interpreter is refused
     rk, ck = _keys(B, x.shape[1], M, seed, row_offset, col_offset, x.device)
     if be == "triton":
         best, arg = _sample_triton(x, y, g, logb, cy, eps, c2, labels, precision, rk, ck, config)
