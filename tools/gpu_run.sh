@@ -19,7 +19,8 @@
 # Limits in seconds per step (a step past its limit is killed, marked FAILED, and the run
 # goes on): LIMIT_BUILD (300), LIMIT_TESTS (240, each package), LIMIT_BENCH_<pkg> (150),
 # with <pkg> the import name. GPU_PYTEST_ARGS: extra pytest args; BENCH_ARGS_<pkg>: extra
-# bench args; GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1 skip a phase.
+# bench args; GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1 skip a phase; GPU_BENCH_PACKAGES (space
+# separated) limits the benchmarks to those packages.
 set -uo pipefail
 out="${1:?usage: tools/gpu_run.sh OUTDIR [PACKAGE ...]}"; shift
 mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -102,7 +103,7 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 
 if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
-  for pkg in "${packages[@]}"; do
+  for pkg in ${GPU_BENCH_PACKAGES:-${packages[@]}}; do
     import_name="${pkg//-/_}"
     [ "$pkg" = mhc-proj ] && [ $built != 1 ] && continue
     limit="LIMIT_BENCH_${import_name}"; extra="BENCH_ARGS_${import_name}"

@@ -252,3 +252,56 @@ def test_fsdp2_dcp_save_on_2_load_on_1():
                 got = dec(loaded[fqn][k], loaded[fqn][k + "_scale_per_element"].double())
                 assert (got - dec(st[k], s)).abs().max() <= s.max() * 2 / 127
     assert n_exact >= 4
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _fsdp_worker(init, steps):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=init, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(
+            torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)
+        )
+        ref = ref.cuda().bfloat16()
+        sh = torch.nn.Sequential(
+            torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)
+        )
+        sh.load_state_dict(ref.state_dict())
+        sh = sh.cuda().bfloat16()
+        for layer in sh:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(sh)
+        o1, o2 = fo.FlashAdamW(ref.parameters(), lr=1e-3), fo.FlashAdamW(sh.parameters(), lr=1e-3)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for _ in range(steps):
+            x = torch.randn(32, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+            for m, o in ((ref, o1), (sh, o2)):
+                m(x).float().square().mean().backward()
+                o.step()
+                o.zero_grad()
+        return [
+            (a.detach().float(), b.full_tensor().detach().float())
+            for a, b in zip(ref.parameters(), sh.parameters())
+        ]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_fsdp2_world_size_one_matches_unsharded(monkeypatch):
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")  # the modes' compiles shared with others
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        pytest.skip("no NCCL")
+    with tempfile.TemporaryDirectory() as d:
+        pairs = _fsdp_worker("file://" + os.path.join(d, "store"), 5)
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)

@@ -2,7 +2,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda_kernels.cuh"
+#include "birkhoff_kernels.cuh"
 
 namespace mhc_cuda {
 

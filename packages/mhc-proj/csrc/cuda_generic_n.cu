@@ -3,7 +3,7 @@
 // Generic n is the rare case: no forced unrolling keeps these translation units quick to
 // compile (the n = 4 kernels in cuda_module.cu are fully unrolled).
 #define MHC_NO_UNROLL
-#include "cuda_kernels.cuh"
+#include "birkhoff_kernels.cuh"
 
 #ifndef MHC_N
 #error "compile with -DMHC_N=<n> (see CMakeLists.txt)"

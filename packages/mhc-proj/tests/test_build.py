@@ -1,30 +1,45 @@
-"""The build contract: which compiled modules exist, and that each runs end to end."""
+"""The build contract: which compiled modules exist, what they export, and that each runs
+end to end (mhc_proj._backend loads them)."""
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
+from _mhc_test_env import expect_cuda
 
 from mhc_proj import _backend
 
+# What the shipped modules export: the kernels the Python layer calls, nothing else (no
+# test emulators, no cost counters, no kernel variants).
+CPU_EXPORTS = {"birkhoff_fwd", "birkhoff_bwd", "sinkhorn_fwd", "sinkhorn_bwd", "smoke_copy",
+               "device_count"}  # fmt: skip
+# the hyper-connection layer's kernels (csrc/hc_cpu.h, csrc/cuda_hc.cu)
+CPU_EXPORTS |= {"hc_pre_fwd", "hc_post_fwd", "hc_post_bwd", "hc_pre_bwd_reduce", "hc_pre_bwd"}
+CUDA_EXPORTS = CPU_EXPORTS
 
-def test_cpu_module_smoke():
+
+def _exports(mod):
+    return {k for k in dir(mod) if not k.startswith("_")}
+
+
+def test_cpu_module_smoke_and_exports():
     from mhc_proj import _cpu
 
     assert _cpu.device_count() == 0
     x = torch.randn(1000)
     assert torch.equal(_backend.smoke(x), x)
+    assert _exports(_cpu) == CPU_EXPORTS
 
 
 def test_cuda_module_present_exactly_when_expected():
-    expect = os.environ.get("MHC_PROJ_EXPECT_CUDA")
+    expect = expect_cuda()
     if expect is None:
         pytest.skip("MHC_PROJ_EXPECT_CUDA is not set")
     found = importlib.util.find_spec("mhc_proj._cuda") is not None
     if found:
-        importlib.import_module("mhc_proj._cuda")  # importable, not just present
+        mod = importlib.import_module("mhc_proj._cuda")  # importable, not just present
+        assert _exports(mod) == CUDA_EXPORTS
     assert found == (expect == "1")
 
 
@@ -34,6 +49,11 @@ def test_cuda_missing_gives_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="built without its CUDA module"):
         _backend.cuda()
     assert not _backend.cuda_available()
+
+
+def test_other_devices_rejected():
+    with pytest.raises(ValueError, match="CPU and CUDA tensors; got device meta"):
+        _backend.for_tensor(torch.empty(2, 4, 4, device="meta"))
 
 
 @pytest.mark.gpu

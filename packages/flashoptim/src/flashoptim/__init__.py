@@ -2,22 +2,18 @@
 
 FlashAdamW keeps ~7.1 bytes per parameter (bf16 weight, int8 correction, int8 momentum,
 uint8 variance, group scales, bf16 gradient) instead of 16, in one fused Triton kernel per
-step on CUDA and the same arithmetic in plain torch on CPU.
+bucket of tensors on CUDA and the same arithmetic in plain torch on CPU. ``step_ref`` is the
+float64 reference of one step (``flashoptim.reference`` has the quantizers).
 """
 
-from ._core import cpu_step, step_ref
+from .adamw import FlashAdam, FlashAdamW
+from .checkpoint import master_weight
+from .lion import FlashLion
 from .memory import memory_report
-from .optimizers import (
-    FlashAdam,
-    FlashAdamW,
-    FlashLion,
-    FlashOptimizer,
-    FlashSGD,
-    FlashSGDW,
-    NonFiniteGradError,
-    master_weight,
-)
+from .optimizer import FlashOptimizer, NonFiniteGradError
+from .reference import step_ref
 from .release import GradientReleaseHandle, enable_gradient_release
+from .sgd import FlashSGD, FlashSGDW
 
 __version__ = "0.1.0"
 
@@ -30,7 +26,6 @@ __all__ = [
     "FlashSGDW",
     "GradientReleaseHandle",
     "NonFiniteGradError",
-    "cpu_step",
     "enable_gradient_release",
     "master_weight",
     "memory_report",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .optimizers import FlashOptimizer, _local
+from ._plan import local as _local
+from .optimizer import FlashOptimizer
 
 
 def memory_report(optimizer: torch.optim.Optimizer, grad_dtype: torch.dtype | None = None) -> dict:

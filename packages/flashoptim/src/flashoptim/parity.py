@@ -102,7 +102,6 @@ def lr_schedule(opt, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
 # which part of the method a loss difference comes from)
 FLASH_VARIANTS = {
     "flash_adamw": {},
-    "flash_adamw_v1": {"kernel": "v1"},  # the first Triton kernel instead of v2
     "flash_adamw_torch": {"backend": "torch"},  # the plain-torch path (same arithmetic)
     "flash_adamw_fp32_states": {"quantize": False},  # fp32 moments instead of 8-bit codes
     "flash_adamw_bits32": {"master_weight_bits": 32},  # int16 correction (lossless fp32)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .optimizers import FlashOptimizer
+from .optimizer import FlashOptimizer
 
 
 class GradientReleaseHandle:

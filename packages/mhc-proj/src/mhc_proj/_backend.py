@@ -7,7 +7,6 @@ tensor, and the stream is read from the caller's current stream at each launch.
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 
 import torch
@@ -112,21 +111,3 @@ def smoke(x: torch.Tensor) -> torch.Tensor:
     else:
         mod.smoke_copy(x.data_ptr(), out.data_ptr(), x.numel())
     return out
-
-
-def choice_code(
-    value: str | int | None, env: str, codes: dict[str, int], what: str, default: str = "thread"
-) -> int:
-    """Kernel selection code: ``value`` if given (a name of ``codes`` or one of its codes),
-    else the environment variable ``env`` (read at each call), else ``default``. A bad
-    value raises naming ``what`` and the choices."""
-    if value is None:
-        value = os.environ.get(env) or default
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value in codes.values():
-            return value
-    elif value in codes:
-        return codes[value]
-    raise ValueError(
-        f"{what} must be one of {sorted(codes)} (or codes {sorted(codes.values())}); got {value!r}"
-    )

@@ -1,115 +1,71 @@
-"""Benchmark CLI: ``mhc-proj-bench`` / ``python -m mhc_proj.bench``.
+"""mhc-proj-bench: the exact projection and the fused Sinkhorn-20 against torch (kernel-bench/1).
 
-Providers (fp32 B x 4 x 4 logits, N(0, sigma^2)):
+    python -m mhc_proj.bench                  # CUDA: the standard GPU suite (~1-2 min)
+    python -m mhc_proj.bench --smoke          # tiny CPU run (CI)
+    python -m mhc_proj.bench --batch 1048576 16777216 --sigma 1 10 --mode fwd fwd_bwd --graph
+    python -m mhc_proj.bench --report docs/results/mhc-proj/run12-bench.json
 
-- ``ours``: :func:`mhc_proj.birkhoff_project` (exact projection).
-- ``ours-lane16``: the same projection with the n = 4 CUDA kernels in the 16-lanes-per-matrix
-  layout (``MHC_PROJ_BIRKHOFF_LAYOUT=lane``: forward stage 1 and backward; the float64
-  stage is shared), for comparison with ``ours`` (thread per matrix).
-- ``ours-wave`` / ``ours-fb2`` / ``ours-fb2-occ3``: ``ours`` with layout ``thread-wave``
-  (the float64 stage on one wave of resident blocks, bitwise ``ours``' results),
-  ``thread-fb2`` (that plus a polish that updates its plans) or ``thread-fb2-occ3`` (the same
-  capped at 3 blocks per SM); ``ours-c10``: layout ``thread-c10`` (``thread-fb2`` with the
-  fp32 continuation from logit range 10); ``ours-c10ls``: ``thread-c10ls`` (that with the
-  one-log1p line search); ``ours-flat``: ``thread-flat`` (``thread-c10ls`` with one Newton
-  loop for all continuation stages); opt-in, NOTES.md.
-- ``ours-sinkhorn20``: :func:`mhc_proj.sinkhorn_project` with its default kernels (fused
-  Sinkhorn-20: forward one thread per matrix in the scaling form, backward thread per
-  matrix, reciprocal-form replay and rescaled-adjoint reverse sweep with step vectors
-  partly in shared memory, ``thread-rs``, since 2026-12-01 evening; or whatever
-  ``MHC_PROJ_SINKHORN_FWD`` / ``MHC_PROJ_SINKHORN_BWD`` select). Explicit variants of the same op:
-  ``ours-sinkhorn20-fullstate``: the forward on the full 16-float state (``thread``;
-  default backward); ``ours-sinkhorn20-lane16``: the forward in the 16-lanes-per-matrix
-  layout (fwd only); ``ours-sinkhorn20-lane-bwd``: the 16-lanes-per-matrix backward (bwd
-  and fwd_bwd only; default forward); ``ours-sinkhorn20-thread-bwd``: the backward default
-  until 2026-12-01 (``thread``: reverse sweep on dP; bwd and fwd_bwd only);
-  ``ours-sinkhorn20-occ3``: that backward compiled for 3 resident blocks per SM
-  (``thread-occ3``; default forward). ``ours-sinkhorn20-e`` / ``ours-sinkhorn20-e-occ3``:
-  the backward with the division-free rescaled-adjoint reverse sweep (``thread-e`` /
-  ``thread-e-occ3``, the latter the default backward until 2026-12-01 evening; default
-  forward).
-  ``ours-sinkhorn20-rs`` / ``ours-sinkhorn20-r-occ3``: that sweep after the
-  reciprocal-form replay (``thread-rs``: step vectors partly in shared memory, 4 blocks
-  per SM, the default backward; ``thread-r-occ3``: in registers, 3 blocks per SM; NOTES.md);
-  ``ours-sinkhorn20-rp``: ``thread-rp`` (two matrices in flight per thread).
-- ``torch-sinkhorn20``: the same iteration in eager torch (autograd through it).
-- ``compile-sinkhorn20``: that function under ``torch.compile``.
-- ``tile-kernels-sinkhorn``: TileKernels' Sinkhorn when importable (skipped otherwise).
+Benches (``bench`` field), float32 B x 4 x 4 logits drawn from N(0, sigma^2):
 
-Columns: median CUDA-event time (wall clock on CPU), achieved GB/s (bytes of the ideal
-kernel: fwd 128 B, bwd 192 B, fwd+bwd 320 B per matrix) and its fraction of the copy
-ceiling measured in the same process, and accuracy (median / max L1 marginal error,
-max distance to the float64 exact projection on a sample). ``--json`` writes the
-kernel-bench/1 schema. With no size flags on CUDA it runs the standard GPU suite.
+- ``birkhoff4``: the exact projection, provider ``ours`` (:func:`mhc_proj.birkhoff_project`;
+  its ``bwd`` rows time the backward launcher on a saved T, its ``graph`` rows CUDA graph
+  replay of the launchers). No implementation of the exact projection runs here as a peer.
+- ``sinkhorn20``: Sinkhorn-20 in the DeepSeek / TileKernels convention (eps = 1e-6), the
+  iteration mHC layers run today: ``ours`` (:func:`mhc_proj.sinkhorn_project`, fused, with
+  the exact backward of the iteration), ``torch-eager`` (the same iteration in torch ops,
+  autograd through it) and ``torch-compile`` (that under ``torch.compile``, static shapes).
+
+The hyper-connection layer benches ``hc_layer`` (ours against ``liger-kernel`` and
+``torch-compile``) and ``hc_kernels`` (the fused kernels alone, as fractions of the HBM
+floor) are described in ``mhc_proj/_bench_layer.py``.
+
+Modes: ``fwd``, ``bwd`` (the backward alone, from a saved forward), ``fwd_bwd`` (forward
+and ``torch.autograd.grad``). Columns: median time, the ratio of each peer to ours, the
+fraction of the copy ceiling measured in the same process (ideal bytes: fwd 128 B, bwd
+192 B, fwd+bwd 320 B per matrix), the max L1 marginal error of the output. The ``ours``
+rows of the headline cases carry a ``headline`` label (tools/report.py); the run ends with
+the short table of the package README (also printed for a saved run by ``--report``).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import platform
-import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 import mhc_proj
-from mhc_proj.birkhoff import _project as birkhoff_project_layout
+from mhc_proj import _bench_layer as L
+from mhc_proj import _harness as H
+from mhc_proj._config import MAX_ITER_F32, TOL_F32
 from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.reference import birkhoff_project_ref, marginal_error, sinkhorn_project_ref
-from mhc_proj.sinkhorn import _project as sinkhorn_project_variant
-from mhc_proj.sinkhorn import sinkhorn_fwd
 
-PROVIDERS = [
-    "ours",
-    "ours-lane16",
-    "ours-wave",
-    "ours-fb2",
-    "ours-fb2-occ3",
-    "ours-c10",
-    "ours-c10ls",
-    "ours-flat",
-    "ours-sinkhorn20",
-    "ours-sinkhorn20-lane16",
-    "ours-sinkhorn20-lane-bwd",
-    "ours-sinkhorn20-fullstate",
-    "ours-sinkhorn20-thread-bwd",
-    "ours-sinkhorn20-occ3",
-    "ours-sinkhorn20-e",
-    "ours-sinkhorn20-e-occ3",
-    "ours-sinkhorn20-rs",
-    "ours-sinkhorn20-r-occ3",
-    "ours-sinkhorn20-rp",
-    "torch-sinkhorn20",
-    "compile-sinkhorn20",
-    "tile-kernels-sinkhorn",
-]
+PROJ_PROVIDERS = ["ours", "torch-eager", "torch-compile"]
+PROVIDERS = PROJ_PROVIDERS + ["liger-kernel"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-# Birkhoff providers -> their CUDA kernel layout (bwd-only and graph modes call the launchers).
-# "ours": None, the default layout (MHC_PROJ_BIRKHOFF_LAYOUT or DEFAULT_LAYOUT) in every mode;
-# until 2026-12-01 afternoon its bwd-only and graph rows pinned "thread" while its eager
-# rows followed the default (thread-flat since run 6).
-_BIRKHOFF_LAYOUT = {
-    "ours": None,
-    "ours-lane16": "lane",
-    "ours-wave": "thread-wave",
-    "ours-fb2": "thread-fb2",
-    "ours-fb2-occ3": "thread-fb2-occ3",
-    "ours-c10": "thread-c10",
-    "ours-c10ls": "thread-c10ls",
-    "ours-flat": "thread-flat",
+BENCHES = ["birkhoff4", "sinkhorn20", "hc_layer", "hc_kernels"]
+BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}  # per matrix, the ideal kernel's
+SAMPLE = 16384  # matrices compared with the float64 projection
+ACCURACY_KEY = "marginal_err_max"
+K, M = 131072, 1048576
+BIG = 16777216
+# (bench, mode, B, sigma) -> headline label of the ours row
+HEADLINES = {
+    ("birkhoff4", "fwd", BIG, 1.0): "exact projection, 16M, N(0,1), fwd",
+    ("birkhoff4", "fwd_bwd", BIG, 1.0): "exact projection, 16M, N(0,1), fwd+bwd",
+    ("birkhoff4", "bwd", BIG, 1.0): "exact projection, 16M, bwd",
+    ("birkhoff4", "fwd", BIG, 10.0): "exact projection, 16M, N(0,10^2), fwd",
+    ("sinkhorn20", "fwd", BIG, 1.0): "Sinkhorn-20, 16M, fwd",
+    ("sinkhorn20", "fwd_bwd", BIG, 1.0): "Sinkhorn-20, 16M, fwd+bwd",
+    ("sinkhorn20", "fwd_bwd", M, 1.0): "Sinkhorn-20, 1M, fwd+bwd",
 }
-# Sinkhorn providers that differ from ours-sinkhorn20 only in the backward (no fwd rows)
-_SAME_FWD = ("ours-sinkhorn20-lane-bwd", "ours-sinkhorn20-thread-bwd")
-BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}
-SAMPLE = 16384
+GRAPH_HEADLINE = "exact projection, 128K, fwd+bwd, CUDA graph replay"
 
 
 def torch_sinkhorn20(x: torch.Tensor) -> torch.Tensor:
-    """The eager peer: DeepSeek/TileKernels Sinkhorn-20 (eps = 1e-6) in plain torch."""
+    """The torch peer: DeepSeek/TileKernels Sinkhorn-20 (eps = 1e-6) in plain torch ops."""
     return sinkhorn_project_ref(x, iters=20, eps=1e-6)
 
 
@@ -129,399 +85,218 @@ def compile_sinkhorn20() -> Callable:
     return _compiled
 
 
-def _tile_kernels_fn() -> Callable | None:
-    try:  # pragma: no cover - not installed anywhere we run
-        import tile_kernels  # noqa: F401
-        from tile_kernels.mhc import sinkhorn_normalize  # type: ignore
-
-        return lambda x: sinkhorn_normalize(x, repeat=20, eps=1e-6)
-    except Exception:
-        return None
-
-
-def _fn_for(provider: str) -> Callable | None:
-    if provider == "ours":
+def _fn(bench: str, provider: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if bench == "birkhoff4":
+        if provider != "ours":
+            raise H.Skip(f"no {provider} implementation of the exact projection")
         return mhc_proj.birkhoff_project
-    if provider in _BIRKHOFF_LAYOUT:  # the other Birkhoff providers force their layout
-        lay = _BIRKHOFF_LAYOUT[provider]
-        return lambda x: birkhoff_project_layout(x, layout=lay)
-    if provider == "ours-sinkhorn20":
+    if provider == "ours":
         return lambda x: mhc_proj.sinkhorn_project(x, iters=20)
-    if provider == "ours-sinkhorn20-lane16":
-        return lambda x: sinkhorn_fwd(x, 20, 1e-6, variant=0) if x.is_cuda else None
-    if provider == "ours-sinkhorn20-lane-bwd":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="lane")
-    if provider == "ours-sinkhorn20-fullstate":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, fwd_variant="thread")
-    if provider == "ours-sinkhorn20-thread-bwd":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread")
-    if provider == "ours-sinkhorn20-occ3":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-occ3")
-    if provider == "ours-sinkhorn20-e":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e")
-    if provider == "ours-sinkhorn20-e-occ3":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-e-occ3")
-    if provider == "ours-sinkhorn20-rs":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-rs")
-    if provider == "ours-sinkhorn20-r-occ3":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-r-occ3")
-    if provider == "ours-sinkhorn20-rp":
-        return lambda x: sinkhorn_project_variant(x, 20, 1e-6, bwd_variant="thread-rp")
-    if provider == "torch-sinkhorn20":
+    if provider == "torch-eager":
         return torch_sinkhorn20
-    if provider == "compile-sinkhorn20":
-        return compile_sinkhorn20()
-    if provider == "tile-kernels-sinkhorn":
-        return _tile_kernels_fn()
-    raise ValueError(f"unknown provider {provider!r}; choose from {PROVIDERS}")
+    return compile_sinkhorn20()
 
 
-# ---------------------------------------------------------------- timing
-def _timeit(
-    fn: Callable[[], object],
-    device: torch.device,
-    budget_s: float = 0.4,
-    host_ms: list[float] | None = None,
-):
-    """Median / p20 / p80 in ms of ``fn``: CUDA events on GPU, wall clock on CPU.
-
-    Each CUDA repetition starts on an idle GPU (the previous one was synchronized), so the
-    event time of a call whose kernels are short includes the host time up to its last
-    launch. ``host_ms`` (CUDA): gets the host time of each repetition, from before ``fn``
-    to its return (without the final synchronize): equal to the event time when the call
-    is host-bound or blocks on the GPU inside, smaller when the GPU is the bottleneck."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-    else:
-        t0 = time.perf_counter()
-        fn()
-    est = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(50, max(3, budget_s / est)))
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            h0 = time.perf_counter()
-            fn()
-            h1 = time.perf_counter()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-            if host_ms is not None:
-                host_ms.append((h1 - h0) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    q = lambda p: times[min(len(times) - 1, int(p * (len(times) - 1) + 0.5))]
-    return statistics.median(times), q(0.2), q(0.8)
+def _inputs(batch: int, sigma: float, device: torch.device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(batch, 4, 4, device=device, generator=g) * sigma
+    gr = torch.randn(batch, 4, 4, device=device, generator=g)
+    return x, gr
 
 
-def copy_ceiling_gbps(device: torch.device) -> float | None:
-    """Device-to-device copy throughput (bytes read + written) of a 1 GiB buffer."""
-    if device.type != "cuda":
-        return None
-    a = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    ms, _, _ = _timeit(lambda: b.copy_(a), device, budget_s=0.2)
-    return 2 * (1 << 30) / (ms * 1e-3) / 1e9
+def _accuracy(out: torch.Tensor, x: torch.Tensor, sigma: float) -> dict:
+    err = marginal_error(out.detach().float())
+    acc = {"marginal_err_max": float(err.max()), "marginal_err_median": float(err.median())}
+    if sigma <= 10:  # the float64 reference has no continuation: trusted up to std 10
+        k = min(x.shape[0], SAMPLE)
+        ref = birkhoff_project_ref(x[:k])
+        acc["max_abs_err_vs_exact_ref"] = float((out[:k].double() - ref).abs().max())
+    return acc
 
 
-# ---------------------------------------------------------------- one case
-def run_case(provider, mode, batch, sigma, device, ceiling, graph=False, seed=0):
+def run_case(R, bench, provider, mode, batch, sigma, device, ceiling, graph, warmup, reps):
     params = {"B": batch, "n": 4, "sigma": sigma, "dtype": "float32"}
     if graph:
         params["graph"] = True
-    row = {
-        "bench": "birkhoff4",
-        "provider": provider,
-        "mode": mode,
-        "params": params,
-        "status": "ok",
-        "time_ms": None,
-        "time_ms_p20": None,
-        "time_ms_p80": None,
-        "metrics": {},
-        "accuracy": {},
-        "error": None,
-    }
-    fn = _fn_for(provider)
-    if (
-        fn is None
-        or (provider == "ours-sinkhorn20-lane16" and (mode != "fwd" or device.type != "cuda"))
-        or (provider in _SAME_FWD and mode == "fwd")
-    ):
-        row["status"] = "skipped"
-        row["error"] = "provider not importable or not applicable here"
-        return row
-    try:
-        g = torch.Generator(device=device).manual_seed(seed)
-        x = torch.randn(batch, 4, 4, device=device, generator=g) * sigma
-        gr = torch.randn(batch, 4, 4, device=device, generator=g)
-        out = None
+    state: dict = {}
+
+    def make():
+        fn = _fn(bench, provider)
+        x, gr = _inputs(batch, sigma, device)
+        state["x"], state["fn"] = x, fn
+        if graph:  # the launchers, as a training step would capture them
+            if bench != "birkhoff4" or device.type != "cuda" or mode == "bwd":
+                raise H.Skip("graph replay: the exact projection's fwd / fwd_bwd on CUDA")
+            if mode == "fwd":
+                return H.cuda_graph(lambda: fn(x), device)
+            fwd = lambda: birkhoff_fwd(x, TOL_F32, MAX_ITER_F32, False)[0]
+            return H.cuda_graph(lambda: birkhoff_bwd(fwd(), gr), device)
         if mode == "fwd":
-            with torch.no_grad():
-                out = fn(x)
-            call = lambda: fn(x)
-            if graph:
-                call = _graphed(lambda: fn(x), device)
-        elif mode == "fwd_bwd":
-            if graph:
-                if provider not in _BIRKHOFF_LAYOUT:
-                    raise NotImplementedError("graph mode is measured for ours (any layout) only")
-                lay = _BIRKHOFF_LAYOUT[provider]
-                call = _graphed(
-                    lambda: birkhoff_bwd(birkhoff_fwd(x, 4e-6, 30, False, layout=lay)[0], gr, lay),
-                    device,
-                )
-            else:
-                xg = x.clone().requires_grad_(True)
-
-                def call():
-                    (d,) = torch.autograd.grad(fn(xg), xg, gr)
-                    return d
-
-        else:  # bwd only
+            return lambda: fn(x)
+        if mode == "fwd_bwd":
             xg = x.clone().requires_grad_(True)
-            y = fn(xg)
-            if provider in _BIRKHOFF_LAYOUT:
-                t = y.detach()
-                call = lambda: birkhoff_bwd(t, gr, layout=_BIRKHOFF_LAYOUT[provider])
-            else:
-                call = lambda: torch.autograd.grad(y, xg, gr, retain_graph=True)
-        # Diagnostics of the eager rows (the fwd_bwd time at B = 128K measured above both
-        # 4K and 1M on the H200, see NOTES.md): the host time per call and the device
-        # allocations (cudaMalloc / cudaFree) the caching allocator made per call.
-        host: list[float] = []
-        cuda = device.type == "cuda"
-        stats0 = torch.cuda.memory_stats(device) if cuda else {}
-        with torch.no_grad() if mode == "fwd" else torch.enable_grad():
-            ms, p20, p80 = _timeit(call, device, host_ms=host)
-        stats1 = torch.cuda.memory_stats(device) if cuda else {}
-        calls = len(host) + 2  # the timed repetitions, the warm-up and the estimate
-        row.update(time_ms=ms, time_ms_p20=p20, time_ms_p80=p80)
-        gbps = BYTES[mode] * batch / (ms * 1e-3) / 1e9
-        row["metrics"] = {
-            "gbps": gbps,
-            "frac_ceiling": gbps / ceiling if ceiling else None,
-            "host_ms": statistics.median(host) if host else None,
-        }
-        for key in ("num_device_alloc", "num_device_free"):
-            if key in stats0 and key in stats1:
-                row["metrics"][key + "_per_call"] = (stats1[key] - stats0[key]) / calls
-        if out is not None:
-            err = marginal_error(out.detach().float())
-            k = min(batch, SAMPLE)
-            ref = birkhoff_project_ref(x[:k]) if sigma <= 10 else None
-            row["accuracy"] = {
-                "marginal_err_median": float(err.median()),
-                "marginal_err_max": float(err.max()),
-                # the float64 reference has no continuation: trusted for sigma <= 10 only
-                "max_abs_err_vs_exact_ref": float((out[:k].double() - ref).abs().max())
-                if sigma <= 10
-                else None,
-            }
-    except Exception as e:  # one failing provider must not end the suite
-        row.update(status="error", error=f"{type(e).__name__}: {e}")
-    finally:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return row
+            return lambda: torch.autograd.grad(fn(xg), xg, gr)
+        if bench == "birkhoff4":  # bwd: the launcher on a saved T
+            t = fn(x)
+            return lambda: birkhoff_bwd(t, gr)
+        if provider == "torch-compile":
+            raise H.Skip("a compiled backward runs once per graph (donated buffers): fwd_bwd")
+        xg = x.clone().requires_grad_(True)  # bwd through autograd, the forward's graph kept
+        y = fn(xg)
+        return lambda: torch.autograd.grad(y, xg, gr, retain_graph=True)
 
+    def accuracy():
+        if mode != "fwd":
+            return {}
+        with torch.no_grad():
+            return _accuracy(state["fn"](state["x"]), state["x"], sigma)
 
-def _graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    s = torch.cuda.Stream(device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    slow = provider != "ours" and batch >= M  # the torch peers take 5-300 ms per call
+    headline = None
+    if provider == "ours" and not graph:
+        headline = HEADLINES.get((bench, mode, batch, sigma))
+    elif provider == "ours" and mode == "fwd_bwd" and batch == K and sigma == 1.0:
+        headline = GRAPH_HEADLINE
+    return R.run(
+        bench, provider, mode, params, make,
+        warmup=warmup if warmup is not None else (2 if slow else 3),
+        reps=reps if reps is not None else (5 if slow else 20),
+        bytes_moved=BYTES[mode] * batch, ceiling_gbps=ceiling, accuracy=accuracy,
+        headline=headline,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- suites
-def gpu_suite(providers: list[str]) -> list[tuple]:
-    """(provider, mode, B, sigma, graph) of the standard H200 suite."""
+def gpu_suite(providers: list[str], benches: list[str], modes: list[str]) -> list[tuple]:
+    """(bench, provider, mode, B, sigma, graph) of the standard H200 suite: the headline
+    rows and their neighbours (128K, 1M, 16M; N(0,1) and N(0,10^2); graph replay)."""
     cases = []
-    sizes = [4096, 131072, 1048576, 16777216]
-    for b in sizes:
-        for mode in ["fwd", "fwd_bwd"]:
+    order = ["fwd", "fwd_bwd", "bwd"]
+    for b in (K, M, BIG):
+        for bench in benches:
             for p in providers:
-                if p == "compile-sinkhorn20" and b < 1048576:
+                if bench not in ("birkhoff4", "sinkhorn20") or p not in PROJ_PROVIDERS:
+                    continue
+                if bench == "birkhoff4" and p != "ours":
+                    continue
+                if p == "torch-compile" and b < M:
                     continue  # one static compile per shape: keep the suite short
-                if p in _SAME_FWD and mode == "fwd":
-                    continue  # the same forward as ours-sinkhorn20
-                cases.append((p, mode, b, 1.0, False))
-    for p in [
-        "ours",
-        "ours-lane16",
-        "ours-wave",
-        "ours-fb2",
-        "ours-fb2-occ3",
-        "ours-c10",
-        "ours-c10ls",
-        "ours-flat",
-        "ours-sinkhorn20",
-        "ours-sinkhorn20-lane-bwd",
-        "ours-sinkhorn20-fullstate",
-        "ours-sinkhorn20-thread-bwd",
-        "ours-sinkhorn20-occ3",
-        "ours-sinkhorn20-e",
-        "ours-sinkhorn20-e-occ3",
-    ]:
-        if p in providers:
-            # backward alone; for Sinkhorn-20 every backward kernel at every size (the
-            # full-state provider's backward is ours-sinkhorn20's)
-            if p != "ours-sinkhorn20-fullstate":
-                bwd_sizes = sizes if p not in _BIRKHOFF_LAYOUT else sizes[-1:]
-                cases += [(p, "bwd", b, 1.0, False) for b in bwd_sizes]
-            for b in [1048576, 16777216]:
-                for mode in ["fwd", "fwd_bwd"]:
-                    if p in _SAME_FWD and mode == "fwd":
-                        continue
-                    cases.append((p, mode, b, 10.0, False))
-    for p in _BIRKHOFF_LAYOUT:
-        if p in providers:
-            cases.append((p, "fwd", 1048576, 100.0, False))
-            cases.append((p, "fwd", 131072, 1.0, True))
-            cases.append((p, "fwd_bwd", 131072, 1.0, True))
+                ms = [m for m in order if m in modes and (m != "bwd" or p != "torch-compile")]
+                cases += [(bench, p, m, b, 1.0, False) for m in ms]
+    if "birkhoff4" in benches and "ours" in providers:
+        for b in (K, M, BIG):  # large logits: more Newton iterations, ~24% in float64
+            cases += [("birkhoff4", "ours", m, b, 10.0, False) for m in order if m in modes]
+        cases += [("birkhoff4", "ours", m, K, 1.0, True) for m in ("fwd", "fwd_bwd") if m in modes]
+    if "sinkhorn20" in benches and "ours" in providers and "fwd" in modes:
+        cases.append(("sinkhorn20", "ours", "fwd", BIG, 10.0, False))  # far from stochastic
     return cases
 
 
-def markdown(rows: list[dict]) -> str:
-    head = (
-        "| provider | mode | B | sigma | graph | ms | GB/s | frac ceiling | marg err med "
-        "| marg err max | max err vs exact | vs ours |"
-    )
-    lines = [head, "|" + "---|" * 12]
-    ours = {
-        (r["mode"], tuple(sorted(r["params"].items()))): r["time_ms"]
-        for r in rows
-        if r["provider"] == "ours" and r["status"] == "ok"
-    }
-    f = lambda v, fmt: "—" if v is None else format(v, fmt)
+# ---------------------------------------------------------------- the short table
+# columns of the README table; a saved run of the earlier layout (one bench, providers
+# ours-sinkhorn20 / torch-sinkhorn20 / compile-sinkhorn20) maps onto the same columns
+_COLUMNS = {
+    ("birkhoff4", "ours"): "exact",
+    ("birkhoff4", "ours-sinkhorn20"): "sk",
+    ("sinkhorn20", "ours"): "sk",
+    ("birkhoff4", "torch-sinkhorn20"): "eager",
+    ("sinkhorn20", "torch-eager"): "eager",
+    ("birkhoff4", "compile-sinkhorn20"): "compile",
+    ("sinkhorn20", "torch-compile"): "compile",
+}
+
+
+def headline(rows: list[dict]) -> str:
+    """Per (mode, B, sigma): ours exact, ours Sinkhorn-20 and the torch Sinkhorn-20 peers,
+    and the faster peer's time over ours Sinkhorn-20 (the same iteration)."""
+    t: dict = {}
     for r in rows:
-        p, m, a = r["params"], r["metrics"] or {}, r["accuracy"] or {}
-        o = ours.get((r["mode"], tuple(sorted(p.items()))))
-        ratio = r["time_ms"] / o if (o and r["time_ms"]) else None
-        t = f(r["time_ms"], ".4g") if r["status"] == "ok" else r["status"]
-        lines.append(
-            f"| {r['provider']} | {r['mode']} | {p['B']} | {p['sigma']:g} | "
-            f"{'yes' if p.get('graph') else ''} | {t} | {f(m.get('gbps'), '.0f')} | "
-            f"{f(m.get('frac_ceiling'), '.2f')} | {f(a.get('marginal_err_median'), '.1e')} | "
-            f"{f(a.get('marginal_err_max'), '.1e')} | "
-            f"{f(a.get('max_abs_err_vs_exact_ref'), '.1e')} | {f(ratio, '.2f')} |"
-        )
+        col = _COLUMNS.get((r["bench"], r["provider"]))
+        if r["status"] == "ok" and col:
+            p = r["params"]
+            key = (r["mode"], p["B"], p["sigma"], bool(p.get("graph")))
+            t.setdefault(key, {})[col] = r["time_ms"]
+    lines = [
+        "| mode | B | sigma | ours exact | ours Sinkhorn-20 | torch eager | torch.compile "
+        "| torch / ours Sinkhorn-20 |",
+        "|" + "---|" * 8,
+    ]
+    for (mode, b, sigma, graph), d in t.items():
+        peers = [d[k] for k in ("eager", "compile") if k in d]
+        ratio = f"{min(peers) / d['sk']:.1f}x" if peers and d.get("sk") else "—"
+        cells = [f"{mode} (graph)" if graph else mode, str(b), f"{sigma:g}"]
+        cells += [H.fmt(d.get(k)) for k in ("exact", "sk", "eager", "compile")] + [ratio]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _env(device: torch.device) -> dict:
-    env = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "peers": {},
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception:
-        env["triton"] = None
-    env["gpu"] = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu"
-    )
-    return env
-
-
+# ---------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mhc-proj-bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (CI)")
-    ap.add_argument("--json", help="write kernel-bench/1 JSON here")
-    ap.add_argument("--providers", nargs="+", default=None, choices=PROVIDERS)
-    ap.add_argument("--mode", nargs="+", default=None, choices=MODES)
-    ap.add_argument("--batch", nargs="+", type=int, default=None, help="batch sizes B")
-    ap.add_argument("--sigma", nargs="+", type=float, default=None, help="logit std devs")
-    ap.add_argument("--graph", action="store_true", help="also time CUDA graph replay (ours)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap = H.parser("mhc-proj-bench", __doc__.split("\n")[0], PROVIDERS, MODES)
+    ap.add_argument("--bench", nargs="+", default=BENCHES, choices=BENCHES)
+    ap.add_argument("--batch", nargs="+", type=int, help="batch sizes B (custom run)")
+    ap.add_argument("--sigma", nargs="+", type=float, help="logit std devs (custom run)")
+    ap.add_argument("--graph", action="store_true", help="also CUDA graph replay (birkhoff4)")
+    ap.add_argument("--report", metavar="JSON", help="print the short table of a saved run")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as fh:
+            print(headline(json.load(fh)["results"]))
+        return 0
 
-    if args.smoke:
-        device = torch.device(args.device or "cpu")
-    else:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    default_providers = [p for p in PROVIDERS if p != "compile-sinkhorn20" or not args.smoke]
-    providers = args.providers or default_providers
-    ceiling = copy_ceiling_gbps(device)
-
-    sized = args.batch or args.sigma or args.mode or args.smoke or device.type != "cuda"
-    if sized:
-        batches = args.batch or ([64, 1024] if args.smoke or device.type != "cuda" else [1 << 20])
-        sigmas = args.sigma or [1.0]
-        modes = args.mode or ["fwd", "fwd_bwd"]
+    device = H.device_of(args)
+    if args.smoke and not args.device:
+        device = torch.device("cpu")
+    R = H.Results("mhc-proj", mhc_proj.__version__, device, peers=("liger-kernel",))
+    R.save(args.json)
+    ceiling = H.copy_ceiling_gbps(device)
+    if ceiling:
+        R.env["copy_ceiling_gbps"] = ceiling
+    providers, modes, benches = list(args.providers), list(args.mode), list(args.bench)
+    custom = args.batch is not None or args.sigma is not None
+    if args.smoke or (device.type != "cuda" and not custom):
+        providers = [p for p in providers if p != "torch-compile"]  # minutes on a CPU
+        custom, args.batch, args.sigma = True, args.batch or [64, 1023], args.sigma or [1.0]
+    if custom:
         cases = [
-            (p, m, b, s, False) for b in batches for s in sigmas for m in modes for p in providers
+            (bench, p, m, b, s, False)
+            for b in args.batch or [M]
+            for s in args.sigma or [1.0]
+            for bench in benches
+            if bench in ("birkhoff4", "sinkhorn20")
+            for p in providers
+            if (bench == "sinkhorn20" and p in PROJ_PROVIDERS) or p == "ours"
+            for m in modes
         ]
-        if args.graph and device.type == "cuda":
+        if args.graph and device.type == "cuda" and "birkhoff4" in benches:
             cases += [
-                (p, m, b, s, True)
-                for p in _BIRKHOFF_LAYOUT
-                if p in providers
-                for b in batches
-                for s in sigmas
+                ("birkhoff4", "ours", m, b, s, True)
+                for b in args.batch or [M]
+                for s in args.sigma or [1.0]
                 for m in modes
                 if m != "bwd"
             ]
     else:
-        cases = gpu_suite(providers)
-
-    doc = {
-        "schema": "kernel-bench/1",
-        "package": "mhc-proj",
-        "package_version": mhc_proj.__version__,
-        "command": "python -m mhc_proj.bench "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "env": _env(device),
-        "results": [],
-    }
-    if ceiling:
-        doc["env"]["copy_ceiling_gbps"] = ceiling
-
-    def dump():
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(doc, fh, indent=1)
-
-    t_start = time.perf_counter()
-    rows = doc["results"]
-    for p, m, b, s, graph in cases:
-        rows.append(run_case(p, m, b, s, device, ceiling, graph=graph))
-        dump()  # partial results survive an interrupted run
-        r = rows[-1]
-        print(f"# {p:24s} {m:8s} B={b:<9d} sigma={s:<5g} graph={graph!s:5s} "
-              f"{r['status']:7s} {r['time_ms'] if r['time_ms'] is not None else '':>10} "
-              f"{r['error'] or ''}", file=sys.stderr, flush=True)  # fmt: skip
-    elapsed = time.perf_counter() - t_start
-    print(markdown(rows))
-    print(
-        f"\n{len(rows)} cases in {elapsed:.1f} s on {doc['env']['gpu']}; copy ceiling "
-        f"{f'{ceiling:.0f} GB/s' if ceiling else 'n/a (CPU)'}"
-    )
-    dump()
+        cases = gpu_suite(providers, benches, modes)
+    layer_cases = L.cases(providers, modes, args.smoke or device.type != "cuda")
+    layer_cases = [c for c in layer_cases if c[0] in benches]
+    t0 = time.time()
+    for bench, p, m, b, s, graph in cases:
+        row = run_case(R, bench, p, m, b, s, device, ceiling, graph, args.warmup, args.reps)
+        print(f"[bench {time.time() - t0:6.1f} s] {bench} {p} {m} B={b} sigma={s:g}"
+              f"{' graph' if graph else ''}: {row['status']} {H.fmt(row['time_ms'])}",
+              flush=True)  # fmt: skip
+    state: dict = {}  # the kernels' saved inputs, one problem size at a time
+    for case in layer_cases:
+        row = L.run(R, case, device, ceiling, args.warmup, args.reps, state)
+        print(f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
+              f"{H.fmt(row['time_ms'])}", flush=True)  # fmt: skip
+    state.clear()
+    print(H.markdown(R.rows, accuracy_key=ACCURACY_KEY))
+    print(f"\n({len(R.rows)} cases in {time.time() - t0:.1f} s on {device})\n")
+    print(headline(R.rows))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

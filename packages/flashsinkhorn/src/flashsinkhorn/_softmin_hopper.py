@@ -1,0 +1,775 @@
+"""Hopper (sm_90) kernel of the streaming row-LSE pass ("softmin"), written in Gluon.
+
+The same pass as the Triton kernels in ``kernels.py`` (``_softmin_kernel`` and the "shift"
+variant): for every row ``i`` of a batch of clouds x (B, N, D) against y (B, M, D),
+
+    lse2_i = log2 sum_j exp2( dot_scale <x_i, y_j> + bias_j )      (log2 units)
+    out_i  = damping * (cx_i - eps ln2 lse2_i)
+
+with ``bias_j = log2e (log b_j + (g_j - cy_j) / eps)`` and ``dot_scale = c2 log2e / eps``.
+Here the schedule is written out instead of left to Triton's pipeliner (design notes:
+docs/design/flashsinkhorn-hopper.md):
+
+- the operands move by TMA into a ring of shared-memory stages, each guarded by a "ready"
+  mbarrier (transaction bytes) and, in the warp-specialized kernel, an "empty" mbarrier;
+- the scores come from async wgmma (A = the CTA's rows of x, resident in shared memory
+  when they fit, B = the column tile of y), accumulated in fp32 registers;
+- ``pipe``: the wgmma of column tile j + 1 is issued before the exps of tile j, so the
+  tensor cores and the exp units (MUFU) work at the same time inside one warpgroup;
+- ``ws``: warp specialization: one producer warp issues every TMA load, NUM_WG consumer
+  warpgroups (64 rows each) share the column tiles and run unsynchronized, so one does
+  its exps while the other's wgmma runs (the ping-pong of FlashAttention-3 without forced
+  turns);
+- per-row shift: with a guess of the result (the potential being updated, as the Sinkhorn
+  loops pass it) the rows sum ``exp2(score - sh_i)`` with a fixed shift and no running
+  max; rows whose sum is out of the safe range are recomputed by a second launch of the
+  same kernel with the online max (``FALLBACK_PASS``; it skips row blocks with no such row
+  before touching memory), so the result is exact whatever the guess. Without a guess the
+  main launch runs the online max itself.
+
+Supported: CUDA sm_90, fp32 operands (tf32 products; round them to tf32 first, as
+``solver.kernel_operands`` does) or bf16 operands, D with 16-byte rows (fp32: D % 4 == 0;
+bf16: D % 8 == 0), up to 4096 features, any B, N, M. Everything else (labels, the V
+average, other precisions, other GPUs, triton without Gluon) raises ``NotImplementedError``
+naming the reason, which a dispatcher catches to run the Triton kernel instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+try:  # Gluon ships inside triton (3.6 on the GPU host, 3.9 in CI); the API moved between them
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # triton 3.6: tma.async_copy_global_to_shared; 3.9: tma.async_load (the old name raises)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - triton missing or without the Hopper Gluon API
+    HAS_GLUON = False
+
+__all__ = [
+    "HopperConfig",
+    "HAS_GLUON",
+    "default_config",
+    "fit_stages",
+    "softmin_hopper",
+    "unsupported_reason",
+    "compile_for_sm90",
+    "smem_bytes",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+BLOCK_M = 64  # rows per consumer warpgroup (one wgmma M = 64 per warpgroup)
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KiB)
+MAX_D = 4096
+# the fixed shift aims every row sum at 2^SHIFT_CENTER (as the Triton "shift" variant)
+SHIFT_CENTER = 32.0
+SAFE_LO = 2.0**-60  # below: flushed terms (< 2^-126 each, at most M of them) may matter
+SAFE_HI = 3.4028234663852886e38  # float32 max; above: inf (an overflowed term) or NaN
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """Launch configuration (tools/flashsinkhorn/hopper_check.py sweeps a few).
+
+    kernel: "ws" (warp-specialized: a TMA producer warp and ``num_wg`` consumer
+        warpgroups) or "pipe" (one warpgroup that issues its own TMA loads).
+    num_wg: consumer warpgroups per CTA ("ws"; 64 rows each). "pipe" uses 1.
+    block_n: columns per tile (wgmma N). block_k: features per shared-memory chunk.
+    stages: chunks in the ring. pipe: issue tile j + 1's wgmma before tile j's exps (needs
+        stages > the chunks per tile). pingpong ("ws", two consumers): the consumers take
+        turns to issue their wgmma (FlashAttention-3's ordering). poly_every: every
+        poly_every-th column tile evaluates its exp2 by a polynomial on the FMA pipe (0:
+        never; shift mode only). x_resident: keep the CTA's rows of x in shared memory
+        for the whole pass (else they stream through the ring with y).
+    consumer_regs / producer_regs: per-thread registers of the "ws" partitions
+        (setmaxnreg). maxnreg: the kernel's register cap (None: Triton's default).
+    """
+
+    kernel: str = "ws"
+    num_wg: int = 2
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 3
+    pipe: bool = True
+    pingpong: bool = False
+    poly_every: int = 0
+    x_resident: bool = True
+    consumer_regs: int = 232
+    producer_regs: int = 24
+    maxnreg: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows of x per CTA."""
+        return BLOCK_M * (self.num_wg if self.kernel == "ws" else 1)
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return 2 if dtype == torch.bfloat16 else 4
+
+
+def smem_bytes(cfg: HopperConfig, D: int, dtype: torch.dtype) -> int:
+    """Shared memory of the operand buffers (the compiler adds barriers and alignment)."""
+    e = _elem_bytes(dtype)
+    nk = -(-D // cfg.block_k)
+    wg = cfg.num_wg if cfg.kernel == "ws" else 1
+    x_chunks = wg * nk if cfg.x_resident else cfg.stages * wg
+    return (x_chunks * BLOCK_M + cfg.stages * cfg.block_n) * cfg.block_k * e
+
+
+def default_config(D: int, dtype: torch.dtype) -> HopperConfig:
+    """The configuration used when none is passed (prediction before the GPU run; the
+    check script's sweep decides, docs/design/flashsinkhorn-hopper.md)."""
+    e = _elem_bytes(dtype)
+    atom = 16 if D * e <= 128 else 128 // e  # whole 128-byte swizzle rows beyond 128 bytes
+    one_chunk = -(-D // atom) * atom
+    if one_chunk * e <= 512:  # d <= 128 fp32, d <= 256 bf16: one chunk per tile, x resident
+        cfg = HopperConfig(block_k=one_chunk, stages=4, pipe=True, x_resident=True)
+    else:  # a GEMM main loop per tile; chunks released as their wgmma retire
+        bk = 128 // e  # one 128-byte swizzle row per chunk row
+        cfg = HopperConfig(block_k=bk, stages=8, pipe=False, pingpong=True, x_resident=True)
+        if smem_bytes(replace(cfg, stages=4), D, dtype) > SMEM_LIMIT - 8192:
+            cfg = replace(cfg, x_resident=False)  # x streams through the ring with y
+    return fit_stages(cfg, D, dtype)
+
+
+def fit_stages(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
+    """``cfg`` with as many of its stages as fit in shared memory (at least 2), with 8 KiB
+    left for barriers, alignment and the compiler's scratch."""
+    while cfg.stages > 2 and smem_bytes(cfg, D, dtype) > SMEM_LIMIT - 8192:
+        cfg = replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
+def _check_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> None:
+    e = _elem_bytes(dtype)
+    nk = -(-D // cfg.block_k)
+    if cfg.kernel not in ("ws", "pipe"):
+        raise ValueError(f"config.kernel must be 'ws' or 'pipe'; got {cfg.kernel!r}")
+    if cfg.kernel == "ws" and cfg.num_wg not in (1, 2):
+        raise ValueError(f"config.num_wg must be 1 or 2; got {cfg.num_wg}")
+    if cfg.block_n not in (64, 128, 192, 256):
+        raise ValueError(f"config.block_n must be 64, 128, 192 or 256; got {cfg.block_n}")
+    row = cfg.block_k * e  # bytes per chunk row: TMA boxes of at most one 128-byte swizzle
+    if cfg.block_k % 16 or row < 32 or cfg.block_k > 256 or (row > 128 and row % 128):
+        raise ValueError(
+            "config.block_k must be a multiple of 16, at most 256, with 32 to 128 bytes per "
+            f"row or a multiple of 128; got {cfg.block_k}"
+        )
+    if cfg.poly_every < 0 or cfg.poly_every == 1:
+        raise ValueError(f"config.poly_every must be 0 or >= 2; got {cfg.poly_every}")
+    if cfg.pipe and cfg.stages <= nk:
+        raise ValueError(
+            f"config.stages ({cfg.stages}) must exceed the chunks per tile ({nk}) with pipe=True"
+        )
+    if cfg.stages < (2 if nk > 1 else 1):
+        # a chunk's stage is released only after the next chunk's wgmma is issued
+        raise ValueError(f"config.stages must be >= 2 with {nk} chunks per tile")
+    if smem_bytes(cfg, D, dtype) > SMEM_LIMIT:
+        raise ValueError(
+            f"config needs {smem_bytes(cfg, D, dtype)} bytes of shared memory at D = {D} "
+            f"({dtype}); sm_90 allows {SMEM_LIMIT}"
+        )
+
+
+def unsupported_reason(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: str = "tf32",
+    *,
+    v=None,
+    labels=None,
+    center=None,
+) -> str | None:
+    """Why :func:`softmin_hopper` cannot run these operands (None: it can). Cheap (no
+    launch, no sync); the dispatcher may call it before trying the kernel."""
+    if not HAS_GLUON:
+        return "triton with the Hopper Gluon API (triton.experimental.gluon) is not installed"
+    if v is not None:
+        return "the V average (plan application) is not implemented in the Hopper kernel"
+    if labels is not None:
+        return "the label cost is not implemented in the Hopper kernel"
+    if center is not None:
+        return "center= is not implemented in the Hopper kernel (pass centered operands)"
+    if precision not in ("tf32", "bf16"):
+        return f"precision {precision!r} is not implemented in the Hopper kernel (tf32, bf16)"
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    if x.dtype != want or y.dtype != want:
+        return f"precision {precision!r} needs {want} operands; got {x.dtype} and {y.dtype}"
+    if x.dim() != 3 or y.dim() != 3 or x.shape[0] != y.shape[0] or x.shape[2] != y.shape[2]:
+        return f"x must be (B, N, D) and y (B, M, D); got {tuple(x.shape)} and {tuple(y.shape)}"
+    D = x.shape[2]
+    if (D * _elem_bytes(want)) % 16 or D > MAX_D:
+        return f"D = {D}: TMA needs 16-byte rows ({16 // _elem_bytes(want)} | D), D <= {MAX_D}"
+    if x.shape[1] == 0 or y.shape[1] == 0:
+        return "empty point cloud"
+    if x.device.type != "cuda" or y.device != x.device:
+        return "the Hopper kernel needs both operands on one CUDA device"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "the Hopper kernel needs an sm_90 GPU (H100 / H200)"
+    return None
+
+
+if HAS_GLUON:
+    _SAFE_LO = gl.constexpr(SAFE_LO)
+    _SAFE_HI = gl.constexpr(SAFE_HI)
+    _SHIFT_C = gl.constexpr(SHIFT_CENTER)
+
+    # SPEC, the kernel's compile-time mode, one constexpr tuple (the partitions of
+    # warp_specialize receive it whole):
+    # (NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, PINGPONG, ONLINE, HAS_LSE, COUNT, FALLBACK,
+    #  POLY_EVERY)
+
+    @gluon.constexpr_function
+    def _stage_bytes(y_bytes, x_bytes, num_wg, x_resident):
+        """Bytes one ring stage receives: the y chunk, plus the x chunks when streamed."""
+        return y_bytes if x_resident else y_bytes + num_wg * x_bytes
+
+    @gluon.constexpr_function
+    def _turn_after(num_k, stages):
+        """Chunks a ping-pong consumer issues before the other may start the same tile: the
+        whole tile when its chunks fit the ring, else stages - 1 (the other consumer must
+        start releasing this tile's stages before the ring runs dry, or both wait; checked
+        by tools/flashsinkhorn/hopper_protocol_sim.py)."""
+        return max(1, min(num_k, stages - 1))
+
+    @gluon.jit
+    def _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
+                    SPEC: gl.constexpr):  # fmt: skip
+        """TMA loads of ring chunk ``t`` (column tile t // NUM_K, feature chunk t % NUM_K)
+        into stage t % STAGES; completion is signalled on that stage's ready barrier."""
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        NUM_WG: gl.constexpr = SPEC[2]
+        X_RESIDENT: gl.constexpr = SPEC[3]
+        BN: gl.constexpr = y_desc.block_type.shape[0]
+        BK: gl.constexpr = y_desc.block_type.shape[1]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        s = t % STAGES
+        j = t // NUM_K
+        k = t % NUM_K
+        bar = ready.index(s)
+        nbytes: gl.constexpr = _stage_bytes(
+            y_desc.block_type.nbytes, x_desc.block_type.nbytes, NUM_WG, X_RESIDENT
+        )
+        mbarrier.expect(bar, nbytes)
+        _tma_load(y_desc, [yrow0 + j * BN, k * BK], bar, y_smem.index(s))
+        if not X_RESIDENT:
+            for w in gl.static_range(NUM_WG):
+                _tma_load(x_desc, [xrow0 + w * BM, k * BK], bar, x_smem.index(s * NUM_WG + w))
+
+    @gluon.jit
+    def _load_x(x_desc, x_smem, x_bar, xrow0, SPEC: gl.constexpr):
+        """The CTA's rows of x, every feature chunk, once (X_RESIDENT)."""
+        NUM_K: gl.constexpr = SPEC[0]
+        NUM_WG: gl.constexpr = SPEC[2]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        mbarrier.expect(x_bar, NUM_WG * NUM_K * x_desc.block_type.nbytes)
+        for w in gl.static_range(NUM_WG):
+            for k in gl.static_range(NUM_K):
+                _tma_load(x_desc, [xrow0 + w * BM, k * BK], x_bar, x_smem.index(w * NUM_K + k))
+
+    @gluon.jit
+    def _release(t, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
+                 SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
+        """Chunk ``t``'s wgmma has retired: its stage may be refilled. The "pipe" kernel
+        issues the refill itself (chunk t + STAGES); the "ws" consumers tell the producer
+        through the stage's empty barrier (one arrival per consumer warpgroup)."""
+        STAGES: gl.constexpr = SPEC[1]
+        if INLINE_LOADS:
+            if t + STAGES < total:
+                _load_chunk(t + STAGES, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
+                            SPEC)  # fmt: skip
+        else:
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+
+    @gluon.jit
+    def _issue_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, turn, xrow0,
+                    yrow0, SPEC: gl.constexpr, WG: gl.constexpr, MMA: gl.constexpr,
+                    INLINE_LOADS: gl.constexpr, EARLY_RELEASE: gl.constexpr):  # fmt: skip
+        """Issue the async wgmma of column tile ``j`` for this warpgroup's 64 rows, chunk
+        by chunk as the chunks land. EARLY_RELEASE: after each chunk, wait until at most
+        one wgmma is in flight and release the previous chunk's stage (a GEMM main loop);
+        otherwise every chunk stays in flight (the caller waits and releases them).
+        PINGPONG: the two consumers take turns to start a tile (the other may start once
+        TURN_AFTER chunks are issued), so that one's wgmma run while the other does its
+        exps. Returns the in-flight accumulator (BLOCK_M, BN)."""
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        NUM_WG: gl.constexpr = SPEC[2]
+        X_RESIDENT: gl.constexpr = SPEC[3]
+        PINGPONG: gl.constexpr = SPEC[5]
+        BN: gl.constexpr = y_desc.block_type.shape[0]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        TURN_AFTER: gl.constexpr = _turn_after(NUM_K, STAGES)
+        if PINGPONG:
+            # consumer 0 goes first (its first wait passes on the barrier's initial phase)
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+        acc = gl.zeros([BM, BN], gl.float32, MMA)
+        for k in gl.static_range(NUM_K):
+            t = j * NUM_K + k
+            s = t % STAGES
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            if X_RESIDENT:
+                a = x_smem.index(WG * NUM_K + k)
+            else:
+                a = x_smem.index(s * NUM_WG + WG)
+            b = y_smem.index(s).permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
+            if PINGPONG and k == TURN_AFTER - 1:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+            if EARLY_RELEASE and k > 0:
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                _release(t - 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
+                         yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+        return acc
+
+    @gluon.jit
+    def _release_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
+                      SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr,
+                      EARLY_RELEASE: gl.constexpr):  # fmt: skip
+        """Release the stages of tile ``j`` still held after its final wgmma wait."""
+        NUM_K: gl.constexpr = SPEC[0]
+        if EARLY_RELEASE:
+            _release(j * NUM_K + NUM_K - 1, total, x_desc, y_desc, x_smem, y_smem, ready,
+                     empty, xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+        else:
+            for k in gl.static_range(NUM_K):
+                _release(j * NUM_K + k, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
+                         xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+
+    @gluon.jit
+    def _exp2_fma(x):
+        """2^x on the FMA and integer pipes (Cody-Waite): x = n + f, f in [-0.5, 0.5],
+        2^f by a degree-6 polynomial (max relative error 1.0e-7 in fp32 Horner, about
+        ex2.approx's), n added to the exponent bits. Valid for x <= 126 (the caller flags
+        rows with a larger x); below -125 it gives 2^-125 (a term 2^-157 of a row sum aimed
+        at 2^32); NaN gives 2^-125 (the row's other tiles, exp2 on MUFU, keep the NaN)."""
+        xc = gl.maximum(x, -125.0)
+        t = xc + 12582912.0  # 1.5 * 2^23: t's low mantissa bits hold round(xc)
+        f = xc - (t - 12582912.0)
+        p = 1.534581242594868e-4
+        p = p * f + 1.3399930903688073e-3
+        p = p * f + 9.618489071726799e-3
+        p = p * f + 5.550328642129898e-2
+        p = p * f + 2.4022646248340607e-1
+        p = p * f + 6.931471824645996e-1
+        p = p * f + 1.0
+        # n into the exponent: bits(p) + bits(t) * 2^23 (mod 2^32) = bits(p) + (n << 23),
+        # since bits(t) = bits(1.5 * 2^23) + n and bits(1.5 * 2^23) * 2^23 = 0 (mod 2^32)
+        r = p.to(gl.int32, bitcast=True) + t.to(gl.int32, bitcast=True) * 8388608
+        return r.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE: gl.constexpr,
+                  POLY_EVERY: gl.constexpr):  # fmt: skip
+        """Fold column tile ``j``'s dots S (BLOCK_M, BN) into the row sums. Shift mode: one
+        FFMA (scale and column bias), one FADD (the row's fixed shift), one exp2 and one
+        FADD per score; every POLY_EVERY-th tile evaluates its exp2 on the FMA pipe instead
+        of MUFU (FA4's trick: with bf16 operands MUFU is the bound). ONLINE: the running
+        max m and the rescale of l (FlashAttention's)."""
+        s = S * dot_scale + gl.expand_dims(bias, 0)
+        if ONLINE:
+            m_new = gl.maximum(m, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            l = l * alpha + gl.sum(p, 1)
+            m = m_new
+        else:
+            x = s - gl.expand_dims(sh, 1)
+            if POLY_EVERY > 0:
+                if j % POLY_EVERY == POLY_EVERY - 1:
+                    l = l + gl.sum(_exp2_fma(x), 1)
+                    # shift mode has no running max: m keeps the largest exponent the
+                    # polynomial saw, and the epilogue flags rows where it was past 126
+                    m = gl.maximum(m, gl.max(x, 1))
+                else:
+                    l = l + gl.sum(gl.exp2(x), 1)
+            else:
+                l = l + gl.sum(gl.exp2(x), 1)
+        return l, m
+
+    @gluon.jit
+    def _consumer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
+        """One warpgroup's pass over every column tile for its 64 rows, then its epilogue."""
+        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
+         guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0,
+         yrow0, dot_scale, eps_ln2, damping) = args  # fmt: skip
+        NUM_K: gl.constexpr = SPEC[0]
+        X_RESIDENT: gl.constexpr = SPEC[3]
+        PIPE: gl.constexpr = SPEC[4]
+        ONLINE: gl.constexpr = SPEC[6]
+        HAS_LSE: gl.constexpr = SPEC[7]
+        COUNT: gl.constexpr = SPEC[8]
+        FALLBACK: gl.constexpr = SPEC[9]
+        POLY: gl.constexpr = SPEC[10]
+        BN: gl.constexpr = y_desc.block_type.shape[0]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        KI: gl.constexpr = 256 // y_desc.dtype.primitive_bitwidth  # wgmma K: 8 tf32, 16 bf16
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, KI]
+        )
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+        EARLY: gl.constexpr = not PIPE
+        total = n_tiles * NUM_K
+        ring = (x_desc, y_desc, x_smem, y_smem, ready, empty)
+
+        rows = row0 + WG * BM + gl.arange(0, BM, layout=ROW)
+        row_mask = rows < N
+        cols = gl.arange(0, BN, layout=COL)
+        base_r = b * N
+        bias_row = bias_ptr + b * Mpad
+        cx = gl.load(cx_ptr + base_r + rows, mask=row_mask, other=0.0)
+        if ONLINE:
+            sh = cx  # unused
+        else:
+            guess = gl.load(guess_ptr + base_r + rows, mask=row_mask, other=0.0)
+            # the guess of out = damping (cx - eps ln2 lse2), solved for lse2, minus the
+            # center: the row sums land near 2^SHIFT_CENTER when the guess is right
+            sh = (cx - guess / damping) / eps_ln2 - _SHIFT_C
+        l = gl.zeros([BM], gl.float32, ROW)
+        m = gl.full([BM], float("-inf"), gl.float32, ROW)
+        if X_RESIDENT:
+            mbarrier.wait(x_bar, 0)
+
+        if PIPE:
+            acc = _issue_tile(0, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
+                              INLINE_LOADS, False)  # fmt: skip
+            S = warpgroup_mma_wait(0, deps=(acc,))
+            _release_tile(0, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
+            bias = gl.load(bias_row + cols)
+            for j in range(n_tiles - 1):
+                # tile j + 1 goes to the tensor cores, then tile j's exps run meanwhile
+                acc = _issue_tile(j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
+                                  INLINE_LOADS, False)  # fmt: skip
+                bias_next = gl.load(bias_row + (j + 1) * BN + cols)
+                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE, POLY)
+                S = warpgroup_mma_wait(0, deps=(acc,))
+                _release_tile(j + 1, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
+                bias = bias_next
+            l, m = _lse_tile(S, bias, sh, l, m, dot_scale, n_tiles - 1, ONLINE, POLY)
+        else:
+            for j in range(n_tiles):
+                acc = _issue_tile(j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
+                                  INLINE_LOADS, EARLY)  # fmt: skip
+                bias = gl.load(bias_row + j * BN + cols)
+                S = warpgroup_mma_wait(0, deps=(acc,))
+                _release_tile(j, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, EARLY)
+                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE, POLY)
+
+        # epilogue: lse2, out, and (shift mode) which rows the fallback launch must redo
+        if ONLINE:
+            lse2 = m + gl.log2(l)
+        else:
+            lse2 = sh + gl.log2(l)
+        out = damping * (cx - eps_ln2 * lse2)
+        if FALLBACK:
+            flags = gl.load(flag_ptr + base_r + rows, mask=row_mask, other=0)
+            st_mask = row_mask & (flags != 0)
+        else:
+            st_mask = row_mask
+        gl.store(out_ptr + base_r + rows, out, mask=st_mask)
+        if HAS_LSE:
+            gl.store(lse_ptr + base_r + rows, lse2, mask=st_mask)
+        if not ONLINE:
+            bad = ((l >= _SAFE_LO) & (l <= _SAFE_HI)) == 0  # NaN fails both tests
+            if POLY > 0:
+                bad = bad | (m > 126.0)  # a polynomial exp2 out of its range
+            bad = bad & row_mask
+            gl.store(flag_ptr + base_r + rows, bad.to(gl.int8), mask=row_mask)
+            if COUNT:  # diagnostics (tests, check script): rows handed to the fallback
+                gl.atomic_add(cnt_ptr, gl.sum(bad.to(gl.int32), 0))
+
+    @gluon.jit
+    def _producer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
+        """The "ws" producer warp: x once (when resident), then every ring chunk in order,
+        each after its stage's empty barrier says all consumers are done with it."""
+        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
+         guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0,
+         yrow0, dot_scale, eps_ln2, damping) = args  # fmt: skip
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        if SPEC[3]:  # X_RESIDENT
+            _load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
+        for t in range(n_tiles * NUM_K):
+            s = t % STAGES
+            # mbarriers start in the completed state of phase "-1": the first round passes
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
+
+    @gluon.jit
+    def _softmin_sm90_kernel(
+        x_desc, y_desc, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr,
+        N, M, Mpad, n_tiles, dot_scale, eps_ln2, damping,
+        SPEC: gl.constexpr, WS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        NUM_WG: gl.constexpr = SPEC[2]
+        X_RESIDENT: gl.constexpr = SPEC[3]
+        FALLBACK: gl.constexpr = SPEC[9]
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        pid = gl.program_id(0)
+        b = gl.program_id(1).to(gl.int64)
+        row0 = pid * (BM * NUM_WG)
+        go = True
+        if FALLBACK:
+            # the second launch of shift mode: only row blocks with a flagged row run
+            FL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+            r = row0 + gl.arange(0, BM * NUM_WG, layout=FL)
+            flags = gl.load(flag_ptr + b * N + r, mask=r < N, other=0)
+            go = gl.max(flags.to(gl.int32), 0) > 0
+        if go:
+            xrow0 = (b * N + row0).to(gl.int32)
+            yrow0 = (b * M).to(gl.int32)
+            if X_RESIDENT:
+                x_smem = gl.allocate_shared_memory(
+                    x_desc.dtype, [NUM_WG * NUM_K] + x_desc.block_type.shape, x_desc.layout
+                )
+            else:
+                x_smem = gl.allocate_shared_memory(
+                    x_desc.dtype, [STAGES * NUM_WG] + x_desc.block_type.shape, x_desc.layout
+                )
+            y_smem = gl.allocate_shared_memory(
+                y_desc.dtype, [STAGES] + y_desc.block_type.shape, y_desc.layout
+            )
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            x_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            # ping-pong: turn[w] says consumer w may issue its next tile's wgmma
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=NUM_WG)
+            mbarrier.init(x_bar, count=1)
+            for i in gl.static_range(2):
+                mbarrier.init(turn.index(i), count=1)
+            args = (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
+                    guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles,
+                    xrow0, yrow0, dot_scale, eps_ln2, damping)  # fmt: skip
+            if WS:
+                if NUM_WG == 2:
+                    gl.warp_specialize(
+                        [(_consumer, (args, SPEC, 0, False)), (_consumer, (args, SPEC, 1, False)),
+                         (_producer, (args, SPEC, 0, False))],
+                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS],
+                    )  # fmt: skip
+                else:
+                    gl.warp_specialize(
+                        [(_consumer, (args, SPEC, 0, False)), (_producer, (args, SPEC, 0, False))],
+                        [1], [PRODUCER_REGS],
+                    )  # fmt: skip
+            else:
+                # one warpgroup: x and the first STAGES chunks now, each refill as soon as
+                # the wgmma that read the stage has retired (in _release)
+                if X_RESIDENT:
+                    _load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
+                total = n_tiles * NUM_K
+                for t in gl.static_range(STAGES):
+                    if t < total:
+                        _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
+                _consumer(args, SPEC, 0, True)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(i))
+                mbarrier.invalidate(empty.index(i))
+            mbarrier.invalidate(x_bar)
+            for i in gl.static_range(2):
+                mbarrier.invalidate(turn.index(i))
+
+
+def _descriptors(x2, y2, cfg: HopperConfig):
+    gdt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float32
+    x_block = [BLOCK_M, cfg.block_k]
+    y_block = [cfg.block_n, cfg.block_k]
+    x_desc = TensorDescriptor.from_tensor(
+        x2, x_block, gl.NVMMASharedLayout.get_default_for(x_block, gdt)
+    )
+    y_desc = TensorDescriptor.from_tensor(
+        y2, y_block, gl.NVMMASharedLayout.get_default_for(y_block, gdt)
+    )
+    return x_desc, y_desc
+
+
+def _spec(cfg: HopperConfig, D: int, online, has_lse, count, fallback_pass):
+    """The kernel's SPEC constexpr tuple (see the comment above _stage_bytes)."""
+    ws = cfg.kernel == "ws"
+    num_wg = cfg.num_wg if ws else 1
+    pingpong = cfg.pingpong and ws and num_wg == 2
+    return (-(-D // cfg.block_k), cfg.stages, num_wg, cfg.x_resident, cfg.pipe, pingpong,
+            online, has_lse, count, fallback_pass, cfg.poly_every)  # fmt: skip
+
+
+def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
+            dot_scale, eps_ln2, damping, cfg, *, online, has_lse, count,
+            fallback_pass):  # fmt: skip
+    x_desc, y_desc = _descriptors(x2, y2, cfg)
+    ws = cfg.kernel == "ws"
+    extra = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
+    return _softmin_sm90_kernel[grid](
+        x_desc, y_desc, bias, cx, guess, out, lse, flags, cnt,
+        N, M, Mpad, n_tiles, float(dot_scale), float(eps_ln2), float(damping),
+        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), WS=ws,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+        **extra,
+    )  # fmt: skip
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned base (TMA descriptors need both)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def fallback_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
+    """The configuration of the second (online-max) launch: one warpgroup, no pipe."""
+    fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False, pingpong=False, poly_every=0)
+    if fb.x_resident and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
+        fb = replace(fb, x_resident=False)
+    while fb.stages > 2 and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
+        fb = replace(fb, stages=fb.stages - 1)
+    return fb
+
+
+def softmin_hopper(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    g: torch.Tensor,
+    logb: torch.Tensor,
+    cx: torch.Tensor,
+    cy: torch.Tensor,
+    *,
+    eps: float,
+    c2: float,
+    damping: float = 1.0,
+    precision: str = "tf32",
+    want_lse: bool = False,
+    guess: torch.Tensor | None = None,
+    v=None,
+    labels=None,
+    center=None,
+    config: HopperConfig | None = None,
+    fallback_rows: torch.Tensor | None = None,
+):
+    """The iteration pass of ``kernels.softmin`` on sm_90 (same arguments and results).
+
+    x: (B, N, D), y: (B, M, D) kernel operands (fp32 rounded to tf32 for
+    ``precision="tf32"``, bf16 for ``"bf16"``), g, logb, cy: (B, M), cx: (B, N), guess:
+    optional (B, N) estimate of ``out`` (then a fixed per-row shift replaces the running
+    max; exact whatever the guess). ``config``: a :class:`HopperConfig` (None: the
+    default for D and the dtype); ``fallback_rows``: optional (1,) int32 CUDA tensor to
+    which the launch adds the number of rows recomputed with the running max.
+
+    Returns ``(out (B, N) fp32, lse2 (B, N) or None)``. Raises ``NotImplementedError``
+    (with the reason) for inputs it does not handle: see :func:`unsupported_reason`.
+    """
+    reason = unsupported_reason(x, y, precision, v=v, labels=labels, center=center)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite positive number; got {eps}")
+    if not (math.isfinite(damping) and damping > 0):
+        raise ValueError(f"damping must be a finite positive number; got {damping}")
+    B, N, D = x.shape
+    M = y.shape[1]
+    cfg = config or default_config(D, x.dtype)
+    _check_config(cfg, D, x.dtype)
+    dev = x.device
+    f32 = torch.float32
+    x2 = _tma_ready(x).view(B * N, D)
+    y2 = _tma_ready(y).view(B * M, D)
+    n_tiles = -(-M // cfg.block_n)
+    Mpad = n_tiles * cfg.block_n
+    # fused column bias (log2 units), padded with -inf to whole tiles: the padding columns
+    # (and the next problem's points a tile may read past M) contribute exp2(-inf) = 0
+    bias = torch.full((B, Mpad), float("-inf"), device=dev, dtype=f32)
+    torch.sub(g.to(f32), cy.to(f32), out=bias[:, :M]).mul_(LOG2E / eps)
+    bias[:, :M].add_(logb.to(f32), alpha=LOG2E)
+    cx = cx.to(f32).contiguous()
+    out = torch.empty((B, N), device=dev, dtype=f32)
+    lse = torch.empty((B, N), device=dev, dtype=f32) if want_lse else out
+    online = guess is None
+    guess = cx if online else guess.to(f32).contiguous()
+    flags = torch.empty((B, N), device=dev, dtype=torch.int8) if not online else out
+    cnt = fallback_rows if fallback_rows is not None else out
+    dot_scale, eps_ln2 = c2 * LOG2E / eps, eps * LN2
+    grid = (-(-N // cfg.rows), B)
+    with torch.cuda.device(dev):
+        _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
+                dot_scale, eps_ln2, damping, cfg, online=online, has_lse=want_lse,
+                count=fallback_rows is not None, fallback_pass=False)  # fmt: skip
+        if not online:
+            fb = fallback_config(cfg, D, x.dtype)
+            _launch((-(-N // fb.rows), B), x2, y2, bias, cx, guess, out, lse, flags, cnt, N,
+                    M, Mpad, n_tiles, D, dot_scale, eps_ln2, damping, fb, online=True,
+                    has_lse=want_lse, count=False, fallback_pass=True)  # fmt: skip
+    return out, (lse if want_lse else None)
+
+
+# ----------------------------------------------------------------------------------------
+# offline compilation (no GPU): the CPU test and the check script read resources and SASS
+# ----------------------------------------------------------------------------------------
+
+
+def compile_for_sm90(
+    D: int,
+    dtype: torch.dtype = torch.float32,
+    config: HopperConfig | None = None,
+    *,
+    online: bool = False,
+    has_lse: bool = False,
+    count: bool = False,
+    fallback_pass: bool = False,
+):
+    """Compile the kernel for sm_90 without a GPU (triton.compile with an explicit target;
+    the operands are small CPU tensors, only their dtypes and alignment matter). Returns
+    Triton's compiled kernel: ``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``."""
+    if not HAS_GLUON:
+        raise NotImplementedError("triton with the Hopper Gluon API is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    cfg = config or default_config(D, dtype)
+    _check_config(cfg, D, dtype)
+    rows = 256
+    x2 = torch.zeros(rows, D, dtype=dtype)
+    y2 = torch.zeros(rows, D, dtype=dtype)
+    f = torch.zeros(rows, dtype=torch.float32)
+    i8 = torch.zeros(rows, dtype=torch.int8)
+    i32 = torch.zeros(1, dtype=torch.int32)
+    x_desc, y_desc = _descriptors(x2, y2, cfg)
+    ws = cfg.kernel == "ws"
+    fn = _softmin_sm90_kernel
+    args = (x_desc, y_desc, f, f, f, f, f, i8, i32, rows, rows, rows, 2, 1.0, 1.0, 1.0)
+    kwargs = dict(
+        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), WS=ws,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+    )  # fmt: skip
+    if cfg.maxnreg is not None:
+        kwargs["maxnreg"] = cfg.maxnreg
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)

@@ -1,0 +1,36 @@
+"""Every setting of mhc-proj in one place.
+
+There are no environment switches: each op has one kernel per case (n = 4 float32 on CUDA
+the tuned one, every other case the generic one), chosen from the input, and nothing is
+read from the environment. The numbers below are the defaults of the public functions'
+arguments and the float64 stage's fixed parameters (README, "Configuration"). Build-time
+options (``MHC_PROJ_CUDA``, ``CMAKE_CUDA_ARCHITECTURES``) are CMake's, given to pip.
+"""
+
+from __future__ import annotations
+
+# birkhoff_project. float32 (and bfloat16 / float16, computed in float32): stop at an L1
+# marginal error of 4e-6 (the float32 rounding floor of the check is ~1e-6); matrices that
+# miss it, or whose Hessian has a pivot below PIVOT_MIN (nearly disconnected support: T
+# and its VJP most sensitive to rounding), or whose potentials spread over more than 1024
+# (csrc/newton.h, kPolishSpread), are re-solved in float64 to FALLBACK_TOL. float64 inputs
+# are solved in float64 to TOL_F64. max_iter counts Newton iterations per continuation stage.
+TOL_F32, MAX_ITER_F32 = 4e-6, 30
+TOL_F64, MAX_ITER_F64 = 1e-13, 100
+FALLBACK_TOL, FALLBACK_MAX_ITER = 1e-10, 200
+PIVOT_MIN = 2e-4
+
+# sinkhorn_project (the DeepSeek / TileKernels defaults). CUDA kernels exist for n = 4
+# float32 and iters <= SINKHORN_CUDA_MAX_ITERS; other CUDA cases run the same iteration in
+# torch ops.
+SINKHORN_ITERS, SINKHORN_EPS = 20, 1e-6
+SINKHORN_CUDA_MAX_ITERS = 64
+
+# Supported matrix sizes (the compiled kernels are instantiated for these).
+N_MIN, N_MAX = 2, 8
+
+# The hyper-connection layer (mhc_proj.nn.HyperConnection, Liger-Kernel's LigerMHC defaults):
+# the RMS epsilon of inv_r, the additive epsilon of H_pre, the multiplier of H_post; the
+# initial alphas (the mHC paper's gating-factor init, 0.01) and the std of phi's init.
+HC_RMS_EPS, HC_PRE_EPS, HC_POST_MULT = 1e-6, 0.0, 2.0
+HC_ALPHA_INIT, HC_PHI_STD = 0.01, 0.02

@@ -1,0 +1,197 @@
+"""Model check of the Gluon sm_90 kernel's barrier protocol (no GPU), random interleavings.
+
+    python3 tools/flashsinkhorn/hopper_protocol_sim.py [--seeds 300]
+
+A Python transcription of the synchronization in ``flashsinkhorn/_softmin_hopper.py``: the
+ring's ready / empty mbarriers (parity waits, arrival counts, TMA transaction completion
+later than the issue), the ping-pong turn barriers, async wgmma retired in order by
+``warpgroup_mma_wait(n)``, for every mode (the "pipe" kernel's inline refills, the "ws"
+producer with one or two consumers, PIPE, EARLY release, PINGPONG with its TURN_AFTER).
+Each step runs a random runnable agent or completes a random in-flight TMA / wgmma. It
+checks: no deadlock, every consumer reads every chunk of every tile, a wgmma only reads a
+stage that holds its chunk and that no TMA overwrites before the wgmma retired. Keep it in
+step with the kernel when the protocol changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+
+
+class Barrier:
+    def __init__(self, count):
+        self.count, self.arrived, self.tx, self.completed = count, 0, 0, 0
+
+    def passes(self, parity):  # try_wait.parity: the phase of that parity has completed
+        return (self.completed & 1) != parity
+
+    def arrive(self, tx=0):
+        self.arrived += 1
+        self.tx += tx
+        self._maybe_complete()
+
+    def complete_tx(self, nbytes):
+        self.tx -= nbytes
+        self._maybe_complete()
+
+    def _maybe_complete(self):
+        if self.arrived == self.count and self.tx == 0:
+            self.completed += 1
+            self.arrived = 0
+
+
+class Sim:
+    def __init__(self, num_k, stages, n_tiles, num_wg, pipe, pingpong, inline, rng):
+        self.K, self.S, self.T, self.W = num_k, stages, n_tiles, num_wg
+        self.pipe, self.pingpong, self.inline, self.rng = pipe, pingpong, inline, rng
+        self.ready = [Barrier(1) for _ in range(stages)]
+        self.empty = [Barrier(num_wg) for _ in range(stages)]
+        self.turn = [Barrier(1), Barrier(1)]
+        self.slot = [None] * stages  # chunk the stage holds (None: being written)
+        self.readers = [set() for _ in range(stages)]  # in-flight wgmma reading the stage
+        self.tma = []  # in-flight TMA: (stage, chunk)
+        self.mma = [[] for _ in range(num_wg)]  # per consumer, in issue order: (stage, chunk)
+        self.seen = [[] for _ in range(num_wg)]
+        self.total = num_k * n_tiles
+
+    # -- operations -----------------------------------------------------------------------
+    def load(self, t):
+        s = t % self.S
+        assert not self.readers[s], f"TMA overwrites stage {s} under a wgmma (chunk {t})"
+        self.ready[s].arrive(tx=1)  # expect + the TMA's bytes
+        self.slot[s] = None
+        self.tma.append((s, t))
+
+    def release(self, wg, t):
+        if self.inline:
+            if t + self.S < self.total:
+                self.load(t + self.S)
+        else:
+            self.empty[t % self.S].arrive()
+
+    # -- agents (generators yield a predicate: run on when it is true) -------------------
+    def producer(self):
+        for t in range(self.total):
+            s = t % self.S
+            ph = ((t // self.S) & 1) ^ 1
+            yield lambda s=s, ph=ph: self.empty[s].passes(ph)
+            self.load(t)
+
+    def issue_tile(self, wg, j, early):
+        turn_after = max(1, min(self.K, self.S - 1))  # _turn_after
+        if self.pingpong:
+            ph = (j & 1) ^ (1 - wg)
+            yield lambda: self.turn[wg].passes(ph)
+        for k in range(self.K):
+            t = j * self.K + k
+            s = t % self.S
+            ph = (t // self.S) & 1
+            yield lambda s=s, ph=ph: self.ready[s].passes(ph)
+            assert self.slot[s] == t, f"wgmma of chunk {t} reads stage {s} = {self.slot[s]}"
+            self.readers[s].add((wg, t))
+            self.mma[wg].append((s, t))
+            self.seen[wg].append(t)
+            if self.pingpong and k == turn_after - 1:
+                self.turn[1 - wg].arrive()
+            if early and k > 0:
+                yield lambda: len(self.mma[wg]) <= 1  # warpgroup_mma_wait(1)
+                self.release(wg, t - 1)
+
+    def release_tile(self, wg, j, early):
+        ks = [self.K - 1] if early else range(self.K)
+        for k in ks:
+            self.release(wg, j * self.K + k)
+
+    def consumer(self, wg):
+        early = not self.pipe
+        if self.pipe:
+            yield from self.issue_tile(wg, 0, False)
+            yield lambda: not self.mma[wg]
+            self.release_tile(wg, 0, False)
+            for j in range(self.T - 1):
+                yield from self.issue_tile(wg, j + 1, False)
+                yield lambda: True  # the exps of tile j
+                yield lambda: not self.mma[wg]
+                self.release_tile(wg, j + 1, False)
+        else:
+            for j in range(self.T):
+                yield from self.issue_tile(wg, j, early)
+                yield lambda: not self.mma[wg]
+                self.release_tile(wg, j, early)
+                yield lambda: True  # the exps
+
+    def run(self):
+        agents = [self.consumer(w) for w in range(self.W)]
+        if self.inline:
+            for t in range(min(self.S, self.total)):
+                self.load(t)
+        else:
+            agents.append(self.producer())
+        waiting = {id(a): (lambda: True) for a in agents}
+        live = list(agents)
+        for _ in range(200000):
+            events = [("agent", a) for a in live if waiting[id(a)]()]
+            events += [("tma", i) for i in range(len(self.tma))]
+            events += [("mma", w) for w in range(self.W) if self.mma[w]]
+            if not events:
+                if not live:
+                    break
+                raise RuntimeError("deadlock")
+            kind, x = self.rng.choice(events)
+            if kind == "tma":
+                s, t = self.tma.pop(x)
+                self.slot[s] = t
+                self.ready[s].complete_tx(1)
+            elif kind == "mma":  # the oldest in-flight wgmma of consumer x retires
+                s, t = self.mma[x].pop(0)
+                self.readers[s].discard((x, t))
+            else:
+                try:
+                    waiting[id(x)] = next(x)
+                except StopIteration:
+                    live.remove(x)
+        assert not live and not self.tma, "did not finish"
+        for w in range(self.W):
+            assert self.seen[w] == list(range(self.total)), (w, self.seen[w][:12])
+
+
+def modes():
+    """(num_k, stages, num_wg, pipe, pingpong, inline) as the kernel's checks allow them."""
+    for num_k, stages, num_wg, pipe, pingpong, inline in itertools.product(
+        (1, 2, 3, 8, 16), (1, 2, 3, 4, 6), (1, 2), (True, False), (True, False), (True, False)
+    ):
+        if pipe and stages <= num_k or stages < (2 if num_k > 1 else 1):
+            continue  # rejected by _check_config
+        if inline and (num_wg != 1 or pingpong):
+            continue  # the "pipe" kernel: one warpgroup
+        if pingpong and num_wg != 2:
+            continue
+        yield num_k, stages, num_wg, pipe, pingpong, inline
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=200)
+    ap.add_argument("--tiles", type=int, default=5)
+    args = ap.parse_args()
+    n = 0
+    bad = []
+    for mode in modes():
+        for seed in range(args.seeds):
+            try:
+                Sim(*mode[:2], args.tiles, *mode[2:], random.Random(seed)).run()
+            except (AssertionError, RuntimeError) as e:
+                bad.append((mode, seed, f"{type(e).__name__}: {e}"))
+                break
+            n += 1
+    names = "num_k stages num_wg pipe pingpong inline".split()
+    for mode, seed, err in bad:
+        print("FAIL", dict(zip(names, mode)), "seed", seed, err)
+    print(f"{'ok' if not bad else 'FAILED'}: {len(list(modes()))} modes, {n} runs")
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
