@@ -40,8 +40,8 @@ def test_dp_flow_matching_example_runs_on_cpu(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "dp_flow_matching.py")
     out = tmp_path / "fm.json"
     proc = subprocess.run(
-        [sys.executable, script, "--world", "2", "--steps", "6", "--batch", "48",
-         "--n-eval", "200", "--couplings", "global", "independent", "--json", str(out)],
+        [sys.executable, script, "--world", "2", "--steps", "4", "--batch", "32",
+         "--n-eval", "100", "--couplings", "global", "independent", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
