@@ -53,7 +53,7 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     dist = None
 
-__all__ = ["solve", "sinkhorn_divergence", "gather_rows", "ShardedProblem"]
+__all__ = ["solve", "sinkhorn_divergence", "gather_rows", "problem", "ShardedProblem"]
 
 EXCHANGES = ("auto", "stream", "gather")
 
@@ -476,6 +476,30 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
         eps=eps, precision=prob.precision, _prob=prob, _batched=batched, _f=f, _g=g,
         _marginals=out.marginals, _certify=certify,
     )  # fmt: skip
+
+
+def problem(x, y, a=None, b=None, *, process_group, cost="sqeuclidean", cost_scale=1.0,
+            precision="tf32", backend="auto", exchange="auto", chunk_bytes=None):  # fmt: skip
+    """The sharded problem of this rank's shards: the building block of the sharded solve
+    (its ``sm_x(g, eps, ...)`` / ``sm_y(f, eps, ...)`` are the Sinkhorn half-updates over
+    all ranks, ``total`` the global sum). For benchmarks and custom loops; x, y (N_r, D)
+    or (B, N_r, D), weights default to uniform over the global clouds."""
+    group = _check_group(process_group)
+    with _collective_errors(group):
+        x3, y3, a2, b2, _ = prepare_inputs(x, y, a, b)
+        _check_device(group, x3)
+        be = resolve_backend(backend, x3.device)
+        if backend == "auto" and x3.dtype == torch.float64:
+            be = "torch"
+        check_precision(precision, be)
+    agree = dict(cost=cost, cost_scale=cost_scale, precision=precision, backend=backend,
+                 weights=(a is None, b is None), exchange=exchange,
+                 chunk_bytes=chunk_bytes)  # fmt: skip
+    comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
+    a2, b2 = _global_weights(comm, a2, b2, a, b)
+    X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
+    return comm.problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(),
+                        cy.detach(), c2, cost, cost_scale, None, precision, be, center)  # fmt: skip
 
 
 def _check_device(group, x3):
