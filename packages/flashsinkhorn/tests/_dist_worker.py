@@ -15,23 +15,14 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from _helpers import clouds
 
 ATOL = RTOL = 1e-10  # float64: the sharded sums and LSE merges differ only in rounding
 
 
-def _shards(sizes, rank):
-    off = sum(sizes[:rank])
-    return slice(off, off + sizes[rank])
-
-
-def _problem(N, M, D, seed, batch=None, dtype=torch.float64, shift=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    sh = () if batch is None else (batch,)
-    x = torch.rand(*sh, N, D, generator=gen, dtype=dtype)
-    y = torch.rand(*sh, M, D, generator=gen, dtype=dtype) + shift
-    a = torch.rand(*sh, N, generator=gen, dtype=dtype) + 0.1
-    b = torch.rand(*sh, M, generator=gen, dtype=dtype) + 0.1
-    return x, y, a / a.sum(-1, keepdim=True), b / b.sum(-1, keepdim=True)
+def _problem(N, M, D, seed, batch=None, dtype=torch.float64):
+    """Fresh clouds and weights (the same on every rank: the seed decides)."""
+    return clouds(N, M, D, batch=batch, dtype=dtype, seed=seed)
 
 
 def _close(name, got, want, atol=ATOL, rtol=RTOL):

@@ -24,7 +24,7 @@ def _rows(case, providers=("ours", "geomloss")):
     "case",
     [("iter", 64, 3, "it"), ("loss", 60, 3, "loss"), ("loss_debias", 60, 3, None),
      ("loss_batched", 40, 2, None), ("loss_ref", 60, 3, "ref"), ("large", 80, 2, None),
-     ("hvp", 50, 3, "hvp"), ("passes", 64, 3, None)],
+     ("hvp", 50, 3, "hvp"), ("passes", 64, 3, None), ("sample", 64, 3, "sample")],
 )  # fmt: skip
 def test_every_case_runs_on_cpu(case):
     rows = _rows(case)
@@ -51,7 +51,7 @@ def test_suite_selection():
     with pytest.raises(ValueError, match="unknown case"):
         bench.select_cases("sweep")
     kinds = {c[0] for c in bench.SUITE}
-    assert kinds == {"iter", "loss", "loss_debias", "loss_batched", "loss_ref", "hvp"}
+    assert kinds == {"iter", "loss", "loss_debias", "loss_batched", "loss_ref", "hvp", "sample"}
     assert all(c[3] for c in bench.SUITE)  # every default case feeds the headline table
 
 
@@ -60,5 +60,6 @@ def test_smoke_cli_writes_json(tmp_path):
     assert bench.main(["--smoke", "--json", str(out), "--providers", "ours"]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == "kernel-bench/1" and doc["package"] == "flashsinkhorn"
-    assert {r["bench"] for r in doc["results"]} == {"samples_loss", "sinkhorn_iteration"}
+    assert {r["bench"] for r in doc["results"]} == {"samples_loss", "sinkhorn_iteration",
+                                                    "plan_sample"}  # fmt: skip
     assert all(r["status"] == "ok" for r in doc["results"])

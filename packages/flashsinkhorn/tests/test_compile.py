@@ -119,13 +119,14 @@ def test_opcheck_custom_ops():
     xg = x.clone().requires_grad_()
     torch.library.opcheck(
         torch.ops.flashsinkhorn.sinkhorn_divergence.default,
-        (a, xg, b, y, 0.3, None, None, 0.5, True, "tf32", "auto", True, False, True, None),
+        (a, xg, b, y, 0.3, None, None, 0.5, True, "tf32", "auto", True, False, True, None, False),
     )
     X, Y, cx, cy, c2, center = cost_features(x, y, "sqeuclidean", 1.0)
     prob = solver.Problem(X, Y, a, b, cx, cy, c2, "sqeuclidean", 1.0, None, "tf32", "torch", center)
     problem = solver._op_problem_args(prob)
-    loop = (0.2, None, None, 30, 1e-4, "alternating", 10, None, None, False)
-    pot = (*problem, 1.0, *loop)
+    # eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter, warn, verbose
+    loop = (0.2, None, None, 30, 1e-4, "alternating", 10, None, None, False, False)
+    pot = (*problem, x, y, 1.0, *loop)  # x_in, y_in: the points the certificate uses
     torch.library.opcheck(torch.ops.flashsinkhorn.sinkhorn_potentials.default, pot)
     f, g, *_ = torch.ops.flashsinkhorn.sinkhorn_potentials(*pot)
     Xg, ag = X.clone().requires_grad_(), a.clone().requires_grad_()

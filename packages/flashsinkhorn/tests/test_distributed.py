@@ -59,3 +59,32 @@ def test_sharded_equals_one_process(worlds, world, case):
 def test_cases_have_docstrings_or_names():
     """Every case the worlds run is listed (a typo in a case name would skip it silently)."""
     assert len(W.CASES) >= 8 and all(callable(f) for f in W.CASES.values())
+
+
+@pytest.mark.gpu
+def test_gpu_world_of_one_nccl_stream_equals_plain():
+    """CUDA, the Triton kernels: a one-rank NCCL group with the chunked (stream) exchange
+    forced into several chunks per pass gives the one-process solve's potentials and value
+    (tf32, fixed iterations) and the same sampled draws up to near ties."""
+    import torch.distributed as dist
+
+    import flashsinkhorn as fs
+    from flashsinkhorn import distributed
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.rand(3000, 64, generator=gen).cuda() / 8
+        y = (torch.rand(2500, 64, generator=gen) / 8 + 1 / 16).cuda()
+        kw = dict(eps=0.01, tol=None, max_iter=20)
+        ref = fs.solve(x, y, **kw)
+        r = distributed.solve(x, y, process_group=dist.group.WORLD, exchange="stream",
+                              chunk_bytes=700 * 260, **kw)  # fmt: skip
+        assert torch.allclose(r.f, ref.f, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(r.g, ref.g, atol=1e-5, rtol=1e-5)
+        assert abs(float(r.value - ref.value)) < 1e-5 * abs(float(ref.value))
+        same = (fs.sample_plan(r, seed=3) == fs.sample_plan(ref, seed=3)).float().mean()
+        assert float(same) > 0.99
+    finally:
+        dist.destroy_process_group()

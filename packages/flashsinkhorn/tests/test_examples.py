@@ -1,10 +1,13 @@
-"""The GPU second-order script runs end to end at its smoke size on the CPU and writes its
-results case by case (the H200 run keeps whatever finished before a time limit)."""
+"""The example scripts run end to end at their smoke sizes on the CPU: the GPU second-order
+script writes its results case by case (the H200 run keeps whatever finished before a time
+limit); the data-parallel flow-matching example and the multi-GPU run's script run on gloo."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "gpu_second_order.py")
 
@@ -28,3 +31,58 @@ def test_gpu_second_order_smoke(tmp_path):
     # one summary line per row (and one for our first HVP call), written as they came
     assert len((out / "summary.md").read_text().splitlines()) == 3 + len(rows)
     assert any(e["event"] == "first_call" and e["case"] == "hvp" for e in events)
+
+
+def test_dp_flow_matching_example_runs_on_cpu(tmp_path):
+    """The data-parallel OT flow-matching example, 2 gloo ranks, a few steps: the global
+    coupling trains and its pairs are closer than independent ones (the per-rank coupling
+    is the one-process solve, tested elsewhere)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "dp_flow_matching.py")
+    out = tmp_path / "fm.json"
+    proc = subprocess.run(
+        [sys.executable, script, "--world", "2", "--steps", "4", "--batch", "32",
+         "--n-eval", "100", "--couplings", "global", "independent", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["coupling"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"global", "independent"}
+    assert rows["global"]["pair_sq_dist"] < rows["independent"]["pair_sq_dist"]
+    assert all(r["divergence_1_euler"] >= 0 or abs(r["divergence_1_euler"]) < 1e-3
+               for r in rows.values())  # fmt: skip
+
+
+SCALING = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "flashsinkhorn",
+                       "dist_scaling.py")  # fmt: skip
+
+
+@pytest.mark.skipif(not os.path.exists(SCALING), reason="the monorepo's tools/ is not here")
+def test_dist_scaling_script_runs_on_cpu(tmp_path):
+    """The multi-GPU run's script, its logic on 2 gloo ranks (torchrun, tiny sizes): every
+    case writes an ok row, the sharded values equal the one-GPU ones and the draws agree."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_free_port()), SCALING, "--cpu", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench-dist.json").read_text())["results"]
+    assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+    benches = {r["bench"] for r in rows}
+    assert {"dist_iteration", "dist_samples_loss", "dist_sample_plan",
+            "dist_flow_matching"} <= benches  # fmt: skip
+    sharded = [r for r in rows if r["provider"] == "ours-sharded"]
+    assert all(r["metrics"].get("value_rel_diff", 0) < 1e-5 for r in sharded)
+    draws = next(r for r in sharded if r["bench"] == "dist_sample_plan")
+    assert draws["metrics"]["same_draws_as_one_gpu"] > 0.99
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

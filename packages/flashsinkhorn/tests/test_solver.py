@@ -374,6 +374,18 @@ def test_float32_floor_stops_unconverged_instead_of_claiming_tol():
     assert r64.converged and truth_l1(r64, x, y, a, b, 2e-3) < 1e-7
 
 
+def test_last_iterate_meeting_tol_is_converged_without_a_check():
+    """max_iter < check_every: no check runs, the final certificate decides. It said
+    converged=False with a float64 error of 6e-13 against tol 1e-5 (the flag stayed at its
+    initial value); a tol the last iterate misses still gives False."""
+    x, y, a, b = clouds(30, 20, 2, seed=3, dtype=torch.float64)
+    r = fs.solve(x, y, a, b, eps=5.0, max_iter=4, tol=1e-5, warn=False)
+    assert r.n_iter == 4 and r.converged
+    assert float(r.marginal_error) >= truth_l1(r, x, y, a, b, 5.0) and r.marginal_error < 1e-5
+    r = fs.solve(x, y, a, b, eps=5.0, max_iter=1, tol=1e-14, warn=False)
+    assert not r.converged and float(r.marginal_error) >= 1e-14
+
+
 @needs_interpreter
 def test_tf32_solve_certifies_the_float64_truth():
     """tf32 dot operands solve a problem whose cost is off by 2^-11 relative: the old

@@ -86,7 +86,11 @@ def check_values(x, y, a, b):
 def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
     """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``.
 
-    ``check_values=False`` skips the data-dependent checks (see :func:`check_values`)."""
+    Half-precision points (float16, bfloat16) come back in float32 (differentiably): every
+    cost term, weight and potential is computed in float32 (the kernels' precision), so a
+    half input solves the problem of its own values, not one rounded again to 3 digits.
+    Weights given in the points' dtype follow them. ``check_values=False`` skips the
+    data-dependent checks (see :func:`check_values`)."""
     x, y = _as_tensor(x, "x"), _as_tensor(y, "y")
     for name, t in (("x", x), ("y", y)):
         if t.dim() not in (2, 3):
@@ -115,6 +119,11 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
     if check_values:
         _check_point_values(x, y)
     B, N, M = x.shape[0], x.shape[1], y.shape[1]
+    if x.dtype in (torch.float16, torch.bfloat16):
+        half = x.dtype
+        x, y = x.float(), y.float()
+        a = a.float() if isinstance(a, torch.Tensor) and a.dtype == half else a
+        b = b.float() if isinstance(b, torch.Tensor) and b.dtype == half else b
     a = None if a is None else _as_tensor(a, "a", dtype=x.dtype, device=x.device)
     b = None if b is None else _as_tensor(b, "b", dtype=x.dtype, device=x.device)
     if a is not None and a.dim() == 2 and not batched:

@@ -173,6 +173,8 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
     if cert is None:
         cert = certify(f, g)
         _say(verbose, f"final marginal error (float64) {float(cert[0].max()):.3g}")
+        # the last iterate may meet tol though no check ran on it (max_iter < check_every)
+        converged = check and float(cert[0].max()) < tol
     return Outcome(f, g, cert[0], cert[1:], n_iter, converged, stalled, prob)
 
 

@@ -20,7 +20,11 @@ Providers: ``ours`` (``ours-bf16``: bf16 operands), ``flash-sinkhorn`` 0.4.x, ``
   iterations at eps = 0.01, then CG), flash-sinkhorn's ``hvp_x_sqeuclid`` when asked for
   (its first call autotunes for minutes: not in the default suite);
 - ``softmin_pass`` (``--only passes``): one pass of each kernel (shift, running max, bf16
-  operands, with V, the symmetric self kernel).
+  operands, with V, the symmetric self kernel);
+- ``plan_sample`` (``--mode sample``): ``sample_plan`` (the Gumbel-max pass, one target per
+  source point) from the potentials of a converged solve at eps = 0.01, and one fixed-eps
+  Sinkhorn iteration of the same problem as ``ours-sinkhorn-iteration`` (the reference:
+  ``ratio_to_one_iteration``).
 
 Points: x, y uniform in ``[0, 1/sqrt(d)]^d``, y shifted by ``0.5/sqrt(d)`` per coordinate.
 Columns: median time, fraction of the floor (exp count at 4.2e12 exp/s against the dot's
@@ -43,7 +47,7 @@ from flashsinkhorn.reference import eps_schedule, max_diameter
 from flashsinkhorn.solver import Problem
 
 PROVIDERS = ["ours", "flash-sinkhorn", "geomloss"]
-MODES = ["fwd", "fwd_bwd", "iter", "hvp"]
+MODES = ["fwd", "fwd_bwd", "iter", "hvp", "sample"]
 EXP_RATE = 4.2e12  # exp/s, H200 special-function units
 DOT_RATE = {"tf32": 433e12, "bf16": 792e12, "ieee": 60e12, "tf32x3": 144e12}
 TENSORIZED_LIMIT = 40 * 2**30  # skip geomloss tensorized above this memory estimate
@@ -61,6 +65,7 @@ SUITE = [
     ("iter", 50000, 1024, "Sinkhorn iteration 50k, d=1024"),
     ("loss_ref", 10000, 64, "SamplesLoss 10k, d=64 vs float64"),
     ("hvp", 20000, 64, "HVP 20k, d=64"),
+    ("sample", 50000, 64, "plan sampling 50k, d=64"),
 ]
 # cases only on request (--only): more sizes and the kernel-level passes
 EXTRA = [
@@ -70,7 +75,8 @@ EXTRA = [
     ("passes", 50000, 64, None),
     ("passes", 50000, 512, None),
 ]
-KINDS = ("iter", "loss", "loss_debias", "loss_batched", "loss_ref", "large", "hvp", "passes")
+KINDS = ("iter", "loss", "loss_debias", "loss_batched", "loss_ref", "large", "hvp", "passes",
+         "sample")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------
@@ -315,6 +321,34 @@ def case_hvp(R, n, d, device, providers, peers, warmup, reps, headline=None):
         R.run("hvp", "flash-sinkhorn", "hvp", params, make_peer, warmup=warmup, reps=reps)
 
 
+def case_sample(R, n, d, device, warmup, reps, headline=None, k1=2, k2=6):
+    """``sample_plan`` from converged potentials (eps = 0.01) against one fixed-eps
+    iteration of the same problem (measured as in ``case_iteration``)."""
+    eps = 0.01
+    x, y = _problem(n, n, d, device)
+    params = {"n": n, "m": n, "d": d, "eps": eps, "dtype": "float32"}
+    try:
+        r = fs.solve(x, y, eps=eps, tol=1e-3, max_iter=2000, warn=False)
+        t1 = H.time_fn(lambda: _ours_iterations(x, y, eps, k1, "tf32"), device, warmup=warmup,
+                       reps=reps)  # fmt: skip
+        t2 = H.time_fn(lambda: _ours_iterations(x, y, eps, k2, "tf32"), device, warmup=warmup,
+                       reps=reps)  # fmt: skip
+        it = {k: (t2[k] - t1[k]) / (k2 - k1) for k in ("time_ms", "time_ms_p20", "time_ms_p80")}
+        seed = iter(range(1 << 30))  # a new seed per call: nothing cached between draws
+        ts = H.time_fn(lambda: fs.sample_plan(r, seed=next(seed)), device, warmup=warmup,
+                       reps=reps)  # fmt: skip
+    except Exception as e:  # a failing case must not end the suite
+        R.add("plan_sample", "ours", "sample", params, status="error",
+              error=f"{type(e).__name__}: {e}"[:500])  # fmt: skip
+        return
+    R.add("plan_sample", "ours-sinkhorn-iteration", "sample", params, timing=it)
+    per = it["time_ms"]
+    R.add("plan_sample", "ours", "sample", params, timing=ts, headline=headline,
+          metrics={"ratio_to_one_iteration": ts["time_ms"] / per if per > 0 else None,
+                   "solve_iterations": r.n_iter,
+                   "floor_ms": _pass_floor_ms(n, n, d, "tf32")})  # fmt: skip
+
+
 def case_passes(R, n, d, device, warmup, reps):
     """Kernel-level rows: one pass (n x n scores) of each kernel, operands prepared as the
     solvers prepare them."""
@@ -372,6 +406,8 @@ def run_case(R, case, device, providers, peers, modes, warmup, reps):
                  reps or 3, headline)  # fmt: skip
     elif kind == "passes":
         case_passes(R, n, d, device, w or 2, reps or 5)
+    elif kind == "sample" and "sample" in modes:
+        case_sample(R, n, d, device, w or 1, reps or 5, headline)
 
 
 def select_cases(only: str | None):
@@ -440,6 +476,8 @@ def main(argv=None):
         if "iter" in modes:
             case_iteration(R, 256, 8, device, providers & {"ours"}, peers, 1, reps,
                            precisions=("tf32",))  # fmt: skip
+        if "sample" in modes and "ours" in providers:
+            case_sample(R, 256, 8, device, 1, reps)
     elif custom:
         reps, w = args.reps or 5, args.warmup or 1
         for n in args.n or [10000]:

@@ -53,7 +53,7 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     dist = None
 
-__all__ = ["solve", "sinkhorn_divergence", "gather_rows", "ShardedProblem"]
+__all__ = ["solve", "sinkhorn_divergence", "gather_rows", "problem", "ShardedProblem"]
 
 EXCHANGES = ("auto", "stream", "gather")
 
@@ -168,6 +168,13 @@ class _Comm:
         s = t.sum(-1).contiguous()
         if self.world > 1:
             dist.all_reduce(s, group=self.group)
+        return s
+
+    def peak(self, t):
+        """``t.amax(-1)`` over the ranks."""
+        s = t.amax(-1).contiguous()
+        if self.world > 1:
+            dist.all_reduce(s, op=dist.ReduceOp.MAX, group=self.group)
         return s
 
     def any(self, flags):
@@ -308,6 +315,9 @@ class ShardedProblem(Problem):
     def total(self, t):
         return self.comm.total(t)
 
+    def peak(self, t):
+        return self.comm.peak(t)
+
     def any_rank(self, flags):
         return self.comm.any(flags)
 
@@ -446,8 +456,11 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
         diameter = comm.diameter(prob.X, prob.Y)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
     # the float64 certificate on the sharded problem rebuilt in float64 (global sums)
+    exact = [None if w is not None else torch.full(t.shape[:2], 1.0 / sum(comm.sizes[k]),
+                                                    dtype=torch.float64, device=t.device)
+             for w, t, k in ((a, x3, "x"), (b, y3, "y"))]  # fmt: skip
     build64 = S.float64_problem(x3, y3, prob, features=lambda *t: _features(comm, *t),
-                                make=comm.problem)  # fmt: skip
+                                make=comm.problem, a64=exact[0], b64=exact[1])  # fmt: skip
     certify = S.certifier(build64, prob, eps, rx, ry)
     # every rank measures (collectives), rank 0 prints
     say = (lambda line: print(line, flush=True) if comm.rank == 0 else None) if verbose else False
@@ -456,12 +469,37 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
     prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
     f, g, err = out.f, out.g, out.err
     value = S._OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+    S.finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
         f=f if batched else f[0], g=g if batched else g[0], value=value if batched else value[0],
         marginal_error=err if batched else err[0], n_iter=out.n_iter, converged=out.converged,
         eps=eps, precision=prob.precision, _prob=prob, _batched=batched, _f=f, _g=g,
         _marginals=out.marginals, _certify=certify,
     )  # fmt: skip
+
+
+def problem(x, y, a=None, b=None, *, process_group, cost="sqeuclidean", cost_scale=1.0,
+            precision="tf32", backend="auto", exchange="auto", chunk_bytes=None):  # fmt: skip
+    """The sharded problem of this rank's shards: the building block of the sharded solve
+    (its ``sm_x(g, eps, ...)`` / ``sm_y(f, eps, ...)`` are the Sinkhorn half-updates over
+    all ranks, ``total`` the global sum). For benchmarks and custom loops; x, y (N_r, D)
+    or (B, N_r, D), weights default to uniform over the global clouds."""
+    group = _check_group(process_group)
+    with _collective_errors(group):
+        x3, y3, a2, b2, _ = prepare_inputs(x, y, a, b)
+        _check_device(group, x3)
+        be = resolve_backend(backend, x3.device)
+        if backend == "auto" and x3.dtype == torch.float64:
+            be = "torch"
+        check_precision(precision, be)
+    agree = dict(cost=cost, cost_scale=cost_scale, precision=precision, backend=backend,
+                 weights=(a is None, b is None), exchange=exchange,
+                 chunk_bytes=chunk_bytes)  # fmt: skip
+    comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
+    a2, b2 = _global_weights(comm, a2, b2, a, b)
+    X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
+    return comm.problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(),
+                        cy.detach(), c2, cost, cost_scale, None, precision, be, center)  # fmt: skip
 
 
 def _check_device(group, x3):

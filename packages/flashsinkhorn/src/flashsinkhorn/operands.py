@@ -93,6 +93,16 @@ def centered_sqnorm(x, c, chunk=1 << 14):
         return out
 
 
+def unit_rows(x):
+    """``x / |x|`` per row (differentiable), exact for any nonzero scale: the row is first
+    divided by its largest entry, so tiny (even subnormal) or huge rows neither underflow
+    nor overflow in the norm. Zero rows stay zero (the solvers reject them for cosine)."""
+    m = x.detach().abs().amax(dim=-1, keepdim=True)
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    xs = x / m
+    return xs / xs.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+
+
 def cost_features(x, y, cost, cost_scale, center=True):
     """Return ``(X, Y, cx, cy, c2, c)`` with ``C = cost_scale * cost(x, y)`` in kernel form
     ``C_ij = cx_i + cy_j - c2 <X_i - c, Y_j - c>`` (``c`` (B, D) or None).
@@ -103,8 +113,7 @@ def cost_features(x, y, cost, cost_scale, center=True):
     if cost == "sqeuclidean":
         X, Y, c2, k = x, y, 2.0 * s, s
     elif cost == "cosine":
-        X = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        Y = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        X, Y = unit_rows(x), unit_rows(y)
         # 1 - <X, Y> = |X - Y|^2 / 2 on the sphere: sqeuclidean with scale s/2
         c2, k = s, 0.5 * s
     elif cost == "dot":

@@ -49,14 +49,17 @@ def eps_schedule(diameter2: float, eps: float, scaling: float) -> list[float]:
     """GeomLoss's eps-scaling list: ``diameter^2``, geometric steps by ``scaling^2``, ``eps``.
 
     ``diameter2`` and ``eps`` are in cost units (``diameter^p``, ``blur^p`` with p = 2).
+    A diameter below blur (tiny or identical clouds) starts at ``blur^p``: GeomLoss starts
+    at ``diameter^p`` there, an eps whose reciprocal overflows float32 (NaN) or, for a zero
+    diameter, a numpy error.
     """
     import numpy as np
 
     if not (0 < scaling < 1):
         raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
     p = 2
-    diameter = math.sqrt(diameter2)
     blur = math.sqrt(eps)
+    diameter = max(math.sqrt(diameter2), blur)
     return (
         [diameter**p]
         + [

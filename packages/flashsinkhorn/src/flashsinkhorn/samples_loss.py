@@ -159,6 +159,12 @@ def _sinkhorn_forward(
             va, ga = a * (rho + e / 2) * (eaa - ea), (rho + e / 2) * (eaa - ea)
             vb, gb = b * (rho + e / 2) * (ebb - eb), (rho + e / 2) * (ebb - eb)
     value = pxy.total(va) + pxy.total(vb)
+    if not bool(torch.isfinite(value).all()):  # value is global: every rank raises together
+        raise FloatingPointError(
+            f"SamplesLoss: the loss is not finite at blur={blur:.3g} (eps = blur^2): the cost "
+            "range over eps overflows float32; increase blur, rescale the points or pass "
+            "float64 inputs"
+        )
     out.update(value=value, gx=gx, gy=gy, ga=ga, gb=gb)
     return out
 
@@ -182,13 +188,8 @@ def _loss_grads(needs, ga, gx, gb, gy, gout):
 
 
 def _warn(value, err, warn_tol, stacklevel):
-    """The loss's warnings: a non-finite value; a marginal error above ``warn_tol``."""
-    if not torch.isfinite(value).all():
-        warnings.warn(
-            "flashsinkhorn.SamplesLoss: non-finite loss value",
-            RuntimeWarning,
-            stacklevel=stacklevel + 1,
-        )
+    """The loss's warning: a marginal error above ``warn_tol`` (a non-finite value has
+    raised in the forward)."""
     if warn_tol is not None and err is not None and float(err.max()) > warn_tol:
         warnings.warn(
             f"flashsinkhorn.SamplesLoss: the eps-scaling schedule ended with L1 marginal error "

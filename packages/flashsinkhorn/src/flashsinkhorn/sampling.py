@@ -49,7 +49,7 @@ from flashsinkhorn._softmin_triton import (
     _pick,
     _triton_configs,
 )
-from flashsinkhorn.primitives import PRECISIONS, _block_rows, resolve_backend
+from flashsinkhorn.primitives import _block_rows, check_precision, resolve_backend
 from flashsinkhorn.reference import LOG2E
 
 if HAS_TRITON:
@@ -262,21 +262,54 @@ if HAS_TRITON:
         tl.store(BEST + pid_b64 * N + rows, row_best, mask=row_mask)
         tl.store(ARG + pid_b64 * N + rows, row_arg, mask=row_mask)
 
+    @triton.jit
+    def _mix(x):
+        """lowbias32 on uint32 tensors (wraps mod 2^32), as ``_mix_torch``."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _keys_kernel(RK, CK, ARGS, N, M, BLOCK: tl.constexpr):
+        """Row keys (B, N) (program axis 1: the batch) and column keys (M,) of a call, one
+        launch (the torch version is ~100 small kernels). ARGS (int64): row offset, column
+        offset, seed low, seed high (a tensor: no specialization per value)."""
+        pid = tl.program_id(0)
+        b = tl.program_id(1)
+        row0, col0 = tl.load(ARGS), tl.load(ARGS + 1)
+        k0, k1 = tl.load(ARGS + 2).to(tl.uint32), tl.load(ARGS + 3).to(tl.uint32)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        hb = _mix(b.to(tl.uint32) ^ k1)
+        rk = _mix(_mix((row0 + offs).to(tl.uint32) ^ k0) + hb)
+        tl.store(RK + b.to(tl.int64) * N + offs, rk.to(tl.int32, bitcast=True), mask=offs < N)
+        if b == 0:
+            ck = _mix(_mix((col0 + offs).to(tl.uint32) ^ k1) ^ 0x68E31DA4)
+            tl.store(CK + offs, ck.to(tl.int32, bitcast=True), mask=offs < M)
+
     _softmax_sample_tuned = triton.autotune(
         configs=_triton_configs(_config.SAMPLE_TUNE),
         key=["N_KEY", "M_KEY", "D", "HAS_LABELS", "PREC"],
     )(_softmax_sample_kernel)
 
 
-def _as_int32(keys):
-    """uint32 values (int64 tensor) as the int32 tensor of the same bits."""
-    return torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32).contiguous()
+def _keys_triton(B, N, M, seed, row_offset, col_offset, device):
+    """:func:`_keys` in one Triton launch: int32 tensors holding the uint32 bits."""
+    k0, k1 = _seed_keys(seed)
+    args = torch.tensor([row_offset, col_offset, k0, k1], dtype=torch.int64, device=device)
+    rk = torch.empty((B, N), dtype=torch.int32, device=device)
+    ck = torch.empty((M,), dtype=torch.int32, device=device)
+    block = 1024
+    with _device(rk):
+        _keys_kernel[(triton.cdiv(max(N, M), block), B)](rk, ck, args, N, M, BLOCK=block)
+    return rk, ck
 
 
 def _sample_triton(x, y, g, logb, cy, eps, c2, labels, precision, rk, ck, config=None):
     """The Triton pass: ``(best (B, N) fp32, j (B, N) int64 local)``. ``rk`` (B, N), ``ck``
-    (M,): the keys (int64 holding uint32); ``config`` forces one ``(BLOCK_M, BLOCK_N,
-    num_warps, num_stages)``."""
+    (M,): the keys (int32 tensors holding the uint32 bits, :func:`_keys_triton`);
+    ``config`` forces one ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``."""
     B, N, D = x.shape
     M = y.shape[1]
     f32 = torch.float32
@@ -299,7 +332,7 @@ def _sample_triton(x, y, g, logb, cy, eps, c2, labels, precision, rk, ck, config
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B)  # noqa: E731
     with _device(x):
         kern[grid](
-            x, y, bias, lx, ly, W, _as_int32(rk), _as_int32(ck), best, arg, N, M, D, K2,
+            x, y, bias, lx, ly, W, rk, ck, best, arg, N, M, D, K2,
             _bucket(N), _bucket(M),
             float(c2 * LOG2E / eps), float(LOG2E / eps), float(w_scale),
             BLOCK_D=BLOCK_D, NUM_D=NUM_D, EVEN_D=BLOCK_D * NUM_D == D,
@@ -350,8 +383,6 @@ def softmax_sample(
     Returns:
         int64 (B, N) global column indices, or ``(indices, score)``.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     if x.dim() != 3 or y.dim() != 3 or y.shape[0] != x.shape[0] or y.shape[2] != x.shape[2]:
         raise ValueError(f"x must be (B, N, D) and y (B, M, D); got {tuple(x.shape)}, "
                          f"{tuple(y.shape)}")  # fmt: skip
@@ -362,10 +393,12 @@ def softmax_sample(
     if not (eps > 0):
         raise ValueError(f"eps must be positive; got {eps}")
     be = resolve_backend(backend, x.device)
-    rk, ck = _keys(B, x.shape[1], M, seed, row_offset, col_offset, x.device)
+    check_precision(precision, be)  # bf16 under the interpreter is refused
     if be == "triton":
+        rk, ck = _keys_triton(B, x.shape[1], M, seed, row_offset, col_offset, x.device)
         best, arg = _sample_triton(x, y, g, logb, cy, eps, c2, labels, precision, rk, ck, config)
     else:
+        rk, ck = _keys(B, x.shape[1], M, seed, row_offset, col_offset, x.device)
         best, arg = _sample_torch(x, y, g, logb, cy, eps, c2, labels, rk, ck)
     idx = arg + col_offset
     return (idx, best) if return_score else idx

@@ -97,6 +97,10 @@ class Problem:
         """``t.sum(-1)`` over the problem's points (B,)."""
         return t.sum(-1)
 
+    def peak(self, t):
+        """``t.amax(-1)`` over the problem's points (B,)."""
+        return t.amax(-1)
+
     def any_rank(self, flags):
         """The flags OR-ed over the ranks that share the problem (here: one)."""
         return tuple(flags)
@@ -394,10 +398,12 @@ def _(*args):
     )
 
 
-def float64_problem(x3, y3, prob, features=cost_features, make=None):
+def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b64=None):
     """A thunk building ``prob`` again in float64 from the points ``x3, y3`` (B, N, D)
     (the features recomputed in float64: cosine normalizes in float64), on the torch
-    backend: the certificate's problem. ``features`` / ``make``: the sharded problem's."""
+    backend: the certificate's problem. ``features`` / ``make``: the sharded problem's.
+    ``a64``, ``b64``: the weights in float64 when they are not ``prob``'s (the default
+    uniform weights are exactly 1/N, not their float32 rounding)."""
 
     def build():
         d = torch.float64
@@ -407,8 +413,10 @@ def float64_problem(x3, y3, prob, features=cost_features, make=None):
         if prob.labels is not None:
             lx, ly, W, s = prob.labels
             lab = (lx, ly, W.to(d), s)
-        return (make or Problem)(X, Y, prob.a.to(d), prob.b.to(d), cx, cy, c2, prob.cost,
-                                 prob.cost_scale, lab, "ieee", "torch", c)  # fmt: skip
+        a = prob.a.to(d) if a64 is None else a64
+        b = prob.b.to(d) if b64 is None else b64
+        return (make or Problem)(X, Y, a, b, cx, cy, c2, prob.cost, prob.cost_scale, lab,
+                                 "ieee", "torch", c)  # fmt: skip
 
     return build
 
@@ -610,7 +618,11 @@ def solve(
     prob = Problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(), cy.detach(),
                    c2, cost, cost_scale, labels, precision, be, center)  # fmt: skip
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
-    certify = certifier(float64_problem(x3, y3, prob), prob, eps, rx, ry)
+    exact = [None if w is not None else torch.full(t.shape[:2], 1.0 / t.shape[1],
+                                                    dtype=torch.float64, device=t.device)
+             for w, t in ((a, x3), (b, y3))]  # fmt: skip
+    certify = certifier(float64_problem(x3, y3, prob, a64=exact[0], b64=exact[1]), prob, eps,
+                        rx, ry)  # fmt: skip
     marginals = None
     if compiling:
         f, g, err, n_iter, converged, value = _solve_compiled(
@@ -625,6 +637,7 @@ def solve(
         prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
         # the differentiable value: graph to x, y (through the features) and a, b
         value = _OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+        finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
         f=f if batched else f[0],
         g=g if batched else g[0],
@@ -667,6 +680,17 @@ def _in_open_interval(v, lo, hi):
         return lo < float(v) < hi
     except (TypeError, ValueError):
         return False
+
+
+def finite_value_or_raise(prob, value, eps):
+    """Finite potentials whose unbalanced dual value overflows (the plan's mass is inf in
+    float32 when eps is below the cost's resolution) are not a result: raise."""
+    bad = not bool(torch.isfinite(value.detach()).all())
+    if prob.any_rank((bad,))[0]:
+        raise FloatingPointError(
+            f"the dual value of the potentials is not finite at eps={eps:.3g} (the plan's "
+            "mass overflows): increase eps, rescale the points or pass float64 inputs"
+        )
 
 
 def _positive_int(v, name):

@@ -51,7 +51,8 @@ def _schur_solve(plan: Plan, r, c, rhs_f, rhs_g, *, tol, max_iter, tikhonov=0.0)
     """
     dx = r / plan.kx
     dy = c / plan.ky + tikhonov
-    rhs = rhs_g - plan.cols(rhs_f / dx)
+    idx, idy = _inv(dx), _inv(dy)
+    rhs = rhs_g - plan.cols(rhs_f * idx)
     project = None
     if plan.balanced and tikhonov == 0:
 
@@ -59,12 +60,31 @@ def _schur_solve(plan: Plan, r, c, rhs_f, rhs_g, *, tol, max_iter, tikhonov=0.0)
             return v - v.mean()
 
     def matvec(z):
-        return dy * z - plan.cols(plan.rows(z) / dx)
+        return dy * z - plan.cols(plan.rows(z) * idx)
 
     zg, info = conjugate_gradient(
-        matvec, rhs, M=lambda res: res / dy, tol=tol, max_iter=max_iter, project=project
+        matvec, rhs, M=lambda res: res * idy, tol=tol, max_iter=max_iter, project=project
     )
     return zg, info
+
+
+def _finite_or_raise(what, out, eps):
+    """A non-finite H v (or gradient) of finite inputs means the plan over- or underflowed:
+    eps is below the resolution of the cost in the compute dtype. Raise instead of NaN."""
+    outs = out if isinstance(out, tuple) else (out,)
+    if not all(bool(torch.isfinite(t).all()) for t in outs):
+        raise FloatingPointError(
+            f"{what}: non-finite result at eps={eps:.3g}: the plan over- or underflows (eps "
+            "below the resolution of the cost); increase eps, rescale the points or pass "
+            "float64 inputs"
+        )
+
+
+def _inv(t):
+    """``1 / t`` where ``t > 0``, else 0: a point whose plan row carries no mass (all its
+    entries underflow, e.g. unbalanced points far from the other cloud) has no equation in
+    the linearized conditions and contributes nothing to H v, instead of 0 / 0."""
+    return torch.where(t > 0, 1.0 / torch.where(t > 0, t, torch.ones_like(t)), torch.zeros_like(t))
 
 
 def _weighted(apply, w, pts):
@@ -168,7 +188,7 @@ def _hvp_plan(plan: Plan, vx, vy, *, need_x=True, need_y=True, cg_tol=1e-6, cg_m
     else:
         Ppsi = plan.rows(psi)
     Pdg = Ppsi + 2.0 * Pbeta if hasy else Ppsi
-    df = plan.kx * (u - Pdg) / r
+    df = plan.kx * (u - Pdg) * _inv(r)
     phi = df - 2.0 * alpha if hasx else df
 
     hx = hy = None
@@ -310,6 +330,7 @@ def hvp(
         out = hy.to(ref.dtype)
     else:
         out = (hx.to(ref.dtype), hy.to(ref.dtype))
+    _finite_or_raise("hvp", out, eps)
     return (out, HvpInfo(cgs, sks)) if return_info else out
 
 
@@ -364,7 +385,7 @@ def implicit_grad(
     c, PTx = _weighted(plan.cols, None, plan.x)
     lg, info = _schur_solve(plan, r, c, gf, gg, tol=cg_tol, max_iter=cg_max_iter)
     Plg, PlgY = _weighted(plan.rows, lg, plan.y)
-    lf = plan.kx * (gf - Plg) / r
+    lf = plan.kx * (gf - Plg) * _inv(r)
     PTlf, PTlfX = _weighted(plan.cols, lf, plan.x)
     gx = 2.0 * (lf[:, None] * (r[:, None] * plan.x - Py) + plan.x * Plg[:, None] - PlgY)
     gy = 2.0 * (lg[:, None] * (c[:, None] * plan.y - PTx) + plan.y * PTlf[:, None] - PTlfX)
