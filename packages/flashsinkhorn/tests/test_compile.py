@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from _helpers import clouds
+from _helpers import clouds, needs_interpreter
 
 import flashsinkhorn as fs
 from flashsinkhorn import solver
@@ -105,6 +105,25 @@ def test_solve_value_compiles_fullgraph(batch, kw):
     _assert_same(_eager_and_compiled(fn, (x, y, a, b)))
 
 
+@needs_interpreter
+def test_compiled_solve_keeps_the_centre_through_a_polish():
+    """Compiled, the loop runs inside a custom op that rebuilds the problem from its
+    arguments; a tf32 solve that must switch to tf32x3 to meet tol rebuilds its kernel
+    operands there, centred on the problem's centre (points far from the origin: without
+    the centre the scores were wrong, the loop ran to max_iter and the value was off by
+    4x on the GPU test's problem)."""
+    x, y, a, b = clouds(40, 30, 3, dtype=torch.float32, seed=2)
+    x, y = x + 4.0, y + 4.0
+
+    def run(x, y, a, b):
+        return fs.solve(x, y, a, b, eps=0.05, max_iter=300, tol=1e-6, warn=False,
+                        backend="triton")  # fmt: skip
+
+    eager = run(x, y, a, b)
+    assert eager.precision == "tf32x3" and bool(eager.converged)  # the polish ran
+    _assert_same(_eager_and_compiled(lambda *t: run(*t).value, (x, y, a, b)))
+
+
 def test_compiled_input_checks_run_inside_the_ops():
     x, y, _, _ = clouds(6, 5, 2, dtype=torch.float32)
     x[0, 0] = float("nan")
@@ -128,15 +147,15 @@ def test_opcheck_custom_ops():
     loop = (0.2, None, None, 30, 1e-4, "alternating", 10, None, None, False, False)
     pot = (*problem, x, y, 1.0, *loop)  # x_in, y_in: the points the certificate uses
     torch.library.opcheck(torch.ops.flashsinkhorn.sinkhorn_potentials.default, pot)
-    f, g, *_ = torch.ops.flashsinkhorn.sinkhorn_potentials(*pot)
+    f, g, _, _, _, polished = torch.ops.flashsinkhorn.sinkhorn_potentials(*pot)
     Xg, ag = X.clone().requires_grad_(), a.clone().requires_grad_()
     graph_problem = solver._op_problem_args(prob, Xg, Y, ag, b)
     torch.library.opcheck(
-        torch.ops.flashsinkhorn.ot_value.default, (*graph_problem, f, g, 0.2, None, None)
+        torch.ops.flashsinkhorn.ot_value.default, (*graph_problem, f, g, polished, 0.2, None, None)
     )
     torch.library.opcheck(
         torch.ops.flashsinkhorn.ot_value_backward.default,
-        (torch.ones(2), *problem, f, g, 0.2, None, None, True, False, True, False),
+        (torch.ones(2), *problem, f, g, polished, 0.2, None, None, True, False, True, False),
     )
 
 

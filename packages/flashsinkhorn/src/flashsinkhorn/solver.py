@@ -323,15 +323,16 @@ def _feature_grad(X, rows, Ybar, prob):
 # length, and the kernels are Triton launches: under torch.compile each piece below is one
 # opaque op, so the compiled graph has no break. Eager calls do not go through them.
 # A problem travels as its tensors ``X, Y, a, b`` (features and weights), ``Xk, Yk``
-# (kernel operands), ``cx, cy``, optional labels ``lx, ly, W``, then its scalars.
+# (kernel operands), ``cx, cy``, optional labels ``lx, ly, W``, the optional centre of the
+# dot products (a polish rebuilds the kernel operands from X, Y and it), then its scalars.
 
 # The ops' leading arguments: one problem, as in _op_problem_args
 _PROBLEM = (
     "Tensor X, Tensor Y, Tensor a, Tensor b, Tensor Xk, Tensor Yk, Tensor cx, Tensor cy, "
-    "Tensor? lx, Tensor? ly, Tensor? W, float label_scale, float c2, str cost, "
+    "Tensor? lx, Tensor? ly, Tensor? W, Tensor? center, float label_scale, float c2, str cost, "
     "str precision, str backend"
 )
-_NP = 16  # how many
+_NP = 17  # how many
 
 
 def _op_problem_args(prob: Problem, X=None, Y=None, a=None, b=None):
@@ -340,16 +341,16 @@ def _op_problem_args(prob: Problem, X=None, Y=None, a=None, b=None):
     lx, ly, W, label_scale = prob.labels if prob.labels is not None else (None,) * 3 + (1.0,)
     X, Y = prob.X if X is None else X, prob.Y if Y is None else Y
     a, b = prob.a if a is None else a, prob.b if b is None else b
-    return (X, Y, a, b, prob.Xk, prob.Yk, prob.cx, prob.cy, lx, ly, W, label_scale, prob.c2,
-            prob.cost, prob.precision, prob.backend)  # fmt: skip
+    return (X, Y, a, b, prob.Xk, prob.Yk, prob.cx, prob.cy, lx, ly, W, prob.center,
+            label_scale, prob.c2, prob.cost, prob.precision, prob.backend)  # fmt: skip
 
 
 def _op_problem(args, cost_scale=1.0):
     """The Problem of the ops' leading arguments (inverse of :func:`_op_problem_args`)."""
-    X, Y, a, b, Xk, Yk, cx, cy, lx, ly, W, label_scale, c2, cost, precision, backend = args
+    X, Y, a, b, Xk, Yk, cx, cy, lx, ly, W, center, label_scale, c2, cost, precision, backend = args
     labels = None if W is None else (lx, ly, W, label_scale)
     return Problem(X, Y, a, b, cx, cy, c2, cost, cost_scale, labels, precision, backend,
-                   None, Xk=Xk, Yk=Yk)  # fmt: skip
+                   center, Xk=Xk, Yk=Yk)  # fmt: skip
 
 
 def _potential_dtype(X, backend):
@@ -361,10 +362,12 @@ def _potential_dtype(X, backend):
     mutates_args=(),
     schema=f"({_PROBLEM}, Tensor x_in, Tensor y_in, float cost_scale, float eps, float? rx, "
     "float? ry, int max_iter, float? tol, str schedule, int check_every, float? eps_scaling, "
-    "float? diameter, bool warn, bool verbose) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "float? diameter, bool warn, bool verbose) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _potentials_op(*args):
-    """solve's loop: ``(f (B, N), g (B, M), marginal_error (B,), n_iter (), converged ())``.
+    """solve's loop: ``(f (B, N), g (B, M), marginal_error (B,), n_iter (), converged (),
+    polished ())``; ``polished``: the loop switched to the polish precision, which the value
+    op then takes too (as the eager solve's value does).
 
     First runs the data-dependent input checks that the compiled graph skips."""
     x_in, y_in, cost_scale, eps, rx, ry, max_iter, tol, schedule, check_every = args[_NP : _NP + 10]
@@ -382,18 +385,20 @@ def _potentials_op(*args):
     _loop.report(out, tol, eps, warn)
     dev = prob.X.device
     n_iter = torch.tensor(out.n_iter, dtype=torch.int64, device=dev)
-    return out.f, out.g, out.err, n_iter, torch.tensor(out.converged, device=dev)
+    polished = torch.tensor(out.prob.precision != prob.precision, device=dev)
+    return out.f, out.g, out.err, n_iter, torch.tensor(out.converged, device=dev), polished
 
 
 @_potentials_op.register_fake
 def _(*args):
-    X, cx, cy, backend = args[0], args[6], args[7], args[15]
+    X, cx, cy, backend = args[0], args[6], args[7], args[16]
     dt = _potential_dtype(X, backend)
     return (
         cx.new_empty(cx.shape, dtype=dt),
         cy.new_empty(cy.shape, dtype=dt),
         cx.new_empty(cx.shape[:1], dtype=torch.float64),
         cx.new_empty((), dtype=torch.int64),
+        cx.new_empty((), dtype=torch.bool),
         cx.new_empty((), dtype=torch.bool),
     )
 
@@ -447,7 +452,13 @@ def _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose):
     return out
 
 
-_VALUE = "Tensor f, Tensor g, float eps, float? rx, float? ry"  # after the problem
+_VALUE = "Tensor f, Tensor g, Tensor polished, float eps, float? rx, float? ry"  # after it
+
+
+def _value_problem(args, polished):
+    """The problem of the value ops: the loop's, at the polish precision if it switched."""
+    prob = _op_problem(args)
+    return prob.with_precision(_loop.POLISH_PRECISION) if bool(polished) else prob
 
 
 @torch.library.custom_op(
@@ -456,7 +467,8 @@ _VALUE = "Tensor f, Tensor g, float eps, float? rx, float? ry"  # after the prob
 def _ot_value_op(*args):
     """solve's differentiable value (B,) (:class:`_OTValue` as a custom op); ``X, Y, a, b``
     are the differentiable inputs."""
-    prob, (f, g, eps, rx, ry) = _op_problem(args[:_NP]), args[_NP:]
+    f, g, polished, eps, rx, ry = args[_NP:]
+    prob = _value_problem(args[:_NP], polished)
     with torch.no_grad():
         value = _ot_value(prob, prob.a, prob.b, f, g, eps, rx, ry)
     return value.to(torch.promote_types(prob.a.dtype, f.dtype))
@@ -477,7 +489,8 @@ def _(*args):
 def _ot_value_backward_op(gout, *args):
     """``gout``-weighted ``(gX, gY, ga, gb)`` of :func:`_ot_value_op` (an empty tensor
     where not needed)."""
-    prob, (f, g, eps, rx, ry), need = _op_problem(args[:_NP]), args[_NP:-4], args[-4:]
+    (f, g, polished, eps, rx, ry), need = args[_NP:-4], args[-4:]
+    prob = _value_problem(args[:_NP], polished)
     with torch.no_grad():
         grads = _ot_value_grads(prob, f, g, eps, rx, ry, gout, need)
     return tuple(gr.to(t.dtype) if n else t.new_empty(0) for gr, t, n in zip(grads, args[:4], need))
@@ -489,16 +502,18 @@ def _(gout, *args):
 
 
 def _ot_value_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:11], *inputs[_NP : _NP + 2])  # X .. W, f, g
-    ctx.scalars = inputs[11:_NP], inputs[_NP + 2 :]  # label_scale .. backend; eps, rx, ry
+    ctx.save_for_backward(*inputs[:12], *inputs[_NP : _NP + 3])  # X .. center, f, g, polished
+    ctx.scalars = inputs[12:_NP], inputs[_NP + 3 :]  # label_scale .. backend; eps, rx, ry
 
 
 def _ot_value_bwd(ctx, gout):
-    *tensors, f, g = ctx.saved_tensors
+    *tensors, f, g, polished = ctx.saved_tensors
     problem_scalars, value_scalars = ctx.scalars
     need = tuple(ctx.needs_input_grad[:4])
-    grads = _ot_value_backward_op(gout, *tensors, *problem_scalars, f, g, *value_scalars, *need)
-    return (*(gr if n else None for gr, n in zip(grads, need)),) + (None,) * (_NP + 1)
+    grads = _ot_value_backward_op(
+        gout, *tensors, *problem_scalars, f, g, polished, *value_scalars, *need
+    )
+    return (*(gr if n else None for gr, n in zip(grads, need)),) + (None,) * (_NP + 2)
 
 
 _ot_value_op.register_autograd(_ot_value_bwd, setup_context=_ot_value_setup)
@@ -508,11 +523,11 @@ def _solve_compiled(prob, x3, y3, X, Y, a, b, loop, eps_scaling, diameter, warn,
     """solve's loop and value through the custom ops (``X, Y, a, b`` carry the graph).
     Returns ``(f, g, err, n_iter, converged, value)`` (n_iter, converged: 0-dim tensors)."""
     eps, rx, ry, max_iter, tol, schedule, check_every = loop
-    f, g, err, n_iter, converged = _potentials_op(
+    f, g, err, n_iter, converged, polished = _potentials_op(
         *_op_problem_args(prob), x3.detach(), y3.detach(), prob.cost_scale, eps, rx, ry,
         max_iter, tol, schedule, check_every, eps_scaling, diameter, warn, verbose,
     )  # fmt: skip
-    value = _ot_value_op(*_op_problem_args(prob, X, Y, a, b), f, g, eps, rx, ry)
+    value = _ot_value_op(*_op_problem_args(prob, X, Y, a, b), f, g, polished, eps, rx, ry)
     return f, g, err, n_iter, converged, value
 
 
