@@ -210,10 +210,13 @@ def test_float64_and_half_inputs():
     assert p64.dtype == torch.float64
     assert float((p64 - sinkhorn_project_ref(x.double())).abs().max()) < 1e-13
     for dt in (torch.bfloat16, torch.float16):
-        ph = sinkhorn_project(x.to(dt))
+        # computed in float32; returned in the input dtype, or float32 on request (#20)
+        ph = sinkhorn_project(x.to(dt), out_dtype=torch.float32)
         assert ph.dtype == torch.float32
         ref = sinkhorn_project_ref(x.to(dt).double())
         assert float((ph.double() - ref).abs().max()) < 2e-6
+        pl = sinkhorn_project(x.to(dt))
+        assert pl.dtype == dt and torch.equal(pl, ph.to(dt))
 
 
 def test_gradcheck_float64():
@@ -246,12 +249,21 @@ def test_large_logits_not_doubly_stochastic():
     assert float(err.median()) > 1e-3
 
 
-def test_bad_options():
-    x = torch.zeros(2, 4, 4)
-    with pytest.raises(ValueError, match="iters must be >= 1"):
-        sinkhorn_project(x, iters=0)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
-        sinkhorn_project(x, eps=-1.0)
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"iters": 0}, r"iters must be an integer in 1..10000; got 0"),
+        ({"iters": 2.5}, r"iters must be an integer in 1..10000; got 2.5"),
+        ({"iters": 10**6}, r"iters must be an integer in 1..10000; got 1000000"),
+        ({"eps": -1.0}, r"eps must be finite and >= 0; got -1.0"),
+        ({"eps": float("nan")}, r"eps must be finite and >= 0; got nan"),
+        ({"eps": float("inf")}, r"eps must be finite and >= 0; got inf"),
+        ({"out_dtype": torch.int64}, r"out_dtype must be None or one of"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sinkhorn_project(torch.zeros(2, 4, 4), **kwargs)
 
 
 # ---------------------------------------------------------------- GPU: CUDA vs CPU, float64

@@ -6,7 +6,7 @@
 - :mod:`mhc_proj.reference` — float64 torch oracles.
 """
 
-from mhc_proj._backend import cuda_available
+from mhc_proj._backend import cuda_available, cuda_built
 from mhc_proj.birkhoff import BirkhoffProjection, ProjectionInfo, birkhoff_project
 from mhc_proj.reference import (
     birkhoff_project_ref,
@@ -25,6 +25,7 @@ __all__ = [
     "birkhoff_project_ref",
     "birkhoff_vjp_ref",
     "cuda_available",
+    "cuda_built",
     "marginal_error",
     "sinkhorn_project",
     "sinkhorn_project_ref",
