@@ -33,6 +33,7 @@ struct FwdArgs {
   double fb_tol;  // the float64 stage's tolerance (the caller passes min(FALLBACK_TOL, tol))
   int fb_max_iter;
   double pivot_min;
+  double range_tol;  // float64 inputs: tolerance floor per unit of logit range (0: none)
 };
 
 // 16-byte accesses of 4 consecutive floats (src, dst 16-byte aligned; the Python layer
@@ -145,7 +146,8 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f64_thread(FwdArgs a) {
   int iters = 0;
   const int st = mhc::project_matrix<N, double>(static_cast<const double*>(a.src) + b * E,
                                                 static_cast<double*>(a.dst) + b * E, a.tol,
-                                                a.max_iter, iters, a.tol);
+                                                a.max_iter, iters, a.tol, 0.0, nullptr,
+                                                a.range_tol);
   if (a.info) a.info[b] = iters | status_flags(st);
 }
 

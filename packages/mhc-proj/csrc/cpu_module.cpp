@@ -60,7 +60,7 @@ int fp32_project(const float* s, float* d, double tol, int max_iter, double fb_t
 template <int N>
 void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B,
                     int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
-                    double pivot_min) {
+                    double pivot_min, double range_tol) {
   int* inf = info ? ptr<int>(info) : nullptr;
   constexpr int E = N * N;
   for (int64_t b = 0; b < B; ++b) {
@@ -72,7 +72,7 @@ void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info,
       int iters = 0;
       const int st = mhc::project_matrix<N, double>(ptr<const double>(src) + b * E,
                                                     ptr<double>(dst) + b * E, tol, max_iter,
-                                                    iters, tol);
+                                                    iters, tol, 0.0, nullptr, range_tol);
       word = iters | status_flags(st);
     }
     if (inf) inf[b] = word;
@@ -193,15 +193,16 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B, int n, int dtype,
-         double tol, int max_iter, double fb_tol, int fb_max_iter, double pivot_min) {
+         double tol, int max_iter, double fb_tol, int fb_max_iter, double pivot_min,
+         double range_tol) {
         py::gil_scoped_release nogil;
         dispatch_n<FwdF>(n, src, dst, info, B, dtype, tol, max_iter, fb_tol, fb_max_iter,
-                         pivot_min);
+                         pivot_min, range_tol);
       },
       "T for B matrices of n x n (dtype 0 float32, 1 float64); info: int32 words or 0",
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("n"),
       py::arg("dtype"), py::arg("tol"), py::arg("max_iter"), py::arg("fallback_tol"),
-      py::arg("fallback_max_iter"), py::arg("pivot_min"));
+      py::arg("fallback_max_iter"), py::arg("pivot_min"), py::arg("range_tol"));
   m.def(
       "birkhoff_bwd",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype) {

@@ -685,9 +685,12 @@ MHC_HD int projection_status(bool ok, const S (&t)[N][N], S pivot_min, S spread 
 // kStatusInfeasible (the output is NaN; no other matrix is affected). A float32 matrix whose
 // row range overflows float32 is kStatusNotConverged with a NaN output (the float64 stage
 // solves it from scratch). SOLVE: newton_project_flat (kFlat) or newton_project (kGeneric).
+// range_tol > 0 (float64 inputs with the default tolerance): tol and cert_tol are raised to
+// range_tol * N * (logit range the solver sees), the rounding floor of a + beta in double.
 template <int N, typename S, Solve SOLVE = Solve::kGeneric, typename In, typename Out>
 MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& iters,
-                          double cert_tol, S pivot_min = S(0), float* beta_out = nullptr) {
+                          double cert_tol, S pivot_min = S(0), float* beta_out = nullptr,
+                          double range_tol = 0.0) {
   S a[N][N], t[N][N], range;
   bool wide;
   iters = 0;
@@ -696,6 +699,11 @@ MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& ite
     store_nan<N, Out>(dst);
     if (prep == kPrepWider) return kStatusNotConverged;
     return prep == kPrepInfeasible ? kStatusInfeasible : kStatusNonFinite;
+  }
+  if (range_tol > 0.0) {  // the tolerance floor of this matrix's logit range (float64 inputs)
+    const double floor = range_tol * N * m_max(double(range), 1.0);
+    tol = m_max(tol, S(floor));
+    cert_tol = m_max(cert_tol, floor);
   }
   S beta[N];
   bool ok;

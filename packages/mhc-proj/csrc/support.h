@@ -99,8 +99,21 @@ MHC_HD void total_support(unsigned (&adj)[N], const int (&col_of_row)[N], const 
   }
 }
 
-// The range reduction of row-shifted logits a (row maxima 0; -inf entries allowed; no
-// NaN). Walks the distinct levels upward; at the first gap from level v to level w >
+// Largest level among the finite entries of a (the logit range the continuation sees).
+template <int N, typename S>
+MHC_HD S finite_range(const S (&a)[N][N]) {
+  S range = S(0);
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j)
+      if (m_finite(a[i][j])) range = m_max(range, -a[i][j]);
+  }
+  return range;
+}
+
+// The level pass of reduce_support on row-shifted logits a (row maxima 0; -inf entries
+// allowed; no NaN). Walks the distinct levels upward; at the first gap from level v to level w >
 // n (v + kGapMargin) whose lower pattern (levels <= v) has a perfect matching, every entry
 // above v becomes -inf, and the entries of the lower pattern on no perfect matching too
 // (the bound above): kSupportCut. A gap whose lower pattern has no perfect matching cannot
@@ -113,7 +126,7 @@ MHC_HD void total_support(unsigned (&adj)[N], const int (&col_of_row)[N], const 
 // bound on the original (uncompressed) level of the entries kept: the precision the float32
 // stage has for them (newton.h sends wide ones to the float64 polish).
 template <int N, typename S>
-MHC_HD int reduce_support(S (&a)[N][N], S& kept_level) {
+MHC_HD int level_pass(S (&a)[N][N], S& kept_level) {
   S cur = S(0);  // every row has a level-0 entry (its maximum)
   S compressed = S(0);  // total width removed by compressions (all below cur)
   for (int step = 0; step < N * N; ++step) {
@@ -171,17 +184,96 @@ MHC_HD int reduce_support(S (&a)[N][N], S& kept_level) {
   return kSupportFull;
 }
 
-// Largest level among the finite entries of a (the logit range the continuation sees).
+// The maximum-weight perfect matching on the finite entries of a (costs l = -a >= 0, -inf
+// forbidden), by the Hungarian algorithm in its O(n^3) form with row and column potentials
+// u, v (l_ij - u_i - v_j >= 0, tight on the matching). false when no perfect matching
+// exists. Arrays are 1-based as in the textbook form (index 0: the virtual start column).
 template <int N, typename S>
-MHC_HD S finite_range(const S (&a)[N][N]) {
-  S range = S(0);
-  MHC_UNROLL
-  for (int i = 0; i < N; ++i) {
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j)
-      if (m_finite(a[i][j])) range = m_max(range, -a[i][j]);
+MHC_HD bool max_weight_matching(const S (&a)[N][N], S (&u)[N + 1], S (&v)[N + 1],
+                                int (&row_of_col)[N + 1]) {
+  int way[N + 1];
+  for (int j = 0; j <= N; ++j) u[j] = v[j] = S(0), row_of_col[j] = 0, way[j] = 0;
+  for (int i = 1; i <= N; ++i) {
+    row_of_col[0] = i;
+    int j0 = 0;
+    S minv[N + 1];
+    bool used[N + 1];
+    for (int j = 0; j <= N; ++j) minv[j] = S(INFINITY), used[j] = false;
+    do {
+      used[j0] = true;
+      const int i0 = row_of_col[j0];
+      S delta = S(INFINITY);
+      int j1 = 0;
+      for (int j = 1; j <= N; ++j) {
+        if (used[j]) continue;
+        const S cur = -a[i0 - 1][j - 1] - u[i0] - v[j];  // +inf for a forbidden entry
+        if (cur < minv[j]) minv[j] = cur, way[j] = j0;
+        if (minv[j] < delta) delta = minv[j], j1 = j;
+      }
+      if (!(delta < S(INFINITY))) return false;  // no augmenting path: Hall fails
+      for (int j = 0; j <= N; ++j) {
+        if (used[j]) {
+          u[row_of_col[j]] += delta;
+          v[j] -= delta;
+        } else {
+          minv[j] -= delta;
+        }
+      }
+      j0 = j1;
+    } while (row_of_col[j0] != 0);
+    do {
+      const int j1 = way[j0];
+      row_of_col[j0] = row_of_col[j1];
+      j0 = j1;
+    } while (j0);
   }
-  return range;
+  return true;
+}
+
+// Replaces a by its reduced costs -(l_ij - u_i - v_j) <= 0 (a gauge change: the same
+// projection), exactly 0 on the maximum-weight matching, so that the level-0 pattern has a
+// perfect matching and the level pass cuts at the first gap. Rounding of the reduced costs
+// is ~eps * max |a|: used only where the logits span too much for that to matter.
+template <int N, typename S>
+MHC_HD bool assignment_reduce(S (&a)[N][N]) {
+  S u[N + 1], v[N + 1];
+  int row_of_col[N + 1];
+  if (!max_weight_matching<N, S>(a, u, v, row_of_col)) return false;
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j)
+      if (m_finite(a[i][j])) a[i][j] = m_min(S(0), a[i][j] + u[i + 1] + v[j + 1]);
+  for (int j = 1; j <= N; ++j) a[row_of_col[j] - 1][j - 1] = S(0);
+  for (int i = 0; i < N; ++i) {  // row maxima 0 (each row has its matched entry at 0)
+    S m = -S(INFINITY);
+    for (int j = 0; j < N; ++j) m = m_max(m, a[i][j]);
+    for (int j = 0; j < N; ++j) a[i][j] -= m;
+  }
+  return true;
+}
+
+// Logit range of a reduced problem above which the level pass's compressions are given up
+// for the reduced costs of the maximum-weight matching: chains of gaps whose lower
+// patterns have no perfect matching compress to widths growing n-fold per gap (logits of
+// magnitude 1e30 spread over a matrix: 8^20), beyond what a float64 Newton resolves.
+constexpr double kMaxReducedRange = 1e6;
+
+// The range reduction of row-shifted logits a (row maxima 0; -inf entries allowed; no
+// NaN): the level pass, and when its compressed range exceeds kMaxReducedRange the level
+// pass again on the reduced costs of the maximum-weight matching (which cuts at the first
+// gap; those entries carry mass only below its rounding). kept_level: level_pass's.
+template <int N, typename S>
+MHC_HD int reduce_support(S (&a)[N][N], S& kept_level) {
+  S a0[N][N];
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j) a0[i][j] = a[i][j];
+  const int st = level_pass<N, S>(a, kept_level);
+  if (st == kSupportInfeasible || !(finite_range<N, S>(a) > S(kMaxReducedRange))) return st;
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j) a[i][j] = a0[i][j];
+  if (!assignment_reduce<N, S>(a)) return kSupportInfeasible;  // (level_pass found one)
+  level_pass<N, S>(a, kept_level);
+  kept_level = Limits<S>::huge;  // reduced costs: the float32 stage cannot be trusted
+  return kSupportCut;
 }
 
 }  // namespace mhc

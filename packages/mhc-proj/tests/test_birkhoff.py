@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 
 import mhc_proj
 from mhc_proj import BirkhoffProjection, birkhoff_project, marginal_error
-from mhc_proj._config import FALLBACK_MAX_ITER, FALLBACK_TOL, MAX_ITER_F32, TOL_F32
+from mhc_proj._config import (
+    FALLBACK_MAX_ITER,
+    FALLBACK_TOL,
+    MAX_ITER_F32,
+    RANGE_TOL_F64,
+    TOL_F32,
+)
 from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref
 
@@ -329,9 +335,9 @@ def test_backward_edge_cases(device):
 # ---------------------------------------------------------------- the op, compile, module
 def test_opcheck():
     x = torch.randn(5, 4, 4, generator=_gen(6))
-    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_fwd.default, (x, 4e-6, 30, 200, True))
+    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_fwd.default, (x, 4e-6, 30, 200, 0.0, True))
     op = torch.ops.mhc_proj.birkhoff_fwd.default
-    torch.library.opcheck(op, (x.double(), 1e-13, 50, 50, False))
+    torch.library.opcheck(op, (x.double(), 1e-13, 50, 50, 3.6e-15, False))
     t = birkhoff_project(x)
     torch.library.opcheck(torch.ops.mhc_proj.birkhoff_bwd.default, (t, torch.randn_like(t)))
 
@@ -451,9 +457,10 @@ def _op_path(x, gr):
     n = x.shape[-1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     tol, it = (1e-13, 100) if dtype == torch.float64 else (4e-6, 30)
+    rtol = RANGE_TOL_F64 if dtype == torch.float64 else 0.0
     xr = x.detach().clone().requires_grad_(x.requires_grad)
     xc = xr.to(dtype).reshape(-1, n, n).contiguous()
-    t, _ = torch.ops.mhc_proj.birkhoff_fwd.default(xc, tol, it, FALLBACK_MAX_ITER, False)
+    t, _ = torch.ops.mhc_proj.birkhoff_fwd.default(xc, tol, it, FALLBACK_MAX_ITER, rtol, False)
     t = t.reshape(x.shape)
     if not x.requires_grad:
         return t, None
@@ -488,7 +495,8 @@ def test_fast_path_bitwise_op_path(device, dtype, shape, strided, requires_grad)
     assert torch.equal(t.detach(), t_info)
     c_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     tol, it = (1e-13, 100) if dtype == torch.float64 else (4e-6, 30)
-    t_apply = _BirkhoffProject.apply(x, c_dtype, tol, it, FALLBACK_MAX_ITER, False)
+    rtol = RANGE_TOL_F64 if dtype == torch.float64 else 0.0
+    t_apply = _BirkhoffProject.apply(x, c_dtype, tol, it, FALLBACK_MAX_ITER, rtol, False)
     assert torch.equal(t_apply.detach(), t_op)
     if requires_grad:
         t.backward(gr)

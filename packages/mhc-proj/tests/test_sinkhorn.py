@@ -255,9 +255,11 @@ def test_large_logits_not_doubly_stochastic():
         ({"iters": 0}, r"iters must be an integer in 1..10000; got 0"),
         ({"iters": 2.5}, r"iters must be an integer in 1..10000; got 2.5"),
         ({"iters": 10**6}, r"iters must be an integer in 1..10000; got 1000000"),
-        ({"eps": -1.0}, r"eps must be finite and >= 0; got -1.0"),
-        ({"eps": float("nan")}, r"eps must be finite and >= 0; got nan"),
-        ({"eps": float("inf")}, r"eps must be finite and >= 0; got inf"),
+        ({"eps": -1.0}, r"eps must be in 0 <= eps <= 1; got -1.0"),
+        ({"eps": float("nan")}, r"eps must be in 0 <= eps <= 1; got nan"),
+        ({"eps": float("inf")}, r"eps must be in 0 <= eps <= 1; got inf"),
+        # found by test_fuzz.py: a finite eps of 3.4e38 overflowed the sums to NaN
+        ({"eps": 3.4e38}, r"eps must be in 0 <= eps <= 1; got 3.4e\+38"),
         ({"out_dtype": torch.int64}, r"out_dtype must be None or one of"),
     ],
 )

@@ -50,15 +50,18 @@ def integer(name: str, value: object, lo: int, hi: int) -> int:
     return v
 
 
-def positive(name: str, value: object, allow_zero: bool = False) -> float:
-    """``value`` as a finite float > 0 (>= 0 with allow_zero)."""
+def positive(name: str, value: object, allow_zero: bool = False, hi: float = math.inf) -> float:
+    """``value`` as a finite float > 0 (>= 0 with allow_zero), at most hi."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a finite real number; got {value!r}")
     v = float(value)
-    ok = math.isfinite(v) and (v >= 0 if allow_zero else v > 0)
-    if not ok:
-        raise ValueError(f"{name} must be finite and {'>= 0' if allow_zero else '> 0'}; got {v}")
-    return v
+    if math.isfinite(v) and (v >= 0 if allow_zero else v > 0) and v <= hi:
+        return v
+    if hi < math.inf:
+        expected = f"in {'0 <=' if allow_zero else '0 <'} {name} <= {hi:g}"
+    else:
+        expected = f"finite and {'>=' if allow_zero else '>'} 0"
+    raise ValueError(f"{name} must be {expected}; got {v}")
 
 
 def flag(name: str, value: object) -> bool:

@@ -22,6 +22,12 @@ TOL_F32, MAX_ITER_F32 = 4e-6, 30
 TOL_F64, MAX_ITER_F64 = 1e-13, 100
 FALLBACK_TOL, FALLBACK_MAX_ITER = 1e-10, 200
 PIVOT_MIN = 2e-4
+# float64 logits with the default tol: a matrix's tolerance is raised to
+# RANGE_TOL_F64 * n * (its logit range as the solver sees it, after csrc/support.h's
+# reduction): the floor at which a double plan resolves a + beta. 1e-13 stays the
+# tolerance up to a range of ~28 / n (found by test_fuzz.py: N(0,1e3^2) float64 logits and
+# masked float64 matrices stalled at 1e-13..7e-11 under the plain 1e-13).
+RANGE_TOL_F64 = 16 * 2.0**-52
 # The largest max_iter / iters accepted (the info word counts iterations up to 65535).
 MAX_ITER_LIMIT = 10_000
 

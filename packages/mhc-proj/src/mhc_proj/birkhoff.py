@@ -29,6 +29,7 @@ from mhc_proj._config import (
     MAX_ITER_F64,
     MAX_ITER_LIMIT,
     PIVOT_MIN,
+    RANGE_TOL_F64,
     TOL_F32,
     TOL_F64,
 )
@@ -63,11 +64,17 @@ class ProjectionInfo(NamedTuple):
 # B = numel / n^2 matrices one after the other), so the eager path needs no reshapes; the
 # public launchers validate and call them.
 def _fwd(
-    x: torch.Tensor, tol: float, max_iter: int, fb_max_iter: int, info: torch.Tensor | None
+    x: torch.Tensor,
+    tol: float,
+    max_iter: int,
+    fb_max_iter: int,
+    info: torch.Tensor | None,
+    range_tol: float = 0.0,
 ) -> torch.Tensor:
     """T for contiguous float32/float64 ``x`` (..., n, n); fills ``info`` (B,) int32 if given.
     tol: the float32 stage's tolerance and the certificate of the stored T; the float64
-    stage solves to min(FALLBACK_TOL, tol) in at most fb_max_iter iterations per stage."""
+    stage solves to min(FALLBACK_TOL, tol) in at most fb_max_iter iterations per stage.
+    range_tol (float64 inputs): raise each matrix's tol to range_tol * n * its logit range."""
     n = x.shape[-1]
     b = x.numel() // (n * n)
     if x.data_ptr() % 16:  # _backend.aligned: the CUDA kernels use 16-byte loads
@@ -85,12 +92,12 @@ def _fwd(
             work = torch.empty(1 + b + b * n, dtype=torch.int32, device=x.device)
             mod.birkhoff_fwd(
                 x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n, dt, tol,
-                max_iter, fb_tol, fb_max_iter, PIVOT_MIN, _backend.stream(x),
+                max_iter, fb_tol, fb_max_iter, PIVOT_MIN, range_tol, _backend.stream(x),
             )  # fmt: skip
     else:
         _backend.cpu().birkhoff_fwd(
             x.data_ptr(), out.data_ptr(), info_ptr, b, n, dt, tol, max_iter, fb_tol,
-            fb_max_iter, PIVOT_MIN,
+            fb_max_iter, PIVOT_MIN, range_tol,
         )  # fmt: skip
     return out
 
@@ -119,18 +126,24 @@ def _bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 def birkhoff_fwd(
-    x: torch.Tensor, tol: float, max_iter: int, want_info: bool, fb_max_iter: int | None = None
+    x: torch.Tensor,
+    tol: float,
+    max_iter: int,
+    want_info: bool,
+    fb_max_iter: int | None = None,
+    range_tol: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward on (B, n, n) contiguous float32/float64 ``x``.
 
     Returns T (same dtype) and the int32 info words (B,) (empty when not wanted): bits
     0..15 iterations, bit 16 the float64 stage ran, bit 17 converged, bit 18 infeasible.
-    fb_max_iter: the float64 stage's iteration cap (default FALLBACK_MAX_ITER).
+    fb_max_iter: the float64 stage's iteration cap (default FALLBACK_MAX_ITER); range_tol:
+    float64 inputs' tolerance floor per unit of logit range (``_fwd``).
     """
     _backend.for_tensor(x)  # a clear error for other devices / a missing CUDA module
     fb = FALLBACK_MAX_ITER if fb_max_iter is None else fb_max_iter
     info = torch.empty(x.shape[0] if want_info else 0, dtype=torch.int32, device=x.device)
-    return _fwd(x, tol, max_iter, fb, info if want_info else None), info
+    return _fwd(x, tol, max_iter, fb, info if want_info else None, range_tol), info
 
 
 def birkhoff_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -192,13 +205,18 @@ def _transforms_active() -> bool:
 # ---------------------------------------------------------------- custom ops
 @torch.library.custom_op("mhc_proj::birkhoff_fwd", mutates_args=())
 def _fwd_op(
-    x: torch.Tensor, tol: float, max_iter: int, fb_max_iter: int, want_info: bool
+    x: torch.Tensor,
+    tol: float,
+    max_iter: int,
+    fb_max_iter: int,
+    range_tol: float,
+    want_info: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return birkhoff_fwd(x, tol, max_iter, want_info, fb_max_iter)
+    return birkhoff_fwd(x, tol, max_iter, want_info, fb_max_iter, range_tol)
 
 
 @_fwd_op.register_fake
-def _(x, tol, max_iter, fb_max_iter, want_info):
+def _(x, tol, max_iter, fb_max_iter, range_tol, want_info):
     info = x.new_empty((x.shape[0] if want_info else 0,), dtype=torch.int32)
     return torch.empty_like(x), info
 
@@ -220,13 +238,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_t, grad_info):
     (t,) = ctx.saved_tensors
     if grad_t is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     g = grad_t.to(t.dtype)
     da = _bwd_op(t, g.contiguous())
     if torch.is_grad_enabled() and (t.requires_grad or g.requires_grad):
         f = birkhoff_vjp_torch(t, g)  # a differentiated backward: as _vjp
         da = da + (f - f.detach())
-    return da, None, None, None, None
+    return da, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -247,12 +265,12 @@ class _BirkhoffProject(torch.autograd.Function):
     the backward is twice differentiable (``_vjp``)."""
 
     @staticmethod
-    def forward(logits, compute_dtype, tol, max_iter, fb_max_iter, want_info):
+    def forward(logits, compute_dtype, tol, max_iter, fb_max_iter, range_tol, want_info):
         x = logits if logits.dtype == compute_dtype else logits.to(compute_dtype)
         if not want_info:
-            return _fwd(x.contiguous(), tol, max_iter, fb_max_iter, None)
+            return _fwd(x.contiguous(), tol, max_iter, fb_max_iter, None, range_tol)
         info = torch.empty(logits.shape[:-2], dtype=torch.int32, device=logits.device)
-        return _fwd(x.contiguous(), tol, max_iter, fb_max_iter, info), info
+        return _fwd(x.contiguous(), tol, max_iter, fb_max_iter, info, range_tol), info
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -269,12 +287,12 @@ class _BirkhoffProject(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_t, *grad_info):
         if grad_t is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         (t,) = ctx.saved_tensors
         da = _vjp(t, grad_t)
         if ctx.in_dtype != t.dtype:
             da = da.to(ctx.in_dtype)
-        return da, None, None, None, None, None
+        return da, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, d_logits, *_):
@@ -285,12 +303,13 @@ class _BirkhoffProject(torch.autograd.Function):
         return (dt, None) if ctx.want_info else dt
 
     @staticmethod
-    def vmap(info, in_dims, logits, compute_dtype, tol, max_iter, fb_max_iter, want_info):
+    def vmap(info, in_dims, logits, *options):
         # the op maps over any leading dims: the vmapped dim becomes one more of them
         bdim = in_dims[0]
+        want_info = options[-1]
         if bdim is not None:
             logits = logits.movedim(bdim, 0)
-        out = _BirkhoffProject.apply(logits, compute_dtype, tol, max_iter, fb_max_iter, want_info)
+        out = _BirkhoffProject.apply(logits, *options)
         d = None if bdim is None else 0
         return out, ((d, d) if want_info else d)
 
@@ -321,16 +340,17 @@ _project_apply = _direct_apply(_BirkhoffProject) or _BirkhoffProject.apply
 
 # ---------------------------------------------------------------- public API
 def _options(logits, tol, max_iter):
-    """(compute dtype, tol, max_iter, the float64 stage's max_iter), validated."""
+    """(compute dtype, tol, max_iter, the float64 stage's max_iter, range_tol), validated."""
     if logits.dtype == torch.float64:
         dtype, tol_default, iter_default = torch.float64, TOL_F64, MAX_ITER_F64
     else:
         dtype, tol_default, iter_default = torch.float32, TOL_F32, MAX_ITER_F32
+    range_tol = RANGE_TOL_F64 if tol is None and dtype == torch.float64 else 0.0
     tol = tol_default if tol is None else _checks.positive("tol", tol)
     if max_iter is None:
-        return dtype, tol, iter_default, FALLBACK_MAX_ITER
+        return dtype, tol, iter_default, FALLBACK_MAX_ITER, range_tol
     max_iter = _checks.integer("max_iter", max_iter, 0, MAX_ITER_LIMIT)
-    return dtype, tol, max_iter, max_iter
+    return dtype, tol, max_iter, max_iter, range_tol
 
 
 def birkhoff_project(
@@ -350,8 +370,10 @@ def birkhoff_project(
         logits: (..., n, n), n in 2..8, any leading dims and strides. float32, bfloat16
             and float16 are computed in float32; float64 is computed in float64.
         tol: stopping tolerance on the L1 marginal error per matrix (default 4e-6 for
-            float32, 1e-13 for float64); ``info.converged`` certifies it on the T that is
-            stored (below ~1e-6 a float32 T cannot meet it: converged is then False).
+            float32; for float64 1e-13, or 16 n 2^-52 times the matrix's logit range where
+            that is larger: the double rounding floor); ``info.converged`` certifies it on
+            the T that is stored (below ~1e-6 a float32 T cannot meet it: converged is
+            then False).
         max_iter: Newton iterations per continuation stage, an int in 0..10000 (default 30
             for float32 with 200 in the float64 re-solve, 100 for float64; a given value
             caps every stage).
@@ -371,19 +393,20 @@ def birkhoff_project(
     the same results).
     """
     _checks.logits(logits)
-    dtype, tol, max_iter, fb_max_iter = _options(logits, tol, max_iter)
+    dtype, tol, max_iter, fb_max_iter, range_tol = _options(logits, tol, max_iter)
+    opts = (dtype, tol, max_iter, fb_max_iter, range_tol)
     return_info = _checks.flag("return_info", return_info)
     out_dtype = _checks.out_dtype(out_dtype, logits.dtype)
     if not torch.compiler.is_compiling():
         if not return_info:
-            t = _project_apply(logits, dtype, tol, max_iter, fb_max_iter, False)
+            t = _project_apply(logits, *opts, False)
             return t if t.dtype == out_dtype else t.to(out_dtype)
-        t, info = _project_apply(logits, dtype, tol, max_iter, fb_max_iter, True)
+        t, info = _project_apply(logits, *opts, True)
         return (t if t.dtype == out_dtype else t.to(out_dtype)), _info(info)
     shape = logits.shape
     n = shape[-1]
     x = logits.to(dtype).reshape(-1, n, n).contiguous()
-    t, info = _fwd_op(x, tol, max_iter, fb_max_iter, return_info)
+    t, info = _fwd_op(x, tol, max_iter, fb_max_iter, range_tol, return_info)
     t = t.reshape(shape).to(out_dtype)
     if not return_info:
         return t

@@ -191,14 +191,14 @@ def sinkhorn_project(
 
     float32/bfloat16/float16 computed in float32, float64 in float64; returned in
     ``out_dtype`` (default: the dtype of ``logits``). ``iters``: an int in 1..10000;
-    ``eps``: finite, >= 0. -inf entries get weight 0 in the softmax (P0 = eps there); NaN or
+    ``eps``: in [0, 1]. -inf entries get weight 0 in the softmax (P0 = eps there); NaN or
     +inf entries, or a row of -inf, give a NaN matrix. Differentiable (exact backward of the
     truncated iteration; saves the logits), twice differentiable, composable with
     torch.func.
     """
     _checks.logits(logits)
     iters = _checks.integer("iters", iters, 1, SINKHORN_MAX_ITERS)
-    eps = _checks.positive("eps", eps, allow_zero=True)
+    eps = _checks.positive("eps", eps, allow_zero=True, hi=1.0)
     out_dtype = _checks.out_dtype(out_dtype, logits.dtype)
     n = logits.shape[-1]
     shape = logits.shape
