@@ -18,7 +18,7 @@ CONSTRAINTS = str(ROOT / "ci" / "constraints.txt")
 PACKAGES = {
     "flashsinkhorn": "flashsinkhorn",
     "mhc-proj": "mhc_proj",
-    "flashoptim": "flashoptim",
+    "flashoptim": "flashoptim_fused",  # distribution flashoptim-fused
 }
 # Extra demo modules run after each package's own `python -m <pkg>.demo`, if they exist.
 EXTRA_DEMOS = {"flashsinkhorn": ["flashsinkhorn.second_order.demo"]}

@@ -19,7 +19,8 @@
 # Limits in seconds per step (a step past its limit is killed, marked FAILED, and the run
 # goes on): LIMIT_BUILD (300), LIMIT_TESTS (240, each package), LIMIT_BENCH_<pkg> (150),
 # with <pkg> the import name. GPU_PYTEST_ARGS: extra pytest args; BENCH_ARGS_<pkg>: extra
-# bench args; GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1 skip a phase.
+# bench args; GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1 skip a phase; GPU_BENCH_PACKAGES (space
+# separated) limits the benchmarks to those packages.
 set -uo pipefail
 out="${1:?usage: tools/gpu_run.sh OUTDIR [PACKAGE ...]}"; shift
 mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -51,7 +52,7 @@ for wheels in .whl .whl-bnb; do
       --no-index --no-deps --no-compile --target "$site" --upgrade "$wheels"/*.whl
   fi
 done
-# our sources first: the flashoptim 0.1.4 peer wheel has the same import name as ours
+# our sources first (ours imports as flashoptim_fused, the flashoptim 0.1.4 peer as flashoptim)
 export PYTHONPATH="$root/packages/flashsinkhorn/src:$root/packages/flashoptim/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 
 python3 - >"$out/env.json" 2>>"$log" <<'PY'
@@ -102,11 +103,12 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 
 if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
-  for pkg in "${packages[@]}"; do
-    import_name="${pkg//-/_}"
+  for pkg in ${GPU_BENCH_PACKAGES:-${packages[@]}}; do
+    import_name="${pkg//-/_}"  # (also names LIMIT_BENCH_* / BENCH_ARGS_*)
+    module="$import_name"; [ "$pkg" = flashoptim ] && module=flashoptim_fused
     [ "$pkg" = mhc-proj ] && [ $built != 1 ] && continue
     limit="LIMIT_BENCH_${import_name}"; extra="BENCH_ARGS_${import_name}"
-    step "bench $pkg" "${!limit:-150}" "$out/bench-$pkg.txt" python3 -m "$import_name.bench" \
+    step "bench $pkg" "${!limit:-150}" "$out/bench-$pkg.txt" python3 -m "$module.bench" \
       --json "$out/bench-$pkg.json" ${!extra:-}
   done
 fi

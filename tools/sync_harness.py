@@ -15,7 +15,7 @@ SOURCE = ROOT / "tools" / "harness.py"
 COPIES = [
     ROOT / "packages" / "flashsinkhorn" / "src" / "flashsinkhorn" / "_harness.py",
     ROOT / "packages" / "mhc-proj" / "src" / "mhc_proj" / "_harness.py",
-    ROOT / "packages" / "flashoptim" / "src" / "flashoptim" / "_harness.py",
+    ROOT / "packages" / "flashoptim" / "src" / "flashoptim_fused" / "_harness.py",
 ]
 
 

@@ -2,11 +2,14 @@
 
     python3 tools/flashsinkhorn/hopper_protocol_sim.py [--seeds 300]
 
-A Python transcription of the synchronization in ``flashsinkhorn/_softmin_hopper.py``: the
+A Python transcription of the synchronization in ``flashsinkhorn/_softmin_hopper.py`` (and
+``_symmetric_hopper.py``, whose one pass uses the same protocol: a stage's TMA bytes are two
+y boxes instead of one y tile, each consumer reads its own box, both release the stage): the
 ring's ready / empty mbarriers (parity waits, arrival counts, TMA transaction completion
 later than the issue), the ping-pong turn barriers, async wgmma retired in order by
-``warpgroup_mma_wait(n)``, for every mode (the "pipe" kernel's inline refills, the "ws"
-producer with one or two consumers, PIPE, EARLY release, PINGPONG with its TURN_AFTER).
+``warpgroup_mma_wait(n)``, for every mode the kernel launches: the main launch (a producer
+warp, two consumers, PIPE with one chunk per tile, EARLY release with several, PINGPONG
+with its TURN_AFTER) and the fallback launch (one warpgroup, inline refills).
 Each step runs a random runnable agent or completes a random in-flight TMA / wgmma. It
 checks: no deadlock, every consumer reads every chunk of every tile, a wgmma only reads a
 stage that holds its chunk and that no TMA overwrites before the wgmma retired. Keep it in
@@ -158,17 +161,13 @@ class Sim:
 
 
 def modes():
-    """(num_k, stages, num_wg, pipe, pingpong, inline) as the kernel's checks allow them."""
-    for num_k, stages, num_wg, pipe, pingpong, inline in itertools.product(
-        (1, 2, 3, 8, 16), (1, 2, 3, 4, 6), (1, 2), (True, False), (True, False), (True, False)
-    ):
-        if pipe and stages <= num_k or stages < (2 if num_k > 1 else 1):
-            continue  # rejected by _check_config
-        if inline and (num_wg != 1 or pingpong):
-            continue  # the "pipe" kernel: one warpgroup
-        if pingpong and num_wg != 2:
-            continue
-        yield num_k, stages, num_wg, pipe, pingpong, inline
+    """(num_k, stages, num_wg, pipe, pingpong, inline) of every launch the kernel makes
+    (``_check_config``, ``_spec``): the main launch with two consumers (pipe exactly with
+    one chunk per tile, ping-pong optional with several) and the fallback launch."""
+    for num_k, stages in itertools.product((1, 2, 3, 8, 16), (2, 3, 4, 6)):
+        for pingpong in (False, True) if num_k > 1 else (False,):
+            yield num_k, stages, 2, num_k == 1, pingpong, False
+        yield num_k, stages, 1, False, False, True
 
 
 def main():

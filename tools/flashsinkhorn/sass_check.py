@@ -57,6 +57,7 @@ TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8
 PLAN_APPLY = (128, 64, 8, 3)  # with V, DV <= 64
 PLAN_APPLY_WIDE = (64, 64, 8, 3)  # with V, DV > 64 (256-wide output chunks)
 SELF_TUNE = [(128, 8, 2), (128, 8, 3), (64, 4, 3)]  # (BLOCK, warps, stages)
+SAMPLE_TUNE = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
 
 # kernel name -> role (old names first: the shift kernel was MODE 8 of the variant kernel)
 ROLES = {
@@ -66,6 +67,7 @@ ROLES = {
     "_self_softmin_kernel": "self-symmetric",
     "_row_lse_kernel": "second-order-row-lse",
     "_row_apply_kernel": "second-order-row-apply",
+    "_softmax_sample_kernel": "sample",
 }
 # constexprs that only selected a mode of a deleted kernel (dropped before comparing)
 DROPPED = {"MODE", "LOOP_STAGES"}
@@ -173,13 +175,16 @@ def loop_counts(sass: str) -> str:
 
 def _configs_for(role, constexprs, num_warps, num_stages):
     """(name, constexpr overrides, warps, stages) for every GPU config of one capture."""
-    if role in ("running-max", "shift"):
+    if role in ("running-max", "shift", "sample"):
         if constexprs.get("HAS_V"):
             wide = constexprs["BLOCK_DV"] > 64
             bm, bn, w, st = PLAN_APPLY_WIDE if wide else PLAN_APPLY
             return [(f"{bm}x{bn}/{w}w/{st}s", dict(BLOCK_M=bm, BLOCK_N=bn), w, st)]
         space = TUNE_SMALL_D if constexprs["NUM_D"] == 1 else TUNE_LARGE_D
-        return [(f"{bm}x{bn}/{w}w/{st}s", dict(BLOCK_M=bm, BLOCK_N=bn), w, st)
+        extra = {}
+        if role == "sample":  # the capture ran with TRITON_INTERPRET=1: the GPU's fast log2
+            space, extra = SAMPLE_TUNE, dict(FAST_LOG2=True)
+        return [(f"{bm}x{bn}/{w}w/{st}s", dict(BLOCK_M=bm, BLOCK_N=bn, **extra), w, st)
                 for bm, bn, w, st in space]  # fmt: skip
     if role == "self-symmetric":
         return [(f"{b}/{w}w/{st}s", dict(BLOCK=b), w, st) for b, w, st in SELF_TUNE]
@@ -248,6 +253,14 @@ def _scenarios():
         S.row_apply(x[0], y[0], torch.zeros(n), torch.zeros(n), 0.01, torch.rand(n),
                     backend="triton")  # fmt: skip
 
+    def sample(d, precision):
+        from flashsinkhorn.sampling import softmax_sample
+
+        kdt = torch.bfloat16 if precision == "bf16" else torch.float32
+        x, y = clouds(d, kdt)
+        softmax_sample(x, y, torch.zeros(1, n), torch.full((1, n), -8.0), torch.zeros(1, n),
+                       eps=0.01, c2=2.0, seed=1, precision=precision, backend="triton")  # fmt: skip
+
     out = []
     for d in (64, 512, 1024, 3):
         for prec in ("tf32", "bf16", "tf32x3", "ieee") if d == 64 else ("tf32",):
@@ -262,6 +275,8 @@ def _scenarios():
         ("plan-apply d=512 DV=512 tf32", lambda: sm(512, "tf32", v=512)),
         ("plan-apply d=64 DV=64 bf16", lambda: sm(64, "bf16", v=64)),
         ("self d=64 tf32", lambda: self_sm(64, "tf32")),
+        ("sample d=64 tf32", lambda: sample(64, "tf32")),
+        ("sample d=512 tf32", lambda: sample(512, "tf32")),
         ("self d=512 tf32", lambda: self_sm(512, "tf32")),
         ("second-order row_lse d=784 labels", lambda: so_lse(784, True)),
         ("second-order row_apply d=64", lambda: so_apply(64)),

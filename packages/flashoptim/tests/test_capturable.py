@@ -1,9 +1,10 @@
-"""capturable=True (step counts, step scalars and the finiteness decision on device, for CUDA
-graphs): bitwise the same parameters, corrections, codes and scales as capturable=False.
+"""Capturable mode (``_capturable.py``: step counts, step scalars and the finiteness decision
+on device, for CUDA graphs): bitwise the same parameters, corrections, codes and scales as
+the CPU path and the eager kernel.
 
 CPU tests run the Triton kernels under the interpreter (backend="triton" on CPU tensors).
 The device scalars are computed with torch float64 ops from the same formulas as the host's
-``_scalar_args``; the only op that is not correctly rounded is ``pow`` (b1**step, b2**step:
+``_plan.scalar_args``; the only op that is not correctly rounded is ``pow`` (b1**step, b2**step:
 Python's ``**`` is the C library's pow, torch's CPU pow of a small tensor is the same libm
 call, CUDA's double pow is within 2 ulp). A last-bit float64 difference changes the fp32
 scalar the kernel reads only when it straddles an fp32 rounding boundary (about 2**-29 per
@@ -15,8 +16,9 @@ the graph test compares codes up to ties and parameters to a tolerance.
 import pytest
 import torch
 
-import flashoptim as fo
-from flashoptim import _core, optimizers
+import flashoptim_fused as fo
+from flashoptim_fused import _capturable, _plan
+from flashoptim_fused import _step_kernel as K
 
 SHAPES = [(64,), (40, 3), (33,), (7,), (2048 + 96,)]
 
@@ -81,19 +83,17 @@ def _steps(opt):
 
 
 @pytest.mark.parametrize("name,Opt,kw", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("kernel", ["v2", "v1", "v3", "v4"])
-def test_capturable_bitwise(name, Opt, kw, kernel):
-    """Several steps with an LR schedule (float lr eager, float64 tensor lr capturable),
-    stochastic rounding, two param groups and bf16 + fp16 + fp32 parameters; step 0 (SGD's
-    'first' step) or step 2 has a non-finite gradient: skipped identically on device."""
-    if kernel == "v1" and name not in ("adamw", "sgd"):
-        pytest.skip("v1 checked for one Adam and one SGD case")
+def test_capturable_bitwise(name, Opt, kw):
+    """Several steps with an LR schedule (float lr on the CPU path, float64 tensor lr
+    capturable), stochastic rounding, two param groups and bf16 + fp16 + fp32 parameters;
+    step 0 (SGD's 'first' step) or step 2 has a non-finite gradient: skipped identically
+    on device. Against the CPU path, bitwise."""
     dts = (torch.bfloat16, torch.float16, torch.float32)
     pa, pb = _params(dts), _params(dts)
     bad_step = 0 if name.startswith("sgd") else 2
-    a = Opt(_groups(pa, True), lr=1e-2, kernel=kernel, backend="triton", **kw)
+    a = Opt(_groups(pa, True), lr=1e-2, backend="torch", **kw)
     lr_t = torch.tensor(1e-2, dtype=torch.float64)
-    b = Opt(_groups(pb, True), lr=lr_t, kernel=kernel, backend="triton", capturable=True, **kw)
+    b = Opt(_groups(pb, True), lr=lr_t, backend="triton", capturable=True, **kw)
     assert torch.is_tensor(b.param_groups[0]["lr"])
     sa = torch.optim.lr_scheduler.LambdaLR(a, lambda k: 1.0 / (1 + 0.37 * k))
     sb = torch.optim.lr_scheduler.LambdaLR(b, lambda k: 1.0 / (1 + 0.37 * k))
@@ -174,14 +174,14 @@ def test_device_scalars_match_host():
         plan["dstep"] = steps.clone()
         plan["scal"] = torch.zeros(len(steps), 14, dtype=torch.int32)
         hp = opt._hp(opt.param_groups[0], p)
-        opt._device_scalars(plan, hp, torch.zeros(1, dtype=torch.int32))
+        _capturable.device_scalars(opt, plan, hp, torch.zeros(1, dtype=torch.int32))
         got = plan["scal"]
         pw = torch.pow(torch.tensor(b1, dtype=torch.float64), steps[1:].double())
         host = torch.tensor([b1**s for s in range(1, 3001)], dtype=torch.float64)
         ulps = (pw.view(torch.int64) - host.view(torch.int64)).abs()
         assert int(ulps.max()) <= 1
         for s in range(1, 3001, 7):
-            want = opt._scalar_args(hp, s)
+            want = _plan.scalar_args(opt._kind, hp, s)
             f = torch.tensor(want[:11], dtype=torch.float32).view(torch.int32)
             assert torch.equal(got[s, :11], f), s
             assert int(got[s, 11]) == want[11]
@@ -198,46 +198,41 @@ def test_capturable_errors(monkeypatch):
     opt = fo.FlashAdamW([p], capturable=True, backend="triton")
     p.grad = torch.ones_like(p)
     opt.step()
-    monkeypatch.setattr(optimizers, "_capturing", lambda: True)
+    monkeypatch.setattr(_plan, "capturing", lambda: True)
     opt.step()  # same tensors: no rebuild, fine while "capturing"
     p.grad = torch.ones_like(p)  # a new gradient tensor: the tables would need rebuilding
     with pytest.raises(RuntimeError, match="capture"):
         opt.step()
     with pytest.raises(RuntimeError, match="capture"):
         opt.sync_steps()
-    monkeypatch.setattr(optimizers, "_capturing", lambda: False)
+    monkeypatch.setattr(_plan, "capturing", lambda: False)
     opt.step()  # rebuilt eagerly, step counts carried over
     assert opt.state_dict()["state"][0]["step"] == 3
     with pytest.raises(ValueError, match="capturable"):
         opt.step_param(p)
 
 
-@pytest.mark.parametrize("kernel", ["v2", "v3", "v4"])
-def test_default_path_unchanged_scalar_flag(kernel):
+def test_default_path_unchanged_scalar_flag(monkeypatch):
     """The default path launches with SCALARS_ON_DEVICE=False (its compiled code does not
     change); capturable launches with True."""
     seen = []
-    name = "_run_kernel_v2" if kernel == "v2" else "_run_kernel_v3"  # v3 and v4 share it
-    orig = getattr(optimizers.FlashOptimizer, name)
+    orig = _plan.launch_step
 
-    def spy(self, ent, scalars, flags, *rest, **kw):
+    def spy(ent, scalars, flags, *rest, **kw):
         seen.append(flags["SCALARS_ON_DEVICE"])
-        return orig(self, ent, scalars, flags, *rest, **kw)
+        return orig(ent, scalars, flags, *rest, **kw)
 
-    setattr(optimizers.FlashOptimizer, name, spy)
-    try:
-        for cap in (False, True):
-            p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
-            p.grad = torch.ones_like(p)
-            fo.FlashAdamW([p], capturable=cap, backend="triton", kernel=kernel).step()
-    finally:
-        setattr(optimizers.FlashOptimizer, name, orig)
+    monkeypatch.setattr(_plan, "launch_step", spy)
+    for cap in (False, True):
+        p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+        p.grad = torch.ones_like(p)
+        fo.FlashAdamW([p], capturable=cap, backend="triton").step()
     assert seen == [False, True]
-    assert _core._step_kernel_v2.arg_names[-1] == "SCALARS_ON_DEVICE"
+    assert "SCALARS_ON_DEVICE" in K._step_kernel.arg_names
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay():
+def test_gpu_cuda_graph_replay():
     """Capture opt.step() in a CUDA graph after an eager warm-up, replay it with fresh
     gradients copied into the static .grad tensors and a scheduler filling the tensor lr;
     compare with an eager optimizer; an injected inf gradient skips the step on device."""

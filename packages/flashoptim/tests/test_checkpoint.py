@@ -1,11 +1,13 @@
-"""Checkpoints: bit-exact resume, compact state dicts, torch.optim checkpoints, fp32 export."""
+"""Checkpoints and master weights (``checkpoint.py``): bit-exact resume, compact state dicts,
+torch.optim checkpoints, fp32 export, starting from fp32 master weights."""
 
 import io
 
 import pytest
 import torch
+from _checks import INTERP, small_grads, small_params
 
-import flashoptim as fo
+import flashoptim_fused as fo
 
 
 def _model(seed=0):
@@ -87,9 +89,9 @@ def test_load_torch_adamw_checkpoint():
     p_t, p_f = next(iter(m_t.parameters())), next(iter(m_f.parameters()))
     assert o_f.state[p_f]["exp_avg"].dtype == torch.int8
     assert o_f.state[p_f]["step"] == 5
-    from flashoptim import _core
+    from flashoptim_fused import reference
 
-    m = _core.dequantize_momentum_ref(
+    m = reference.dequantize_momentum_ref(
         o_f.state[p_f]["exp_avg"].view(-1), o_f.state[p_f]["exp_avg_scale"]
     ).view(p_t.shape)
     ref = o_t.state[p_t]["exp_avg"].double()
@@ -113,3 +115,137 @@ def test_export_fp32_master_weights():
             p.abs().max() * 2**-7
         )
         assert not torch.equal(w, p.detach().float())  # carries the extra bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [24, 32, None])
+def test_load_master_weights_keeps_the_fp32_value(dtype, bits):
+    """The narrow parameter is the nearest narrow value of the master and the correction holds
+    the rest: the optimizer's master weight is the fp32 value to half a correction step."""
+    from flashoptim_fused import reference
+
+    g = torch.Generator().manual_seed(11)
+    masters = [
+        torch.randn(1000, generator=g) * 0.02,
+        torch.randn(7, 33, generator=g) * 3.0,
+        torch.tensor([1.0, -1.0, 0.0, 1e-3, 5e-6, 1.0 + 2**-9, 2.0 - 2**-12]),
+    ]
+    ps = [m.to(dtype).requires_grad_() for m in masters]
+    ps.append(torch.randn(5, generator=g).requires_grad_())  # an fp32 parameter
+    masters.append(ps[-1].detach() + 0.25)
+    opt = fo.FlashAdamW(ps, lr=1e-3, master_weight_bits=bits)
+    opt.load_master_weights(masters)
+    for p, m in zip(ps, masters):
+        assert torch.equal(p.detach(), m.to(p.dtype)), "narrow value = nearest rounding"
+        got = fo.master_weight(p, opt)
+        if p.dtype == torch.float32:
+            assert torch.equal(got, m)
+        elif bits is None:
+            assert "correction" not in opt.state[p]
+            assert torch.equal(got, m.to(dtype).float())
+        else:
+            q = reference.ulp_ref(p.detach().reshape(-1)) / 2.0 ** reference.ECC_BITS[bits]
+            err = (got.reshape(-1).double() - m.reshape(-1).double()).abs()
+            # half a step, except where the rest is near +half an ulp: codes stop at 2**(b-1) - 1
+            assert (err <= q).all(), float((err / q).max())
+            assert float((err <= q / 2).float().mean()) > 0.99
+            if bits == 24 and p.numel() > 100:
+                assert (err > 0).any()  # a real rounding, not a copy through fp32
+
+
+def test_load_master_weights_errors():
+    ps = [torch.zeros(4, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    opt = fo.FlashAdamW(ps)
+    with pytest.raises(ValueError, match="got 1 tensors for 2 parameters"):
+        opt.load_master_weights([torch.zeros(4)])
+    with pytest.raises(ValueError, match=r"masters\[1\] has shape \(5,\)"):
+        opt.load_master_weights([torch.zeros(4), torch.zeros(5)])
+    with pytest.raises(TypeError, match=r"masters\[0\] must be a float tensor"):
+        opt.load_master_weights([torch.zeros(4, dtype=torch.int32), torch.zeros(4)])
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1"),
+        ),
+    ],
+)
+def test_fp32_masters_remove_the_dead_zone(backend):
+    """Why load_master_weights exists. A model cast to bf16 has every master weight on a
+    bf16 value, so a first update of under half an ulp moves no visible weight at all; with
+    the fp32 init as master, the visible weights follow the update on average (the fraction
+    that moves is about |update| / ulp, as for torch's fp32 master cast to bf16)."""
+    g = torch.Generator().manual_seed(3)
+    init = 0.0201 + torch.rand(20000, generator=g) * 0.0108  # one binade: ulp = 2**-13
+    grad = torch.randn(20000, generator=g).bfloat16()
+    lr = 3e-5  # the first Adam update is lr * sign(g): about 0.25 ulp, under half an ulp
+    moved = {}
+    for name in ("bf16_init", "fp32_masters"):
+        p = init.bfloat16().requires_grad_()
+        opt = fo.FlashAdamW([p], lr=lr, weight_decay=0.0, backend=backend)
+        if name == "fp32_masters":
+            opt.load_master_weights([init])
+        before = p.detach().clone()
+        p.grad = grad.clone()
+        opt.step()
+        delta = (p.detach().float() - before.float())[grad != 0]
+        moved[name] = float((delta != 0).float().mean())
+        # every visible move goes against the gradient
+        assert ((delta * grad[grad != 0].float()) <= 0).all()
+    assert moved["bf16_init"] == 0.0
+    expected = lr / 2**-13  # 0.246
+    assert abs(moved["fp32_masters"] - expected) < 0.03, moved
+
+
+@pytest.mark.parametrize(
+    "Flash,Torch,kw",
+    [
+        (fo.FlashAdamW, torch.optim.AdamW, dict(weight_decay=0.1)),
+        (fo.FlashSGD, torch.optim.SGD, dict(momentum=0.9)),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_torch_round_trip(Flash, Torch, kw):
+    """The way back to torch: ``torch_state_dict()`` (fp32 moments) + ``master_weights()``
+    continue in torch.optim as our optimizer continues (fp32 states: to fp32 round-off;
+    default 8-bit states: within their resolution), and torch's state dict loads back. Our
+    native format keeps 8-bit codes under ``<state>_codes``: torch's loader cannot take them
+    for moments (torch's step raises instead of reading codes as values)."""
+    for okw, tol in ((dict(quantize=False, master_weight_bits=32), 1e-5), ({}, 5e-3)):
+        ps = small_params()
+        opt = Flash(ps, lr=1e-2, **okw, **kw)
+        for s in range(3):
+            for p, g in zip(ps, small_grads(ps, s)):
+                p.grad = g
+            opt.step()
+        masters = opt.master_weights()
+        fp32 = [masters[p].clone().requires_grad_() for p in ps]
+        t = Torch(fp32, lr=1e-2, **kw)
+        t.load_state_dict(opt.torch_state_dict())
+        back = Flash([p.detach().clone().requires_grad_() for p in ps], lr=1e-2, **okw, **kw)
+        back.load_state_dict(t.state_dict())
+        qs = [q for q in back.param_groups[0]["params"]]
+        for s in range(3, 6):
+            for p, q, r, g in zip(ps, qs, fp32, small_grads(ps, s)):
+                p.grad, q.grad, r.grad = g, g.clone(), g.clone()
+            opt.step()
+            t.step()
+            back.step()
+        for p, q, r in zip(ps, qs, fp32):
+            w = fo.master_weight(p, opt)
+            assert (w - r.detach()).abs().max() < tol
+            assert (fo.master_weight(q, back) - w).abs().max() < tol
+    native = opt.state_dict()
+    assert all(k != opt._m_key for st in native["state"].values() for k in st)
+    t = Torch([p.detach().clone().requires_grad_() for p in ps], lr=1e-2, **kw)
+    t.load_state_dict(native)
+    for p in t.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+        assert opt._m_key not in t.state[p]  # no codes taken for moments
+    if Torch is torch.optim.AdamW:  # (torch's SGD starts a fresh momentum_buffer)
+        with pytest.raises(KeyError):
+            t.step()

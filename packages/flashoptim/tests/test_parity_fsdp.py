@@ -6,7 +6,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from flashoptim import parity_fsdp
+from flashoptim_fused import parity_fsdp
 
 
 def test_parity_fsdp_smoke(tmp_path):

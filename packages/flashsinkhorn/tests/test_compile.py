@@ -85,7 +85,7 @@ def test_samples_loss_compiled_unbalanced_potentials_and_info():
     "batch,kw",
     [
         (2, dict()),
-        (None, dict(reach=(0.5, None), cost="cosine", eps_scaling=0.5)),
+        (None, dict(rho=(0.5, None), cost="cosine", eps_scaling=0.5)),
         (None, dict(schedule="symmetric", label_cost=True)),
     ],
 )

@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-from _helpers import BACKENDS, needs_interpreter
+from _helpers import BACKENDS, INTERPRET, needs_interpreter
 
 import flashsinkhorn as fs
-from flashsinkhorn.primitives import resolve_backend
+from flashsinkhorn.primitives import problem_backend, resolve_backend, sm90_pass_reason
 from flashsinkhorn.reference import plan_apply_ref, softmin_ref
 
 SHAPES = [  # (B, N, M, D)
@@ -234,3 +234,16 @@ def test_softmin_even_d_fused_bias_and_tail(backend, D):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse2.double(), ref_lse2, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(vbar.double(), refv, atol=2e-5, rtol=1e-5)
+
+
+def test_backend_choice_keeps_the_users_word():
+    cpu = torch.device("cpu")
+    # solvers keep "auto" (each pass may then take the sm_90 kernel) and "triton" (the
+    # portable kernels only); float64 under "auto" and CPU without the interpreter: torch
+    assert problem_backend("auto", cpu, torch.float64) == "torch"
+    assert problem_backend("torch", cpu, torch.float32) == "torch"
+    assert problem_backend("auto", cpu, torch.float32) == "torch"  # auto on CPU: torch
+    if resolve_backend("auto", cpu) == "torch" and INTERPRET:
+        assert problem_backend("triton", cpu, torch.float32) == "triton"
+    x = torch.zeros(1, 8, 16)
+    assert sm90_pass_reason(x, x, "tf32") == "not a CUDA tensor"

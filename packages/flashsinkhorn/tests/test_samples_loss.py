@@ -121,6 +121,86 @@ def test_marginal_error_is_reported_and_warned():
 
 
 # ---------------------------------------------------------------------------------------
+# the bad-input contract (issue 19) and GeomLoss's arguments (issue 20)
+# ---------------------------------------------------------------------------------------
+
+
+def test_unequal_masses_and_zero_sums_raise_like_solve():
+    """Balanced OT needs equal masses: the old loss returned 11.7 for masses 20 and 15 and
+    NaN (with a warning) for zero-sum weights; now both raise, naming the argument."""
+    x, y, a, b = clouds(20, 15, 2, seed=7)
+    loss = fs.SamplesLoss()
+    with pytest.raises(ValueError, match=r"a.sum\(\) == b.sum\(\).*reach="):
+        loss(torch.ones(20, dtype=x.dtype), x, torch.ones(15, dtype=x.dtype), y)
+    with pytest.raises(ValueError, match="a must have a positive sum"):
+        loss(torch.zeros_like(a), x, b, y)
+    with pytest.raises(ValueError, match="b must have a positive sum"):
+        fs.SamplesLoss(reach=1.0)(a, x, torch.zeros_like(b), y)
+    # unbalanced: unequal masses are the point
+    v = fs.SamplesLoss(reach=1.0)(2 * a, x, b, y)
+    assert torch.isfinite(v)
+
+
+def test_infinite_reach_is_balanced():
+    """reach=inf gave NaN (inf * 0 in the unbalanced weights); it is the balanced loss."""
+    x, y, a, b = clouds(20, 15, 2, seed=8)
+    v_inf = fs.SamplesLoss(reach=float("inf"))(a, x, b, y)
+    v = fs.SamplesLoss()(a, x, b, y)
+    torch.testing.assert_close(v_inf, v, atol=0, rtol=0)
+
+
+def test_reach_is_geomloss_distance_and_agrees_with_solve():
+    """SamplesLoss(reach=r): rho = r^2 for the cost |x - y|^2 / 2, i.e. solve(rho=r^2,
+    cost_scale=0.5). With a fine schedule (scaling 0.99: 2e-4 off; 0.999: 2e-5) the loss's
+    potentials approach solve's; the other meaning (rho = 2 r^2 here) is 6e-2 off."""
+    x, y, a, b = clouds(20, 15, 2, seed=9)
+    F, G = fs.SamplesLoss(blur=0.5, reach=0.6, debias=False, scaling=0.99, potentials=True)(
+        a, x, b, y
+    )
+    r = fs.solve(x, y, a, b, eps=0.25, rho=0.36, cost_scale=0.5, tol=1e-12, max_iter=5000)
+    torch.testing.assert_close(F, r.f, atol=1e-3, rtol=0)
+    torch.testing.assert_close(G, r.g, atol=1e-3, rtol=0)
+    r2 = fs.solve(x, y, a, b, eps=0.25, rho=0.72, cost_scale=0.5, tol=1e-12, max_iter=5000)
+    assert float((F - r2.f).abs().max()) > 1e-2
+
+
+def test_array_like_weights():
+    x, y, a, b = clouds(12, 9, 2, seed=10)
+    ref = fs.SamplesLoss()(a, x, b, y)
+    torch.testing.assert_close(fs.SamplesLoss()(a.tolist(), x, b.numpy(), y), ref, atol=0, rtol=0)
+    with pytest.raises(TypeError, match="b must be"):
+        fs.SamplesLoss()(a, x, "b", y)
+
+
+def test_geomloss_arguments_work_or_say_what_to_use(capsys):
+    x, y, a, b = clouds(15, 12, 2, seed=11)
+    ref = fs.SamplesLoss()(a, x, b, y)
+    for backend in ("tensorized", "online"):  # GeomLoss's exact backends
+        torch.testing.assert_close(fs.SamplesLoss(backend=backend)(a, x, b, y), ref)
+    with pytest.raises(ValueError, match="multiscale.*backend='auto'"):
+        fs.SamplesLoss(backend="multiscale")
+    with pytest.raises(ValueError, match="truncate=5 only applies"):
+        fs.SamplesLoss(truncate=5)
+    with pytest.raises(ValueError, match="cluster_scale"):
+        fs.SamplesLoss(cluster_scale=0.1)
+    with pytest.raises(ValueError, match="backend"):
+        fs.SamplesLoss(backend="keops")
+    with pytest.raises(ValueError, match="precision"):
+        fs.SamplesLoss(precision="fp8")
+    fs.SamplesLoss(verbose=True)(a, x, b, y)
+    out = capsys.readouterr().out
+    assert "flashsinkhorn.SamplesLoss: eps" in out and "final marginal error" in out
+
+
+@needs_interpreter
+def test_bf16_under_the_interpreter_raises():
+    """The interpreter's bf16 dot is wrong: SamplesLoss(precision="bf16") gave NaN."""
+    x, y, _, _ = clouds(10, 8, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="bf16"):
+        fs.SamplesLoss(precision="bf16", backend="triton")(x, y)
+
+
+# ---------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------
 

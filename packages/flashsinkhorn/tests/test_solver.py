@@ -17,14 +17,14 @@ from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.reference import cost_matrix_ref, sinkhorn_ref, softmin_ref
 from flashsinkhorn.solver import Problem
 
-REACHES = [None, 0.5, (0.3, None)]
+RHOS = [None, 0.5, (0.3, None)]
 
 
-@pytest.mark.parametrize("reach", REACHES)
-def test_potentials_and_value_match_dense_reference(reach):
+@pytest.mark.parametrize("rho", RHOS)
+def test_potentials_and_value_match_dense_reference(rho):
     x, y, a, b = clouds(40, 31, 3)
-    f0, g0, v0 = sinkhorn_ref(cost_matrix_ref(x, y), a, b, 0.05, reach)
-    r = fs.solve(x, y, a, b, eps=0.05, reach=reach, tol=1e-10, max_iter=4000)
+    f0, g0, v0 = sinkhorn_ref(cost_matrix_ref(x, y), a, b, 0.05, rho)
+    r = fs.solve(x, y, a, b, eps=0.05, rho=rho, tol=1e-10, max_iter=4000)
     assert r.converged and r.n_iter < 4000
     torch.testing.assert_close(r.f, f0, atol=1e-8, rtol=0)
     torch.testing.assert_close(r.g, g0, atol=1e-8, rtol=0)
@@ -39,7 +39,7 @@ def test_other_costs_match_dense_reference(cost):
     f0, g0, v0 = sinkhorn_ref(C, a, b, 0.1)
     r = fs.solve(x, y, a, b, eps=0.1, cost=cost, tol=1e-11, max_iter=4000)
     torch.testing.assert_close(r.value, v0, atol=1e-9, rtol=0)
-    torch.testing.assert_close(r.plan(), torch.exp((f0[:, None] + g0 - C) / 0.1) * a[:, None] * b)
+    torch.testing.assert_close(r.plan, torch.exp((f0[:, None] + g0 - C) / 0.1) * a[:, None] * b)
 
 
 def test_label_cost_matches_dense_reference():
@@ -61,7 +61,7 @@ def test_balanced_matches_pot():
     C = cost_matrix_ref(x, y).numpy()
     res = ot.solve(C, a.numpy(), b.numpy(), reg=0.05, max_iter=5000, tol=1e-12)
     r = fs.solve(x, y, a, b, eps=0.05, tol=1e-11, max_iter=5000)
-    np.testing.assert_allclose(r.plan().numpy(), res.plan, atol=1e-10)
+    np.testing.assert_allclose(r.plan.numpy(), res.plan, atol=1e-10)
     # POT's value is the primal <P, C> + eps KL(P | a x b): equal to our dual value
     assert abs(float(r.value) - float(res.value)) < 1e-8
 
@@ -74,8 +74,8 @@ def test_unbalanced_matches_pot_plan_and_primal_value():
     res = ot.solve(
         C.numpy(), a.numpy(), b.numpy(), reg=eps, unbalanced=rho, max_iter=5000, tol=1e-12
     )
-    r = fs.solve(x, y, a, b, eps=eps, reach=rho, tol=1e-11, max_iter=5000)
-    P = r.plan()
+    r = fs.solve(x, y, a, b, eps=eps, rho=rho, tol=1e-11, max_iter=5000)
+    P = r.plan
     np.testing.assert_allclose(P.numpy(), res.plan, atol=1e-10)
 
     def kl(p, q):
@@ -115,11 +115,11 @@ def _fd(fun, t, idx, h=1e-6):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("reach", REACHES)
+@pytest.mark.parametrize("rho", RHOS)
 @pytest.mark.parametrize("cost", ["sqeuclidean", "cosine"])
-def test_gradients_match_finite_differences(reach, cost):
+def test_gradients_match_finite_differences(rho, cost):
     x, y, a, b = clouds(12, 10, 3, seed=5)
-    kw = dict(eps=0.1, reach=reach, cost=cost, tol=1e-12, max_iter=5000)
+    kw = dict(eps=0.1, rho=rho, cost=cost, tol=1e-12, max_iter=5000)
 
     def val(xx=x, yy=y, aa=a, bb=b):
         return fs.solve(xx, yy, aa, bb, **kw).value
@@ -133,7 +133,7 @@ def test_gradients_match_finite_differences(reach, cost):
     torch.testing.assert_close(
         ys.grad.view(-1)[idx], _fd(lambda t: val(yy=t), y, idx), atol=1e-7, rtol=1e-5
     )
-    if reach is None:
+    if rho is None:
         # weights: compare directional derivatives along mass-preserving directions
         d = torch.zeros_like(a)
         d[0], d[3] = 1.0, -1.0
@@ -147,12 +147,12 @@ def test_gradients_match_finite_differences(reach, cost):
 def test_plan_applications_match_dense_plan():
     x, y, a, b = clouds(33, 27, 3, seed=6)
     r = fs.solve(x, y, a, b, eps=0.08, tol=1e-11, max_iter=3000)
-    P = r.plan()
+    P = r.plan
     V, U = torch.randn(27, 5, dtype=torch.float64), torch.randn(33, dtype=torch.float64)
     torch.testing.assert_close(r.apply(V), P @ V)
     torch.testing.assert_close(r.apply_transpose(U), P.T @ U)
     torch.testing.assert_close(r.barycentric_map(), (P @ y) / P.sum(1, keepdim=True))
-    rows, cols = r.marginals()
+    rows, cols = r.marginals
     torch.testing.assert_close(rows, a)
     torch.testing.assert_close(cols, b)
 
@@ -170,10 +170,10 @@ def test_batched_equals_loop_and_eps_scaling(schedule):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("reach", [None, 0.4])
-def test_triton_solver_matches_torch_solver(reach):
+@pytest.mark.parametrize("rho", [None, 0.4])
+def test_triton_solver_matches_torch_solver(rho):
     x, y, a, b = clouds(50, 37, 5, batch=2, seed=8, dtype=torch.float32)
-    kw = dict(eps=0.05, reach=reach, tol=1e-5, max_iter=300, precision="ieee")
+    kw = dict(eps=0.05, rho=rho, tol=1e-5, max_iter=300, precision="ieee")
     rt = fs.solve(x, y, a, b, backend="triton", **kw)
     rp = fs.solve(x.double(), y.double(), a.double(), b.double(), backend="torch", **kw)
     assert rt.converged
@@ -219,8 +219,8 @@ def test_bad_inputs_raise_clear_errors():
     bad[1, 1] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         fs.solve(bad, y, eps=0.1)
-    with pytest.raises(ValueError, match="reach"):
-        fs.solve(x, y, eps=0.1, reach=-1.0)
+    with pytest.raises(ValueError, match="rho"):
+        fs.solve(x, y, eps=0.1, rho=-1.0)
     with pytest.raises(ValueError, match="cost"):
         fs.solve(x, y, eps=0.1, cost="l1")
 
@@ -230,7 +230,7 @@ def test_tiny_eps_does_not_give_silent_garbage():
     r = fs.solve(x, y, a, b, eps=1e-4, max_iter=2000, tol=1e-4, warn=False)
     assert torch.isfinite(r.f).all() and torch.isfinite(r.g).all()
     if r.converged:
-        rows, cols = r.marginals()
+        rows, cols = r.marginals
         assert float((rows - a).abs().sum() + (cols - b).abs().sum()) < 1e-3
 
 
@@ -245,7 +245,9 @@ def test_zero_weights_equal_dropping_the_points(backend):
     a0, b0 = a0 / a0.sum(), b0 / b0.sum()
     keep_x = torch.tensor([i for i in range(20) if i not in (2, 7)])
     keep_y = torch.tensor([j for j in range(16) if j != 5])
-    kw = dict(eps=0.05, tol=1e-6, max_iter=3000, backend=backend, precision="ieee")
+    # tol 3e-6: float32 potentials resolve this plan's marginals to about 1e-6 (float64
+    # truth; the certificate refuses 1e-6, which the old loop-estimate claimed)
+    kw = dict(eps=0.05, tol=3e-6, max_iter=3000, backend=backend, precision="ieee")
     r0 = fs.solve(x, y, a0, b0, **kw)
     r1 = fs.solve(x[keep_x], y[keep_y], a0[keep_x], b0[keep_y], **kw)
     assert r0.converged and r1.converged
@@ -291,32 +293,182 @@ def test_problem_prepares_centered_operands_once(backend):
     "schedule,eps_scaling", [("alternating", 0.5), ("symmetric", 0.5), ("symmetric", None)]
 )
 def test_triton_loop_with_guesses_matches_float64(monkeypatch, schedule, eps_scaling):
-    """solve()'s loop on the Triton backend passes the current potentials as guesses (the
-    shift kernel) in the eps-scaling warm start and the fixed-eps iterations, and no guess
-    for the zeros of a cold start (the running-max kernel): against the float64 torch
-    loop, unbalanced, both schedules."""
+    """solve()'s loop on the Triton backend: the alternating iterations pass the current
+    potentials as guesses (the shift kernel), the cold start's zeros none (the running-max
+    kernel); the symmetric iterations (eps-scaling stages, schedule="symmetric" after the
+    cold start) run one pass for both potentials (symmetric_update). Against the float64
+    torch loop, unbalanced, both schedules."""
     import flashsinkhorn.primitives as sm
 
-    guesses = []
-    real = sm._triton_pass
+    guesses, one_pass = [], []
+    real_pass, real_sums = sm._triton_pass, sm.symmetric_sums_triton
 
-    def spy(*args):
+    def spy(*args, **kw):
         guesses.append(args[-1] is not None)
-        return real(*args)
+        return real_pass(*args, **kw)
+
+    def spy_sums(*args, **kw):
+        one_pass.append(1)
+        return real_sums(*args, **kw)
 
     monkeypatch.setattr(sm, "_triton_pass", spy)
+    monkeypatch.setattr(sm, "symmetric_sums_triton", spy_sums)
     x, y, a, b = clouds(45, 38, 3, seed=3)
     kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule,
-              reach=2.0)  # fmt: skip
+              rho=2.0)  # fmt: skip
     r64 = fs.solve(x, y, a, b, backend="torch", **kw)
     r = fs.solve(x.float(), y.float(), a.float(), b.float(), backend="triton",
                  precision="ieee", **kw)  # fmt: skip
-    with_guess = sum(guesses)
-    assert with_guess > 60 if eps_scaling else with_guess == 2 * 29
-    assert guesses[:2] == [False, False]  # the cold start
+    if schedule == "alternating":
+        expect = [False] * (0 if eps_scaling else 2) + [True] * (60 if eps_scaling else 58)
+        sym_loop = 0
+    else:
+        expect = [] if eps_scaling else [False, False]
+        sym_loop = 30 if eps_scaling else 29
+    assert guesses == expect + [False]  # + the unbalanced value's pass
+    warm = len(one_pass) - sym_loop  # the eps-scaling stages and their start from zeros
+    assert warm >= 3 if eps_scaling else warm == 0
     torch.testing.assert_close(r.f.double(), r64.f, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(r.g.double(), r64.g, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(r.value.double(), r64.value, atol=2e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# the bad-input contract and the certificate (issue 19), POT / GeomLoss conventions (20)
+# ---------------------------------------------------------------------------------------
+
+
+def truth_l1(r, x, y, a, b, eps, cost="sqeuclidean", cost_scale=1.0):
+    """Dense float64 ``|P 1 - a|_1 + |P^T 1 - b|_1`` of the returned potentials' plan."""
+    C = cost_matrix_ref(x, y, cost, cost_scale)
+    f, g, a, b = r.f.double(), r.g.double(), a.double(), b.double()
+    P = a[:, None] * b[None, :] * torch.exp((f[:, None] + g[None, :] - C) / eps)
+    return float((P.sum(1) - a).abs().sum() + (P.sum(0) - b).abs().sum())
+
+
+@pytest.mark.parametrize("scale,eps", [(1.0, 1e-12), (1e6, 0.05)])
+def test_no_false_convergence_at_float32_resolution(scale, eps):
+    """eps below float32's resolution of the cost (tiny eps, or points scaled by 1e6): the
+    old loop stopped after 10 iterations with converged=True, marginal_error=0 while the
+    plan's marginals were inf. Now: not converged, the error is the float64 truth, and
+    the warning names the cause."""
+    x, y, a, b = clouds(50, 40, 3, seed=12, dtype=torch.float32)
+    x, y = x * scale, y * scale
+    with pytest.warns(RuntimeWarning, match="float32 potentials"):
+        r = fs.solve(x, y, a, b, eps=eps)
+    assert not r.converged
+    assert float(r.marginal_error) >= truth_l1(r, x, y, a, b, eps)
+    assert not bool(torch.isfinite(r.marginal_a).all())
+
+
+def test_float32_floor_stops_unconverged_instead_of_claiming_tol():
+    """fp32 potentials resolve the plan's marginals only to ~2^-24 |f| / eps: a tol below
+    that floor stops (stalled) with the true error, which the old estimate hid."""
+    x, y, a, b = clouds(40, 30, 2, seed=14, dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="stalled"):
+        r = fs.solve(x, y, a, b, eps=2e-3, tol=1e-7, eps_scaling=0.5, max_iter=5000)
+    assert not r.converged and r.n_iter < 5000
+    assert abs(float(r.marginal_error) - truth_l1(r, x, y, a, b, 2e-3)) < 1e-9
+    r64 = fs.solve(x.double(), y.double(), a.double(), b.double(), eps=2e-3, tol=1e-7,
+                   eps_scaling=0.5, max_iter=5000)  # fmt: skip
+    assert r64.converged and truth_l1(r64, x, y, a, b, 2e-3) < 1e-7
+
+
+@needs_interpreter
+def test_tf32_solve_certifies_the_float64_truth():
+    """tf32 dot operands solve a problem whose cost is off by 2^-11 relative: the old
+    certificate said 8e-6 where the float64 truth was 3e-3. The loop now finishes in
+    tf32x3 until the float64 error of the returned potentials is below tol."""
+    x, y, a, b = clouds(60, 50, 6, seed=13, dtype=torch.float32)
+    r = fs.solve(x, y, a, b, eps=0.05, backend="triton")  # precision="tf32"
+    t = truth_l1(r, x, y, a, b, 0.05)
+    assert r.converged and t < 1e-5 and r.precision == "tf32x3"
+    assert abs(float(r.marginal_error) - t) <= 1e-10
+
+
+def test_reach_has_one_meaning():
+    """``reach`` is GeomLoss's distance everywhere (SamplesLoss: rho = reach**2 for the cost
+    |x - y|^2 / 2; the second-order functions: rho = 2 reach**2 for |x - y|^2); solve
+    takes the penalty itself as ``rho`` and refuses ``reach`` with a message."""
+    x, y, a, b = clouds(20, 15, 2, seed=15)
+    with pytest.raises(TypeError, match="rho="):
+        fs.solve(x, y, a, b, eps=0.1, reach=0.5)
+    r = 0.6
+    s = fs.solve(x, y, a, b, eps=0.1, rho=2 * r**2, tol=1e-12, max_iter=5000)
+    p = fs.solve_potentials(x, y, a, b, eps=0.1, reach=r, max_iter=5000, tol=1e-12,
+                            backend="torch")  # fmt: skip
+    torch.testing.assert_close(p.f, s.f, atol=1e-9, rtol=0)
+    torch.testing.assert_close(p.g, s.g, atol=1e-9, rtol=0)
+    # an infinite penalty is balanced, as None
+    inf = fs.solve(x, y, a, b, eps=0.1, rho=float("inf"), tol=1e-12, max_iter=5000)
+    bal = fs.solve(x, y, a, b, eps=0.1, tol=1e-12, max_iter=5000)
+    torch.testing.assert_close(inf.value, bal.value, atol=0, rtol=0)
+
+
+def test_weights_and_points_as_array_likes():
+    """Lists and numpy arrays (POT's inputs) are converted; the old code raised
+    AttributeError: 'list' object has no attribute 'dim'."""
+    x, y, a, b = clouds(12, 9, 2, seed=16)
+    ref = fs.solve(x, y, a, b, eps=0.1)
+    r = fs.solve(x.numpy(), y.numpy(), a.tolist(), b.numpy(), eps=0.1)
+    torch.testing.assert_close(r.value, ref.value, atol=0, rtol=0)
+    assert isinstance(r.value, torch.Tensor) and r.f.dtype == torch.float64
+    with pytest.raises(TypeError, match="a must be"):
+        fs.solve(x, y, {"w": 1}, b, eps=0.1)
+    with pytest.raises(TypeError, match="x must be"):
+        fs.solve("points", y, eps=0.1)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [(dict(max_iter=0), "max_iter"), (dict(max_iter=2.7), "max_iter"),
+     (dict(check_every=0), "check_every"), (dict(tol=-1.0), "tol"), (dict(tol="a"), "tol"),
+     (dict(eps_scaling=1.5), "eps_scaling"), (dict(diameter=-1.0), "diameter"),
+     (dict(rho=(1.0, 2.0, 3.0)), "rho"), (dict(rho="x"), "rho"), (dict(schedule="x"), "schedule"),
+     (dict(precision="fp8"), "precision"), (dict(backend="cuda"), "backend")],
+)  # fmt: skip
+def test_bad_arguments_name_themselves(kw, match):
+    x, y, a, b = clouds(5, 4, 2)
+    with pytest.raises(ValueError, match=match):
+        fs.solve(x, y, a, b, **dict(dict(eps=0.1), **kw))
+
+
+def test_zero_sum_weights_and_zero_cosine_points_raise():
+    x, y, a, b = clouds(6, 5, 2)
+    with pytest.raises(ValueError, match="a must have a positive sum"):
+        fs.solve(x, y, torch.zeros_like(a), b, eps=0.1, rho=1.0)
+    z = x.clone()
+    z[2] = 0.0
+    with pytest.raises(ValueError, match="nonzero"):
+        fs.solve(z, y, a, b, eps=0.1, cost="cosine")
+    with pytest.raises(ValueError, match="overflow"):
+        fs.solve(x * 1e160, y, a, b, eps=0.1)
+
+
+@needs_interpreter
+def test_bf16_under_the_interpreter_raises():
+    """The interpreter computes bf16 dot products wrongly (softmin off by 1.6e9, solve
+    -8e9 before): refused with a message, also on the public primitives."""
+    x, y, a, b = clouds(10, 8, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="bf16"):
+        fs.solve(x, y, a, b, eps=0.1, precision="bf16", backend="triton")
+    X, Y = x[None], y[None]
+    z = torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="bf16"):
+        fs.softmin(X, Y, z, z, torch.zeros(1, 10), z, eps=0.1, c2=2.0, precision="bf16",
+                   backend="triton")  # fmt: skip
+    # the torch backend computes in float32 whatever precision says: allowed
+    fs.solve(x, y, a, b, eps=0.1, precision="bf16", backend="torch")
+
+
+def test_verbose_prints_stages_iterations_and_the_certificate(capsys):
+    x, y, a, b = clouds(15, 12, 2, seed=17)
+    fs.solve(x, y, a, b, eps=0.05, eps_scaling=0.5, verbose=True)
+    out = capsys.readouterr().out
+    assert "eps-scaling stage 1/" in out and "iteration 10, eps 0.05" in out
+    assert "marginal error (float64)" in out
+    fs.solve(x, y, a, b, eps=0.05)
+    assert capsys.readouterr().out == ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -358,7 +510,7 @@ def test_value_bounds_and_symmetry(shape):
     r = fs.solve(x, y, a, b, **KW)
     rt = fs.solve(y, x, b, a, **KW)
     assert abs(float(r.value - rt.value)) < 1e-9  # OT_eps(a, b) = OT_eps(b, a)
-    P = r.plan()
+    P = r.plan
     C = fs.cost_matrix_ref(x, y)
     # entropic cost >= linear cost of its plan - eps * H bound: value >= <P, C> (KL >= 0)
     assert float(r.value) >= float((P * C).sum()) - 1e-9

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "hc_cpu.h"
 #include "newton.h"
 #include "sinkhorn.h"
 #include "vjp.h"
@@ -190,6 +191,7 @@ PYBIND11_MODULE(_cpu, m) {
       },
       py::arg("src"), py::arg("dst"), py::arg("count"));
   m.def("device_count", []() { return 0; });
+  mhc_hc_cpu::register_hc(m);  // the hyper-connection layer (hc_cpu.h)
   m.def(
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B, int n, int dtype,

@@ -12,6 +12,10 @@
 
 namespace py = pybind11;
 
+namespace mhc_hc {
+void register_hc(py::module_& m);  // the hyper-connection layer (cuda_hc.cu)
+}
+
 namespace mhc_cuda {
 void generic_fwd(int n, const FwdArgs& a, int dtype, cudaStream_t s);
 void generic_bwd(int n, const void* t, const void* g, void* da, int64_t batch, int dtype,
@@ -48,6 +52,7 @@ T* ptr(std::uintptr_t p) {
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "mhc-proj CUDA kernels (raw pointers + stream, no libtorch)";
+  mhc_hc::register_hc(m);
   m.def("device_count", []() {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {

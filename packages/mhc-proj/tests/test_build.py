@@ -14,6 +14,8 @@ from mhc_proj import _backend
 # test emulators, no cost counters, no kernel variants).
 CPU_EXPORTS = {"birkhoff_fwd", "birkhoff_bwd", "sinkhorn_fwd", "sinkhorn_bwd", "smoke_copy",
                "device_count"}  # fmt: skip
+# the hyper-connection layer's kernels (csrc/hc_cpu.h, csrc/cuda_hc.cu)
+CPU_EXPORTS |= {"hc_pre_fwd", "hc_post_fwd", "hc_post_bwd", "hc_pre_bwd_reduce", "hc_pre_bwd"}
 CUDA_EXPORTS = CPU_EXPORTS
 
 

@@ -58,6 +58,44 @@ SELF_TUNE = [(128, 8, 2), (128, 8, 3), (64, 4, 3)]
 SHIFT_CENTER = 32.0
 SHIFT_LO = 2.0**-60
 
+# backend="auto" runs a pass on the sm_90 Gluon kernel (_softmin_hopper) only from this many
+# scores (B N M) on: below, a pass is a few microseconds of GPU work and launch overhead
+# decides, and the Gluon pass has more host work (a padded bias buffer, two TMA descriptors,
+# a second launch for the shift fallback) than the Triton kernel's one launch. Not measured:
+# the H200 runs timed 50k x 50k (2.5e9 scores, 1.26x faster at d = 64); 2^22 scores take
+# about 2 us at that rate.
+SM90_MIN_SCORES = 1 << 22
+
+# The symmetric iteration in one pass (_symmetric_triton, _symmetric_hopper): each row block
+# writes the column partial sums of a chunk of columns into a (B, row_blocks, W) fp32
+# buffer of at most SYM_PARTIAL_BYTES (50k x 50k: 5 launches of 83 column tiles), but every
+# launch covers at least SYM_MIN_CHUNK_TILES column tiles (each reloads its rows and refills
+# its pipeline). On CUDA a symmetric update of fewer than ONE_PASS_MIN_SCORES scores runs
+# the two ordinary passes instead (2 launches against ~10 for the one pass and its
+# reductions; below ~4M scores the launches decide; not measured).
+SYM_PARTIAL_BYTES = 16 << 20
+SYM_MIN_CHUNK_TILES = 32
+ONE_PASS_MIN_SCORES = 1 << 22
+# the Triton one-pass kernel, (BLOCK_M, BLOCK_N, warps, stages): one feature chunk (D <= 128):
+# autotuned over these; larger D: this one config (static sm_90 compile, triton 3.6: at
+# d = 512 every 4-warp or 128-row config spills 136-1920 bytes, (64, 64, 8, 3) none; 4 warps
+# at d = 64 take 254 registers)
+SYM_TUNE_SMALL_D = [(128, 64, 8, 3), (128, 64, 8, 2)]
+SYM_LARGE_D = (64, 64, 8, 3)
+
+# The plan-sampling pass (flashsinkhorn.sampling): its running best and argmax per tile slot
+# double the accumulator registers, so 32 scores per thread (128 x 64 at 8 warps, 64 x 64 at
+# 4): the 64-per-thread tiles of TUNE_SMALL_D spill there (static sm_90 compile, triton 3.6).
+SAMPLE_TUNE = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+
+# Sharded passes (flashsinkhorn.distributed): the column operands of the other ranks stream
+# past this rank's rows in chunks of at most this many bytes (kernel operands, the column
+# vector and V), two chunks alive at a time; problems whose operands of both clouds fit in
+# one chunk gather them once instead. 32 MiB: at n = m = 1M, d = 64 (fp32) and 2 ranks a
+# rank holds its 256 MiB of inputs and 256 MiB of kernel operands plus 64 MiB in flight,
+# 0.56 of one GPU's 1 GiB; one chunk is 131k rows, a kernel of 500k x 131k scores.
+SHARD_CHUNK_BYTES = 32 << 20
+
 # The symmetric self kernel uses fixed offsets per tile: safe while the spread of
 # log a + f / eps (log2 units) over a problem stays below this (else two plain passes).
 SELF_SPREAD_MAX = 30.0

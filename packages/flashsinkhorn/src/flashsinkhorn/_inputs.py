@@ -12,11 +12,27 @@ import math
 import torch
 
 
+def _as_tensor(t, name, dtype=None, device=None):
+    """Tensors pass through; numpy arrays and other array-likes (lists, scalars' sequences)
+    become tensors (``torch.as_tensor``; POT users pass numpy arrays). Anything else is a
+    TypeError naming the argument."""
+    if isinstance(t, torch.Tensor):
+        return t
+    if isinstance(t, (str, bytes, dict, set)) or t is None:
+        raise TypeError(f"{name} must be a torch.Tensor or an array-like; got {type(t).__name__}")
+    try:
+        return torch.as_tensor(t, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(
+            f"{name} must be a torch.Tensor or an array-like of numbers; got "
+            f"{type(t).__name__} ({err})"
+        ) from None
+
+
 def _as_weights(w, name, B, n, like, check_values=True):
     if w is None:
         return torch.full((B, n), 1.0 / max(n, 1), dtype=like.dtype, device=like.device)
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(w).__name__}")
+    w = _as_tensor(w, name, dtype=like.dtype, device=like.device)
     if w.device != like.device:
         raise ValueError(
             f"{name} is on device {w.device} but the points are on device {like.device}"
@@ -37,13 +53,25 @@ def _check_weight_values(w, name):
         raise ValueError(f"{name} contains non-finite values")
     if bool((w < 0).any()):
         raise ValueError(f"{name} must be nonnegative")
+    if bool((w.sum(-1) <= 0).any()):
+        raise ValueError(f"{name} must have a positive sum in every problem (got a zero sum)")
 
 
 def _check_point_values(x, y):
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains non-finite values")
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError("y contains non-finite values")
+    for name, t in (("x", x), ("y", y)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains non-finite values")
+    # squared distances must be finite in the compute dtype (float32 for half inputs)
+    big = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).max
+    lo = torch.minimum(x.amin(dim=(-2, -1)), y.amin(dim=(-2, -1))).double()
+    hi = torch.maximum(x.amax(dim=(-2, -1)), y.amax(dim=(-2, -1))).double()
+    spread2 = ((hi - lo) ** 2 * x.shape[-1]).max()
+    if not bool(spread2 < big / 4):
+        raise ValueError(
+            f"x and y: coordinates span {float((hi - lo).max()):.3g}, so squared distances "
+            f"overflow {x.dtype if x.dtype == torch.float64 else torch.float32}; rescale the "
+            "points (and eps) or pass float64"
+        )
 
 
 def check_values(x, y, a, b):
@@ -59,9 +87,8 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
     """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``.
 
     ``check_values=False`` skips the data-dependent checks (see :func:`check_values`)."""
+    x, y = _as_tensor(x, "x"), _as_tensor(y, "y")
     for name, t in (("x", x), ("y", y)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
         if t.dim() not in (2, 3):
             raise ValueError(f"{name} must be (N, D) or (B, N, D); got shape {tuple(t.shape)}")
         if not t.is_floating_point():
@@ -88,6 +115,8 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
     if check_values:
         _check_point_values(x, y)
     B, N, M = x.shape[0], x.shape[1], y.shape[1]
+    a = None if a is None else _as_tensor(a, "a", dtype=x.dtype, device=x.device)
+    b = None if b is None else _as_tensor(b, "b", dtype=x.dtype, device=x.device)
     if a is not None and a.dim() == 2 and not batched:
         raise ValueError(f"a must be ({N},) for unbatched x; got {tuple(a.shape)}")
     if b is not None and b.dim() == 2 and not batched:
@@ -97,14 +126,15 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
     return x, y, a, b, batched
 
 
-def check_masses(a, b, rx, ry):
+def check_masses(a, b, rx, ry, unbalanced="rho"):
+    """Balanced OT needs equal masses (``a.sum() == b.sum()`` to 1e-5 relative)."""
     if rx is None and ry is None:
         ma, mb = a.sum(-1), b.sum(-1)
         if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
             raise ValueError(
                 "balanced OT needs a.sum() == b.sum() for every problem; got "
                 f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights or pass "
-                "reach= for unbalanced OT"
+                f"{unbalanced}= for unbalanced OT"
             )
 
 

@@ -1,7 +1,8 @@
 """Hopper (sm_90) kernel of the streaming row-LSE pass ("softmin"), written in Gluon.
 
-The same pass as the Triton kernels in ``kernels.py`` (``_softmin_kernel`` and the "shift"
-variant): for every row ``i`` of a batch of clouds x (B, N, D) against y (B, M, D),
+The same pass as the Triton kernels in ``_softmin_triton.py`` (``_softmin_kernel`` and
+``_softmin_shift_kernel``): for every row ``i`` of a batch of clouds x (B, N, D) against
+y (B, M, D),
 
     lse2_i = log2 sum_j exp2( dot_scale <x_i, y_j> + bias_j )      (log2 units)
     out_i  = damping * (cx_i - eps ln2 lse2_i)
@@ -14,21 +15,29 @@ docs/design/flashsinkhorn-hopper.md):
   mbarrier (transaction bytes) and, in the warp-specialized kernel, an "empty" mbarrier;
 - the scores come from async wgmma (A = the CTA's rows of x, resident in shared memory
   when they fit, B = the column tile of y), accumulated in fp32 registers;
-- ``pipe``: the wgmma of column tile j + 1 is issued before the exps of tile j, so the
-  tensor cores and the exp units (MUFU) work at the same time inside one warpgroup;
-- ``ws``: warp specialization: one producer warp issues every TMA load, NUM_WG consumer
-  warpgroups (64 rows each) share the column tiles and run unsynchronized, so one does
-  its exps while the other's wgmma runs (the ping-pong of FlashAttention-3 without forced
-  turns);
+- warp specialization: one producer warp issues every TMA load, two consumer warpgroups
+  (64 rows each) share the column tiles and run unsynchronized, so one does its exps while
+  the other's wgmma runs;
+- one feature chunk per tile (d <= 128 fp32, d <= 256 bf16): the wgmma of column tile
+  j + 1 is issued before the exps of tile j ("pipe"), so the tensor cores and the exp
+  units (MUFU) work at the same time inside one warpgroup too;
+- several chunks per tile (larger d): a GEMM main loop per tile, chunks released as their
+  wgmma retire, the two consumers taking turns to start a tile (FlashAttention-3's
+  ping-pong) so that their exps do not coincide;
 - per-row shift: with a guess of the result (the potential being updated, as the Sinkhorn
   loops pass it) the rows sum ``exp2(score - sh_i)`` with a fixed shift and no running
   max; rows whose sum is out of the safe range are recomputed by a second launch of the
-  same kernel with the online max (``FALLBACK_PASS``; it skips row blocks with no such row
-  before touching memory), so the result is exact whatever the guess. Without a guess the
-  main launch runs the online max itself.
+  same kernel with the online max and one consumer warpgroup that issues its own loads
+  (``FALLBACK``; it skips row blocks with no such row before touching memory), so the
+  result is exact whatever the guess. Without a guess the main launch runs the online max
+  itself.
+
+The configurations that measured slower on the H200 (one consumer warpgroup, no overlap,
+ping-pong turns at d = 64, 64-wide tiles, polynomial exp2 tiles) left with their numbers
+in docs/design/flashsinkhorn-hopper.md.
 
 Supported: CUDA sm_90, fp32 operands (tf32 products; round them to tf32 first, as
-``solver.kernel_operands`` does) or bf16 operands, D with 16-byte rows (fp32: D % 4 == 0;
+``operands.kernel_operands`` does) or bf16 operands, D with 16-byte rows (fp32: D % 4 == 0;
 bf16: D % 8 == 0), up to 4096 features, any B, N, M. Everything else (labels, the V
 average, other precisions, other GPUs, triton without Gluon) raises ``NotImplementedError``
 naming the reason, which a dispatcher catches to run the Triton kernel instead.
@@ -73,6 +82,8 @@ __all__ = [
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_M = 64  # rows per consumer warpgroup (one wgmma M = 64 per warpgroup)
+CONSUMER_REGS = 232  # per-thread registers of the consumer partitions (setmaxnreg)
+PRODUCER_REGS = 24  # of the TMA producer warp
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KiB)
 MAX_D = 4096
 # the fixed shift aims every row sum at 2^SHIFT_CENTER (as the Triton "shift" variant)
@@ -83,39 +94,26 @@ SAFE_HI = 3.4028234663852886e38  # float32 max; above: inf (an overflowed term) 
 
 @dataclass(frozen=True)
 class HopperConfig:
-    """Launch configuration (tools/flashsinkhorn/hopper_check.py sweeps a few).
+    """Launch configuration of the main (warp-specialized, two consumer) launch.
 
-    kernel: "ws" (warp-specialized: a TMA producer warp and ``num_wg`` consumer
-        warpgroups) or "pipe" (one warpgroup that issues its own TMA loads).
-    num_wg: consumer warpgroups per CTA ("ws"; 64 rows each). "pipe" uses 1.
-    block_n: columns per tile (wgmma N). block_k: features per shared-memory chunk.
-    stages: chunks in the ring. pipe: issue tile j + 1's wgmma before tile j's exps (needs
-        stages > the chunks per tile). pingpong ("ws", two consumers): the consumers take
-        turns to issue their wgmma (FlashAttention-3's ordering). poly_every: every
-        poly_every-th column tile evaluates its exp2 by a polynomial on the FMA pipe (0:
-        never; shift mode only). x_resident: keep the CTA's rows of x in shared memory
-        for the whole pass (else they stream through the ring with y).
-    consumer_regs / producer_regs: per-thread registers of the "ws" partitions
-        (setmaxnreg). maxnreg: the kernel's register cap (None: Triton's default).
+    block_n: columns per tile (wgmma N): 128, or 256 with several feature chunks per tile.
+    block_k: features per shared-memory chunk. stages: chunks in the ring (with one chunk
+    per tile at least 2: tile j + 1's chunk lands while tile j's is read). pingpong (several
+    chunks per tile only): the consumers take turns to start a tile. x_resident: keep the
+    CTA's rows of x in shared memory for the whole pass (else they stream through the ring
+    with y).
     """
 
-    kernel: str = "ws"
-    num_wg: int = 2
     block_n: int = 128
     block_k: int = 64
-    stages: int = 3
-    pipe: bool = True
+    stages: int = 4
     pingpong: bool = False
-    poly_every: int = 0
     x_resident: bool = True
-    consumer_regs: int = 232
-    producer_regs: int = 24
-    maxnreg: int | None = None
 
     @property
     def rows(self) -> int:
-        """Rows of x per CTA."""
-        return BLOCK_M * (self.num_wg if self.kernel == "ws" else 1)
+        """Rows of x per CTA of the main launch (two consumer warpgroups)."""
+        return 2 * BLOCK_M
 
 
 def _elem_bytes(dtype: torch.dtype) -> int:
@@ -126,24 +124,26 @@ def smem_bytes(cfg: HopperConfig, D: int, dtype: torch.dtype) -> int:
     """Shared memory of the operand buffers (the compiler adds barriers and alignment)."""
     e = _elem_bytes(dtype)
     nk = -(-D // cfg.block_k)
-    wg = cfg.num_wg if cfg.kernel == "ws" else 1
-    x_chunks = wg * nk if cfg.x_resident else cfg.stages * wg
+    x_chunks = 2 * nk if cfg.x_resident else cfg.stages * 2
     return (x_chunks * BLOCK_M + cfg.stages * cfg.block_n) * cfg.block_k * e
 
 
 def default_config(D: int, dtype: torch.dtype) -> HopperConfig:
-    """The configuration used when none is passed (prediction before the GPU run; the
-    check script's sweep decides, docs/design/flashsinkhorn-hopper.md)."""
+    """The configuration used when none is passed, per regime (H200 call 1, 2026-12-01,
+    n = m = 50k; docs/design/flashsinkhorn-hopper.md): one feature chunk per tile: 128-wide
+    tiles, 4 stages, x resident (d = 64: 1.224 ms tf32, 0.975 bf16); several chunks with x
+    resident: 128-wide tiles, ping-pong (d = 512 bf16: 4.12 ms); x streamed: 256-wide tiles,
+    ping-pong (d = 512 tf32: 6.92 ms against 8.60 at 128)."""
     e = _elem_bytes(dtype)
     atom = 16 if D * e <= 128 else 128 // e  # whole 128-byte swizzle rows beyond 128 bytes
     one_chunk = -(-D // atom) * atom
     if one_chunk * e <= 512:  # d <= 128 fp32, d <= 256 bf16: one chunk per tile, x resident
-        cfg = HopperConfig(block_k=one_chunk, stages=4, pipe=True, x_resident=True)
-    else:  # a GEMM main loop per tile; chunks released as their wgmma retire
-        bk = 128 // e  # one 128-byte swizzle row per chunk row
-        cfg = HopperConfig(block_k=bk, stages=8, pipe=False, pingpong=True, x_resident=True)
-        if smem_bytes(replace(cfg, stages=4), D, dtype) > SMEM_LIMIT - 8192:
-            cfg = replace(cfg, x_resident=False)  # x streams through the ring with y
+        return fit_stages(HopperConfig(block_k=one_chunk, stages=4), D, dtype)
+    bk = 128 // e  # one 128-byte swizzle row per chunk row
+    cfg = HopperConfig(block_k=bk, stages=8, pingpong=True, x_resident=True)
+    if smem_bytes(replace(cfg, stages=4), D, dtype) > SMEM_LIMIT - 8192:
+        # x streams through the ring with y: wider tiles halve its share of the L2 traffic
+        cfg = HopperConfig(block_n=256, block_k=bk, stages=4, pingpong=True, x_resident=False)
     return fit_stages(cfg, D, dtype)
 
 
@@ -158,27 +158,23 @@ def fit_stages(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
 def _check_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> None:
     e = _elem_bytes(dtype)
     nk = -(-D // cfg.block_k)
-    if cfg.kernel not in ("ws", "pipe"):
-        raise ValueError(f"config.kernel must be 'ws' or 'pipe'; got {cfg.kernel!r}")
-    if cfg.kernel == "ws" and cfg.num_wg not in (1, 2):
-        raise ValueError(f"config.num_wg must be 1 or 2; got {cfg.num_wg}")
-    if cfg.block_n not in (64, 128, 192, 256):
-        raise ValueError(f"config.block_n must be 64, 128, 192 or 256; got {cfg.block_n}")
+    if cfg.block_n not in (128, 256):
+        raise ValueError(f"config.block_n must be 128 or 256; got {cfg.block_n}")
     row = cfg.block_k * e  # bytes per chunk row: TMA boxes of at most one 128-byte swizzle
     if cfg.block_k % 16 or row < 32 or cfg.block_k > 256 or (row > 128 and row % 128):
         raise ValueError(
             "config.block_k must be a multiple of 16, at most 256, with 32 to 128 bytes per "
             f"row or a multiple of 128; got {cfg.block_k}"
         )
-    if cfg.poly_every < 0 or cfg.poly_every == 1:
-        raise ValueError(f"config.poly_every must be 0 or >= 2; got {cfg.poly_every}")
-    if cfg.pipe and cfg.stages <= nk:
-        raise ValueError(
-            f"config.stages ({cfg.stages}) must exceed the chunks per tile ({nk}) with pipe=True"
-        )
-    if cfg.stages < (2 if nk > 1 else 1):
-        # a chunk's stage is released only after the next chunk's wgmma is issued
-        raise ValueError(f"config.stages must be >= 2 with {nk} chunks per tile")
+    if nk == 1 and cfg.block_n != 128:
+        # one chunk per tile keeps two accumulators live (tile j + 1 and tile j)
+        raise ValueError("config.block_n must be 128 with one feature chunk per tile")
+    if nk == 1 and cfg.pingpong:
+        raise ValueError("config.pingpong needs several feature chunks per tile")
+    if cfg.stages < 2:
+        # one chunk: tile j + 1 lands while tile j is read; several: a chunk's stage is
+        # released only after the next chunk's wgmma is issued
+        raise ValueError(f"config.stages must be >= 2; got {cfg.stages}")
     if smem_bytes(cfg, D, dtype) > SMEM_LIMIT:
         raise ValueError(
             f"config needs {smem_bytes(cfg, D, dtype)} bytes of shared memory at D = {D} "
@@ -228,11 +224,14 @@ if HAS_GLUON:
     _SAFE_LO = gl.constexpr(SAFE_LO)
     _SAFE_HI = gl.constexpr(SAFE_HI)
     _SHIFT_C = gl.constexpr(SHIFT_CENTER)
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     # SPEC, the kernel's compile-time mode, one constexpr tuple (the partitions of
     # warp_specialize receive it whole):
-    # (NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, PINGPONG, ONLINE, HAS_LSE, COUNT, FALLBACK,
-    #  POLY_EVERY)
+    # (NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, PINGPONG, ONLINE, HAS_LSE, COUNT, FALLBACK)
+    # The main launch is warp-specialized with NUM_WG = 2 consumers; the FALLBACK launch has
+    # one warpgroup that issues its own loads (NUM_WG = 1, no PIPE, no PINGPONG).
 
     @gluon.constexpr_function
     def _stage_bytes(y_bytes, x_bytes, num_wg, x_resident):
@@ -287,9 +286,10 @@ if HAS_GLUON:
     @gluon.jit
     def _release(t, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
                  SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
-        """Chunk ``t``'s wgmma has retired: its stage may be refilled. The "pipe" kernel
-        issues the refill itself (chunk t + STAGES); the "ws" consumers tell the producer
-        through the stage's empty barrier (one arrival per consumer warpgroup)."""
+        """Chunk ``t``'s wgmma has retired: its stage may be refilled. The fallback launch
+        (INLINE_LOADS) issues the refill itself (chunk t + STAGES); the warp-specialized
+        consumers tell the producer through the stage's empty barrier (one arrival per
+        consumer warpgroup)."""
         STAGES: gl.constexpr = SPEC[1]
         if INLINE_LOADS:
             if t + STAGES < total:
@@ -354,35 +354,10 @@ if HAS_GLUON:
                          xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
 
     @gluon.jit
-    def _exp2_fma(x):
-        """2^x on the FMA and integer pipes (Cody-Waite): x = n + f, f in [-0.5, 0.5],
-        2^f by a degree-6 polynomial (max relative error 1.0e-7 in fp32 Horner, about
-        ex2.approx's), n added to the exponent bits. Valid for x <= 126 (the caller flags
-        rows with a larger x); below -125 it gives 2^-125 (a term 2^-157 of a row sum aimed
-        at 2^32); NaN gives 2^-125 (the row's other tiles, exp2 on MUFU, keep the NaN)."""
-        xc = gl.maximum(x, -125.0)
-        t = xc + 12582912.0  # 1.5 * 2^23: t's low mantissa bits hold round(xc)
-        f = xc - (t - 12582912.0)
-        p = 1.534581242594868e-4
-        p = p * f + 1.3399930903688073e-3
-        p = p * f + 9.618489071726799e-3
-        p = p * f + 5.550328642129898e-2
-        p = p * f + 2.4022646248340607e-1
-        p = p * f + 6.931471824645996e-1
-        p = p * f + 1.0
-        # n into the exponent: bits(p) + bits(t) * 2^23 (mod 2^32) = bits(p) + (n << 23),
-        # since bits(t) = bits(1.5 * 2^23) + n and bits(1.5 * 2^23) * 2^23 = 0 (mod 2^32)
-        r = p.to(gl.int32, bitcast=True) + t.to(gl.int32, bitcast=True) * 8388608
-        return r.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE: gl.constexpr,
-                  POLY_EVERY: gl.constexpr):  # fmt: skip
-        """Fold column tile ``j``'s dots S (BLOCK_M, BN) into the row sums. Shift mode: one
-        FFMA (scale and column bias), one FADD (the row's fixed shift), one exp2 and one
-        FADD per score; every POLY_EVERY-th tile evaluates its exp2 on the FMA pipe instead
-        of MUFU (FA4's trick: with bf16 operands MUFU is the bound). ONLINE: the running
-        max m and the rescale of l (FlashAttention's)."""
+    def _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE: gl.constexpr):
+        """Fold a column tile's dots S (BLOCK_M, BN) into the row sums. Shift mode: one FFMA
+        (scale and column bias), one FADD (the row's fixed shift), one exp2 and one FADD per
+        score. ONLINE: the running max m and the rescale of l (FlashAttention's)."""
         s = S * dot_scale + gl.expand_dims(bias, 0)
         if ONLINE:
             m_new = gl.maximum(m, gl.max(s, 1))
@@ -392,17 +367,7 @@ if HAS_GLUON:
             l = l * alpha + gl.sum(p, 1)
             m = m_new
         else:
-            x = s - gl.expand_dims(sh, 1)
-            if POLY_EVERY > 0:
-                if j % POLY_EVERY == POLY_EVERY - 1:
-                    l = l + gl.sum(_exp2_fma(x), 1)
-                    # shift mode has no running max: m keeps the largest exponent the
-                    # polynomial saw, and the epilogue flags rows where it was past 126
-                    m = gl.maximum(m, gl.max(x, 1))
-                else:
-                    l = l + gl.sum(gl.exp2(x), 1)
-            else:
-                l = l + gl.sum(gl.exp2(x), 1)
+            l = l + gl.sum(gl.exp2(s - gl.expand_dims(sh, 1)), 1)
         return l, m
 
     @gluon.jit
@@ -418,7 +383,6 @@ if HAS_GLUON:
         HAS_LSE: gl.constexpr = SPEC[7]
         COUNT: gl.constexpr = SPEC[8]
         FALLBACK: gl.constexpr = SPEC[9]
-        POLY: gl.constexpr = SPEC[10]
         BN: gl.constexpr = y_desc.block_type.shape[0]
         BM: gl.constexpr = x_desc.block_type.shape[0]
         KI: gl.constexpr = 256 // y_desc.dtype.primitive_bitwidth  # wgmma K: 8 tf32, 16 bf16
@@ -460,11 +424,11 @@ if HAS_GLUON:
                 acc = _issue_tile(j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                                   INLINE_LOADS, False)  # fmt: skip
                 bias_next = gl.load(bias_row + (j + 1) * BN + cols)
-                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE, POLY)
+                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j + 1, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
                 bias = bias_next
-            l, m = _lse_tile(S, bias, sh, l, m, dot_scale, n_tiles - 1, ONLINE, POLY)
+            l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
         else:
             for j in range(n_tiles):
                 acc = _issue_tile(j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
@@ -472,7 +436,7 @@ if HAS_GLUON:
                 bias = gl.load(bias_row + j * BN + cols)
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, EARLY)
-                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, j, ONLINE, POLY)
+                l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
 
         # epilogue: lse2, out, and (shift mode) which rows the fallback launch must redo
         if ONLINE:
@@ -489,10 +453,7 @@ if HAS_GLUON:
         if HAS_LSE:
             gl.store(lse_ptr + base_r + rows, lse2, mask=st_mask)
         if not ONLINE:
-            bad = ((l >= _SAFE_LO) & (l <= _SAFE_HI)) == 0  # NaN fails both tests
-            if POLY > 0:
-                bad = bad | (m > 126.0)  # a polynomial exp2 out of its range
-            bad = bad & row_mask
+            bad = (((l >= _SAFE_LO) & (l <= _SAFE_HI)) == 0) & row_mask  # NaN fails both
             gl.store(flag_ptr + base_r + rows, bad.to(gl.int8), mask=row_mask)
             if COUNT:  # diagnostics (tests, check script): rows handed to the fallback
                 gl.atomic_add(cnt_ptr, gl.sum(bad.to(gl.int32), 0))
@@ -517,9 +478,7 @@ if HAS_GLUON:
     @gluon.jit
     def _softmin_sm90_kernel(
         x_desc, y_desc, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr,
-        N, M, Mpad, n_tiles, dot_scale, eps_ln2, damping,
-        SPEC: gl.constexpr, WS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
+        N, M, Mpad, n_tiles, dot_scale, eps_ln2, damping, SPEC: gl.constexpr,
     ):  # fmt: skip
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
@@ -565,18 +524,12 @@ if HAS_GLUON:
             args = (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
                     guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles,
                     xrow0, yrow0, dot_scale, eps_ln2, damping)  # fmt: skip
-            if WS:
-                if NUM_WG == 2:
-                    gl.warp_specialize(
-                        [(_consumer, (args, SPEC, 0, False)), (_consumer, (args, SPEC, 1, False)),
-                         (_producer, (args, SPEC, 0, False))],
-                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS],
-                    )  # fmt: skip
-                else:
-                    gl.warp_specialize(
-                        [(_consumer, (args, SPEC, 0, False)), (_producer, (args, SPEC, 0, False))],
-                        [1], [PRODUCER_REGS],
-                    )  # fmt: skip
+            if not FALLBACK:
+                gl.warp_specialize(
+                    [(_consumer, (args, SPEC, 0, False)), (_consumer, (args, SPEC, 1, False)),
+                     (_producer, (args, SPEC, 0, False))],
+                    [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS],
+                )  # fmt: skip
             else:
                 # one warpgroup: x and the first STAGES chunks now, each refill as soon as
                 # the wgmma that read the stage has retired (in _release)
@@ -609,26 +562,24 @@ def _descriptors(x2, y2, cfg: HopperConfig):
 
 
 def _spec(cfg: HopperConfig, D: int, online, has_lse, count, fallback_pass):
-    """The kernel's SPEC constexpr tuple (see the comment above _stage_bytes)."""
-    ws = cfg.kernel == "ws"
-    num_wg = cfg.num_wg if ws else 1
-    pingpong = cfg.pingpong and ws and num_wg == 2
-    return (-(-D // cfg.block_k), cfg.stages, num_wg, cfg.x_resident, cfg.pipe, pingpong,
-            online, has_lse, count, fallback_pass, cfg.poly_every)  # fmt: skip
+    """The kernel's SPEC constexpr tuple (see the comment above _stage_bytes): the main
+    launch has two consumers, the fallback launch one warpgroup without pipe or turns."""
+    nk = -(-D // cfg.block_k)
+    num_wg = 1 if fallback_pass else 2
+    pipe = nk == 1 and not fallback_pass
+    pingpong = cfg.pingpong and not fallback_pass
+    return (nk, cfg.stages, num_wg, cfg.x_resident, pipe, pingpong, online, has_lse, count,
+            fallback_pass)  # fmt: skip
 
 
 def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
             dot_scale, eps_ln2, damping, cfg, *, online, has_lse, count,
             fallback_pass):  # fmt: skip
     x_desc, y_desc = _descriptors(x2, y2, cfg)
-    ws = cfg.kernel == "ws"
-    extra = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
     return _softmin_sm90_kernel[grid](
         x_desc, y_desc, bias, cx, guess, out, lse, flags, cnt,
         N, M, Mpad, n_tiles, float(dot_scale), float(eps_ln2), float(damping),
-        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), WS=ws,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
-        **extra,
+        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), num_warps=4,
     )  # fmt: skip
 
 
@@ -636,16 +587,6 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous with a 16-byte aligned base (TMA descriptors need both)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def fallback_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
-    """The configuration of the second (online-max) launch: one warpgroup, no pipe."""
-    fb = replace(cfg, kernel="pipe", num_wg=1, pipe=False, pingpong=False, poly_every=0)
-    if fb.x_resident and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
-        fb = replace(fb, x_resident=False)
-    while fb.stages > 2 and smem_bytes(fb, D, dtype) > SMEM_LIMIT:
-        fb = replace(fb, stages=fb.stages - 1)
-    return fb
 
 
 def softmin_hopper(
@@ -668,7 +609,8 @@ def softmin_hopper(
     config: HopperConfig | None = None,
     fallback_rows: torch.Tensor | None = None,
 ):
-    """The iteration pass of ``kernels.softmin`` on sm_90 (same arguments and results).
+    """The iteration pass of :func:`flashsinkhorn.softmin` on sm_90 (same arguments and
+    results).
 
     x: (B, N, D), y: (B, M, D) kernel operands (fp32 rounded to tf32 for
     ``precision="tf32"``, bf16 for ``"bf16"``), g, logb, cy: (B, M), cx: (B, N), guess:
@@ -715,10 +657,9 @@ def softmin_hopper(
         _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
                 dot_scale, eps_ln2, damping, cfg, online=online, has_lse=want_lse,
                 count=fallback_rows is not None, fallback_pass=False)  # fmt: skip
-        if not online:
-            fb = fallback_config(cfg, D, x.dtype)
-            _launch((-(-N // fb.rows), B), x2, y2, bias, cx, guess, out, lse, flags, cnt, N,
-                    M, Mpad, n_tiles, D, dot_scale, eps_ln2, damping, fb, online=True,
+        if not online:  # one warpgroup per 64 rows, only where a row was flagged
+            _launch((-(-N // BLOCK_M), B), x2, y2, bias, cx, guess, out, lse, flags, cnt, N,
+                    M, Mpad, n_tiles, D, dot_scale, eps_ln2, damping, cfg, online=True,
                     has_lse=want_lse, count=False, fallback_pass=True)  # fmt: skip
     return out, (lse if want_lse else None)
 
@@ -743,11 +684,6 @@ def compile_for_sm90(
     Triton's compiled kernel: ``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``."""
     if not HAS_GLUON:
         raise NotImplementedError("triton with the Hopper Gluon API is not installed")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
     cfg = config or default_config(D, dtype)
     _check_config(cfg, D, dtype)
     rows = 256
@@ -757,15 +693,21 @@ def compile_for_sm90(
     i8 = torch.zeros(rows, dtype=torch.int8)
     i32 = torch.zeros(1, dtype=torch.int32)
     x_desc, y_desc = _descriptors(x2, y2, cfg)
-    ws = cfg.kernel == "ws"
-    fn = _softmin_sm90_kernel
     args = (x_desc, y_desc, f, f, f, f, f, i8, i32, rows, rows, rows, 2, 1.0, 1.0, 1.0)
-    kwargs = dict(
-        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), WS=ws,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
-    )  # fmt: skip
-    if cfg.maxnreg is not None:
-        kwargs["maxnreg"] = cfg.maxnreg
+    kwargs = dict(SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), num_warps=4)
+    return compile_gluon_sm90(_softmin_sm90_kernel, args, kwargs)
+
+
+def compile_gluon_sm90(fn, args, kwargs):
+    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90 as a launch with ``args`` /
+    ``kwargs`` would specialize it (CPU tensors: only dtypes and alignment matter)."""
+    if not HAS_GLUON:
+        raise NotImplementedError("triton with the Hopper Gluon API is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)

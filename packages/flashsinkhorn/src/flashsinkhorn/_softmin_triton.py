@@ -150,6 +150,7 @@ if HAS_TRITON:
         LX,
         LY,
         W,
+        FLAGS,
         N,
         M,
         D,
@@ -172,7 +173,11 @@ if HAS_TRITON:
         PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        HAS_FLAGS: tl.constexpr = False,
     ):
+        # FLAGS (B, N) int8 with HAS_FLAGS: only the flagged rows are computed and stored (a
+        # block without one skips the column loop); the recomputation of rows that a
+        # symmetric one-pass update could not fit.
         # X, Y arrive in their final form (centered, cast) and BIAS is the fused column
         # vector log2e * (log b_j + (g_j - cy_j) / eps): the loop is load -> dot -> one FMA
         # per score -> online LSE, with nothing between the pipelined loads and tl.dot.
@@ -203,7 +208,13 @@ if HAS_TRITON:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
-        for start in range(0, M, BLOCK_N):
+        store_mask = row_mask
+        m_end = M
+        if HAS_FLAGS:
+            flagged = tl.load(FLAGS + pid_b64 * N + rows, mask=row_mask, other=0) != 0
+            store_mask = row_mask & flagged
+            m_end = tl.where(tl.max(flagged.to(tl.int32), 0) > 0, M, 0)
+        for start in range(0, m_end, BLOCK_N):
             cols = start + offs_n
             col_mask = cols < M
             # scores in log2 units: bias_j + dot_scale * <x_i, y_j>
@@ -227,13 +238,13 @@ if HAS_TRITON:
                 acc = tl.dot(p.to(vj.dtype), vj, acc, input_precision=PREC)
             m_i = m_new
 
-        lse2 = m_i + tl.log2(l_i)
+        lse2 = m_i + tl.log2(tl.where(store_mask, l_i, 1.0))  # skipped rows: no log2(0)
         if pid_v == 0:
             cx = tl.load(CX + pid_b64 * N + rows, mask=row_mask, other=0.0).to(tl.float32)
             out = damping * (cx - eps_ln2 * lse2)
-            tl.store(OUT + pid_b64 * N + rows, out, mask=row_mask)
+            tl.store(OUT + pid_b64 * N + rows, out, mask=store_mask)
             if HAS_LSE:
-                tl.store(LSE + pid_b64 * N + rows, lse2, mask=row_mask)
+                tl.store(LSE + pid_b64 * N + rows, lse2, mask=store_mask)
         if HAS_V:
             vbar = acc / l_i[:, None]
             tl.store(
@@ -610,11 +621,36 @@ def softmin_triton(
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
     with _device(x):
         kern[grid](
-            x, y, bias, cx, out, lse, v, vbar, lx, ly, W, N, M, D, DV, K2,
+            x, y, bias, cx, out, lse, v, vbar, lx, ly, W, out, N, M, D, DV, K2,
             _bucket(N), _bucket(M), *scalars,
             BLOCK_DV=BLOCK_DV, HAS_V=DV > 0, **flags, **cfg,
         )  # fmt: skip
     return out, (lse if want_lse else None), (vbar if DV > 0 else None)
+
+
+def softmin_rows_triton(x, y, g, logb, cx, cy, eps, c2, damping, precision, flags, out):
+    """Recompute, in place in ``out`` (B, N), the rows of a pass whose ``flags`` (B, N) are
+    nonzero, with the running-max kernel (exact whatever the potentials; row blocks without
+    a flagged row skip their column loop). Operands as :func:`softmin_triton` (prepared:
+    no center); one fixed tile config (the pass is rare)."""
+    B, N, D = x.shape
+    M = y.shape[1]
+    f32 = torch.float32
+    prec = "tf32" if precision == "bf16" else precision
+    bias = torch.sub(g.to(f32), cy.to(f32)).mul_(LOG2E / eps).add_(logb.to(f32), alpha=LOG2E)
+    BLOCK_D, NUM_D = _block_d(D)
+    bm, bn, w, st = _config.FIXED
+    flags = flags.to(torch.int8).contiguous()
+    with _device(x):
+        _softmin_kernel[(triton.cdiv(N, bm), B, 1)](
+            x, y, bias, cx.to(f32).contiguous(), out, out, out, out, out, out, out, flags,
+            N, M, D, 0, 1, _bucket(N), _bucket(M), float(c2 * LOG2E / eps), float(LOG2E / eps),
+            float(eps * LN2), float(damping), 0.0,
+            BLOCK_D=BLOCK_D, NUM_D=NUM_D, EVEN_D=BLOCK_D * NUM_D == D, BLOCK_DV=16,
+            HAS_V=False, HAS_LABELS=False, HAS_LSE=False, PREC=prec, BLOCK_M=bm, BLOCK_N=bn,
+            HAS_FLAGS=True, num_warps=w, num_stages=st,
+        )  # fmt: skip
+    return out
 
 
 def self_softmin_triton(x, A, cx, eps, c2, damping, precision, center):

@@ -27,7 +27,7 @@ def main() -> None:
     T = r.barycentric_map()
     m = [round(v, 3) for v in T.mean(0).tolist()]
     print(f"   barycentric map T(x) (300,3): mean {m} (the mean of y: ~[1, 1, 1])")
-    rows, cols = r.marginals()
+    rows, cols = r.marginals
     print(f"   plan marginals: |P1 - a|_1 = {float((rows - 1 / 300).abs().sum()):.1e}")
 
     # 2. closed form: entropic OT between 1D Gaussians (Janati et al. 2020)

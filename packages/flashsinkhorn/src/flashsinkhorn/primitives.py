@@ -13,11 +13,13 @@ dot-product / feature-map costs: ``cx = cy = 0``), :func:`softmin` computes for 
 
 Backends:
 
-- ``"triton"``: the Triton kernels (CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1``
-  was set before Python started: CI runs them that way);
+- ``"triton"``: the portable Triton kernels only (CUDA tensors, or CPU tensors when
+  ``TRITON_INTERPRET=1`` was set before Python started: CI runs them that way);
 - ``"torch"``: a blockwise pure-torch path (row blocks against all columns), any device and
   dtype (float64 included), same math;
-- ``"auto"``: triton on CUDA, torch otherwise.
+- ``"auto"``: the Triton kernels on CUDA, and on sm_90 GPUs (H100 / H200) the Gluon kernel
+  of ``_softmin_hopper`` for the iteration passes it supports (no ``v``, labels or
+  ``center``; tf32 / bf16; at least ``_config.SM90_MIN_SCORES`` scores); torch otherwise.
 
 Precision of the dot product (triton backend): ``"tf32"`` (default), ``"ieee"`` (full fp32),
 ``"tf32x3"``, or ``"bf16"`` (operands in bfloat16, fp32 accumulation); everything else is
@@ -30,11 +32,28 @@ import math
 
 import torch
 
-from flashsinkhorn import _config
-from flashsinkhorn._softmin_triton import HAS_TRITON, self_softmin_triton, softmin_triton
+from flashsinkhorn import _config, _softmin_hopper, _symmetric_hopper
+from flashsinkhorn._softmin_triton import (
+    HAS_TRITON,
+    self_softmin_triton,
+    softmin_rows_triton,
+    softmin_triton,
+)
+from flashsinkhorn._symmetric_triton import symmetric_sums_triton
 from flashsinkhorn.reference import LN2, LOG2E
 
-__all__ = ["softmin", "plan_apply", "self_softmin", "resolve_backend", "PRECISIONS"]
+_FLT_MAX = 3.4028234663852886e38
+
+__all__ = [
+    "softmin",
+    "plan_apply",
+    "self_softmin",
+    "symmetric_update",
+    "resolve_backend",
+    "problem_backend",
+    "check_precision",
+    "PRECISIONS",
+]
 
 PRECISIONS = ("tf32", "ieee", "tf32x3", "bf16")
 
@@ -56,6 +75,30 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def problem_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend a solver keeps for all its passes: ``"torch"`` where ``backend``
+    resolves to it (and for float64 inputs under ``"auto"``: the Triton kernels compute in
+    fp32), else ``backend`` itself, so that ``"auto"`` keeps choosing the sm_90 kernel per
+    pass and ``"triton"`` keeps meaning the portable kernels only."""
+    be = resolve_backend(backend, device)
+    if be == "torch" or (backend == "auto" and dtype == torch.float64):
+        return "torch"
+    return backend
+
+
+def check_precision(precision: str, backend: str) -> None:
+    """``precision`` must be one of PRECISIONS; bf16 on the triton backend needs a GPU: the
+    Triton interpreter computes bf16 dot products wrongly (off by orders of magnitude)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if precision == "bf16" and backend == "triton" and _config.interpret():
+        raise ValueError(
+            "precision='bf16' on backend='triton' needs a GPU: the Triton interpreter "
+            "(TRITON_INTERPRET=1) computes bf16 dot products wrongly; use precision='tf32' "
+            "or 'ieee', or backend='torch' (exact float32)"
+        )
+
+
 def _check_operands(x, y, g, logb, cx, cy, eps, v, guess):
     """Shapes and eps of a softmin call (no data-dependent check: no host sync)."""
     if x.dim() != 3:
@@ -75,18 +118,41 @@ def _check_operands(x, y, g, logb, cx, cy, eps, v, guess):
         raise ValueError(f"eps must be a finite positive number; got {eps!r}")
 
 
-def _triton_pass(
-    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center, guess
-):  # fmt: skip
-    """The one place where the Triton kernel of a softmin pass is chosen.
+def sm90_pass_reason(x, y, precision, v=None, labels=None, center=None) -> str | None:
+    """Why a ``backend="auto"`` pass on these kernel operands does not run the sm_90 Gluon
+    kernel (None: it does). Cheap: no launch, no sync."""
+    if x.device.type != "cuda":
+        return "not a CUDA tensor"
+    B, N, _ = x.shape
+    if B * N * y.shape[1] < _config.SM90_MIN_SCORES:
+        return f"fewer than {_config.SM90_MIN_SCORES} scores (_config.SM90_MIN_SCORES)"
+    return _softmin_hopper.unsupported_reason(x, y, precision, v=v, labels=labels, center=center)
 
-    Every pass runs the portable streaming kernels of ``_softmin_triton``: the shift kernel
-    when ``guess`` is given and there is no ``v`` (the Sinkhorn loops' passes), the
-    running-max kernel otherwise (cold start, plan application). A kernel written for one
-    architecture joins here as one branch placed before the portable call, taken only for
-    the devices, dtypes and arguments it supports, e.g.
-    ``if v is None and _hopper.supports(x, precision, labels): return _hopper.softmin(...)``.
+
+def _triton_pass(
+    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center, guess,
+    backend="triton",
+):  # fmt: skip
+    """The one place where the kernel of a softmin pass on the Triton backend is chosen.
+
+    ``backend="auto"`` on an sm_90 GPU: the Gluon kernel of ``_softmin_hopper`` for the
+    passes it supports (:func:`sm90_pass_reason`), the Triton kernel if it declines
+    (``NotImplementedError``). Otherwise the portable kernels of ``_softmin_triton``: the
+    shift kernel when ``guess`` is given and there is no ``v`` (the Sinkhorn loops'
+    passes), the running-max kernel otherwise (cold start, plan application).
     """
+    if backend == "auto" and v is None and labels is None and center is None and x.is_cuda:
+        kdt = torch.bfloat16 if precision == "bf16" else torch.float32
+        xk, yk = x.to(kdt), y.to(kdt)
+        if sm90_pass_reason(xk, yk, precision) is None:
+            try:
+                out, lse2 = _softmin_hopper.softmin_hopper(
+                    xk, yk, g, logb, cx, cy, eps=eps, c2=c2, damping=damping,
+                    precision=precision, want_lse=want_lse, guess=guess,
+                )  # fmt: skip
+                return out, lse2, None
+            except NotImplementedError:
+                pass
     return softmin_triton(
         x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
         guess,
@@ -172,7 +238,8 @@ def softmin(
         labels: optional ``(lx (B, N) int, ly (B, M) int, W (K1, K2), w_scale)`` adding
             ``w_scale * W[lx_i, ly_j]`` to the cost (OTDD's label cost), gathered in-kernel.
         precision: dot precision for the triton backend: "tf32", "ieee", "tf32x3", "bf16".
-        backend: "auto", "triton" or "torch".
+        backend: "auto" (on sm_90 the Gluon kernel for the passes it supports), "triton"
+            (the portable Triton kernels only) or "torch".
         want_lse: also return ``lse2`` (B, N): ``log2 sum_j exp2(score_ij)`` with the scores
             excluding ``cx`` (so ``out = damping * (cx - eps * ln2 * lse2)``).
         center: optional (B, D): the dot product uses ``<x_i - c, y_j - c>`` (the triton
@@ -189,14 +256,13 @@ def softmin(
     Returns:
         ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     _check_operands(x, y, g, logb, cx, cy, eps, v, guess)
     be = resolve_backend(backend, x.device)
+    check_precision(precision, be)
     if be == "triton":
         return _triton_pass(
             x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
-            guess,
+            guess, backend=backend,
         )  # fmt: skip
     return _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse, center)
 
@@ -260,9 +326,24 @@ def self_softmin(
     cost (``cx = (c2/2) |x - c|^2``), but on the triton backend each symmetric tile pair is
     computed once (half the exps). Falls back to :func:`softmin` on the torch backend, when
     some weight is zero, or when the potentials' spread makes fixed offsets unsafe (one
-    host sync, skipped with ``check=False``). Shapes: x (B, N, D), loga, f, cx (B, N).
+    host sync, skipped with ``check=False``); with ``backend="auto"`` on sm_90 it runs the
+    plain Gluon pass (with ``f`` as the shift kernel's guess) where that applies.
+    Shapes: x (B, N, D), loga, f, cx (B, N).
     """
     be = resolve_backend(backend, x.device)
+    check_precision(precision, be)
+    kdt = torch.bfloat16 if precision == "bf16" else torch.float32
+    if backend == "auto" and center is None and be == "triton":
+        xk = x.to(kdt)
+        if sm90_pass_reason(xk, xk, precision) is None:
+            # sm_90: the plain Gluon pass in shift mode (the current potential as guess:
+            # no host sync) is predicted faster than the Triton symmetric kernel at every
+            # measured size (one pass 1.22 ms at 50k, d = 64, H200 call 1, against 2.21 ms
+            # for the Triton symmetric kernel in run 3)
+            return softmin(
+                xk, xk, f, loga, cx, cx, eps=eps, c2=c2, damping=damping,
+                precision=precision, backend=backend, guess=f,
+            )[0]  # fmt: skip
     A = (loga + f / eps) * LOG2E
     use_fast = be == "triton"
     if use_fast and check:
@@ -274,3 +355,122 @@ def self_softmin(
             backend=backend, center=center,
         )[0]  # fmt: skip
     return self_softmin_triton(x, A, cx, eps, c2, damping, precision, center)
+
+
+def one_pass_reason(x, y, labels, backend) -> str | None:
+    """Why :func:`symmetric_update` on these operands runs two passes instead of one (None:
+    one pass). ``backend`` as resolved (``"triton"`` or ``"torch"``)."""
+    if backend != "triton":
+        return "the torch backend runs the two passes"
+    if labels is not None:
+        return "the label cost is not implemented in the one-pass kernels"
+    B, N, _ = x.shape
+    if x.device.type == "cuda" and B * N * y.shape[1] < _config.ONE_PASS_MIN_SCORES:
+        return f"fewer than {_config.ONE_PASS_MIN_SCORES} scores (_config.ONE_PASS_MIN_SCORES)"
+    return None
+
+
+def _check_symmetric(x, y, f, g, loga, logb, cx, cy, eps):
+    if x.dim() != 3 or y.dim() != 3 or y.shape[0] != x.shape[0] or y.shape[2] != x.shape[2]:
+        raise ValueError(
+            f"x must be (B, N, D) and y (B, M, D); got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
+    B, N, _ = x.shape
+    M = y.shape[1]
+    for name, t, n in (("f", f, N), ("loga", loga, N), ("cx", cx, N), ("g", g, M),
+                       ("logb", logb, M), ("cy", cy, M)):  # fmt: skip
+        if tuple(t.shape) != (B, n):
+            raise ValueError(f"{name} must be ({B}, {n}); got {tuple(t.shape)}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite positive number; got {eps!r}")
+
+
+def symmetric_update(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    f: torch.Tensor,
+    g: torch.Tensor,
+    loga: torch.Tensor,
+    logb: torch.Tensor,
+    cx: torch.Tensor,
+    cy: torch.Tensor,
+    *,
+    eps: float,
+    c2: float,
+    damping_x: float = 1.0,
+    damping_y: float = 1.0,
+    labels: tuple | None = None,
+    precision: str = "tf32",
+    backend: str = "auto",
+    stats: dict | None = None,
+):
+    """Both updates of a symmetric (GeomLoss) Sinkhorn iteration from the old potentials:
+
+        f_new = softmin(x, y, g, logb, cx, cy, damping=damping_x, ...)[0]    (B, N)
+        g_new = softmin(y, x, f, loga, cy, cx, damping=damping_y, ...)[0]    (B, M)
+
+    (shapes and conventions of :func:`softmin`; ``labels`` as for the x side). On the
+    triton backend one streaming pass computes both (``backend="auto"`` on sm_90: the
+    Gluon kernel of ``_symmetric_hopper``, else the Triton one) from the plan's entries
+    ``P_ij = exp(log a_i + log b_j + (f_i + g_j - C_ij) / eps)``: its row sums give f_new,
+    its column sums g_new, one exp per score (half the work of two passes). Rows and
+    columns whose sums leave ``[2^-60, FLT_MAX]`` (potentials far from each other, zero
+    weights, non-finite values) are recomputed with the running-max kernel, so the result
+    is exact whatever the potentials. Two ordinary passes (with the old potentials as
+    guesses) run on the torch backend, with labels, and on CUDA below
+    ``_config.ONE_PASS_MIN_SCORES`` scores (:func:`one_pass_reason`).
+
+    ``stats`` (a dict, optional) receives ``"kernel"`` (which path ran) and, for the one
+    pass, ``"rows_recomputed"`` / ``"cols_recomputed"`` (device tensors, no sync).
+    Returns ``(f_new, g_new)``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    _check_symmetric(x, y, f, g, loga, logb, cx, cy, eps)
+    be = resolve_backend(backend, x.device)
+    stats = {} if stats is None else stats
+    reason = one_pass_reason(x, y, labels, be)
+    if reason is not None:
+        stats["kernel"] = f"two passes ({reason})"
+        kw = dict(eps=eps, c2=c2, precision=precision, backend=backend)
+        lab_t = None if labels is None else (labels[1], labels[0], labels[2].t(), labels[3])
+        ft = softmin(x, y, g, logb, cx, cy, damping=damping_x, labels=labels, guess=f, **kw)[0]
+        gt = softmin(y, x, f, loga, cy, cx, damping=damping_y, labels=lab_t, guess=g, **kw)[0]
+        return ft, gt
+    f32 = torch.float32
+    kdt = torch.bfloat16 if precision == "bf16" else f32
+    xk, yk = x.to(kdt).contiguous(), y.to(kdt).contiguous()
+    B, N, _ = x.shape
+    M = y.shape[1]
+    loga, logb, f, g, cx, cy = (t.to(f32) for t in (loga, logb, f, g, cx, cy))
+    # one shift sigma (log2) for the whole problem: row sums land near a_i 2^sigma, column
+    # sums near b_j 2^sigma; sigma puts a mean weight at 2^SHIFT_CENTER in both directions
+    mean_w = torch.logsumexp(loga, -1) - math.log(N) + torch.logsumexp(logb, -1) - math.log(M)
+    sigma = torch.nan_to_num(_config.SHIFT_CENTER - 0.5 * LOG2E * mean_w, 0.0, 0.0, 0.0)
+    half = (0.5 * sigma)[:, None]
+    rb = (loga + (f - cx) / eps) * LOG2E + half
+    cb = (logb + (g - cy) / eps) * LOG2E + half
+    rsum = None
+    if backend == "auto" and _symmetric_hopper.unsupported_reason(xk, yk, precision) is None:
+        try:  # the sm_90 Gluon kernel (CUDA, tf32 / bf16, 16-byte rows)
+            rsum, csum = _symmetric_hopper.symmetric_sums_hopper(
+                xk, yk, rb, cb, eps=eps, c2=c2, precision=precision
+            )
+            stats["kernel"] = "one pass (sm_90 Gluon)"
+        except NotImplementedError:
+            rsum = None
+    if rsum is None:
+        rsum, csum = symmetric_sums_triton(xk, yk, rb, cb, eps=eps, c2=c2, precision=precision)
+        stats["kernel"] = "one pass (Triton)"
+    ft = damping_x * (cx - (eps * LN2) * (torch.log2(rsum) - rb - half))
+    gt = damping_y * (cy - (eps * LN2) * (torch.log2(csum) - cb - half))
+    # sums out of range (NaN fails both tests): those rows / columns again, exactly
+    bad_r = ((rsum >= _config.SHIFT_LO) & (rsum <= _FLT_MAX)).logical_not_()
+    bad_c = ((csum >= _config.SHIFT_LO) & (csum <= _FLT_MAX)).logical_not_()
+    stats["rows_recomputed"], stats["cols_recomputed"] = bad_r.sum(), bad_c.sum()
+    sweep = x.device.type != "cpu"  # on CPU (the interpreter) a host check is free
+    if sweep or bool(bad_r.any()):
+        softmin_rows_triton(xk, yk, g, logb, cx, cy, eps, c2, damping_x, precision, bad_r, ft)
+    if sweep or bool(bad_c.any()):
+        softmin_rows_triton(yk, xk, f, loga, cy, cx, eps, c2, damping_y, precision, bad_c, gt)
+    return ft, gt

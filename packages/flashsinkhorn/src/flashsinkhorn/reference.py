@@ -6,6 +6,8 @@ The solvers import the schedule (:func:`eps_schedule`) and the unbalanced dampin
 
 - :func:`cost_matrix_ref`: ``cost_scale * C(x, y)`` (+ label term), as :func:`solve` defines it.
 - :func:`softmin_ref`: the streaming c-transform of :func:`flashsinkhorn.softmin`.
+- :func:`symmetric_update_ref`: both updates of a symmetric iteration
+  (:func:`flashsinkhorn.symmetric_update`).
 - :func:`plan_apply_ref`: ``P @ V`` for the squared-Euclidean cost.
 - :func:`sinkhorn_ref`: alternating log-domain Sinkhorn, the dual value of :func:`solve`.
 - :func:`samples_loss_ref`: GeomLoss's ``SamplesLoss("sinkhorn", p=2)`` (value).
@@ -31,11 +33,16 @@ def damping_factor(eps: float, rho: float | None) -> float:
     return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
 
 
+def dual_point_terms(f, a, rho):
+    """Per point: ``a_i f_i`` (balanced side) or ``rho a_i (1 - exp(-f_i / rho))``."""
+    if rho is None:
+        return a * f
+    return rho * a * (1.0 - torch.exp(-f / rho))
+
+
 def dual_terms(f, a, rho):
     """``<a, f>`` (balanced side) or ``rho <a, 1 - exp(-f / rho)>`` (KL-penalized side)."""
-    if rho is None:
-        return (a * f).sum(-1)
-    return (rho * a * (1.0 - torch.exp(-f / rho))).sum(-1)
+    return dual_point_terms(f, a, rho).sum(-1)
 
 
 def eps_schedule(diameter2: float, eps: float, scaling: float) -> list[float]:
@@ -69,27 +76,43 @@ def max_diameter(x, y) -> float:
     return (maxs - mins).norm().item()
 
 
-def parse_reach(reach):
-    """``reach`` (None, rho, or (rho_x, rho_y)) as ``(rho_x, rho_y)`` with None for a
-    balanced side (an infinite reach is balanced)."""
-    if reach is None:
+def parse_rho(rho, name: str = "rho"):
+    """KL marginal penalties in cost units: None, a number, or a pair ``(rho_x, rho_y)`` ->
+    ``(rho_x, rho_y)`` with None for a balanced side (None or an infinite penalty)."""
+    if rho is None:
         return None, None
-    if isinstance(reach, (tuple, list)):
-        if len(reach) != 2:
-            raise ValueError(f"reach must be a number or a pair (rho_x, rho_y); got {reach!r}")
-        rx, ry = reach
+    if isinstance(rho, (tuple, list)):
+        if len(rho) != 2:
+            raise ValueError(f"{name} must be a number or a pair ({name}_x, {name}_y); got {rho!r}")
+        pair = tuple(rho)
     else:
-        rx = ry = reach
+        pair = (rho, rho)
     out = []
-    for r in (rx, ry):
+    for r in pair:
         if r is None:
             out.append(None)
             continue
-        r = float(r)
-        if not (r > 0):
-            raise ValueError(f"reach must be positive (or None for a balanced side); got {r}")
+        try:
+            r = float(r)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{name} must be a positive number, a pair or None; got {r!r}"
+            ) from None
+        if not (r > 0):  # also rejects NaN
+            raise ValueError(f"{name} must be positive (or None for a balanced side); got {r}")
         out.append(None if math.isinf(r) else r)
     return tuple(out)
+
+
+def rho_from_reach(reach, cost_scale: float):
+    """GeomLoss's ``reach`` (a distance; a number or a pair, None or inf: balanced) as the
+    KL penalties ``(rho_x, rho_y)`` of the cost ``cost_scale * |x - y|^2``:
+    ``rho = 2 * cost_scale * reach**2``. That is GeomLoss's ``rho = reach**p`` for its
+    ``SamplesLoss`` cost ``|x - y|^2 / 2`` (cost_scale 1/2) and ``geomloss.ot``'s
+    ``rho = 2 reach**2`` for ``|x - y|^2`` (cost_scale 1, the second-order functions)."""
+    rx, ry = parse_rho(reach, "reach")
+    k = 2.0 * float(cost_scale)
+    return (None if rx is None else k * rx * rx), (None if ry is None else k * ry * ry)
 
 
 # ----------------------------------------------------------------------------------------
@@ -123,6 +146,21 @@ def softmin_ref(x, y, g, logb, cx, cy, *, eps, c2, damping=1.0, v=None, labels=N
     if v is not None:
         vbar = torch.softmax(S, dim=-1) @ v.to(d)
     return out, lse2, vbar
+
+
+def symmetric_update_ref(x, y, f, g, loga, logb, cx, cy, *, eps, c2, damping_x=1.0,
+                         damping_y=1.0, labels=None):  # fmt: skip
+    """Dense float64 reference of :func:`flashsinkhorn.symmetric_update`: ``(f_new, g_new)``,
+    each the c-transform of the other side's old potential (two :func:`softmin_ref`)."""
+    lab_t = None
+    if labels is not None:
+        lx, ly, W, w_scale = labels
+        lab_t = (ly, lx, W.transpose(-1, -2), w_scale)
+    f_new = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=c2, damping=damping_x,
+                        labels=labels)[0]  # fmt: skip
+    g_new = softmin_ref(y, x, f, loga, cy, cx, eps=eps, c2=c2, damping=damping_y,
+                        labels=lab_t)[0]  # fmt: skip
+    return f_new, g_new
 
 
 def plan_apply_ref(x, y, a, b, f, g, v, *, eps, cost_scale=1.0):
@@ -159,13 +197,13 @@ def cost_matrix_ref(x, y, cost="sqeuclidean", cost_scale=1.0, label_cost=None):
     return C
 
 
-def sinkhorn_ref(C, a, b, eps, reach=None, n_iter=2000):
-    """Dense float64 log-domain Sinkhorn (alternating). ``C`` (N, M); returns ``(f, g, value)``.
-
-    ``value`` uses the same dual formula as :func:`flashsinkhorn.solve`.
+def sinkhorn_ref(C, a, b, eps, rho=None, n_iter=2000):
+    """Dense float64 log-domain Sinkhorn (alternating). ``C`` (N, M); ``rho``: None
+    (balanced), a KL penalty or a pair in cost units (as :func:`flashsinkhorn.solve`);
+    returns ``(f, g, value)``. ``value`` uses the same dual formula as ``solve``.
     """
     C, a, b = C.double(), a.double(), b.double()
-    rx, ry = parse_reach(reach)
+    rx, ry = parse_rho(rho)
     f = torch.zeros_like(a)
     g = torch.zeros_like(b)
     la, lb = a.log(), b.log()
@@ -184,7 +222,7 @@ def sinkhorn_ref(C, a, b, eps, reach=None, n_iter=2000):
 def samples_loss_ref(a, x, b, y, *, blur=0.05, reach=None, diameter=None, scaling=0.5, debias=True):
     """Dense float64 GeomLoss-tensorized re-implementation (value only), 2D inputs."""
     x, y, a, b = x.double(), y.double(), a.double(), b.double()
-    eps, rho = blur**2, None if reach is None else reach**2
+    eps, rho = blur**2, rho_from_reach(reach, 0.5)[0]
     if diameter is None:
         diameter = max_diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)

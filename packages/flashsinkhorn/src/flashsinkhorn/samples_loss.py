@@ -27,10 +27,10 @@ import warnings
 
 import torch
 
-from flashsinkhorn._inputs import check_values, prepare_inputs
+from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
-from flashsinkhorn.primitives import resolve_backend, self_softmin
-from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter
+from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
+from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
 from flashsinkhorn.solver import Problem
 
 __all__ = ["SamplesLoss", "sinkhorn_divergence"]
@@ -60,51 +60,54 @@ def _sinkhorn_forward(
     backend,
     need_grad_x,
     need_grad_y,
+    verbose=False,
+    comm=None,
 ):
-    """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces."""
+    """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces.
+    ``comm``: sharded over a process group (flashsinkhorn.distributed): x, y, a, b are this
+    rank's shards; the passes, sums and the eps schedule are global."""
     eps = blur**2
-    rho = None if reach is None else reach**2
+    rho = rho_from_reach(reach, 0.5)[0]  # GeomLoss: rho = reach**2 for the cost |x - y|^2 / 2
     if diameter is None:
-        diameter = max_diameter(x, y)
+        diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
-    be = resolve_backend(backend, x.device)
-    if backend == "auto" and x.dtype == torch.float64:
-        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
-    c = common_center(x, y)
+    be = problem_backend(backend, x.device, x.dtype)  # float64 stays float64 under "auto"
+    c = common_center(x, y) if comm is None else comm.center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     # the centered kernel operands x - c, y - c are made once here and shared by all three
     # problems (no per-pass centering, nothing between the kernel's loads and its dot)
-    pxy = Problem(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
+    P = Problem if comm is None else comm.problem
+    pxy = P(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
     if debias:
-        pxx = Problem(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                      Xk=pxy.Xk, Yk=pxy.Xk)  # fmt: skip
-        pyy = Problem(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                      Xk=pxy.Yk, Yk=pxy.Yk)  # fmt: skip
+        kx, ky = ({}, {}) if comm is None else (dict(keys=("x", "x")), dict(keys=("y", "y")))
+        pxx = P(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                Xk=pxy.Xk, Yk=pxy.Xk, **kx)  # fmt: skip
+        pyy = P(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
+                Xk=pxy.Yk, Yk=pxy.Yk, **ky)  # fmt: skip
 
     def self_upd(p, f, e, dmp):
         # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result; the
         # operand is already centered (and cast for bf16)
-        return self_softmin(
-            p.Xk, p.loga, f, p.cx, eps=e, c2=1.0, damping=dmp, precision=p.precision,
-            center=None, backend=p.backend,
-        )  # fmt: skip
+        return p.self_update(f, e, dmp)
 
     zb = torch.zeros_like(hy)
     za = torch.zeros_like(hx)
     e = eps_list[0]
     dmp = damping_factor(e, rho)
-    g_ab = pxy.sm_y(za, e, dmp)[0]
-    f_ba = pxy.sm_x(zb, e, dmp)[0]
+    f_ba, g_ab = pxy.sym_update(za, zb, e, dmp, dmp)  # one pass for both where it can
     if debias:
         f_aa = self_upd(pxx, za, e, dmp)
         g_bb = self_upd(pyy, zb, e, dmp)
-    for e in eps_list:
+    for k, e in enumerate(eps_list):
         dmp = damping_factor(e, rho)
-        ft_ba = pxy.sm_x(g_ab, e, dmp, guess=f_ba)[0]
-        gt_ab = pxy.sm_y(f_ba, e, dmp, guess=g_ab)[0]
+        ft_ba, gt_ab = pxy.sym_update(f_ba, g_ab, e, dmp, dmp)
         if debias:
             ft_aa = self_upd(pxx, f_aa, e, dmp)
             gt_bb = self_upd(pyy, g_bb, e, dmp)
+        if verbose:
+            est = float((_l1(pxy, a, f_ba, ft_ba, e) + _l1(pxy, b, g_ab, gt_ab, e)).max())
+            print(f"flashsinkhorn.SamplesLoss: eps {e:.4g} ({k + 1}/"
+                  f"{len(eps_list)}), marginal error {est:.3g}", flush=True)  # fmt: skip
         f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
         if debias:
             f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
@@ -123,9 +126,10 @@ def _sinkhorn_forward(
     G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
     # L1 marginal error of the last loop plan, from what the last step already computed
-    out["marginal_error"] = (a * torch.expm1((f_ba - F_ba) / e).abs()).sum(-1) + (
-        b * torch.expm1((g_ab - G_ab) / e).abs()
-    ).sum(-1)
+    out["marginal_error"] = _l1(pxy, a, f_ba, F_ba, e) + _l1(pxy, b, g_ab, G_ab, e)
+    if verbose:
+        print(f"flashsinkhorn.SamplesLoss: final marginal error (loop plan) "
+              f"{float(out['marginal_error'].max()):.3g}", flush=True)  # fmt: skip
     gx = gy = None
     if need_grad_x:
         gx = torch.sub(x, Ty, out=Ty).mul_((a * wfac(F_ba))[..., None])
@@ -154,9 +158,16 @@ def _sinkhorn_forward(
             eb, ebb = torch.exp(-G_ab / rho), torch.exp(-G_bb / rho)
             va, ga = a * (rho + e / 2) * (eaa - ea), (rho + e / 2) * (eaa - ea)
             vb, gb = b * (rho + e / 2) * (ebb - eb), (rho + e / 2) * (ebb - eb)
-    value = va.sum(-1) + vb.sum(-1)
+    value = pxy.total(va) + pxy.total(vb)
     out.update(value=value, gx=gx, gy=gy, ga=ga, gb=gb)
     return out
+
+
+def _l1(prob, w, old, new, eps):
+    """L1 marginal error of the plan of the old potential (zero weights do not count),
+    summed over the problem's points."""
+    e = w * torch.expm1((old - new) / eps).abs()
+    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
 
 
 def _loss_grads(needs, ga, gx, gb, gy, gout):
@@ -191,24 +202,76 @@ def _warn(value, err, warn_tol, stacklevel):
 class _SinkhornLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, x, b, y, opts, info):
+        need_x, need_y = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        if opts.get("comm") is not None:  # sharded: the final passes are the same on all ranks
+            need_x, need_y = opts["comm"].any((need_x, need_y))
         with torch.no_grad():
             out = _sinkhorn_forward(
                 a.detach(),
                 x.detach(),
                 b.detach(),
                 y.detach(),
-                need_grad_x=ctx.needs_input_grad[1],
-                need_grad_y=ctx.needs_input_grad[3],
+                need_grad_x=need_x,
+                need_grad_y=need_y,
                 **opts,
             )
-        ctx.save_for_backward(out["ga"], out["gx"], out["gb"], out["gy"])
+        ctx.save_for_backward(out["ga"], out["gx"], out["gb"], out["gy"], x, y)
+        # what a double backward needs: the final potentials (and the self ones)
+        ctx.second = (a.detach(), b.detach(), out["f_ba"], out["g_ab"], out.get("f_aa"),
+                      out.get("g_bb"), out["eps"], out["rho"], opts)  # fmt: skip
         info["marginal_error"] = out["marginal_error"]
         return out["value"].to(x.dtype)
 
     @staticmethod
     def backward(ctx, gout):
-        grads = _loss_grads(ctx.needs_input_grad, *ctx.saved_tensors, gout)
+        ga, gx, gb, gy, x, y = ctx.saved_tensors
+        need = ctx.needs_input_grad[:4]  # a, x, b, y
+        if torch.is_grad_enabled() and (need[1] or need[3]):  # create_graph=True
+            gX, gY = _differentiable_grads(ctx, need, x, y, gx, gy)
+            go = gout[:, None, None]
+            return (None, gX * go if need[1] else None, None, gY * go if need[3] else None,
+                    None, None)  # fmt: skip
+        grads = _loss_grads(need, ga, gx, gb, gy, gout)
         return (*grads, None, None)
+
+
+def _differentiable_grads(ctx, need, x, y, gx, gy):
+    """The loss's gradients in x, y attached to (x, y), with the streaming HVP of its OT
+    terms as their derivative (second_order._autograd): cost |x - y|^2 / 2 is the
+    second-order plan at 2 eps with potentials 2 F, and its Hessian is half the plan's."""
+    from flashsinkhorn.second_order._autograd import (
+        HvpTerm,
+        differentiable_grads,
+        no_second_order_in_weights,
+        plan_from_potentials,
+    )
+
+    no_second_order_in_weights(need[0] or need[2], "SamplesLoss")
+    a, b, F_ba, G_ab, F_aa, G_bb, e, rho, opts = ctx.second
+    if opts.get("comm") is not None:
+        raise RuntimeError(
+            "SamplesLoss(process_group=...): double backward (create_graph=True) is not "
+            "implemented for sharded problems"
+        )
+    if rho is not None:
+        raise RuntimeError(
+            "SamplesLoss: double backward (create_graph=True) is implemented for balanced "
+            "problems (reach=None); for unbalanced OT use flashsinkhorn.ot_loss(x, y, "
+            "eps=2 * blur**2, reach=reach), twice differentiable (its value is twice ours)"
+        )
+    prec = "ieee" if opts["precision"] == "ieee" else "tf32x3"
+    kw = dict(scale=0.5, eps=e, backend=opts["backend"], precision=prec)
+    terms = []
+    for k in range(x.shape[0]):
+        plan, ix, iy = plan_from_potentials(x[k], y[k], a[k], b[k], F_ba[k], G_ab[k], **kw)
+        terms.append(HvpTerm("xy", k, plan, 0.5, ix, iy))
+        if opts["debias"]:  # - OT(a, a) / 2 - OT(b, b) / 2
+            for kind, z, w, F in (("xx", x, a, F_aa), ("yy", y, b, G_bb)):
+                plan, iz, _ = plan_from_potentials(z[k], z[k], w[k], w[k], F[k], F[k], **kw)
+                terms.append(HvpTerm(kind, k, plan, -0.25, iz, iz))
+    zx = torch.zeros(x.shape, dtype=F_ba.dtype, device=x.device) if gx is None else gx
+    zy = torch.zeros(y.shape, dtype=F_ba.dtype, device=y.device) if gy is None else gy
+    return differentiable_grads(x, y, zx, zy, terms)
 
 
 # ----------------------------------------------------------------------------------------
@@ -229,11 +292,11 @@ def _compute_dtype(x):
     mutates_args=(),
     schema="(Tensor a, Tensor x, Tensor b, Tensor y, float blur, float? reach, "
     "float? diameter, float scaling, bool debias, str precision, str backend, "
-    "bool need_grad_x, bool need_grad_y, bool warn, float? warn_tol) "
+    "bool need_grad_x, bool need_grad_y, bool warn, float? warn_tol, bool verbose) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _divergence_op(a, x, b, y, blur, reach, diameter, scaling, debias, precision, backend,
-                   need_grad_x, need_grad_y, warn, warn_tol):  # fmt: skip
+                   need_grad_x, need_grad_y, warn, warn_tol, verbose):  # fmt: skip
     """:func:`sinkhorn_divergence`'s forward on batched inputs (a (B, N), x (B, N, D), ...).
 
     Returns ``(value (B,)`` in x's dtype, then in the compute dtype (float64 for float64
@@ -243,8 +306,10 @@ def _divergence_op(a, x, b, y, blur, reach, diameter, scaling, debias, precision
     ``warn``, warns as the eager path does.
     """
     check_values(x, y, a, b)
+    if reach is None:
+        check_masses(a, b, None, None, "reach")
     opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias,
-                precision=precision, backend=backend)  # fmt: skip
+                precision=precision, backend=backend, verbose=verbose)  # fmt: skip
     with torch.no_grad():
         out = _sinkhorn_forward(
             a, x, b, y, need_grad_x=need_grad_x, need_grad_y=need_grad_y, **opts
@@ -268,7 +333,7 @@ def _divergence_op(a, x, b, y, blur, reach, diameter, scaling, debias, precision
 
 @_divergence_op.register_fake
 def _(a, x, b, y, blur, reach, diameter, scaling, debias, precision, backend, need_grad_x,
-      need_grad_y, warn, warn_tol):  # fmt: skip
+      need_grad_y, warn, warn_tol, verbose):  # fmt: skip
     (B, N, D), M = x.shape, y.shape[1]
     cdt = _compute_dtype(x)
     return (
@@ -283,16 +348,44 @@ def _(a, x, b, y, blur, reach, diameter, scaling, debias, precision, backend, ne
     )
 
 
+def _positive_finite(v, name):
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a finite positive number; got {v!r}") from None
+    if not (0 < v < float("inf")):
+        raise ValueError(f"{name} must be a finite positive number; got {v}")
+    return v
+
+
 def _divergence_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[1:5])  # ga, gx, gb, gy
 
 
 def _divergence_bwd(ctx, gout, *unused):
     grads = _loss_grads(ctx.needs_input_grad, *ctx.saved_tensors, gout)
-    return (*grads,) + (None,) * 11
+    return (*grads,) + (None,) * 12
 
 
 _divergence_op.register_autograd(_divergence_bwd, setup_context=_divergence_setup)
+
+
+def _check_loss_args(blur, reach, scaling, diameter=None, precision="tf32"):
+    """The loss's scalar arguments, checked and normalized: ``(blur, reach, scaling,
+    diameter)`` with an infinite reach as None (balanced); a ValueError names the argument."""
+    blur = _positive_finite(blur, "blur")
+    reach = None if rho_from_reach(reach, 0.5)[0] is None else float(reach)
+    try:
+        scaling = float(scaling)
+    except (TypeError, ValueError):
+        raise ValueError(f"scaling must lie in (0, 1); got {scaling!r}") from None
+    if not (0 < scaling < 1):
+        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
+    if diameter is not None:
+        diameter = _positive_finite(diameter, "diameter")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    return blur, reach, scaling, diameter
 
 
 def sinkhorn_divergence(
@@ -311,36 +404,39 @@ def sinkhorn_divergence(
     backend="auto",
     warn_tol=None,
     info=None,
+    verbose=False,
+    process_group=None,
 ):
     """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ...
 
     ``info`` (a dict, optional) receives ``marginal_error``: the L1 marginal error (B,) of
     the last plan of the schedule, on device. ``warn_tol``: warn when it exceeds this.
+    ``verbose``: print each eps stage with the marginal error of its plan.
+    ``process_group``: a ``torch.distributed`` group; a, x, b, y are then this rank's shards
+    of the global clouds and the loss is the global one (:mod:`flashsinkhorn.distributed`).
     """
-    if not (blur > 0):
-        raise ValueError(f"blur must be positive; got {blur}")
-    if reach is not None and not (reach > 0):
-        raise ValueError(f"reach must be positive or None; got {reach}")
-    if not (0 < scaling < 1):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
+    if process_group is not None:  # sharded over the ranks of a torch.distributed group
+        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
+
+        return distributed.sinkhorn_divergence(
+            a, x, b, y, process_group=process_group, blur=blur, reach=reach,
+            diameter=diameter, scaling=scaling, debias=debias, potentials=potentials,
+            precision=precision, backend=backend, warn_tol=warn_tol, info=info,
+        )  # fmt: skip
+    blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
-    opts = dict(
-        blur=float(blur),
-        reach=None if reach is None else float(reach),
-        diameter=diameter,
-        scaling=float(scaling),
-        debias=bool(debias),
-        precision=precision,
-        backend=backend,
-    )
+    # clear errors for a bad backend or bf16 under the interpreter, before any work
+    check_precision(precision, resolve_backend(backend, x3.device))
+    if reach is None and not compiling:
+        check_masses(a2, b2, None, None, "reach")  # GeomLoss would return a number: we say why not
+    opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=bool(debias),
+                precision=precision, backend=backend, verbose=bool(verbose))  # fmt: skip
     info = {} if info is None else info
     if compiling:
         grad = torch.is_grad_enabled() and not potentials
         need_x, need_y = grad and x3.requires_grad, grad and y3.requires_grad
-        if diameter is not None:
-            opts["diameter"] = float(diameter)
         value, *_, err, F, G = _divergence_op(
             a2, x3, b2, y3, **opts, need_grad_x=need_x, need_grad_y=need_y,
             warn=not potentials, warn_tol=warn_tol,
@@ -369,9 +465,18 @@ class SamplesLoss(torch.nn.Module):
     """Drop-in for ``geomloss.SamplesLoss`` with ``loss="sinkhorn", p=2``.
 
     Call as ``loss(x, y)`` or ``loss(a, x, b, y)`` with x (N, D) / (B, N, D) and weights
-    (N,) / (B, N). Extra arguments over GeomLoss: ``precision`` ("tf32", "ieee", "tf32x3",
-    "bf16"), ``backend`` ("auto", "triton", "torch"; GeomLoss's "tensorized", "online"
-    and "multiscale" map to "auto") and ``warn_tol``.
+    (N,) / (B, N) (tensors, or numpy arrays and lists, converted). GeomLoss conventions:
+    cost ``|x - y|^2 / 2``, ``eps = blur**2``, ``rho = reach**2`` (``reach`` a distance;
+    None or inf: balanced). Balanced problems need ``a.sum() == b.sum()`` (GeomLoss does
+    not check and returns a number; we raise). Twice differentiable in x, y when balanced
+    (``create_graph=True``: the streaming HVP of flashsinkhorn.second_order).
+
+    GeomLoss's arguments: ``backend`` "tensorized" and "online" (both exact in GeomLoss)
+    run our exact streaming kernels ("auto"); "multiscale", ``truncate`` and
+    ``cluster_scale`` (GeomLoss's clustering approximation) raise: every pair is computed
+    exactly here, at any size. ``verbose=True`` prints each eps stage with the marginal
+    error of its plan. Extra arguments: ``precision`` ("tf32", "ieee", "tf32x3", "bf16"),
+    ``backend`` "triton" / "torch", and ``warn_tol``.
 
     Convergence is reported, not hidden: after each call ``self.last_marginal_error``
     holds the L1 marginal error (row + column) of the schedule's last plan (a tensor on
@@ -399,9 +504,11 @@ class SamplesLoss(torch.nn.Module):
         backend: str = "auto",
         precision: str = "tf32",
         warn_tol: float | None = None,
+        process_group=None,
     ):
         super().__init__()
         self.warn_tol = warn_tol
+        self.process_group = process_group
         self.last_marginal_error = None
         if loss != "sinkhorn":
             raise ValueError(
@@ -411,8 +518,27 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(f"flashsinkhorn.SamplesLoss supports p=2 only; got p={p}")
         if cost is not None or kernel is not None:
             raise ValueError("custom cost/kernel are not supported (p=2 squared Euclidean only)")
-        if backend in ("tensorized", "online", "multiscale"):
+        exact = "every pair is computed exactly here (streaming, at any size)"
+        if backend == "multiscale":
+            raise ValueError(
+                f"backend='multiscale' is GeomLoss's clustering approximation; {exact}: use "
+                "backend='auto'"
+            )
+        for name, val in (("truncate", truncate), ("cluster_scale", cluster_scale)):
+            if val is not None:
+                raise ValueError(
+                    f"{name}={val!r} only applies to GeomLoss's multiscale backend; {exact}: "
+                    f"remove {name}"
+                )
+        if backend in ("tensorized", "online"):  # GeomLoss's exact backends: ours is exact
             backend = "auto"
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(
+                "backend must be 'auto', 'triton', 'torch' (or GeomLoss's 'tensorized' / "
+                f"'online'); got {backend!r}"
+            )
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
         self.blur, self.reach, self.diameter, self.scaling = blur, reach, diameter, scaling
         self.debias, self.potentials, self.backend, self.precision = (
             debias,
@@ -420,6 +546,7 @@ class SamplesLoss(torch.nn.Module):
             backend,
             precision,
         )
+        self.verbose = bool(verbose)
 
     def forward(self, *args):
         if len(args) == 2:
@@ -445,6 +572,8 @@ class SamplesLoss(torch.nn.Module):
             backend=self.backend,
             warn_tol=self.warn_tol,
             info=info,
+            verbose=self.verbose,
+            process_group=self.process_group,
         )
         self.last_marginal_error = info.get("marginal_error")
         return out

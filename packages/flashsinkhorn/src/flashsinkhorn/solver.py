@@ -22,12 +22,11 @@ the balanced case) are computed by streaming kernels in the backward pass.
 
 from __future__ import annotations
 
-import math
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from flashsinkhorn import _loop
 from flashsinkhorn._inputs import (
     check_eps,
     check_label_range,
@@ -37,8 +36,16 @@ from flashsinkhorn._inputs import (
     prepare_inputs,
 )
 from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
-from flashsinkhorn.primitives import PRECISIONS, resolve_backend, softmin
-from flashsinkhorn.reference import LN2, damping_factor, dual_terms, eps_schedule, parse_reach
+from flashsinkhorn.primitives import (
+    check_precision,
+    problem_backend,
+    resolve_backend,
+    self_softmin,
+    softmin,
+    symmetric_update,
+)
+from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
+from flashsinkhorn.result import SinkhornResult, certificate
 
 __all__ = ["solve", "SinkhornResult", "Problem"]
 
@@ -80,6 +87,44 @@ class Problem:
                 self.X, self.Y, self.center, self.precision, self.backend
             )
 
+    def with_precision(self, precision):
+        """The same problem at another dot precision (its own kernel operands)."""
+        return replace(self, precision=precision, Xk=None, Yk=None)
+
+    # sums over the problem's points and flags every rank must agree on: overridden by the
+    # sharded problem (flashsinkhorn.distributed), whose points are spread over ranks
+    def total(self, t):
+        """``t.sum(-1)`` over the problem's points (B,)."""
+        return t.sum(-1)
+
+    def any_rank(self, flags):
+        """The flags OR-ed over the ranks that share the problem (here: one)."""
+        return tuple(flags)
+
+    def self_update(self, f, eps, damping):
+        """The debiasing update of a self-transport problem (x against itself): the
+        symmetric kernel, each tile pair computed once (same result as ``sm_x``)."""
+        return self_softmin(self.Xk, self.loga, f, self.cx, eps=eps, c2=self.c2,
+                            damping=damping, precision=self.precision, center=None,
+                            backend=self.backend)  # fmt: skip
+
+    def dense_plan(self, f, g, eps, columns=None):
+        """Dense plan (B, N, M) (tests, small problems). ``columns``: the column side's
+        ``Y, g, b, cy`` if not this problem's (the sharded problem gathers them)."""
+        c = columns or dict(Y=self.Y, g=g, b=self.b, cy=self.cy)
+        X, Y = self.X.detach(), c["Y"].detach()
+        if self.center is not None:
+            X, Y = X - self.center[:, None, :], Y - self.center[:, None, :]
+        C = self.cx[..., :, None] + c["cy"][..., None, :] - self.c2 * (X @ Y.transpose(-1, -2))
+        if self.labels is not None:
+            lx, ly, W, s = self.labels
+            C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
+        return (
+            self.a[..., :, None]
+            * c["b"][..., None, :]
+            * torch.exp((f[..., :, None] + c["g"][..., None, :] - C) / eps)
+        )
+
     @property
     def labels_t(self):
         if self.labels is None:
@@ -108,6 +153,21 @@ class Problem:
             guess=guess,
         )
 
+    def sym_update(self, f, g, eps, damping_x=1.0, damping_y=1.0):
+        """Both updates of a symmetric iteration from the old ``(f, g)``: one streaming
+        pass where the backend has it (:func:`flashsinkhorn.symmetric_update`). A subclass
+        that redefines the passes (a problem sharded over ranks) gets its own two passes,
+        unless it redefines this too."""
+        cls = type(self)
+        if cls.sm_x is not Problem.sm_x or cls.sm_y is not Problem.sm_y:
+            ft = self.sm_x(g, eps, damping_x, guess=f)[0]
+            return ft, self.sm_y(f, eps, damping_y, guess=g)[0]
+        return symmetric_update(
+            self.Xk, self.Yk, f, g, self.loga, self.logb, self.cx, self.cy, eps=eps,
+            c2=self.c2, damping_x=damping_x, damping_y=damping_y, labels=self.labels,
+            precision=self.precision, backend=self.backend,
+        )  # fmt: skip
+
     def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
         """g-side update (rows = y); ``guess``: the current g."""
         return softmin(
@@ -130,113 +190,19 @@ class Problem:
 
 
 # ----------------------------------------------------------------------------------------
-# the loop
-# ----------------------------------------------------------------------------------------
-
-
-def _l1_err(w, old, new, eps):
-    # L1 marginal error of the plan with the old potential: sum_i w_i |exp((old-new)/eps) - 1|
-    return (w * torch.expm1((old - new) / eps).abs()).sum(-1)
-
-
-def _eps_list(prob: Problem, eps, eps_scaling, diameter):
-    """The annealing temperatures before ``eps`` (None without eps-scaling)."""
-    if eps_scaling is None:
-        return None
-    if diameter is None:
-        X, Y = prob.X.detach(), prob.Y.detach()
-        lo = torch.minimum(X.amin(dim=(0, 1)), Y.amin(dim=(0, 1)))
-        hi = torch.maximum(X.amax(dim=(0, 1)), Y.amax(dim=(0, 1)))
-        diameter = float((hi - lo).norm())
-    d2 = max(float(prob.cost_scale) * diameter**2, eps)
-    return eps_schedule(d2, eps, eps_scaling)[:-1]
-
-
-def _report(converged, n_iter, err, tol, warn):
-    """``converged`` as reported (False without a tolerance); warns when not converged."""
-    if tol is None or tol <= 0:
-        return False
-    if not converged and warn:
-        warnings.warn(
-            f"flashsinkhorn.solve: not converged after {n_iter} iterations "
-            f"(marginal error {float(err.max()):.3g} > tol {tol}); increase max_iter or eps",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return converged
-
-
-def _run(prob: Problem, eps, rx, ry, max_iter, tol, schedule, check_every, eps_list):
-    B, N = prob.cx.shape
-    M = prob.cy.shape[1]
-    dt = torch.float64 if prob.X.dtype == torch.float64 else torch.float32
-    f = torch.zeros((B, N), dtype=dt, device=prob.X.device)
-    g = torch.zeros((B, M), dtype=dt, device=prob.X.device)
-    # eps-scaling warm start: one symmetric iteration per stage (GeomLoss)
-    if eps_list:
-        e0 = eps_list[0]
-        g = prob.sm_y(f, e0, damping_factor(e0, ry))[0]
-        f = prob.sm_x(torch.zeros_like(g), e0, damping_factor(e0, rx))[0]
-        for e in eps_list:
-            ft = prob.sm_x(g, e, damping_factor(e, rx), guess=f)[0]
-            gt = prob.sm_y(f, e, damping_factor(e, ry), guess=g)[0]
-            f, g = 0.5 * (f + ft), 0.5 * (g + gt)
-    err = torch.full((B,), float("inf"), device=f.device)
-    n_iter = 0
-    converged = False
-    check = tol is not None and tol > 0
-    for it in range(1, max_iter + 1):
-        # the marginal error (a few small elementwise kernels per side) is measured only
-        # where it is read: on check iterations and the last one
-        measure = it == max_iter or (check and it % check_every == 0)
-        # the current potentials as guesses of the updates ("shift" kernel), except the
-        # zeros the loop starts from without eps-scaling
-        gf, gg = (f, g) if (eps_list or it > 1) else (None, None)
-        if schedule == "alternating":
-            fn = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
-            if measure:
-                ea = _l1_err(prob.a, f, fn, eps)
-            gn = prob.sm_y(fn, eps, damping_factor(eps, ry), guess=gg)[0]
-            if measure:
-                eb = _l1_err(prob.b, g, gn, eps)
-            f, g = fn, gn
-        else:  # symmetric (averaged) updates
-            ft = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
-            gt = prob.sm_y(f, eps, damping_factor(eps, ry), guess=gg)[0]
-            if measure:
-                ea = _l1_err(prob.a, f, ft, eps)
-                eb = _l1_err(prob.b, g, gt, eps)
-            f, g = 0.5 * (f + ft), 0.5 * (g + gt)
-        n_iter = it
-        if measure:
-            err = ea + eb
-        if check and measure:
-            e_max = float(err.max())  # the only host sync: every check_every iterations
-            if not math.isfinite(e_max):
-                raise FloatingPointError(
-                    "Sinkhorn diverged (non-finite potentials); increase eps or check inputs"
-                )
-            if e_max < tol:
-                converged = True
-                break
-    if not bool(torch.isfinite(f).all() & torch.isfinite(g).all()):
-        raise FloatingPointError("Sinkhorn produced non-finite potentials; increase eps")
-    return f, g, err, n_iter, converged
-
-
-# ----------------------------------------------------------------------------------------
 # differentiable value (envelope theorem, streaming backward)
 # ----------------------------------------------------------------------------------------
 
 
 def _ot_value(prob, a, b, f, g, eps, rx, ry):
     """The dual value (B,) of the potentials (f, g) (no graph)."""
+    total = prob.total
     if rx is None and ry is None:
-        return (a * f).sum(-1) + (b * g).sum(-1)
+        return total(a * f) + total(b * g)
     _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
     rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
-    mass = rows.sum(-1)
-    return dual_terms(f, a, rx) + dual_terms(g, b, ry) - eps * (mass - a.sum(-1) * b.sum(-1))
+    duals = total(dual_point_terms(f, a, rx)) + total(dual_point_terms(g, b, ry))
+    return duals - eps * (total(rows) - total(a) * total(b))
 
 
 def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
@@ -254,8 +220,8 @@ def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
         gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
     if need_y:
         gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
-    bsum = prob.b.sum(-1, keepdim=True)
-    asum = prob.a.sum(-1, keepdim=True)
+    bsum = prob.total(prob.b)[..., None]
+    asum = prob.total(prob.a)[..., None]
     if need_a:
         base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
         ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
@@ -271,17 +237,70 @@ class _OTValue(torch.autograd.Function):
         with torch.no_grad():
             value = _ot_value(prob, a, b, f, g, eps, rx, ry)
         ctx.prob, ctx.eps, ctx.rx, ctx.ry = prob, eps, rx, ry
-        ctx.save_for_backward(f, g)
+        ctx.save_for_backward(X, Y, f, g)
         return value
 
     @staticmethod
     def backward(ctx, gout):
-        f, g = ctx.saved_tensors
+        X, Y, f, g = ctx.saved_tensors
+        need = ctx.needs_input_grad[:4]
+        # create_graph=True: the gradient in x, y gets a graph whose backward is the HVP
+        second = torch.is_grad_enabled() and (need[0] or need[1])
+        if second:
+            _check_second_order(ctx.prob, need)
         with torch.no_grad():
-            grads = _ot_value_grads(
-                ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, gout, ctx.needs_input_grad[:4]
-            )
+            unit = torch.ones_like(gout) if second else gout
+            # sharded: the passes are the same on all ranks (any rank needing one runs it)
+            grads = _ot_value_grads(ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit,
+                                    ctx.prob.any_rank(need))  # fmt: skip
+        grads = tuple(gr if n else None for gr, n in zip(grads, need))
+        if second:
+            gX, gY = _differentiable_value_grads(X, Y, grads[0], grads[1], ctx, f, g)
+            go = gout[:, None, None]
+            grads = (gX * go if need[0] else None, gY * go if need[1] else None, None, None)
         return (*grads, None, None, None, None, None, None)
+
+
+def _check_second_order(prob, need):
+    from flashsinkhorn.second_order._autograd import no_second_order_in_weights
+
+    if type(prob).total is not Problem.total:
+        raise RuntimeError(
+            "solve(..., process_group=...).value: double backward (create_graph=True) is not "
+            "implemented for sharded problems"
+        )
+    if prob.cost == "dot" or prob.labels is not None:
+        raise RuntimeError(
+            "solve(...).value: double backward (create_graph=True) is implemented for "
+            "cost='sqeuclidean' and 'cosine' without label_cost; got cost="
+            f"{prob.cost!r}{' with label_cost' if prob.labels is not None else ''}"
+        )
+    no_second_order_in_weights(need[2] or need[3], "solve(...).value")
+
+
+def _differentiable_value_grads(X, Y, gX, gY, ctx, f, g):
+    """The value's gradients (gX, gY) attached to (X, Y), with the streaming HVP of each
+    problem of the batch as their derivative (second_order._autograd)."""
+    from flashsinkhorn.second_order._autograd import (
+        HvpTerm,
+        differentiable_grads,
+        plan_from_potentials,
+    )
+
+    prob = ctx.prob
+    precision = "ieee" if prob.precision == "ieee" else "tf32x3"
+    terms = []
+    for k in range(X.shape[0]):
+        # sqeuclidean s|x - y|^2: c2 = 2s; cosine s(1 - <X, Y>) = (s/2)|X - Y|^2: c2 = s
+        plan, ix, iy = plan_from_potentials(
+            prob.X[k], prob.Y[k], prob.a[k], prob.b[k], f[k], g[k], scale=prob.c2 / 2,
+            eps=ctx.eps, rho_x=ctx.rx, rho_y=ctx.ry, backend=prob.backend, precision=precision,
+        )  # fmt: skip
+        terms.append(HvpTerm("xy", k, plan, prob.c2 / 2, ix, iy))
+    zeros = torch.zeros
+    gX = zeros(X.shape, dtype=f.dtype, device=X.device) if gX is None else gX
+    gY = zeros(Y.shape, dtype=f.dtype, device=Y.device) if gY is None else gY
+    return differentiable_grads(X, Y, gX, gY, terms)
 
 
 def _feature_grad(X, rows, Ybar, prob):
@@ -336,48 +355,88 @@ def _potential_dtype(X, backend):
 @torch.library.custom_op(
     "flashsinkhorn::sinkhorn_potentials",
     mutates_args=(),
-    schema=f"({_PROBLEM}, float cost_scale, float eps, float? rx, float? ry, int max_iter, "
-    "float? tol, str schedule, int check_every, float? eps_scaling, float? diameter, "
-    "bool warn) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    schema=f"({_PROBLEM}, Tensor x_in, Tensor y_in, float cost_scale, float eps, float? rx, "
+    "float? ry, int max_iter, float? tol, str schedule, int check_every, float? eps_scaling, "
+    "float? diameter, bool warn, bool verbose) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _potentials_op(*args):
     """solve's loop: ``(f (B, N), g (B, M), marginal_error (B,), n_iter (), converged ())``.
 
     First runs the data-dependent input checks that the compiled graph skips."""
-    cost_scale, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter, warn = (
-        args[_NP:]
-    )  # fmt: skip
+    x_in, y_in, cost_scale, eps, rx, ry, max_iter, tol, schedule, check_every = args[_NP : _NP + 10]
+    eps_scaling, diameter, warn, verbose = args[_NP + 10 :]
     prob = _op_problem(args[:_NP], cost_scale)
-    check_values(prob.X, prob.Y, prob.a, prob.b)
+    check_values(x_in, y_in, prob.a, prob.b)
     check_masses(prob.a, prob.b, rx, ry)
     if prob.labels is not None:
         lx, ly, W, _ = prob.labels
         check_label_range("labels_x", lx, W, W.shape[0])
         check_label_range("labels_y", ly, W, W.shape[1])
-    eps_list = _eps_list(prob, eps, eps_scaling, diameter)
-    with torch.no_grad():
-        f, g, err, n_iter, converged = _run(
-            prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_list
-        )
-    converged = _report(converged, n_iter, err, tol, warn)
-    dt = _potential_dtype(prob.X, prob.backend)
-    err = err.to(torch.promote_types(prob.a.dtype, dt))
+    loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
+    certify = certifier(float64_problem(x_in, y_in, prob), prob, eps, rx, ry)
+    out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
+    _loop.report(out, tol, eps, warn)
     dev = prob.X.device
-    n_iter = torch.tensor(n_iter, dtype=torch.int64, device=dev)
-    return f.to(dt), g.to(dt), err, n_iter, torch.tensor(converged, device=dev)
+    n_iter = torch.tensor(out.n_iter, dtype=torch.int64, device=dev)
+    return out.f, out.g, out.err, n_iter, torch.tensor(out.converged, device=dev)
 
 
 @_potentials_op.register_fake
 def _(*args):
-    X, a, cx, cy, backend = args[0], args[2], args[6], args[7], args[15]
+    X, cx, cy, backend = args[0], args[6], args[7], args[15]
     dt = _potential_dtype(X, backend)
     return (
         cx.new_empty(cx.shape, dtype=dt),
         cy.new_empty(cy.shape, dtype=dt),
-        cx.new_empty(cx.shape[:1], dtype=torch.promote_types(a.dtype, dt)),
+        cx.new_empty(cx.shape[:1], dtype=torch.float64),
         cx.new_empty((), dtype=torch.int64),
         cx.new_empty((), dtype=torch.bool),
     )
+
+
+def float64_problem(x3, y3, prob, features=cost_features, make=None):
+    """A thunk building ``prob`` again in float64 from the points ``x3, y3`` (B, N, D)
+    (the features recomputed in float64: cosine normalizes in float64), on the torch
+    backend: the certificate's problem. ``features`` / ``make``: the sharded problem's."""
+
+    def build():
+        d = torch.float64
+        X, Y, cx, cy, c2, c = features(x3.detach().to(d), y3.detach().to(d), prob.cost,
+                                       prob.cost_scale)  # fmt: skip
+        lab = None
+        if prob.labels is not None:
+            lx, ly, W, s = prob.labels
+            lab = (lx, ly, W.to(d), s)
+        return (make or Problem)(X, Y, prob.a.to(d), prob.b.to(d), cx, cy, c2, prob.cost,
+                                 prob.cost_scale, lab, "ieee", "torch", c)  # fmt: skip
+
+    return build
+
+
+def certifier(build64, prob, eps, rx, ry):
+    """``certify(f, g) -> (err, rows, cols)``: the float64 :func:`certificate` of the
+    potentials in the dtype they are returned in (the float64 problem built once, lazily)."""
+    dt = _potential_dtype(prob.X, prob.backend)
+    cache = {}
+
+    def certify(f, g):
+        if "p" not in cache:
+            cache["p"] = build64()
+        return certificate(cache["p"], f.to(dt), g.to(dt), eps, rx, ry)
+
+    return certify
+
+
+def _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose):
+    """The loop (no graph) and the float64 certificate of its potentials (what
+    ``marginal_error`` and ``converged`` report), potentials in the returned dtype."""
+    eps = loop[0]
+    dt = _potential_dtype(prob.X, prob.backend)
+    stages = _loop.eps_list(prob, eps, eps_scaling, diameter)
+    with torch.no_grad():
+        out = _loop.run(prob, loop, stages, certify, verbose)
+    out.f, out.g = out.f.to(dt), out.g.to(dt)
+    return out
 
 
 _VALUE = "Tensor f, Tensor g, float eps, float? rx, float? ry"  # after the problem
@@ -437,125 +496,26 @@ def _ot_value_bwd(ctx, gout):
 _ot_value_op.register_autograd(_ot_value_bwd, setup_context=_ot_value_setup)
 
 
-def _solve_compiled(prob, X, Y, a, b, loop, eps_scaling, diameter, warn):
+def _solve_compiled(prob, x3, y3, X, Y, a, b, loop, eps_scaling, diameter, warn, verbose):
     """solve's loop and value through the custom ops (``X, Y, a, b`` carry the graph).
     Returns ``(f, g, err, n_iter, converged, value)`` (n_iter, converged: 0-dim tensors)."""
     eps, rx, ry, max_iter, tol, schedule, check_every = loop
     f, g, err, n_iter, converged = _potentials_op(
-        *_op_problem_args(prob), prob.cost_scale, eps, rx, ry, max_iter, tol, schedule,
-        check_every, eps_scaling, diameter, warn,
+        *_op_problem_args(prob), x3.detach(), y3.detach(), prob.cost_scale, eps, rx, ry,
+        max_iter, tol, schedule, check_every, eps_scaling, diameter, warn, verbose,
     )  # fmt: skip
     value = _ot_value_op(*_op_problem_args(prob, X, Y, a, b), f, g, eps, rx, ry)
     return f, g, err, n_iter, converged, value
 
 
-# ----------------------------------------------------------------------------------------
-# result
-# ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class SinkhornResult:
-    """Output of :func:`solve`. Unbatched inputs give unbatched fields.
-
-    Attributes:
-        f: (N,) or (B, N) potential on x. g: (M,) or (B, M) potential on y.
-        value: () or (B,) OT value (dual formula; differentiable w.r.t. x, y, a, b).
-        marginal_error: () or (B,) L1 marginal error (row + column) measured on device in
-            the last iteration (for unbalanced problems: the fixed-point residual).
-        n_iter: iterations at the final eps. converged: ``marginal_error < tol`` reached.
-    """
-
-    f: torch.Tensor
-    g: torch.Tensor
-    value: torch.Tensor
-    marginal_error: torch.Tensor
-    n_iter: int
-    converged: bool
-    eps: float
-    _prob: Problem = field(repr=False)
-    _batched: bool = field(repr=False, default=False)
-    _f: torch.Tensor = field(repr=False, default=None)
-    _g: torch.Tensor = field(repr=False, default=None)
-
-    def _unb(self, t):
-        return t if self._batched else t[0]
-
-    def _batch(self, V, n, name):
-        if not self._batched:
-            if V.dim() == 1:
-                V = V[:, None]
-                return V.unsqueeze(0), True
-            return V.unsqueeze(0), False
-        if V.dim() == 2:
-            return V[..., None], True
-        return V, False
-
-    def apply(self, V: torch.Tensor) -> torch.Tensor:
-        """``P @ V`` for V of shape (M,), (M, K) (or (B, M[, K])), streaming, no N x M buffer."""
-        p = self._prob
-        Vb, squeeze = self._batch(V, p.Y.shape[1], "V")
-        if Vb.shape[1] != p.Y.shape[1]:
-            raise ValueError(f"V must have {p.Y.shape[1]} rows; got {tuple(V.shape)}")
-        _, lse2, vbar = p.sm_x(self._g, self.eps, 1.0, v=Vb.to(p.Y.dtype), want_lse=True)
-        rows = p.a * torch.exp((self._f - p.cx) / self.eps + LN2 * lse2)
-        out = vbar * rows[..., None]
-        out = out[..., 0] if squeeze else out
-        return self._unb(out)
-
-    def apply_transpose(self, U: torch.Tensor) -> torch.Tensor:
-        """``P^T @ U`` for U of shape (N,), (N, K) (or batched), streaming."""
-        p = self._prob
-        Ub, squeeze = self._batch(U, p.X.shape[1], "U")
-        if Ub.shape[1] != p.X.shape[1]:
-            raise ValueError(f"U must have {p.X.shape[1]} rows; got {tuple(U.shape)}")
-        _, lse2, ubar = p.sm_y(self._f, self.eps, 1.0, v=Ub.to(p.X.dtype), want_lse=True)
-        cols = p.b * torch.exp((self._g - p.cy) / self.eps + LN2 * lse2)
-        out = ubar * cols[..., None]
-        out = out[..., 0] if squeeze else out
-        return self._unb(out)
-
-    def barycentric_map(self) -> torch.Tensor:
-        """``T(x_i) = (P Y)_i / (P 1)_i``, shape like x (in feature space for cosine)."""
-        p = self._prob
-        _, _, ybar = p.sm_x(self._g, self.eps, 1.0, v=p.Y)
-        return self._unb(ybar)
-
-    def marginals(self):
-        """Exact plan marginals ``(P 1, P^T 1)`` (two streaming passes)."""
-        p = self._prob
-        _, lx, _ = p.sm_x(self._g, self.eps, 1.0, want_lse=True)
-        _, ly, _ = p.sm_y(self._f, self.eps, 1.0, want_lse=True)
-        r = p.a * torch.exp((self._f - p.cx) / self.eps + LN2 * lx)
-        c = p.b * torch.exp((self._g - p.cy) / self.eps + LN2 * ly)
-        return self._unb(r), self._unb(c)
-
-    def plan(self) -> torch.Tensor:
-        """Dense plan (B, N, M): for small problems and tests only (allocates N x M)."""
-        p = self._prob
-        X, Y = p.X.detach(), p.Y.detach()
-        if p.center is not None:
-            X, Y = X - p.center[:, None, :], Y - p.center[:, None, :]
-        C = p.cx[..., :, None] + p.cy[..., None, :] - p.c2 * (X @ Y.transpose(-1, -2))
-        if p.labels is not None:
-            lx, ly, W, s = p.labels
-            C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
-        P = (
-            p.a[..., :, None]
-            * p.b[..., None, :]
-            * torch.exp((self._f[..., :, None] + self._g[..., None, :] - C) / self.eps)
-        )
-        return self._unb(P)
-
-
 def solve(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    a: torch.Tensor | None = None,
-    b: torch.Tensor | None = None,
+    x,
+    y,
+    a=None,
+    b=None,
     *,
     eps: float,
-    reach=None,
+    rho=None,
     cost: str = "sqeuclidean",
     cost_scale: float = 1.0,
     max_iter: int = 1000,
@@ -568,94 +528,104 @@ def solve(
     precision: str = "tf32",
     backend: str = "auto",
     warn: bool = True,
+    verbose: bool = False,
+    reach=None,
+    process_group=None,
 ) -> SinkhornResult:
     """Entropic OT between weighted point clouds by streaming Sinkhorn.
 
     Args:
         x: (N, D) or (B, N, D) source points. y: (M, D) or (B, M, D) target points.
+            Tensors, or numpy arrays / array-likes (converted with ``torch.as_tensor``:
+            a float64 numpy array runs in float64 on the CPU; the result holds tensors).
         a: (N,) / (B, N) nonnegative source weights (default uniform 1/N); b likewise.
+            Balanced problems need ``a.sum() == b.sum()``.
         eps: entropic temperature (> 0), in cost units.
-        reach: None (balanced), rho, or (rho_x, rho_y): KL marginal penalties (cost units,
-            POT's ``unbalanced``); a side with None stays balanced (semi-unbalanced).
+        rho: None (balanced), a number or ``(rho_x, rho_y)``: KL marginal penalties in
+            cost units (POT's ``unbalanced``); a side with None (or inf) stays balanced.
+            GeomLoss's ``reach`` r (a distance) is ``rho = 2 * cost_scale * r**2``.
         cost: "sqeuclidean" (``|x - y|^2``), "cosine" (``1 - cos``), "dot" (``-<x, y>``);
             the cost is multiplied by ``cost_scale`` (0.5 gives GeomLoss's p = 2 cost).
         max_iter: iterations at the final eps. tol: stop when the L1 marginal error
-            (row + column, computed on device from the updates) falls below tol; checked
-            every ``check_every`` iterations (one host sync each). None: run max_iter.
+            ``|P 1 - a|_1 + |P^T 1 - b|_1`` of the potentials, measured in float64, falls
+            below tol (an on-device estimate every ``check_every`` iterations decides when
+            to measure). None: run max_iter iterations.
         schedule: "alternating" (f then g) or "symmetric" (GeomLoss's averaged updates).
         eps_scaling: None, or a ratio in (0, 1): anneal eps from ``diameter^2`` with
             GeomLoss's schedule (one symmetric iteration per stage) before iterating.
         label_cost: optional ``(labels_x (N,), labels_y (M,), W (K1, K2))``: adds
             ``W[labels_x[i], labels_y[j]]`` to the cost, gathered inside the kernel.
-        precision: "tf32" (default), "ieee", "tf32x3", "bf16" dot operands (triton backend).
+        precision: "tf32" (default), "ieee", "tf32x3", "bf16" dot operands (triton
+            backend; "bf16" is refused under TRITON_INTERPRET=1). With ``tol``, a tf32 or
+            bf16 loop whose float64 error stays above tol finishes in "tf32x3".
         backend: "auto" (triton on CUDA for float32/16 inputs, torch blockwise on CPU and
             for float64), "triton", "torch".
+        verbose: print the eps-scaling stages and, every ``check_every`` iterations, the
+            iteration, eps and marginal error (one host sync each).
+        reach: not an argument of solve (``rho`` is): raises a TypeError that says so.
+        process_group: a ``torch.distributed`` group (NCCL for CUDA tensors, gloo for CPU):
+            x, y, a, b are this rank's shards of the global clouds (concatenated in rank
+            order); the result is the global coupling (:mod:`flashsinkhorn.distributed`).
+            None (default): one process.
 
     Returns:
-        :class:`SinkhornResult` with ``f``, ``g``, ``value``, ``marginal_error``, ``n_iter``,
-        ``converged`` and streaming ``apply``, ``apply_transpose``, ``barycentric_map``.
-        A non-converged run is reported (``converged=False``) and warned about when
-        ``warn`` is true. Under torch.compile the loop and the value run as custom ops
-        (no graph break) and ``n_iter``, ``converged`` are 0-dim tensors.
+        :class:`SinkhornResult` (``value``, ``potentials``, ``plan``, ``lazy_plan``,
+        ``marginals``, ``marginal_error``, ``converged``, ``n_iter``; ``apply``,
+        ``apply_transpose``, ``barycentric_map``). A non-converged run is reported
+        (``converged=False``) and warned about when ``warn`` is true. ``value`` is
+        differentiable in x, y, a, b, and twice in x, y (sqeuclidean, cosine). Under
+        torch.compile the loop and the value run as custom ops (no graph break) and
+        ``n_iter``, ``converged`` are 0-dim tensors.
     """
-    eps = check_eps(eps)
-    rx, ry = parse_reach(reach)
-    if cost not in COSTS:
-        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
-    if schedule not in ("alternating", "symmetric"):
-        raise ValueError(f"schedule must be 'alternating' or 'symmetric'; got {schedule!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    if int(max_iter) < 1:
-        raise ValueError(f"max_iter must be >= 1; got {max_iter}")
-    if int(check_every) < 1:
-        raise ValueError(f"check_every must be >= 1; got {check_every}")
+    if reach is not None:
+        raise TypeError(
+            "solve() takes rho= (the KL penalty in cost units; reach= meant that before "
+            "flashsinkhorn 0.2); reach is GeomLoss's distance, rho = 2 * cost_scale * reach**2"
+        )
+    if process_group is not None:  # sharded over the ranks of a torch.distributed group
+        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
+
+        return distributed.solve(
+            x, y, a, b, process_group=process_group, eps=eps, rho=rho, cost=cost,
+            cost_scale=cost_scale, max_iter=max_iter, tol=tol, schedule=schedule,
+            eps_scaling=eps_scaling, diameter=diameter, check_every=check_every,
+            label_cost=label_cost, precision=precision, backend=backend, warn=warn,
+            verbose=verbose,
+        )  # fmt: skip
+    eps, rx, ry, max_iter, check_every, tol = _check_args(
+        eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
+    )
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
     if not compiling:
         check_masses(a2, b2, rx, ry)
-    be = resolve_backend(backend, x3.device)
-    if backend == "auto" and x3.dtype == torch.float64:
-        be = "torch"  # float64 stays float64 (the Triton kernels compute in fp32)
+        if cost == "cosine":
+            _check_nonzero_rows(x3, y3)
+    be = problem_backend(backend, x3.device, x3.dtype)  # float64 stays float64 under "auto"
+    check_precision(precision, resolve_backend(backend, x3.device))
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
-    prob = Problem(
-        X.detach(),
-        Y.detach(),
-        a2.detach(),
-        b2.detach(),
-        cx.detach(),
-        cy.detach(),
-        c2,
-        cost,
-        cost_scale,
-        labels,
-        precision,
-        be,
-        center,
-    )
-    loop = (eps, rx, ry, int(max_iter), tol, schedule, int(check_every))
+    prob = Problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(), cy.detach(),
+                   c2, cost, cost_scale, labels, precision, be, center)  # fmt: skip
+    loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
+    certify = certifier(float64_problem(x3, y3, prob), prob, eps, rx, ry)
+    marginals = None
     if compiling:
         f, g, err, n_iter, converged, value = _solve_compiled(
-            prob, X, Y, a2, b2, loop, eps_scaling, diameter, warn
+            prob, x3, y3, X, Y, a2, b2, loop, eps_scaling, diameter, warn, verbose
         )
     else:
-        eps_list = _eps_list(prob, eps, eps_scaling, diameter)
-        with torch.no_grad():
-            f, g, err, n_iter, converged = _run(prob, *loop, eps_list)
-        converged = _report(converged, n_iter, err, tol, warn)
-        # the differentiable value: graph to x, y (through the features) and a, b
-        prob_g = Problem(
-            X, Y, a2, b2, cx, cy, c2, cost, cost_scale, labels, precision, be, center,
-            Xk=prob.Xk, Yk=prob.Yk,
+        out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
+        _loop.report(out, tol, eps, warn)
+        f, g, err, n_iter, converged, marginals = (
+            out.f, out.g, out.err, out.n_iter, out.converged, out.marginals
         )  # fmt: skip
-        prob_g.X, prob_g.Y = X.detach(), Y.detach()
-        prob_g.cx, prob_g.cy = cx.detach(), cy.detach()
-        prob_g.a, prob_g.b = a2.detach(), b2.detach()
-        value = _OTValue.apply(X, Y, a2, b2, f, g, prob_g, eps, rx, ry)
-    res = SinkhornResult(
+        prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
+        # the differentiable value: graph to x, y (through the features) and a, b
+        value = _OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+    return SinkhornResult(
         f=f if batched else f[0],
         g=g if batched else g[0],
         value=value if batched else value[0],
@@ -663,9 +633,63 @@ def solve(
         n_iter=n_iter,
         converged=converged,
         eps=eps,
+        precision=prob.precision,
         _prob=prob,
         _batched=batched,
         _f=f,
         _g=g,
+        _marginals=marginals,
+        _certify=certify,
     )
-    return res
+
+
+def _check_args(eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter):
+    """solve's scalar arguments, checked: ``(eps, rho_x, rho_y, max_iter, check_every, tol)``
+    or a ValueError naming the argument (also used by the sharded solve)."""
+    eps = check_eps(eps)
+    rx, ry = parse_rho(rho)
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}; got {cost!r}")
+    if schedule not in ("alternating", "symmetric"):
+        raise ValueError(f"schedule must be 'alternating' or 'symmetric'; got {schedule!r}")
+    max_iter = _positive_int(max_iter, "max_iter")
+    check_every = _positive_int(check_every, "check_every")
+    tol = _check_tol(tol)
+    if eps_scaling is not None and not _in_open_interval(eps_scaling, 0.0, 1.0):
+        raise ValueError(f"eps_scaling must be None or lie in (0, 1); got {eps_scaling!r}")
+    if diameter is not None and not _in_open_interval(diameter, 0.0, float("inf")):
+        raise ValueError(f"diameter must be None or a finite positive number; got {diameter!r}")
+    return eps, rx, ry, max_iter, check_every, tol
+
+
+def _in_open_interval(v, lo, hi):
+    try:
+        return lo < float(v) < hi
+    except (TypeError, ValueError):
+        return False
+
+
+def _positive_int(v, name):
+    try:
+        ok = not isinstance(v, bool) and float(v).is_integer() and int(v) >= 1
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a positive integer; got {v!r}")
+    return int(v)
+
+
+def _check_tol(tol):
+    try:
+        ok = tol is None or float(tol) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"tol must be None or a nonnegative number; got {tol!r}")
+    return None if tol is None else float(tol)
+
+
+def _check_nonzero_rows(x, y):
+    for name, t in (("x", x), ("y", y)):
+        if bool((t.abs().amax(-1) == 0).any()):
+            raise ValueError(f"cost='cosine' needs nonzero points; {name} has a zero row")

@@ -3,14 +3,19 @@
 - :func:`birkhoff_project` — exact doubly stochastic projection (Newton forward,
   implicit backward), CPU (C++) and CUDA kernels, a ``torch.library`` custom op.
 - :func:`sinkhorn_project` — the Sinkhorn-k compatibility projection (fused).
+- :class:`mhc_proj.nn.HyperConnection` / :func:`hyper_connection` — the mHC layer around
+  a sublayer, with fused pre / post kernels around the projection.
 - :mod:`mhc_proj.reference` — float64 torch oracles.
 """
 
 from mhc_proj._backend import cuda_available, cuda_built
 from mhc_proj.birkhoff import BirkhoffProjection, ProjectionInfo, birkhoff_project
+from mhc_proj.layer import HCMaps, hyper_connection
+from mhc_proj.nn import HyperConnection
 from mhc_proj.reference import (
     birkhoff_project_ref,
     birkhoff_vjp_ref,
+    hyper_connection_ref,
     marginal_error,
     sinkhorn_project_ref,
 )
@@ -20,12 +25,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BirkhoffProjection",
+    "HCMaps",
+    "HyperConnection",
     "ProjectionInfo",
     "birkhoff_project",
     "birkhoff_project_ref",
     "birkhoff_vjp_ref",
     "cuda_available",
     "cuda_built",
+    "hyper_connection",
+    "hyper_connection_ref",
     "marginal_error",
     "sinkhorn_project",
     "sinkhorn_project_ref",

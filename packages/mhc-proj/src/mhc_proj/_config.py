@@ -40,3 +40,9 @@ SINKHORN_MAX_ITERS = 10_000
 
 # Supported matrix sizes (the compiled kernels are instantiated for these).
 N_MIN, N_MAX = 2, 8
+
+# The hyper-connection layer (mhc_proj.nn.HyperConnection, Liger-Kernel's LigerMHC defaults):
+# the RMS epsilon of inv_r, the additive epsilon of H_pre, the multiplier of H_post; the
+# initial alphas (the mHC paper's gating-factor init, 0.01) and the std of phi's init.
+HC_RMS_EPS, HC_PRE_EPS, HC_POST_MULT = 1e-6, 0.0, 2.0
+HC_ALPHA_INIT, HC_PHI_STD = 0.01, 0.02

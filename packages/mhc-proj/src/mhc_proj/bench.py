@@ -15,6 +15,10 @@ Benches (``bench`` field), float32 B x 4 x 4 logits drawn from N(0, sigma^2):
   the exact backward of the iteration), ``torch-eager`` (the same iteration in torch ops,
   autograd through it) and ``torch-compile`` (that under ``torch.compile``, static shapes).
 
+The hyper-connection layer benches ``hc_layer`` (ours against ``liger-kernel`` and
+``torch-compile``) and ``hc_kernels`` (the fused kernels alone, as fractions of the HBM
+floor) are described in ``mhc_proj/_bench_layer.py``.
+
 Modes: ``fwd``, ``bwd`` (the backward alone, from a saved forward), ``fwd_bwd`` (forward
 and ``torch.autograd.grad``). Columns: median time, the ratio of each peer to ours, the
 fraction of the copy ceiling measured in the same process (ideal bytes: fwd 128 B, bwd
@@ -32,14 +36,16 @@ from collections.abc import Callable
 import torch
 
 import mhc_proj
+from mhc_proj import _bench_layer as L
 from mhc_proj import _harness as H
 from mhc_proj._config import MAX_ITER_F32, TOL_F32
 from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.reference import birkhoff_project_ref, marginal_error, sinkhorn_project_ref
 
-PROVIDERS = ["ours", "torch-eager", "torch-compile"]
+PROJ_PROVIDERS = ["ours", "torch-eager", "torch-compile"]
+PROVIDERS = PROJ_PROVIDERS + ["liger-kernel"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-BENCHES = ["birkhoff4", "sinkhorn20"]
+BENCHES = ["birkhoff4", "sinkhorn20", "hc_layer", "hc_kernels"]
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}  # per matrix, the ideal kernel's
 SAMPLE = 16384  # matrices compared with the float64 projection
 ACCURACY_KEY = "marginal_err_max"
@@ -169,6 +175,8 @@ def gpu_suite(providers: list[str], benches: list[str], modes: list[str]) -> lis
     for b in (K, M, BIG):
         for bench in benches:
             for p in providers:
+                if bench not in ("birkhoff4", "sinkhorn20") or p not in PROJ_PROVIDERS:
+                    continue
                 if bench == "birkhoff4" and p != "ours":
                     continue
                 if p == "torch-compile" and b < M:
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     device = H.device_of(args)
     if args.smoke and not args.device:
         device = torch.device("cpu")
-    R = H.Results("mhc-proj", mhc_proj.__version__, device)
+    R = H.Results("mhc-proj", mhc_proj.__version__, device, peers=("liger-kernel",))
     R.save(args.json)
     ceiling = H.copy_ceiling_gbps(device)
     if ceiling:
@@ -255,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             for b in args.batch or [M]
             for s in args.sigma or [1.0]
             for bench in benches
+            if bench in ("birkhoff4", "sinkhorn20")
             for p in providers
-            if bench == "sinkhorn20" or p == "ours"
+            if (bench == "sinkhorn20" and p in PROJ_PROVIDERS) or p == "ours"
             for m in modes
         ]
         if args.graph and device.type == "cuda" and "birkhoff4" in benches:
@@ -269,12 +278,20 @@ def main(argv: list[str] | None = None) -> int:
             ]
     else:
         cases = gpu_suite(providers, benches, modes)
+    layer_cases = L.cases(providers, modes, args.smoke or device.type != "cuda")
+    layer_cases = [c for c in layer_cases if c[0] in benches]
     t0 = time.time()
     for bench, p, m, b, s, graph in cases:
         row = run_case(R, bench, p, m, b, s, device, ceiling, graph, args.warmup, args.reps)
         print(f"[bench {time.time() - t0:6.1f} s] {bench} {p} {m} B={b} sigma={s:g}"
               f"{' graph' if graph else ''}: {row['status']} {H.fmt(row['time_ms'])}",
               flush=True)  # fmt: skip
+    state: dict = {}  # the kernels' saved inputs, one problem size at a time
+    for case in layer_cases:
+        row = L.run(R, case, device, ceiling, args.warmup, args.reps, state)
+        print(f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
+              f"{H.fmt(row['time_ms'])}", flush=True)  # fmt: skip
+    state.clear()
     print(H.markdown(R.rows, accuracy_key=ACCURACY_KEY))
     print(f"\n({len(R.rows)} cases in {time.time() - t0:.1f} s on {device})\n")
     print(headline(R.rows))

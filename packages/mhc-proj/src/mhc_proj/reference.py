@@ -8,6 +8,9 @@
 - :func:`sinkhorn_project_ref` — the DeepSeek/TileKernels Sinkhorn-k convention, plain
   torch ops (differentiable by autograd).
 - :func:`marginal_error` — L1 of row-sum and column-sum deviations from 1, per matrix.
+- :func:`hyper_connection_ref` — the whole hyper-connection layer (RMS norm, mixing GEMM,
+  maps, projection, H_pre x, sublayer, H_res x + H_post^T f) in one dtype, differentiable
+  (the exact projection's backward is :func:`birkhoff_vjp_ref`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ __all__ = [
     "birkhoff_vjp_ref",
     "sinkhorn_project_ref",
     "marginal_error",
+    "hyper_connection_ref",
 ]
 
 
@@ -132,3 +136,76 @@ def sinkhorn_project_ref(logits: torch.Tensor, iters: int = 20, eps: float = 1e-
         p = p / (p.sum(-1, keepdim=True) + eps)
         p = p / (p.sum(-2, keepdim=True) + eps)
     return p
+
+
+class _BirkhoffRef(torch.autograd.Function):
+    """birkhoff_project_ref with the implicit backward birkhoff_vjp_ref (float64)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        t = birkhoff_project_ref(logits)
+        ctx.save_for_backward(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        (t,) = ctx.saved_tensors
+        return birkhoff_vjp_ref(t, grad)
+
+
+def hyper_connection_ref(
+    x: torch.Tensor,
+    layer,
+    phi: torch.Tensor,
+    b: torch.Tensor,
+    alpha_pre: torch.Tensor,
+    alpha_post: torch.Tensor,
+    alpha_res: torch.Tensor,
+    *,
+    projection: str = "birkhoff",
+    sinkhorn_iters: int = 20,
+    sinkhorn_eps: float = 1e-6,
+    rms_eps: float = 1e-6,
+    pre_eps: float = 0.0,
+    post_mult: float = 2.0,
+    dtype: torch.dtype = torch.float64,
+    gemm_dtype: torch.dtype | None = None,
+    return_maps: bool = False,
+):
+    """x_next = H_res x + H_post^T layer(H_pre x), everything computed in ``dtype``.
+
+    ``x`` (..., n, C); ``phi`` (n C, n^2 + 2n) with columns [pre | post | res]; ``b``
+    (n^2 + 2n,); scalar alphas. With r = sqrt(mean(vec(x)^2) + rms_eps) and h = vec(x) phi
+    (in ``gemm_dtype`` if given, e.g. bfloat16 for a bf16 training step):
+    H_pre = sigmoid(alpha_pre h_pre / r + b_pre) + pre_eps, H_post = post_mult
+    sigmoid(alpha_post h_post / r + b_post), H_res = the exact Birkhoff projection
+    (``projection="birkhoff"``, float64 only: :func:`birkhoff_project_ref`) or Sinkhorn-k
+    (``"sinkhorn"``: :func:`sinkhorn_project_ref`) of alpha_res h_res / r + b_res, rows
+    indexing the output stream: (H_res x)_i = sum_j H_res[i, j] x_j. ``layer`` is called
+    on y = H_pre x in ``dtype``. Returns x_next in ``dtype`` (and, with ``return_maps``,
+    (h_pre, h_post, h_res)).
+    """
+    n = x.shape[-2]
+    xs = x.to(dtype)
+    flat = xs.flatten(-2)
+    inv_r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    g = gemm_dtype or dtype
+    h = (flat.to(g) @ phi.to(g)).to(dtype) * inv_r
+    bias = b.to(dtype)
+    h_pre = torch.sigmoid(alpha_pre.to(dtype) * h[..., :n] + bias[:n]) + pre_eps
+    h_post = post_mult * torch.sigmoid(alpha_post.to(dtype) * h[..., n : 2 * n] + bias[n : 2 * n])
+    l_res = (alpha_res.to(dtype) * h[..., 2 * n :] + bias[2 * n :]).unflatten(-1, (n, n))
+    if projection == "birkhoff":
+        if dtype != torch.float64:
+            raise ValueError("the Birkhoff reference runs in float64 (dtype=torch.float64)")
+        h_res = _BirkhoffRef.apply(l_res)
+    elif projection == "sinkhorn":
+        h_res = sinkhorn_project_ref(l_res, sinkhorn_iters, sinkhorn_eps)
+    else:
+        raise ValueError(f"projection must be 'birkhoff' or 'sinkhorn'; got {projection!r}")
+    y = (h_pre.unsqueeze(-1) * xs).sum(-2)
+    f = layer(y).to(dtype)
+    out = h_res @ xs + h_post.unsqueeze(-1) * f.unsqueeze(-2)
+    if return_maps:
+        return out, (h_pre, h_post, h_res)
+    return out

@@ -3,7 +3,8 @@
 Conventions (the same as ``flashsinkhorn.solve``): cost ``C_ij = |x_i - y_j|^2`` (plus an
 optional label-cost table ``L[lx_i, ly_j]``, used by OTDD), plan
 ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``, unbalanced marginal penalty
-``rho * KL`` with ``rho = reach**2`` and damping ``kappa = 1 / (1 + eps / rho)`` per side
+``rho * KL`` with ``rho = 2 reach**2`` (GeomLoss's reach, a distance) and damping
+``kappa = 1 / (1 + eps / rho)`` per side
 (``kappa = 1`` on a balanced side). The loss is the dual objective
 
     OT = <a, phi_x(f)> + <b, phi_y(g)> - eps * (sum(P) - sum(a) sum(b))
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashsinkhorn.primitives import softmin
+from flashsinkhorn.reference import rho_from_reach
 from flashsinkhorn.second_order._stream import PRECISIONS as _PRECISIONS
 from flashsinkhorn.second_order._stream import resolve_backend, row_apply, row_lse
 
@@ -67,11 +69,10 @@ def _split_reach(reach):
 
 
 def _rho(reach):
-    """reach -> (rho_x, rho_y) with rho = reach**2; None means balanced on that side."""
-    rx, ry = _split_reach(reach)
-    rx = None if rx is None else float(rx) ** 2
-    ry = None if ry is None else float(ry) ** 2
-    return rx, ry
+    """GeomLoss's reach (a distance) -> (rho_x, rho_y) = 2 reach**2 for the cost |x - y|^2
+    (``geomloss.ot``'s convention; SamplesLoss's cost |x - y|^2 / 2 gives reach**2); None
+    or inf means balanced on that side."""
+    return rho_from_reach(reach, 1.0)
 
 
 def _kappa(rho, eps):
@@ -190,11 +191,11 @@ def solve_potentials(
     """Streaming log-domain Sinkhorn; returns a :class:`Plan` (potentials + plan products).
 
     x (n, D), y (m, D); a (n,), b (m,) positive weights (uniform when None); ``eps`` the
-    final temperature; ``reach`` (float or (reach_x, reach_y), None = balanced) gives
-    ``rho = reach**2``. ``max_iter`` full iterations at the final eps (after one iteration
-    per value of ``eps_schedule`` when given). ``tol``: stop when the L1 marginal error,
-    checked every ``check_every`` iterations, falls below it. ``symmetric``: averaged
-    (GeomLoss-style) updates instead of alternating ones. ``labels``:
+    final temperature; ``reach`` (float or (reach_x, reach_y), None = balanced; GeomLoss's
+    distance) gives ``rho = 2 reach**2``. ``max_iter`` full iterations at the final eps
+    (after one iteration per value of ``eps_schedule`` when given). ``tol``: stop when the
+    L1 marginal error, checked every ``check_every`` iterations, falls below it.
+    ``symmetric``: averaged (GeomLoss-style) updates instead of alternating ones. ``labels``:
     ``(lx (n,), ly (m,), table (Kx, Ky))`` adds ``table[lx_i, ly_j]`` to the cost.
     ``potentials=(f, g)`` skips the solve (e.g. from ``flashsinkhorn.solve``).
     ``loop_precision`` (opt-in, e.g. "tf32" with ``precision="tf32x3"``): the Triton dot mode
@@ -243,6 +244,8 @@ def solve_potentials(
         sx, sy = xc.contiguous()[None], yc.contiguous()[None]
         x2b, y2b, logab, logbb = x2[None], y2[None], loga[None], logb[None]
         klab = klab_t = None
+        # "auto" lets softmin run the sm_90 Gluon pass where it applies (tf32 loops)
+        kbe = "auto" if backend == "auto" else "triton"
         if lab is not None:
             lx32, ly32 = lab[0].to(torch.int32)[None], lab[1].to(torch.int32)[None]
             klab = (lx32, ly32, lab[2].float().contiguous(), 1.0)
@@ -251,13 +254,13 @@ def solve_potentials(
         def upd_f(g, e, prec):
             return softmin(
                 sx, sy, g[None], logbb, x2b, y2b, eps=e, c2=2.0, damping=_kappa(rx, e),
-                labels=klab, precision=prec, backend="triton",
+                labels=klab, precision=prec, backend=kbe,
             )[0][0]  # fmt: skip
 
         def upd_g(f, e, prec):
             return softmin(
                 sy, sx, f[None], logab, y2b, x2b, eps=e, c2=2.0, damping=_kappa(ry, e),
-                labels=klab_t, precision=prec, backend="triton",
+                labels=klab_t, precision=prec, backend=kbe,
             )[0][0]  # fmt: skip
 
     else:

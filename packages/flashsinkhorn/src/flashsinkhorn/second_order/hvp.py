@@ -241,7 +241,8 @@ def hvp(
         v: the direction: shape of x (``wrt="x"``), of y (``wrt="y"``), or a pair
             ``(vx, vy)`` (``wrt="xy"``, the joint Hessian; either entry may be None).
         eps: temperature; cost is ``|x - y|^2``. reach: None (balanced), a float, or
-            ``(reach_x, reach_y)`` (semi-unbalanced); ``rho = reach**2``.
+            ``(reach_x, reach_y)`` (semi-unbalanced): GeomLoss's reach, a distance,
+            ``rho = 2 reach**2`` for this cost (SamplesLoss(reach=r) is the same penalty).
         debias: HVP of ``OT(x, y) - OT(x, x)/2 - OT(y, y)/2`` instead of ``OT(x, y)``.
         potentials: ``(f, g)`` from a previous solve (``flashsinkhorn.solve`` or
             :func:`solve_potentials`, convention ``P = a b exp((f + g - C)/eps)``) to skip

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from flashsinkhorn.reference import rho_from_reach
+
 
 def _phi(f, rho):
     return f if rho is None else -rho * torch.expm1(-f / rho)
@@ -25,14 +27,9 @@ def _float64(x, y, a, b):
 
 
 def _rhos(reach):
-    """reach (None, a number or a pair) -> (rho_x, rho_y) = reach**2 (None: balanced)."""
-    if reach is None:
-        return None, None
-    if isinstance(reach, (tuple, list)):
-        rx = None if reach[0] is None else float(reach[0]) ** 2
-        ry = None if reach[1] is None else float(reach[1]) ** 2
-        return rx, ry
-    return float(reach) ** 2, float(reach) ** 2
+    """GeomLoss's reach (None, a number or a pair) -> (rho_x, rho_y) = 2 reach**2 for the
+    cost |x - y|^2 (None or inf: balanced)."""
+    return rho_from_reach(reach, 1.0)
 
 
 def _sinkhorn(x, y, a, b, eps, rx, ry, n_iter, labels=None):

@@ -1,0 +1,356 @@
+"""Checkpoints and master weights of the flashoptim optimizers: compact bit-exact state
+dicts, torch.optim checkpoints (quantized on load), FSDP2 / DCP state dicts with per-element
+scales (reshardable), fp32 master weights in and out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._cpu import _narrow_q
+from ._plan import flat, local
+from .reference import (
+    GROUP,
+    dequantize_momentum_ref,
+    dequantize_variance_ref,
+    pad_groups,
+    quantize_momentum_ref,
+    quantize_variance_ref,
+    split_ref,
+)
+
+
+def master_weight(p: torch.Tensor, optimizer=None) -> torch.Tensor:
+    """fp32 master value of ``p`` (its local shard): ``p + correction * q``."""
+    lp = local(p).detach()
+    st = optimizer.state.get(p, {}) if optimizer is not None else {}
+    if "correction" not in st or lp.dtype == torch.float32:
+        return lp.to(torch.float32).clone()
+    c = st["correction"]
+    bits = 8 if c.dtype == torch.int8 else 16
+    pb = lp.reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF
+    q, _ = _narrow_q(pb, lp.dtype == torch.bfloat16, bits)
+    return (lp.reshape(-1).to(torch.float32) + c.reshape(-1).to(torch.float32) * q).view(lp.shape)
+
+
+class CheckpointMixin:
+    """``state_dict`` / ``load_state_dict`` / master weights of ``FlashOptimizer``."""
+
+    def master_weights(self) -> dict[torch.Tensor, torch.Tensor]:
+        """fp32 master weight of every parameter: {param: fp32 tensor (local shard)}."""
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                out[p] = master_weight(p, self)
+        return out
+
+    @torch.no_grad()
+    def load_master_weights(self, masters) -> None:
+        """Start from fp32 weights: set every parameter to the nearest narrow (bf16/fp16)
+        value of its fp32 master and keep the rest in its correction.
+
+        ``masters``: one tensor per parameter, in ``param_groups`` order (FlashMuon's groups
+        reorder a model's parameters), or a dict {parameter: tensor}, each of the parameter's
+        shape (for FSDP2, DTensors sharded like the parameters, or their local shards). Call
+        it after building the optimizer, typically with the weights the model had before
+        ``model.to(torch.bfloat16)``::
+
+            masters = [p.detach().clone() for p in model.parameters()]
+            model.to(torch.bfloat16)
+            opt = FlashAdamW(model.parameters(), lr=1e-3)
+            opt.load_master_weights(masters)
+
+        Why it matters: a model cast to bf16 has every master weight exactly on a bf16 value
+        (correction 0), so an update smaller than half a bf16 ulp leaves the visible weight
+        unchanged, for every weight at once; early in training (warm-up, updates of about the
+        learning rate against an ulp of 1.2e-4 at |w| = 0.02) whole steps are lost. An fp32
+        master sits at a random place inside its bf16 interval and the visible weights follow
+        the updates on average, as with torch's fp32 master weights (docs/flashoptim.md,
+        "Parity at 400 steps"). fp32 parameters are set to their master; with
+        ``master_weight_bits=None`` only the narrow value is kept."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if isinstance(masters, dict):
+            missing = sum(1 for p in params if p not in masters)
+            if missing:
+                raise ValueError(f"load_master_weights: no tensor for {missing} parameters")
+            masters = [masters[p] for p in params]
+        masters = list(masters)
+        if len(masters) != len(params):
+            raise ValueError(
+                f"load_master_weights: got {len(masters)} tensors for {len(params)} parameters"
+            )
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                t, lp = masters[i], local(p)
+                lt = local(t) if hasattr(t, "_local_tensor") else t
+                if not torch.is_tensor(lt) or not lt.is_floating_point():
+                    raise TypeError(f"load_master_weights: masters[{i}] must be a float tensor")
+                if lt.shape != lp.shape:
+                    raise ValueError(
+                        f"load_master_weights: masters[{i}] has shape {tuple(lt.shape)}, the"
+                        f" parameter (local shard) has {tuple(lp.shape)}"
+                    )
+                lt = lt.to(device=lp.device, dtype=torch.float32)
+                bits = self._bits(group, p)
+                if not bits:
+                    lp.copy_(lt.to(lp.dtype))
+                else:
+                    st = self._init_state(p, group)
+                    narrow, code = split_ref(lt.reshape(-1), lp.dtype, bits)
+                    lp.copy_(narrow.view_as(lp))
+                    st["correction"].copy_(code.view_as(st["correction"]))
+                i += 1
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our own state dict, or a plain torch.optim one (quantized on load).
+
+        torch's loader would cast floating states to the parameter dtype (fp32 scales and
+        states to bf16), so the states are mapped to parameters here, unchanged. The
+        ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict["param_groups"]
+        saved = state_dict["state"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"state dict has {len(groups)} param groups; optimizer has {len(self.param_groups)}"
+            )
+        id_map = {}
+        for gi, (g_new, g_old) in enumerate(zip(self.param_groups, groups)):
+            if len(g_new["params"]) != len(g_old["params"]):
+                raise ValueError(
+                    f"state dict param group {gi} has {len(g_old['params'])} parameters; the"
+                    f" optimizer's has {len(g_new['params'])}"
+                )
+            if g_old.get("amsgrad"):
+                raise ValueError(
+                    f"state dict param group {gi} has amsgrad=True: flashoptim keeps no"
+                    " max_exp_avg_sq, so loading it would silently drop that state"
+                )
+            for i, (p, pid) in enumerate(zip(g_new["params"], g_old["params"])):
+                id_map[pid] = (p, g_new, f"parameter {i} of param group {gi}")
+            merged = dict(g_new, **{k: v for k, v in g_old.items() if k != "params"})
+            try:
+                self._check_group(merged)
+            except ValueError as e:
+                raise ValueError(f"state dict param group {gi}: {e}") from None
+        for pid, st_old in saved.items():
+            if pid not in id_map:
+                raise ValueError(f"state dict has state for parameter id {pid!r}, not in any group")
+            p, _, where = id_map[pid]
+            if "max_exp_avg_sq" in st_old:
+                raise ValueError(f"{where}: max_exp_avg_sq (amsgrad) cannot be loaded")
+            self._check_state_shapes(p, st_old, where)
+        for g_new, g_old in zip(self.param_groups, groups):
+            for k, v in g_old.items():
+                if k != "params":
+                    g_new[k] = v
+        self.state.clear()
+        extra = state_dict.get("flashoptim", {})
+        self.skipped_steps = extra.get("skipped_steps", 0)
+        for t in self._dskip.values():  # the saved total is in the host count now
+            t.zero_()
+        self._plans.clear()
+        for pid, st_old in saved.items():
+            p, group, _ = id_map[pid]
+            self._load_param_state(p, group, st_old)
+
+    def _check_state_shapes(self, p, st_old, where) -> None:
+        """Every per-element state has the parameter's (local) number of elements."""
+        n = local(p).numel()
+        for k, v in st_old.items():
+            if not torch.is_tensor(v) or k == "step" or k.endswith("_scale"):
+                continue
+            if local(v).numel() != n:
+                raise ValueError(
+                    f"{where}: state {k!r} has shape {tuple(v.shape)}, the parameter has"
+                    f" {tuple(p.shape)} (a state dict of another model?)"
+                )
+
+    def _load_param_state(self, p, group, st_old) -> None:
+        lp = local(p)
+        st = self._init_state(p, group)
+        step = st_old.get("step", 0)
+        st["step"] = int(step.item()) if torch.is_tensor(step) else int(step)
+        if "seed" in st_old:
+            st["seed"] = int(st_old["seed"])
+        m_key, v_key = self._state_keys(group)
+        for key in [m_key, v_key]:
+            # our state dicts name 8-bit codes <state>_codes (torch's loader must not read
+            # them as moments); older ones and torch's use <state>
+            src = key + "_codes" if key is not None and key + "_codes" in st_old else key
+            if key is None or src not in st_old or key not in st:
+                continue
+            v = local(st_old[src]).to(lp.device)
+            if not v.is_floating_point() and not group["quantize"]:  # codes into fp32 states
+                dq = dequantize_variance_ref if key == v_key else dequantize_momentum_ref
+                lay = torch.empty_like(st[key])
+                flat(lay).copy_(dq(flat(v), local(st_old[key + "_scale"]).to(lp.device)))
+                st[key].copy_(lay)
+                continue
+            per_el = st_old.get(key + "_scale_per_element")
+            if per_el is not None and group["quantize"]:  # sharded (DCP) export
+                self._load_per_element(st, key, v, local(per_el).to(lp.device), group)
+                continue
+            if group["quantize"] and v.is_floating_point():  # torch.optim checkpoint
+                # quantized in the parameter's memory order (its groups of 32 are the step's)
+                lay = torch.empty_like(st[key], dtype=torch.float64)
+                lay.copy_(v.reshape(lay.shape))
+                if key == v_key:
+                    codes, s = quantize_variance_ref(flat(lay), group["scale_dtype"])
+                else:
+                    codes, s = quantize_momentum_ref(flat(lay), group["scale_dtype"])
+                flat(st[key]).copy_(codes)
+                st[key + "_scale"].copy_(s)
+            else:
+                st[key].copy_(v.view_as(st[key]))
+                if key + "_scale" in st_old:
+                    st[key + "_scale"].copy_(local(st_old[key + "_scale"]))
+        if "correction" in st and "correction" in st_old:
+            st["correction"].copy_(local(st_old["correction"]))
+
+    def _load_per_element(self, st, key, codes, per_el, group) -> None:
+        """Codes + per-element scales (a sharded export). If this shard's groups of 32 line
+        up with the saved ones (every group sees one scale), the codes and scales are copied
+        unchanged (bit-exact, any world size); otherwise decode and quantize again."""
+        c = codes.reshape(-1)
+        e = per_el.reshape(-1).to(torch.float64)
+        n = c.numel()
+        eg = pad_groups(e).view(-1, GROUP)
+        valid = pad_groups(torch.ones(n, dtype=torch.bool, device=e.device)).view(-1, GROUP)
+        aligned = bool(((eg == eg[:, :1]) | ~valid).all())
+        if aligned:
+            st[key].copy_(codes.view_as(st[key]))
+            st[key + "_scale"].copy_(eg[:, 0])
+            return
+        cf = c.to(torch.float64)
+        if key == self._state_keys(group)[1]:
+            sv = cf / 255 * e
+            codes2, s2 = quantize_variance_ref(sv * sv, group["scale_dtype"])
+        else:
+            y = cf / 127
+            codes2, s2 = quantize_momentum_ref(y / (2 - y.abs()) * e, group["scale_dtype"])
+        st[key].copy_(codes2.view_as(st[key]))
+        st[key + "_scale"].copy_(s2)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim layout. For DTensor (FSDP2) parameters every per-element state is a
+        DTensor with the parameter's placements, and each group scale is repeated per element
+        (``<state>_scale_per_element``), so torch.distributed.checkpoint can save, load and
+        reshard it; plain parameters keep the compact layout."""
+        skipped = self.skipped_steps
+        if self.capturable:
+            self.sync_steps()
+            if self._dskip:
+                skipped += int(self.skipped_steps_device.item())
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, st in list(sd["state"].items()):
+            # 8-bit codes as <state>_codes: torch.optim's loader cannot take them for moments
+            # (its first step then raises KeyError for the missing <state>; export a torch
+            # state dict with torch_state_dict())
+            st = {
+                (k + "_codes" if torch.is_tensor(v) and _is_codes(k, v) else k): v
+                for k, v in st.items()
+            }
+            sd["state"][idx] = st
+            p = params[idx]
+            if not hasattr(p, "_local_tensor"):
+                continue
+            from torch.distributed.tensor import DTensor
+
+            lp = local(p)
+
+            def wrap(t, p=p, lp=lp):
+                return DTensor.from_local(
+                    t.reshape(lp.shape),
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+
+            new = {}
+            for k, v in st.items():
+                if not torch.is_tensor(v):
+                    new[k] = v
+                elif k.endswith("_scale"):
+                    per_el = v.repeat_interleave(GROUP)[: lp.numel()]
+                    new[k + "_per_element"] = wrap(per_el)
+                else:
+                    new[k] = wrap(v)
+            sd["state"][idx] = new
+        sd["flashoptim"] = {"skipped_steps": skipped}
+        return sd
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The way back to torch.optim: a state dict in its layout with dequantized fp32
+        moments (``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``, each of its parameter's
+        shape) and torch's group keys, for ``torch.optim.AdamW`` / ``Adam`` / ``SGD`` over fp32
+        copies of the parameters made from ``master_weights()``::
+
+            masters = opt.master_weights()
+            fp32 = [masters[p].clone().requires_grad_() for p in model.parameters()]
+            torch_opt = torch.optim.AdamW(fp32)
+            torch_opt.load_state_dict(opt.torch_state_dict())
+
+        ``load_state_dict`` takes such a dict back (quantizing it). Not for DTensor (FSDP2)
+        parameters: use ``state_dict()`` with torch.distributed.checkpoint there."""
+        if self.capturable:
+            self.sync_steps()
+        state, groups, idx = {}, [], 0
+        for group in self.param_groups:
+            m_key, v_key = self._state_keys(group)
+            ids = []
+            for p in group["params"]:
+                if hasattr(p, "_local_tensor"):
+                    raise ValueError("torch_state_dict() does not export DTensor (FSDP2) states")
+                st = self.state.get(p)
+                if st and "step" in st:
+                    out = {"step": torch.tensor(float(st["step"]))}
+                    for key, dq in (
+                        (m_key, dequantize_momentum_ref),
+                        (v_key, dequantize_variance_ref),
+                    ):
+                        if key is None or key not in st:
+                            continue
+                        lay = torch.empty_like(st[key], dtype=torch.float32)
+                        if group["quantize"]:
+                            flat(lay).copy_(dq(flat(st[key]), st[key + "_scale"]))
+                        else:
+                            lay.copy_(st[key])
+                        out[key] = lay
+                    state[idx] = out
+                ids.append(idx)
+                idx += 1
+            g = {k: v for k, v in group.items() if k not in _OURS and k != "params"}
+            g.update(self._torch_group_keys(group))
+            g["params"] = ids
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    def _torch_group_keys(self, group) -> dict:
+        keys = dict(foreach=None, maximize=bool(group.get("maximize", False)))
+        keys.update(capturable=False, differentiable=False, fused=None)
+        if self._v_key is not None:  # Adam / AdamW
+            keys.update(amsgrad=False, decoupled_weight_decay=self._decoupled)
+        return keys
+
+
+# our group keys that torch.optim does not have
+_OURS = ("master_weight_bits", "quantize", "stochastic_rounding", "scale_dtype")
+
+
+def _is_codes(key: str, v: torch.Tensor) -> bool:
+    return not v.is_floating_point() and key not in ("step", "seed", "correction")
