@@ -28,11 +28,12 @@ struct FwdArgs {
   int* work;  // [0] = count of matrices for the fallback, [1..B] their indices, then
               // B x N floats: fp32 potentials of each listed matrix (NaN: solve from scratch)
   int64_t batch;
-  double tol;
+  double tol;  // the float32 stage's tolerance and the certificate of the stored T
   int max_iter;
-  double fb_tol;
+  double fb_tol;  // the float64 stage's tolerance (the caller passes min(FALLBACK_TOL, tol))
   int fb_max_iter;
   double pivot_min;
+  double range_tol;  // float64 inputs: tolerance floor per unit of logit range (0: none)
 };
 
 // 16-byte accesses of 4 consecutive floats (src, dst 16-byte aligned; the Python layer
@@ -46,6 +47,13 @@ __device__ __forceinline__ void ldg_f4(const float* __restrict__ src, float* v) 
 }
 __device__ __forceinline__ void st_f4(float* dst, const float* v) {
   *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// The info word's flags for a final status (converged / infeasible).
+__device__ __forceinline__ int status_flags(int st) {
+  return st == mhc::kStatusConverged ? mhc::kInfoConverged
+         : st == mhc::kStatusInfeasible ? mhc::kInfoInfeasible
+                                        : 0;
 }
 
 // The solve each n runs (newton.h): the flat solve for the tuned n = 4 kernels.
@@ -68,14 +76,14 @@ __device__ __forceinline__ void fwd_emit(const FwdArgs& a, int64_t b, int st, in
 #pragma unroll
     for (int e = 0; e < E; ++e) dst[e] = out[e];
   }
-  if (st == 0 || st == 2) {
+  if (st == mhc::kStatusNotConverged || st == mhc::kStatusPolish) {
     const int k = atomicAdd(a.work, 1);
     a.work[1 + k] = int(b);
     float* wb = reinterpret_cast<float*>(a.work + 1 + a.batch) + int64_t(k) * N;
 #pragma unroll
-    for (int j = 0; j < N; ++j) wb[j] = st == 2 ? beta[j] : NAN;
+    for (int j = 0; j < N; ++j) wb[j] = st == mhc::kStatusPolish ? beta[j] : NAN;
   }
-  if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
+  if (a.info) a.info[b] = iters | status_flags(st);
 }
 
 // Stage 1 (float32): one thread solves one matrix (16-byte loads and stores for n = 4).
@@ -101,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, SOLVE == mhc::Solve::kFlat ? 6 : 0)
   int iters = 0;
   float beta[N];
   const int st = mhc::project_matrix<N, float, SOLVE>(in, out, float(a.tol), a.max_iter, iters,
-                                                     float(a.pivot_min), beta);
+                                                     a.tol, float(a.pivot_min), beta);
   fwd_emit<N>(a, b, st, iters, out, beta);
 }
 
@@ -119,14 +127,13 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_fallback(FwdArgs a) {
     float* dst = static_cast<float*>(a.dst) + b * E;
     int iters = 0;
     const float* wb = reinterpret_cast<const float*>(a.work + 1 + a.batch) + int64_t(k) * N;
-    const int st = isnan(wb[0])
-                       ? mhc::project_matrix<N, double>(src, dst, a.fb_tol, a.fb_max_iter, iters)
-                       : mhc::polish_matrix<N, double, SOLVE>(src, dst, wb, a.fb_tol,
-                                                              a.fb_max_iter, iters);
+    // warm-started from the fp32 potentials, or from scratch (wb[0] NaN)
+    const int st =
+        mhc::polish_matrix<N, double, SOLVE>(src, dst, wb, a.fb_tol, a.fb_max_iter, iters, a.tol);
     if (a.info) {
       int total = (a.info[b] & 0xffff) + iters;
       total = total > 0xffff ? 0xffff : total;
-      a.info[b] = total | mhc::kInfoFallback | (st == 1 ? mhc::kInfoConverged : 0);
+      a.info[b] = total | mhc::kInfoFallback | status_flags(st);
     }
   }
 }
@@ -139,8 +146,9 @@ __global__ void __launch_bounds__(kThreads) birkhoff_fwd_f64_thread(FwdArgs a) {
   int iters = 0;
   const int st = mhc::project_matrix<N, double>(static_cast<const double*>(a.src) + b * E,
                                                 static_cast<double*>(a.dst) + b * E, a.tol,
-                                                a.max_iter, iters);
-  if (a.info) a.info[b] = iters | (st == 1 ? mhc::kInfoConverged : 0);
+                                                a.max_iter, iters, a.tol, 0.0, nullptr,
+                                                a.range_tol);
+  if (a.info) a.info[b] = iters | status_flags(st);
 }
 
 template <int N, typename S>

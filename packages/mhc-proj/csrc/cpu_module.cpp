@@ -31,28 +31,37 @@ T* ptr(std::uintptr_t p) {
 template <int N>
 constexpr mhc::Solve kSolve = N == 4 ? mhc::Solve::kFlat : mhc::Solve::kGeneric;
 
-// float32: the float32 solve, then (status 0 or 2) the float64 stage for that matrix, as
-// the CUDA kernels' two stages. Returns the info word.
+// The info word's flags for a final status (converged / infeasible).
+inline int status_flags(int st) {
+  return st == mhc::kStatusConverged ? mhc::kInfoConverged
+         : st == mhc::kStatusInfeasible ? mhc::kInfoInfeasible
+                                        : 0;
+}
+
+// float32: the float32 solve, then (not converged, or to be polished) the float64 stage for
+// that matrix, as the CUDA kernels' two stages. tol certifies the stored float32 T; the
+// float64 stage solves to fb_tol (the caller passes min(its tolerance, tol)). Returns the
+// info word.
 template <int N>
 int fp32_project(const float* s, float* d, double tol, int max_iter, double fb_tol,
                  int fb_max_iter, double pivot_min) {
   float beta[N];
   int iters = 0;
-  int st = mhc::project_matrix<N, float, kSolve<N>>(s, d, float(tol), max_iter, iters,
+  int st = mhc::project_matrix<N, float, kSolve<N>>(s, d, float(tol), max_iter, iters, tol,
                                                     float(pivot_min), beta);
-  if (st == 1) return iters | mhc::kInfoConverged;
-  if (st != 0 && st != 2) return iters;  // non-finite input: NaN output, not converged
+  if (st != mhc::kStatusNotConverged && st != mhc::kStatusPolish)
+    return iters | status_flags(st);  // converged, or a NaN output (non-finite, infeasible)
   int it2 = 0;
-  st = st == 2 ? mhc::polish_matrix<N, double, kSolve<N>>(s, d, beta, fb_tol, fb_max_iter, it2)
-               : mhc::project_matrix<N, double>(s, d, fb_tol, fb_max_iter, it2);
+  if (st != mhc::kStatusPolish) beta[0] = NAN;  // from scratch
+  st = mhc::polish_matrix<N, double, kSolve<N>>(s, d, beta, fb_tol, fb_max_iter, it2, tol);
   const int word = (iters + it2 > 0xffff ? 0xffff : iters + it2) | mhc::kInfoFallback;
-  return st == 1 ? word | mhc::kInfoConverged : word;
+  return word | status_flags(st);
 }
 
 template <int N>
 void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B,
                     int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
-                    double pivot_min) {
+                    double pivot_min, double range_tol) {
   int* inf = info ? ptr<int>(info) : nullptr;
   constexpr int E = N * N;
   for (int64_t b = 0; b < B; ++b) {
@@ -64,8 +73,8 @@ void birkhoff_fwd_n(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info,
       int iters = 0;
       const int st = mhc::project_matrix<N, double>(ptr<const double>(src) + b * E,
                                                     ptr<double>(dst) + b * E, tol, max_iter,
-                                                    iters);
-      word = iters | (st == 1 ? mhc::kInfoConverged : 0);
+                                                    iters, tol, 0.0, nullptr, range_tol);
+      word = iters | status_flags(st);
     }
     if (inf) inf[b] = word;
   }
@@ -186,15 +195,16 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B, int n, int dtype,
-         double tol, int max_iter, double fb_tol, int fb_max_iter, double pivot_min) {
+         double tol, int max_iter, double fb_tol, int fb_max_iter, double pivot_min,
+         double range_tol) {
         py::gil_scoped_release nogil;
         dispatch_n<FwdF>(n, src, dst, info, B, dtype, tol, max_iter, fb_tol, fb_max_iter,
-                         pivot_min);
+                         pivot_min, range_tol);
       },
       "T for B matrices of n x n (dtype 0 float32, 1 float64); info: int32 words or 0",
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("batch"), py::arg("n"),
       py::arg("dtype"), py::arg("tol"), py::arg("max_iter"), py::arg("fallback_tol"),
-      py::arg("fallback_max_iter"), py::arg("pivot_min"));
+      py::arg("fallback_max_iter"), py::arg("pivot_min"), py::arg("range_tol"));
   m.def(
       "birkhoff_bwd",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype) {

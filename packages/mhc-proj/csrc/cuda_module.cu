@@ -74,9 +74,9 @@ PYBIND11_MODULE(_cuda, m) {
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, std::uintptr_t work,
          int64_t B, int n, int dtype, double tol, int max_iter, double fb_tol, int fb_max_iter,
-         double pivot_min, std::uintptr_t stream) {
+         double pivot_min, double range_tol, std::uintptr_t stream) {
         FwdArgs a{ptr<const void>(src), ptr<void>(dst), ptr<int>(info), ptr<int>(work), B,
-                  tol, max_iter, fb_tol, fb_max_iter, pivot_min};
+                  tol, max_iter, fb_tol, fb_max_iter, pivot_min, range_tol};
         if (n == 4)
           launch_fwd<4>(a, dtype, as_stream(stream));
         else
@@ -87,7 +87,7 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("src"), py::arg("dst"), py::arg("info"), py::arg("work"), py::arg("batch"),
       py::arg("n"), py::arg("dtype"), py::arg("tol"), py::arg("max_iter"),
       py::arg("fallback_tol"), py::arg("fallback_max_iter"), py::arg("pivot_min"),
-      py::arg("stream"));
+      py::arg("range_tol"), py::arg("stream"));
   m.def(
       "birkhoff_bwd",
       [](std::uintptr_t t, std::uintptr_t g, std::uintptr_t da, int64_t B, int n, int dtype,

@@ -100,9 +100,12 @@ MHC_HD bool grounded_laplacian_solve(S (&w)[N][N], S (&b)[N], S (&x)[N]) {
   return all_pos;
 }
 
-// Smallest pivot of the grounded-Laplacian elimination of W (the Hessian's conditioning
-// in the semi-dual): small values mean nearly disconnected supports, where T and its
-// VJP are most sensitive to rounding in T.
+// Smallest nonzero pivot of the grounded-Laplacian elimination of W (the Hessian's
+// conditioning in the semi-dual): small values mean nearly disconnected supports, where T
+// and its VJP are most sensitive to rounding in T. A pivot of exactly 0 ends a component
+// that is disconnected from the rest (structural zeros of T, or entries that underflowed):
+// components are independent problems (grounded_laplacian_solve grounds each one), so it
+// is skipped rather than counted as ill-conditioned.
 template <int N, typename S>
 MHC_HD S min_pivot(const S (&t)[N][N]) {
   S w[N][N];
@@ -111,8 +114,8 @@ MHC_HD S min_pivot(const S (&t)[N][N]) {
   MHC_UNROLL
   for (int p = 0; p < N - 1; ++p) {
     const S d = gth_pivot<N, S>(w, p);
+    if (!(d > S(0))) continue;  // node p closes a disconnected component
     mp = d < mp ? d : mp;
-    if (!(d > S(0))) return S(0);
     gth_eliminate<N, S>(w, p, m_rcp(d), static_cast<S*>(nullptr));
   }
   return mp;

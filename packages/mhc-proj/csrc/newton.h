@@ -19,6 +19,7 @@
 #pragma once
 
 #include "laplacian.h"
+#include "support.h"
 
 namespace mhc {
 
@@ -29,10 +30,24 @@ enum class Solve { kGeneric, kFlat };
 // 10 than from 16; docs/design/mhc-proj.md).
 constexpr int kFlatContRange = 10;
 
+// Potential spread (and, for matrices through reduce_support, logit span of the kept
+// entries) above which a float32 solution is polished in float64 (project_matrix below).
+constexpr double kPolishSpread = 1024.0;
+
 // Info word written per matrix when requested: bits 0..15 iterations (float32 stage plus
-// float64 stage), bit 16 set when the float64 stage ran, bit 17 set when converged.
+// float64 stage), bit 16 set when the float64 stage ran, bit 17 set when converged (the
+// returned T meets the tolerance, checked in double on the stored values), bit 18 set when
+// the finite support admits no doubly stochastic matrix (the output is NaN).
 constexpr int kInfoFallback = 1 << 16;
 constexpr int kInfoConverged = 1 << 17;
+constexpr int kInfoInfeasible = 1 << 18;
+
+// project_matrix / polish_matrix statuses.
+constexpr int kStatusNotConverged = 0;
+constexpr int kStatusConverged = 1;
+constexpr int kStatusPolish = 2;       // converged but to be polished in float64
+constexpr int kStatusNonFinite = -1;   // a NaN or +inf entry: NaN output
+constexpr int kStatusInfeasible = -2;  // no doubly stochastic matrix on the support: NaN
 
 // ---------------------------------------------------------------- the plan
 // Rows of T = rowsoftmax(a + 1 beta^T); column sums in c; returns the marginal error
@@ -402,18 +417,14 @@ struct ContState {
   int total;
 };
 
-// Starts the continuation for a (row maxima 0): beta = 0, the schedule's first f.
-// CONT_RANGE > 0: that logit range instead of Limits<S>::cont_range (the threshold of the
-// continuation and the first stage's range; the flat solve uses kFlatContRange).
+// Starts the continuation for a (row maxima 0) whose finite entries span the logit range
+// range (finite_range): beta = 0, the schedule's first f. CONT_RANGE > 0: that logit range
+// instead of Limits<S>::cont_range (the threshold of the continuation and the first stage's
+// range; the flat solve uses kFlatContRange). range is finite, so f > 0 and the stages end
+// after at most log8(range / CONT_RANGE) + 1 (43 in float32, 342 in double).
 template <int N, typename S, int CONT_RANGE = 0>
-MHC_HD void cont_begin(const S (&a)[N][N], ContState<N, S>& cs, S (&beta)[N]) {
+MHC_HD void cont_begin(S range, ContState<N, S>& cs, S (&beta)[N]) {
   constexpr S kRange = CONT_RANGE > 0 ? S(CONT_RANGE) : Limits<S>::cont_range;
-  S range = S(0);
-  MHC_UNROLL
-  for (int i = 0; i < N; ++i) {
-    MHC_UNROLL
-    for (int j = 0; j < N; ++j) range = m_max(range, -a[i][j]);
-  }
   MHC_UNROLL
   for (int j = 0; j < N; ++j) beta[j] = S(0);
   cs.total = 0;
@@ -423,6 +434,7 @@ MHC_HD void cont_begin(const S (&a)[N][N], ContState<N, S>& cs, S (&beta)[N]) {
   MHC_UNROLL
   for (int j = 0; j < N; ++j) cs.phi[j] = S(0);
   cs.f = kRange / range;
+  if (!(cs.f > S(0))) cs.f = S(1);  // never: range is finite (a guard against a hang)
 }
 
 // Sets up the current stage of a continuation (not plain): as = f a, beta = f phi.
@@ -469,10 +481,10 @@ MHC_HD bool cont_next(ContState<N, S>& cs, const S (&beta)[N], int it) {
 // matrices (plus the column steps of stage changes, a divergent branch at the loop's top).
 // H200: 0.55x the two-loop time at logit std 10, 1.06x at std 2 (docs/design/mhc-proj.md).
 template <int N, typename S>
-MHC_HD bool newton_project_flat(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter,
-                                int& iters, S (&beta)[N]) {
+MHC_HD bool newton_project_flat(const S (&a)[N][N], S range, S (&t)[N][N], S tol,
+                                int max_iter, int& iters, S (&beta)[N]) {
   ContState<N, S> cs;
-  cont_begin<N, S, kFlatContRange>(a, cs, beta);
+  cont_begin<N, S, kFlatContRange>(range, cs, beta);
   const bool plain = cs.plain;
   if (plain) {
     cs.f = S(1);
@@ -511,13 +523,20 @@ MHC_HD bool newton_project_flat(const S (&a)[N][N], S (&t)[N][N], S tol, int max
 
 // The generic solve of one matrix. Small logit ranges: one Newton solve. Large ranges:
 // continuation (ContState above); this keeps every stage well conditioned and makes
-// logits of magnitude 1e4 converge in tens of iterations.
+// logits of magnitude 1e4 converge in tens of iterations. The plain solve runs as a
+// one-stage continuation with f = 1 (as = a * 1 = a exactly, beta = 0), so newton_core is
+// inlined once (the same operations as a separate plain call; half the code, half the
+// ptxas time of the generic and float64 kernels).
 template <int N, typename S>
-MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter, int& iters,
-                           S (&beta)[N]) {
+MHC_HD bool newton_project(const S (&a)[N][N], S range, S (&t)[N][N], S tol, int max_iter,
+                           int& iters, S (&beta)[N]) {
   ContState<N, S> cs;
-  cont_begin<N, S>(a, cs, beta);
-  if (cs.plain) return newton_core<N, S>(a, beta, t, tol, max_iter, iters);
+  cont_begin<N, S>(range, cs, beta);
+  if (cs.plain) {
+    cs.f = S(1);
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) cs.phi[j] = S(0);
+  }
   bool ok = false;
   for (;;) {
     S as[N][N];
@@ -530,24 +549,102 @@ MHC_HD bool newton_project(const S (&a)[N][N], S (&t)[N][N], S tol, int max_iter
   return ok;
 }
 
-// Loads one matrix (any input type) into the solver's layout with row maxima subtracted.
-// Returns false if any entry is not finite.
+// prepare_matrix's outcomes.
+constexpr int kPrepOk = 0;
+constexpr int kPrepNonFinite = 1;  // a NaN or +inf entry
+constexpr int kPrepInfeasible = 2;  // no doubly stochastic matrix on the finite support
+constexpr int kPrepWider = 3;  // (float32 only) a row range beyond FLT_MAX: solve in double
+
+// Loads one matrix (any input type) into the solver's layout with row maxima subtracted,
+// -inf entries kept as structural zeros, and sets range to the logit range of its finite
+// entries. Matrices with structural zeros or a range above N kGapMargin go through
+// reduce_support (support.h): cuts of negligible entries, the total-support core, gap
+// compression, the feasibility test. A finite entry whose shifted value overflows (a row
+// [2e38, -2e38, ...] in float32) is kPrepWider (the double stage shifts it exactly); in
+// double (|x| near DBL_MAX) it is clamped to -DBL_MAX, a level no finite cut keeps.
 template <int N, typename S, typename In>
-MHC_HD bool load_shifted(const In* src, S (&a)[N][N]) {
-  bool finite = true;
+MHC_HD int prepare_matrix(const In* src, S (&a)[N][N], S& range, bool& wide) {
+  bool nonfinite = false, empty_row = false, special = false;
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
-    S m = S(src[i * N]);
+    S m = -Limits<S>::huge;
+    bool any = false;  // an entry other than -inf in the row
     MHC_UNROLL
     for (int j = 0; j < N; ++j) {
-      a[i][j] = S(src[i * N + j]);
-      finite = finite && m_finite(a[i][j]);
-      m = m_max(m, a[i][j]);
+      const S v = S(src[i * N + j]);
+      a[i][j] = v;
+      nonfinite = nonfinite || !(v < S(INFINITY));  // NaN or +inf
+      any = any || v != -S(INFINITY);
+      m = m_max(m, v);
     }
+    empty_row = empty_row || !any;  // a row of structural zeros cannot sum to 1
     MHC_UNROLL
-    for (int j = 0; j < N; ++j) a[i][j] -= m;
+    for (int j = 0; j < N; ++j) {
+      const S v = a[i][j] - m;
+      const bool zero = !(a[i][j] > -S(INFINITY));
+      special = special || zero || !(v > -S(INFINITY));
+      a[i][j] = zero ? -S(INFINITY) : (v > -S(INFINITY) ? v : -Limits<S>::huge);
+    }
   }
-  return finite;
+  if (nonfinite) return kPrepNonFinite;
+  if (empty_row) return kPrepInfeasible;
+  range = finite_range<N, S>(a);
+  wide = false;
+  if (!special && !(range > S(N * kGapMargin))) return kPrepOk;  // the common case
+  if constexpr (sizeof(S) == 4) {
+    if (range >= Limits<S>::huge) return kPrepWider;  // an overflowed shift
+  }
+  S kept_level;
+  if (reduce_support<N, S>(a, kept_level) == kSupportInfeasible) return kPrepInfeasible;
+  range = finite_range<N, S>(a);
+  wide = kept_level > S(kPolishSpread);
+  return kPrepOk;
+}
+
+// The L1 marginal error of the stored T (Out values, summed in double): the certificate of
+// what is returned, not of the solver's working copy. Not inlined on the host: GCC 12.2 at
+// -O3 vectorizes double(float(x)) for a 3 x 3 T with the float rounding dropped in some
+// lanes (its SLP pass; a float T with error 0 came out 2.4e-8), so the check reads the
+// stored floats back from memory in a function of its own.
+template <int N, typename Out>
+#if defined(__CUDACC__)
+MHC_HD
+#else
+__attribute__((noinline))
+#endif
+double stored_marginal_error(const Out* t) {
+  double c[N], err = 0.0;
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) c[j] = 0.0;
+  MHC_UNROLL
+  for (int i = 0; i < N; ++i) {
+    double r = 0.0;
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) {
+      const double v = double(t[i * N + j]);
+      r += v;
+      c[j] += v;
+    }
+    err += fabs(r - 1.0);
+  }
+  MHC_UNROLL
+  for (int j = 0; j < N; ++j) err += fabs(c[j] - 1.0);
+  return err;
+}
+
+// True when the stored T meets cert_tol: checked in double unless T was solved and stored
+// in double (then the solver's own test, in the same precision, is the check).
+template <int N, typename S, typename Out>
+MHC_HD bool certified(bool ok, const Out* dst, double cert_tol) {
+  if (!ok) return false;
+  if constexpr (sizeof(S) == 8 && sizeof(Out) == 8) return true;
+  return stored_marginal_error<N, Out>(dst) <= cert_tol;
+}
+
+template <int N, typename Out>
+MHC_HD void store_nan(Out* dst) {
+  MHC_UNROLL
+  for (int e = 0; e < N * N; ++e) dst[e] = Out(NAN);
 }
 
 // ---------------------------------------------------------------- per-matrix drivers
@@ -563,7 +660,6 @@ MHC_HD bool load_shifted(const In* src, S (&a)[N][N]) {
 // matter: a spread above kPolishSpread also sends a matrix to the float64 polish (<= ~1e-6
 // below it). At N(0, 10^2) spreads stay below ~80 (no change); at 1e4 it adds the other
 // 0.01% of the matrices. Uses beta, which is live anyway: no register across the solve.
-constexpr double kPolishSpread = 1024.0;
 template <int N, typename S>
 MHC_HD S potential_spread(const S (&beta)[N]) {
   S lo = beta[0], hi = beta[0];
@@ -582,56 +678,87 @@ MHC_HD int projection_status(bool ok, const S (&t)[N][N], S pivot_min, S spread 
   return 1;
 }
 
-// Status of one projection: 1 converged, 0 not converged, 2 converged but ill-conditioned
-// (min pivot < pivot_min, or potential spread > kPolishSpread when pivot_min > 0; its
-// potentials go to beta_out for a warm-started float64 polish), -1 non-finite input (the
-// output is NaN; no other matrix is affected). SOLVE: newton_project_flat (kFlat) or
-// newton_project (kGeneric).
+// Status of one projection: kStatusConverged (the stored T meets cert_tol), kStatusNotConverged,
+// kStatusPolish (converged but ill-conditioned: min pivot < pivot_min, or potential spread >
+// kPolishSpread, or the stored T misses cert_tol, when pivot_min > 0; its potentials go to
+// beta_out for a warm-started float64 polish), kStatusNonFinite (a NaN or +inf entry) and
+// kStatusInfeasible (the output is NaN; no other matrix is affected). A float32 matrix whose
+// row range overflows float32 is kStatusNotConverged with a NaN output (the float64 stage
+// solves it from scratch). SOLVE: newton_project_flat (kFlat) or newton_project (kGeneric).
+// range_tol > 0 (float64 inputs with the default tolerance): tol and cert_tol are raised to
+// range_tol * N * (logit range the solver sees), the rounding floor of a + beta in double.
 template <int N, typename S, Solve SOLVE = Solve::kGeneric, typename In, typename Out>
 MHC_HD int project_matrix(const In* src, Out* dst, S tol, int max_iter, int& iters,
-                          S pivot_min = S(0), float* beta_out = nullptr) {
-  S a[N][N], t[N][N];
+                          double cert_tol, S pivot_min = S(0), float* beta_out = nullptr,
+                          double range_tol = 0.0) {
+  S a[N][N], t[N][N], range;
+  bool wide;
   iters = 0;
-  if (!load_shifted<N, S>(src, a)) {
-    MHC_UNROLL
-    for (int e = 0; e < N * N; ++e) dst[e] = Out(NAN);
-    return -1;
+  const int prep = prepare_matrix<N, S>(src, a, range, wide);
+  if (prep != kPrepOk) {
+    store_nan<N, Out>(dst);
+    if (prep == kPrepWider) return kStatusNotConverged;
+    return prep == kPrepInfeasible ? kStatusInfeasible : kStatusNonFinite;
+  }
+  if (range_tol > 0.0) {  // the tolerance floor of this matrix's logit range (float64 inputs)
+    const double floor = range_tol * N * m_max(double(range), 1.0);
+    tol = m_max(tol, S(floor));
+    cert_tol = m_max(cert_tol, floor);
   }
   S beta[N];
   bool ok;
   if constexpr (SOLVE == Solve::kFlat)
-    ok = newton_project_flat<N, S>(a, t, tol, max_iter, iters, beta);
+    ok = newton_project_flat<N, S>(a, range, t, tol, max_iter, iters, beta);
   else
-    ok = newton_project<N, S>(a, t, tol, max_iter, iters, beta);
+    ok = newton_project<N, S>(a, range, t, tol, max_iter, iters, beta);
   MHC_UNROLL
   for (int i = 0; i < N; ++i) {
     MHC_UNROLL
     for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
   }
-  const S spread = pivot_min > S(0) ? potential_spread<N, S>(beta) : S(0);
-  const int st = projection_status<N, S>(ok, t, pivot_min, spread);
-  if (st == 2 && beta_out) {
+  int st;
+  if (certified<N, S>(ok, dst, cert_tol)) {
+    // wide: the kept logits span more than kPolishSpread before compression (their float32
+    // values and row shift carry that much rounding), as a large potential spread would
+    const S spread = pivot_min > S(0) ? (wide ? S(INFINITY) : potential_spread<N, S>(beta)) : S(0);
+    st = projection_status<N, S>(true, t, pivot_min, spread);
+  } else {
+    st = ok && pivot_min > S(0) ? kStatusPolish : kStatusNotConverged;
+  }
+  if (st == kStatusPolish && beta_out) {
     MHC_UNROLL
     for (int j = 0; j < N; ++j) beta_out[j] = float(beta[j]);
   }
   return st;
 }
 
-// Float64 polish: Newton warm-started from potentials of the float32 stage (1-2 iterations
-// from a float32-accurate start); the generic solve from scratch if that does not converge.
-// SOLVE == kFlat: the warm-started iterations update the plan (newton_core<..., true>).
+// The float64 stage for one matrix: Newton warm-started from the float32 stage's
+// potentials beta_in (1-2 iterations from a float32-accurate start) unless beta_in[0] is NaN
+// (the float32 stage did not converge), then, if that did not converge, the generic solve
+// from scratch. One function for both cases so the CUDA kernel inlines the float64 solve
+// once. SOLVE == kFlat: the warm-started iterations update the plan (newton_core<..., true>).
+// Returns kStatusConverged when the stored T meets cert_tol, else kStatusNotConverged (or
+// project_matrix's negative statuses).
 template <int N, typename S, Solve SOLVE = Solve::kGeneric, typename In, typename Out>
 MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, int max_iter,
-                         int& iters) {
-  S a[N][N], t[N][N], beta[N];
+                         int& iters, double cert_tol) {
+  S a[N][N], t[N][N], beta[N], range;
+  bool wide;
   iters = 0;
-  if (!load_shifted<N, S>(src, a)) return -1;
-  MHC_UNROLL
-  for (int j = 0; j < N; ++j) beta[j] = S(beta_in[j]) - S(beta_in[N - 1]);
-  bool ok = newton_core<N, S, SOLVE == Solve::kFlat>(a, beta, t, tol, max_iter, iters, true);
+  const int prep = prepare_matrix<N, S>(src, a, range, wide);
+  if (prep != kPrepOk) {
+    store_nan<N, Out>(dst);
+    return prep == kPrepInfeasible ? kStatusInfeasible : kStatusNonFinite;
+  }
+  bool ok = false;
+  if (!(beta_in[0] != beta_in[0])) {
+    MHC_UNROLL
+    for (int j = 0; j < N; ++j) beta[j] = S(beta_in[j]) - S(beta_in[N - 1]);
+    ok = newton_core<N, S, SOLVE == Solve::kFlat>(a, beta, t, tol, max_iter, iters, true);
+  }
   if (!ok) {
     int it2 = 0;
-    ok = newton_project<N, S>(a, t, tol, max_iter, it2, beta);
+    ok = newton_project<N, S>(a, range, t, tol, max_iter, it2, beta);
     iters += it2;
   }
   MHC_UNROLL
@@ -639,7 +766,7 @@ MHC_HD int polish_matrix(const In* src, Out* dst, const float* beta_in, S tol, i
     MHC_UNROLL
     for (int j = 0; j < N; ++j) dst[i * N + j] = Out(t[i][j]);
   }
-  return ok ? 1 : 0;
+  return certified<N, S>(ok, dst, cert_tol) ? kStatusConverged : kStatusNotConverged;
 }
 
 }  // namespace mhc

@@ -88,6 +88,15 @@ MHC_HD bool m_finite(S x) {
   return x - x == S(0);  // false for NaN and +-Inf
 }
 
+// Index of the lowest set bit of x (x != 0).
+MHC_HD int m_ctz(unsigned x) {
+#if defined(__CUDA_ARCH__)
+  return __ffs(int(x)) - 1;
+#else
+  return __builtin_ctz(x);
+#endif
+}
+
 template <typename S>
 struct Limits;
 template <>

@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 
 import mhc_proj
 from mhc_proj import BirkhoffProjection, birkhoff_project, marginal_error
-from mhc_proj._config import FALLBACK_MAX_ITER, FALLBACK_TOL, MAX_ITER_F32, TOL_F32
+from mhc_proj._config import (
+    FALLBACK_MAX_ITER,
+    FALLBACK_TOL,
+    MAX_ITER_F32,
+    RANGE_TOL_F64,
+    TOL_F32,
+)
 from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref
 
@@ -113,9 +119,12 @@ def test_shapes_strides_dtypes(device):
     ref = birkhoff_project_ref(xt.cpu())
     assert (t.cpu().double() - ref).abs().max() < 2e-5
     for dt in (torch.bfloat16, torch.float16):
-        th = birkhoff_project(xt.to(dt))
+        # computed in float32; returned in the input dtype, or float32 on request
+        th = birkhoff_project(xt.to(dt), out_dtype=torch.float32)
         assert th.dtype == torch.float32
         assert (th.cpu().double() - birkhoff_project_ref(xt.to(dt).cpu())).abs().max() < 2e-5
+        tl = birkhoff_project(xt.to(dt))
+        assert tl.dtype == dt and torch.equal(tl, th.to(dt))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -177,14 +186,19 @@ def test_return_info(device):
     assert info.fallback.dtype == torch.bool
     t_only = birkhoff_project(x)
     assert torch.equal(t, t_only)
-    # a tolerance that fp32 cannot meet goes to the float64 re-solve
+    assert info.infeasible.dtype == torch.bool and not bool(info.infeasible.any())
+    # a tolerance that fp32 cannot meet goes to the float64 re-solve, and converged certifies
+    # the returned float32 T: below its rounding floor it says False (#19: it said True)
     t2, info2 = birkhoff_project(x, tol=1e-9, return_info=True)
-    assert int(info2.fallback.sum()) >= 15 and bool(info2.converged.all())
+    assert int(info2.fallback.sum()) >= 15
     assert marginal_error(t2[info2.fallback]).max() <= 1e-6
-    # max_iter = 0: no fp32 Newton step; the float64 stage finishes every matrix
+    assert torch.equal(info2.converged, marginal_error(t2) <= 1e-9)
+    # max_iter caps every stage (#19: the float64 stage ran up to 200 iterations): with 0
+    # no Newton step runs anywhere, and converged is only what the column steps reached
     t3, info3 = birkhoff_project(x, max_iter=0, return_info=True)
-    assert bool(info3.converged.all()) and bool(info3.fallback.all())
-    assert float((t3 - t).abs().max()) <= 1e-5
+    assert int(info3.iterations.max()) == 0
+    assert torch.equal(info3.converged, marginal_error(t3) <= TOL_F32)
+    assert not bool(info3.converged.all())
 
 
 # two matrices of a 1M batch at 1e4 N(0,1) whose fp32 solve converged with a good pivot
@@ -218,7 +232,7 @@ def test_large_range_goes_to_float64(device):
     conv = _flags(iref)[0].bool()
     assert bool(conv[:2].all())
     t, info = (v.cpu() for v in _fwd(x.to(device)))
-    assert bool(_flags(info)[1].all())  # all of them in the float64 stage
+    assert bool(_flags(info)[1][:2].all())  # the two mixtures in the float64 stage
     err = (t.double() - ref).abs().amax((1, 2))[conv]
     assert float(err.max()) <= 1e-6
     y = torch.zeros(1, 4, 4)
@@ -321,8 +335,9 @@ def test_backward_edge_cases(device):
 # ---------------------------------------------------------------- the op, compile, module
 def test_opcheck():
     x = torch.randn(5, 4, 4, generator=_gen(6))
-    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_fwd.default, (x, 4e-6, 30, True))
-    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_fwd.default, (x.double(), 1e-13, 50, False))
+    torch.library.opcheck(torch.ops.mhc_proj.birkhoff_fwd.default, (x, 4e-6, 30, 200, 0.0, True))
+    op = torch.ops.mhc_proj.birkhoff_fwd.default
+    torch.library.opcheck(op, (x.double(), 1e-13, 50, 50, 3.6e-15, False))
     t = birkhoff_project(x)
     torch.library.opcheck(torch.ops.mhc_proj.birkhoff_bwd.default, (t, torch.randn_like(t)))
 
@@ -385,12 +400,33 @@ def test_bad_input(bad, exc, match):
         mhc_proj.sinkhorn_project(bad)
 
 
-def test_bad_options():
-    x = torch.zeros(2, 4, 4)
-    with pytest.raises(ValueError, match="tol must be > 0"):
-        birkhoff_project(x, tol=0.0)
-    with pytest.raises(ValueError, match="max_iter must be >= 0"):
-        birkhoff_project(x, max_iter=-1)
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"tol": 0.0}, r"tol must be finite and > 0; got 0.0"),
+        ({"tol": float("nan")}, r"tol must be finite and > 0; got nan"),
+        ({"tol": float("inf")}, r"tol must be finite and > 0"),
+        ({"tol": "1e-6"}, r"tol must be a finite real number; got '1e-6'"),
+        ({"max_iter": -1}, r"max_iter must be an integer in 0..10000; got -1"),
+        # #19: 2.7 was truncated to 2, 10**12 gave a pybind TypeError
+        ({"max_iter": 2.7}, r"max_iter must be an integer in 0..10000; got 2.7"),
+        ({"max_iter": 10**12}, r"max_iter must be an integer in 0..10000; got 1000000000000"),
+        ({"max_iter": True}, r"max_iter must be an integer in 0..10000; got True"),
+        ({"return_info": 1}, r"return_info must be True or False; got 1"),
+        ({"out_dtype": torch.int32}, r"out_dtype must be None or one of torch.float32"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        birkhoff_project(torch.zeros(2, 4, 4), **kwargs)
+
+
+def test_max_iter_accepts_integer_types():
+    import numpy as np
+
+    x = torch.randn(3, 4, 4, generator=_gen(9))
+    t = birkhoff_project(x, max_iter=7)
+    assert torch.equal(birkhoff_project(x, max_iter=np.int64(7)), t)
 
 
 @settings(max_examples=40, deadline=None)
@@ -421,9 +457,10 @@ def _op_path(x, gr):
     n = x.shape[-1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     tol, it = (1e-13, 100) if dtype == torch.float64 else (4e-6, 30)
+    rtol = RANGE_TOL_F64 if dtype == torch.float64 else 0.0
     xr = x.detach().clone().requires_grad_(x.requires_grad)
     xc = xr.to(dtype).reshape(-1, n, n).contiguous()
-    t, _ = torch.ops.mhc_proj.birkhoff_fwd.default(xc, tol, it, False)
+    t, _ = torch.ops.mhc_proj.birkhoff_fwd.default(xc, tol, it, FALLBACK_MAX_ITER, rtol, False)
     t = t.reshape(x.shape)
     if not x.requires_grad:
         return t, None
@@ -450,15 +487,16 @@ def test_fast_path_bitwise_op_path(device, dtype, shape, strided, requires_grad)
     gr = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
     gr = gr.to(torch.float64 if dtype == torch.float64 else torch.float32)
     x.requires_grad_(requires_grad)
-    t = birkhoff_project(x)
+    t = birkhoff_project(x, out_dtype=gr.dtype)
     assert t.shape == x.shape and t.requires_grad == requires_grad
     t_op, d_op = _op_path(x, gr)
     assert torch.equal(t.detach(), t_op)
-    t_info, _ = birkhoff_project(x.detach(), return_info=True)
+    t_info, _ = birkhoff_project(x.detach(), return_info=True, out_dtype=gr.dtype)
     assert torch.equal(t.detach(), t_info)
     c_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     tol, it = (1e-13, 100) if dtype == torch.float64 else (4e-6, 30)
-    t_apply = _BirkhoffProject.apply(x, c_dtype, tol, it)
+    rtol = RANGE_TOL_F64 if dtype == torch.float64 else 0.0
+    t_apply = _BirkhoffProject.apply(x, c_dtype, tol, it, FALLBACK_MAX_ITER, rtol, False)
     assert torch.equal(t_apply.detach(), t_op)
     if requires_grad:
         t.backward(gr)
@@ -471,21 +509,8 @@ def test_fast_path_bitwise_op_path(device, dtype, shape, strided, requires_grad)
         assert torch.equal(d_op, d_fast)
         x.grad = None
         xi = x.detach().clone().requires_grad_(True)
-        birkhoff_project(xi, return_info=True)[0].backward(gr)
+        birkhoff_project(xi, return_info=True, out_dtype=gr.dtype)[0].backward(gr)
         assert torch.equal(xi.grad, d_fast)
-
-
-def test_functorch_transform_uses_function_apply():
-    """Under a functorch transform the eager path goes through Function.apply (the C++
-    apply is only taken outside transforms): the same error as Function.apply itself."""
-    from mhc_proj.birkhoff import _BirkhoffProject
-
-    x = torch.randn(3, 4, 4, generator=_gen(14))
-    with pytest.raises(RuntimeError) as direct:
-        torch.func.grad(lambda a: _BirkhoffProject.apply(a, torch.float32, 4e-6, 30).sum())(x)
-    with pytest.raises(RuntimeError) as public:
-        torch.func.grad(lambda a: birkhoff_project(a).sum())(x)
-    assert str(public.value) == str(direct.value)
 
 
 # ---------------------------------------------------------------- GPU: CUDA vs the CPU path

@@ -51,6 +51,37 @@ def test_cuda_missing_gives_clear_error(monkeypatch):
     assert not _backend.cuda_available()
 
 
+def test_cuda_available_means_a_usable_device(monkeypatch):
+    """cuda_available() was True on a machine without a GPU (it meant "the module imported",
+    #19); now it needs the module, torch's CUDA and a device the module's runtime sees.
+    cuda_built() answers the build question alone."""
+    import mhc_proj
+
+    class FakeModule:
+        def __init__(self, count):
+            self.count = count
+
+        def device_count(self):
+            return self.count
+
+    monkeypatch.setattr(_backend, "_cuda_module", FakeModule(1))
+    assert mhc_proj.cuda_built()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not mhc_proj.cuda_available()  # built, but torch sees no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert mhc_proj.cuda_available()
+    monkeypatch.setattr(_backend, "_cuda_module", FakeModule(0))
+    assert not mhc_proj.cuda_available()  # the module's runtime sees no device
+
+
+def test_cuda_available_on_this_machine():
+    import mhc_proj
+
+    found = importlib.util.find_spec("mhc_proj._cuda") is not None
+    assert mhc_proj.cuda_built() == found
+    assert mhc_proj.cuda_available() == (found and torch.cuda.is_available())
+
+
 def test_other_devices_rejected():
     with pytest.raises(ValueError, match="CPU and CUDA tensors; got device meta"):
         _backend.for_tensor(torch.empty(2, 4, 4, device="meta"))

@@ -12,7 +12,9 @@ GPU); float64 <= 1e-13; backward: max |dA - ref| / max |ref| below ``bwd_bound``
 max(1, max|x|): the kernels shift each row by its maximum, so the shifted logit carries an
 absolute rounding error ~2 eps max|x| that exp turns into a relative error of every P
 entry; x2 for the GPU's 1-ulp reciprocals; x16 for cancellation in the 16-term
-reductions), on the CPU with a 3x margin; float64 <= 1e-13 relative.
+reductions), on the CPU with a 3x margin; float64 <= 1e-13 relative. The CUDA test
+measures against max |ref| floored at eps max(1, max|x|) max |P (.) G| (``grad_scale``: a
+saturated matrix's gradient is below the float32 resolution of its terms).
 """
 
 import pytest
@@ -42,6 +44,20 @@ def bwd_bound(x: torch.Tensor) -> float:
     (batch 1, iters 1, sigma 10); at sigma 10 the bound is <= 3.8e-4, so an error of 1e-3
     (a wrong term, a wrong step) fails."""
     return 64 * F32_EPS * max(1.0, float(x.abs().max()))
+
+
+def grad_scale(ref_grad_, p_ref, gr, x) -> float:
+    """The magnitude a backward error is measured against: max |ref gradient|, floored at
+    the float32 resolution of the terms the gradient is the difference of. dA = P (.) (G -
+    alpha 1^T - 1 beta^T) sums terms up to max |P (.) G| (float64 reference P, upstream
+    gradient G) and each float32 P entry carries a relative rounding of eps max(1, max|x|)
+    (bwd_bound's unit), so dA is resolved only to eps max(1, max|x|) max |P (.) G|. Where P
+    saturates to a permutation (logit std 100, one matrix) the exact gradient (1e-9..1e-41)
+    is below that and the relative bound measured rounding noise; elsewhere the floor is far
+    below max |ref| and changes nothing (test_bwd_scale_floor_rejects_wrong_gradients)."""
+    terms = (p_ref.detach().double() * gr.detach().cpu().double()).abs().max()
+    floor = F32_EPS * max(1.0, float(x.abs().max())) * float(terms)
+    return max(float(ref_grad_.abs().max()), floor)
 
 
 def _per_matrix(d, ref):
@@ -210,10 +226,13 @@ def test_float64_and_half_inputs():
     assert p64.dtype == torch.float64
     assert float((p64 - sinkhorn_project_ref(x.double())).abs().max()) < 1e-13
     for dt in (torch.bfloat16, torch.float16):
-        ph = sinkhorn_project(x.to(dt))
+        # computed in float32; returned in the input dtype, or float32 on request (#20)
+        ph = sinkhorn_project(x.to(dt), out_dtype=torch.float32)
         assert ph.dtype == torch.float32
         ref = sinkhorn_project_ref(x.to(dt).double())
         assert float((ph.double() - ref).abs().max()) < 2e-6
+        pl = sinkhorn_project(x.to(dt))
+        assert pl.dtype == dt and torch.equal(pl, ph.to(dt))
 
 
 def test_gradcheck_float64():
@@ -246,12 +265,23 @@ def test_large_logits_not_doubly_stochastic():
     assert float(err.median()) > 1e-3
 
 
-def test_bad_options():
-    x = torch.zeros(2, 4, 4)
-    with pytest.raises(ValueError, match="iters must be >= 1"):
-        sinkhorn_project(x, iters=0)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
-        sinkhorn_project(x, eps=-1.0)
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"iters": 0}, r"iters must be an integer in 1..10000; got 0"),
+        ({"iters": 2.5}, r"iters must be an integer in 1..10000; got 2.5"),
+        ({"iters": 10**6}, r"iters must be an integer in 1..10000; got 1000000"),
+        ({"eps": -1.0}, r"eps must be in 0 <= eps <= 1; got -1.0"),
+        ({"eps": float("nan")}, r"eps must be in 0 <= eps <= 1; got nan"),
+        ({"eps": float("inf")}, r"eps must be in 0 <= eps <= 1; got inf"),
+        # found by test_fuzz.py: a finite eps of 3.4e38 overflowed the sums to NaN
+        ({"eps": 3.4e38}, r"eps must be in 0 <= eps <= 1; got 3.4e\+38"),
+        ({"out_dtype": torch.int64}, r"out_dtype must be None or one of"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sinkhorn_project(torch.zeros(2, 4, 4), **kwargs)
 
 
 # ---------------------------------------------------------------- GPU: CUDA vs CPU, float64
@@ -276,7 +306,7 @@ def test_cuda_vs_reference_and_cpu(batch, iters, sigma):
         assert float(err.median()) < 5e-7
     assert float((p - sinkhorn_fwd(x, iters, 1e-6).double()).abs().max()) < 2e-6
     dref = ref_grad(x, gr, iters, 1e-6)
-    scale = dref.abs().max()
+    scale = grad_scale(dref, ref, gr, x)  # (sigma 100, batch 1: max |dref| is 1e-9..1e-41)
     bound = bwd_bound(x)
     d = sinkhorn_bwd(xc, gc, iters, 1e-6).cpu().double()
     assert torch.isfinite(d).all()
@@ -285,6 +315,35 @@ def test_cuda_vs_reference_and_cpu(batch, iters, sigma):
     assert float((d - cpu).abs().max() / scale) < bound
     if batch >= 100 and sigma <= 10:
         assert float(_per_matrix(d, dref).median()) < 2e-6
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3, 20, 33])
+@pytest.mark.parametrize("sigma", [1.0, 10.0, 100.0])
+def test_bwd_scale_floor_rejects_wrong_gradients(sigma, iters):
+    """grad_scale on the CUDA test's single matrices (its seeds), with the CPU backward in
+    the CUDA backward's place. At logit std 100 max |ref| is 6e-12..3e-41 and the CPU path
+    fails the plain relative bound (iters 3, 33); with the floor it passes. The floor only
+    applies there (std 1, 10: the scale is max |ref|), and a wrong gradient still fails: one
+    entry off by 5 bounds of the scale (at std 100, saturated: 5e-7 absolute), the VJP without its
+    potential terms (P (.) G), a 1e-3 relative error and a zero gradient (std <= 10)."""
+    g = _gen(1 + 7 * iters)
+    x = torch.randn(1, 4, 4, generator=g) * sigma
+    gr = torch.randn(1, 4, 4, generator=g)
+    p_ref = sinkhorn_project_ref(x.double(), iters=iters, eps=1e-6)
+    dref = ref_grad(x, gr, iters, 1e-6)
+    scale, bound = grad_scale(dref, p_ref, gr, x), bwd_bound(x)
+    d = sinkhorn_bwd(x, gr, iters, 1e-6).double()
+    assert float((d - dref).abs().max()) < bound * scale / 3
+    bad = d.clone()
+    bad.view(-1)[0] += 5 * bound * scale
+    assert float((bad - dref).abs().max()) > bound * scale
+    assert float((p_ref * gr.double() - dref).abs().max()) > bound * scale
+    if sigma <= 10:
+        assert scale == float(dref.abs().max())
+        assert float(dref.abs().max()) > bound * scale
+        assert float((d * (1 + 1e-3) - dref).abs().max()) > bound * scale
+    else:  # the floor stays at float32 resolution (5e-5 here): 5 bounds of it are 5e-7
+        assert scale == float(dref.abs().max()) or scale < 1e-4
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@
 - :mod:`mhc_proj.reference` — float64 torch oracles.
 """
 
-from mhc_proj._backend import cuda_available
+from mhc_proj._backend import cuda_available, cuda_built
 from mhc_proj.birkhoff import BirkhoffProjection, ProjectionInfo, birkhoff_project
 from mhc_proj.layer import HCMaps, hyper_connection
 from mhc_proj.nn import HyperConnection
@@ -32,6 +32,7 @@ __all__ = [
     "birkhoff_project_ref",
     "birkhoff_vjp_ref",
     "cuda_available",
+    "cuda_built",
     "hyper_connection",
     "hyper_connection_ref",
     "marginal_error",

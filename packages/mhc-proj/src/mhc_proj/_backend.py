@@ -29,13 +29,26 @@ def cpu() -> ModuleType:
     return _cpu_module
 
 
-def cuda_available() -> bool:
-    """True when the CUDA extension ``mhc_proj._cuda`` was built and imports."""
+def cuda_built() -> bool:
+    """True when the CUDA extension ``mhc_proj._cuda`` was built and imports (it may still
+    find no GPU: see :func:`cuda_available`)."""
     try:
         cuda()
     except RuntimeError:
         return False
     return True
+
+
+def cuda_available() -> bool:
+    """True when CUDA tensors can be projected here: the CUDA extension imports, torch sees
+    a CUDA device and the extension's own runtime sees one too. Queried at call time (this
+    initializes CUDA); False on a machine without a GPU even if the extension was built."""
+    if not cuda_built() or not torch.cuda.is_available():
+        return False
+    try:
+        return cuda().device_count() > 0
+    except RuntimeError:
+        return False
 
 
 def cuda() -> ModuleType:

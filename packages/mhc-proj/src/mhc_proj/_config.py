@@ -14,17 +14,29 @@ from __future__ import annotations
 # miss it, or whose Hessian has a pivot below PIVOT_MIN (nearly disconnected support: T
 # and its VJP most sensitive to rounding), or whose potentials spread over more than 1024
 # (csrc/newton.h, kPolishSpread), are re-solved in float64 to FALLBACK_TOL. float64 inputs
-# are solved in float64 to TOL_F64. max_iter counts Newton iterations per continuation stage.
+# are solved in float64 to TOL_F64. max_iter counts Newton iterations per continuation stage
+# (an explicit max_iter caps the float64 stage too; by default it has FALLBACK_MAX_ITER).
+# The float64 stage solves to min(FALLBACK_TOL, tol); ``converged`` certifies the returned T
+# (its marginal error summed in double <= tol), whatever stage produced it.
 TOL_F32, MAX_ITER_F32 = 4e-6, 30
 TOL_F64, MAX_ITER_F64 = 1e-13, 100
 FALLBACK_TOL, FALLBACK_MAX_ITER = 1e-10, 200
 PIVOT_MIN = 2e-4
+# float64 logits with the default tol: a matrix's tolerance is raised to
+# RANGE_TOL_F64 * n * (its logit range as the solver sees it, after csrc/support.h's
+# reduction): the floor at which a double plan resolves a + beta. 1e-13 stays the
+# tolerance up to a range of ~28 / n (found by test_fuzz.py: N(0,1e3^2) float64 logits and
+# masked float64 matrices stalled at 1e-13..7e-11 under the plain 1e-13).
+RANGE_TOL_F64 = 16 * 2.0**-52
+# The largest max_iter / iters accepted (the info word counts iterations up to 65535).
+MAX_ITER_LIMIT = 10_000
 
 # sinkhorn_project (the DeepSeek / TileKernels defaults). CUDA kernels exist for n = 4
 # float32 and iters <= SINKHORN_CUDA_MAX_ITERS; other CUDA cases run the same iteration in
 # torch ops.
 SINKHORN_ITERS, SINKHORN_EPS = 20, 1e-6
 SINKHORN_CUDA_MAX_ITERS = 64
+SINKHORN_MAX_ITERS = 10_000
 
 # Supported matrix sizes (the compiled kernels are instantiated for these).
 N_MIN, N_MAX = 2, 8

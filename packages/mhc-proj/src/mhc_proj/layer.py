@@ -39,6 +39,7 @@ import torch
 
 from mhc_proj import _backend
 from mhc_proj._config import (
+    FALLBACK_MAX_ITER,
     HC_POST_MULT,
     HC_PRE_EPS,
     HC_RMS_EPS,
@@ -127,7 +128,8 @@ def _launch(name: str, *args, stream_of: torch.Tensor):
 
 def _project(lres, projection, iters, sk_eps, tol, max_iter):
     if projection == 0:
-        return _birkhoff_fwd(lres, tol, max_iter, None)
+        # the float32 defaults of birkhoff_project: the float64 re-solve gets its own cap
+        return _birkhoff_fwd(lres, tol, max_iter, FALLBACK_MAX_ITER, None)
     return sinkhorn_fwd(lres, iters, sk_eps)
 
 

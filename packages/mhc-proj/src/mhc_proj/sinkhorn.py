@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from mhc_proj import _backend
-from mhc_proj._config import N_MAX, N_MIN, SINKHORN_CUDA_MAX_ITERS, SINKHORN_EPS, SINKHORN_ITERS
+from mhc_proj import _backend, _checks
+from mhc_proj._config import (
+    SINKHORN_CUDA_MAX_ITERS,
+    SINKHORN_EPS,
+    SINKHORN_ITERS,
+    SINKHORN_MAX_ITERS,
+)
 from mhc_proj.reference import sinkhorn_project_ref
 
 __all__ = ["sinkhorn_project", "sinkhorn_fwd", "sinkhorn_bwd"]
@@ -39,7 +44,8 @@ def _use_cuda_kernel(x: torch.Tensor, iters: int) -> bool:
 
 
 def _sinkhorn_bwd_torch(x: torch.Tensor, g: torch.Tensor, iters: int, eps: float):
-    """The same exact backward in plain torch ops (CUDA cases without a kernel): autograd
+    """The same exact backward in plain torch ops (CUDA cases without a kernel; and any
+    differentiated backward or torch.func transform, since it is differentiable): autograd
     is not available inside a custom op's implementation, so the step VJPs are explicit."""
     sm = torch.softmax(x, dim=-1)
     p = sm + eps
@@ -128,7 +134,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (x,) = ctx.saved_tensors
-    return _bwd_op(x, grad.to(x.dtype).contiguous(), ctx.iters, ctx.eps), None, None
+    g = grad.to(x.dtype)
+    if torch.is_grad_enabled():  # a differentiated backward: torch ops
+        return _sinkhorn_bwd_torch(x, g, ctx.iters, ctx.eps), None, None
+    return _bwd_op(x, g.contiguous(), ctx.iters, ctx.eps), None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -136,45 +145,68 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ---------------------------------------------------------------- eager autograd, public API
 class _SinkhornFunction(torch.autograd.Function):
-    """Eager fast path (no custom-op dispatch overhead); the op is used under compile."""
+    """Eager fast path (no custom-op dispatch overhead); the op is used under compile.
+    ``setup_context`` and ``vmap`` make it composable with torch.func; a differentiated
+    backward (or one under a transform) runs the explicit VJP in torch ops."""
 
     @staticmethod
-    def forward(ctx, x, iters, eps):
+    def forward(x, iters, eps):
+        return sinkhorn_fwd(x, iters, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, iters, eps = inputs
         ctx.save_for_backward(x)
         ctx.iters, ctx.eps = iters, eps
-        return sinkhorn_fwd(x, iters, eps)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        g = grad.to(x.dtype).contiguous()
-        return sinkhorn_bwd(x, g, ctx.iters, ctx.eps), None, None
+        g = grad.to(x.dtype)
+        active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+        if torch.is_grad_enabled() or active():
+            return _sinkhorn_bwd_torch(x, g, ctx.iters, ctx.eps), None, None
+        return sinkhorn_bwd(x, g.contiguous(), ctx.iters, ctx.eps), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, iters, eps):
+        # x is (B, n, n); the vmapped dim joins the batch
+        bdim = in_dims[0]
+        if bdim is None:
+            return _SinkhornFunction.apply(x, iters, eps), None
+        x = x.movedim(bdim, 0)
+        v, b, n = x.shape[0], x.shape[1], x.shape[-1]
+        out = _SinkhornFunction.apply(x.reshape(v * b, n, n).contiguous(), iters, eps)
+        return out.reshape(v, b, n, n), 0
 
 
 def sinkhorn_project(
-    logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = SINKHORN_EPS
+    logits: torch.Tensor,
+    iters: int = SINKHORN_ITERS,
+    eps: float = SINKHORN_EPS,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Sinkhorn-``iters`` projection of (..., n, n) ``logits`` (n in 2..8).
 
-    float32/bfloat16/float16 computed in float32 (float32 output); float64 in float64.
-    Differentiable (exact backward of the truncated iteration; saves the logits).
+    float32/bfloat16/float16 computed in float32, float64 in float64; returned in
+    ``out_dtype`` (default: the dtype of ``logits``). ``iters``: an int in 1..10000;
+    ``eps``: in [0, 1]. -inf entries get weight 0 in the softmax (P0 = eps there); NaN or
+    +inf entries, or a row of -inf, give a NaN matrix. Differentiable (exact backward of the
+    truncated iteration; saves the logits), twice differentiable, composable with
+    torch.func.
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor; got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must have a floating dtype; got {logits.dtype}")
-    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
-        raise ValueError(f"logits must have shape (..., n, n); got {tuple(logits.shape)}")
+    _checks.logits(logits)
+    iters = _checks.integer("iters", iters, 1, SINKHORN_MAX_ITERS)
+    eps = _checks.positive("eps", eps, allow_zero=True, hi=1.0)
+    out_dtype = _checks.out_dtype(out_dtype, logits.dtype)
     n = logits.shape[-1]
-    if not N_MIN <= n <= N_MAX:
-        raise ValueError(f"logits: n must be in {N_MIN}..{N_MAX}; got n={n}")
-    if int(iters) < 1:
-        raise ValueError(f"iters must be >= 1; got {iters}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0; got {eps}")
     shape = logits.shape
     x = logits if logits.dtype == torch.float64 else logits.to(torch.float32)
     x = x.reshape(-1, n, n).contiguous()
     if torch.compiler.is_compiling():
-        return _fwd_op(x, int(iters), float(eps)).reshape(shape)
-    return _SinkhornFunction.apply(x, int(iters), float(eps)).reshape(shape)
+        p = _fwd_op(x, iters, eps)
+    else:
+        p = _SinkhornFunction.apply(x, iters, eps)
+    p = p.reshape(shape)
+    return p if p.dtype == out_dtype else p.to(out_dtype)
