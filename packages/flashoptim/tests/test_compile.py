@@ -77,18 +77,18 @@ def test_compiled_step_in_a_capture_is_refused(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("capturable", [True, False])
-def test_gpu_reduce_overhead_is_refused(capturable):
-    """mode='reduce-overhead' on CUDA: the recording call raises the error (the package's
-    own capture is the supported CUDA-graph path)."""
+def test_gpu_reduce_overhead_is_refused():
+    """mode='reduce-overhead' on CUDA (capturable=True, as the removed bench mode had it):
+    the recording call raises the error (the package's own capture is the supported
+    CUDA-graph path; without capturable the same check refuses first)."""
     torch._dynamo.reset()
     # nn.Parameters (static inputs of the graph, as in training: the bench's case)
     pa = [torch.nn.Parameter(p.detach().cuda()) for p in small_params(torch.bfloat16)]
-    a = fo.FlashAdamW(pa, lr=1e-2, capturable=capturable)
+    a = fo.FlashAdamW(pa, lr=1e-2, capturable=True)
     step = torch.compile(a.step, mode="reduce-overhead", fullgraph=True)
     for p in pa:
         p.grad = torch.ones_like(p)
-    with pytest.raises(RuntimeError, match="mode='reduce-overhead'"):
+    with pytest.raises(Exception, match="capture the eager step instead"):  # maybe wrapped
         for _ in range(4):
             step()
     torch._dynamo.reset()
