@@ -42,7 +42,7 @@ from _checks import (
 import flashoptim_fused as fo
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
 SHAPES = [(0,), (1,), (7,), (33,), (5, 7), (3, 4, 5), (2, 3, 3, 3), (65,)]
@@ -185,13 +185,6 @@ def _check_case(case, backend: str, dev: str) -> None:
         fin = torch.isfinite(ref_p.reshape(-1).double())
         assert torch.isfinite(p.detach().cpu().reshape(-1).double())[fin].all()
         if bool(fin.all()) and p.numel():
-            th0 = (
-                fo.reference.join_ref(p0.cpu().reshape(-1), st0["c"].cpu().reshape(-1), hp["ecc"])
-                if hp["ecc"]
-                else p0.cpu().reshape(-1).double()
-            )
-            th1 = ref_p.reshape(-1).double()
-            big = th0.abs() + th1.abs() + (th0 - th1).abs()
             assert_step_matches_reference(
                 opt._kind,
                 hp,
@@ -203,7 +196,6 @@ def _check_case(case, backend: str, dev: str) -> None:
                 p.detach().cpu(),
                 {k: v.cpu() for k, v in state_view(opt, p).items()},
                 ties=dev != "cpu",
-                big=big,
                 fuzz=True,
             )
 
@@ -219,8 +211,25 @@ def fuzz(n: int):
     )
 
 
+# the H200 run of 2026-12-02's falsifying example (test_gpu_fuzz_kernel): g + wd th of a
+# group's maximum lies a hair above a bf16 value in float64, so the reference's scale is
+# one bf16 step higher and all the group's codes move (4 of 33 v codes differ)
+GPU_EXAMPLE = (
+    (33,),
+    "contiguous",
+    torch.bfloat16,
+    torch.bfloat16,
+    fo.FlashAdam,
+    {"weight_decay": 0.01, "lr": 0.0, "betas": (0.0, 0.0), "eps": 1e-12},
+    1e11,
+    "none",
+    11,
+)
+
+
 @fuzz(200)
 @given(cases(kernel=False))
+@example(GPU_EXAMPLE)
 def test_fuzz_cpu_path(case):
     _check_case(case, "torch", "cpu")
 

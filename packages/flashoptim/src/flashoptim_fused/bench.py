@@ -5,9 +5,9 @@
     python -m flashoptim_fused.bench --layout large --providers ours torch-fused --json out.json
 
 Cases (bench ``adamw`` / ``sgd`` / ``lion`` / ``muon``, mode ``step`` eager, ``graph``
-replayed in a CUDA graph, ``compiled``: ``torch.compile(opt.step, mode="reduce-overhead",
-fullgraph=True)`` with ``capturable=True``, the 2,050-tensor layout; ``muon_fused``: FlashMuon's
-two fused passes alone, without the Newton-Schulz matmuls), each on a layout (Muon: its 2-D
+replayed in a CUDA graph (``capturable=True``; torch.compile's mode="reduce-overhead" is
+refused: docs/design/flashoptim.md); ``muon_fused``: FlashMuon's two fused passes alone,
+without the Newton-Schulz matmuls), each on a layout (Muon: its 2-D
 tensors): ``large`` (8 x 8192^2 bf16, 537M params), ``small`` (2,050 tensors, 54.6M params),
 ``gpt`` (the parameter list of a 12-layer d=768 GPT). Providers: ``ours``; ``torch-fused``
 (torch AdamW, fused, bf16 params: no master weights), ``torch-fused-fp32`` (fp32 params),
@@ -42,7 +42,7 @@ PROVIDERS = [
     "torch-muon",
     "torch-muon-fp32",
 ]
-MODES = ["step", "graph", "compiled"]
+MODES = ["step", "graph"]
 LR = 1e-4
 # bytes a step must move per parameter (read + write), bf16 parameters and gradients
 _OURS_ADAMW = 2 + 2 + 1 + 1 + 1 + 0.125 + 2 + 1 + 1 + 1 + 0.125  # p, g, rho, m, v, scales
@@ -197,7 +197,7 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
     state: dict = {}
 
     def make():
-        if mode in ("graph", "compiled") and device.type != "cuda":
+        if mode == "graph" and device.type != "cuda":
             raise H.Skip("CUDA graphs: GPU only")
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -209,7 +209,7 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
         ]
         for p in ps:
             p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
-        graph = mode in ("graph", "compiled")  # capturable, a tensor lr
+        graph = mode == "graph"  # capturable, a tensor lr
         opt = make_optimizer(bench, provider, ps, check, graph, args.peer_flashoptim_path)
         opt.step()  # allocates the states (and autotunes)
         state["opt"] = opt
@@ -218,12 +218,6 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
             state["held"] = torch.cuda.memory_allocated(device) - state["base"]
         if bench == "muon_fused":
             return muon_fused_passes(opt)
-        if mode == "compiled":  # torch.compile's CUDA graphs: no capture code of ours
-            torch._dynamo.reset()
-            step = torch.compile(opt.step, mode="reduce-overhead", fullgraph=True)
-            for _ in range(3):  # trace, warm up, record
-                step()
-            return step
         return H.cuda_graph(opt.step, device) if mode == "graph" else opt.step
 
     def metrics():
@@ -277,9 +271,6 @@ def cases(layouts, modes, providers, cuda: bool):
             out.append(("adamw", "step", lay, False, [], None))
         if "graph" in modes and cuda:
             out.append(("adamw", "graph", lay, True, [], f"AdamW step, CUDA graph, {name}"))
-        if "compiled" in modes and cuda and lay == "small":
-            out.append(("adamw", "compiled", lay, True, [],
-                        f"AdamW step, torch.compile reduce-overhead, {name}"))  # fmt: skip
         if "step" in modes and big:
             sgd_peers = [p for p in ("flashoptim-0.1.4",) if p in providers]
             out.append(("sgd", "step", lay, False, sgd_peers, f"SGD momentum step, {name}"))
