@@ -100,11 +100,12 @@ def headline_table(doc: dict) -> str:
     header = ["case", "ours ms", "best peer", "peer ms", "peer / ours", "of floor", "peak MiB"]
     header.append("accuracy")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for by_provider in _cases(doc).values():
-        ours = by_provider.get(OURS)
-        if not ours or not ours.get("headline"):
-            continue
-        peers = [(p, _ok_time(r)) for p, r in by_provider.items() if p != OURS]
+    cases = [c for c in _cases(doc).values() if (c.get(OURS) or {}).get("headline")]
+    labels = [c[OURS]["headline"] for c in cases]
+    for by_provider in cases:
+        ours = by_provider[OURS]
+        # our own variants (ours-bf16, ...) are not peers
+        peers = [(p, _ok_time(r)) for p, r in by_provider.items() if not p.startswith(OURS)]
         timed = [(t, p) for p, t in peers if t is not None]
         best_t, best = min(timed) if timed else (None, None)
         ours_t = _ok_time(ours)
@@ -115,8 +116,11 @@ def headline_table(doc: dict) -> str:
         frac = metrics.get("frac_floor", metrics.get("frac_ceiling"))
         acc = ours.get("accuracy") or {}
         acc_cell = "; ".join(f"{k} {_fmt(v)}" for k, v in list(acc.items())[:1]) or "—"
+        label = ours["headline"]
+        if labels.count(label) > 1 and ours.get("mode"):  # the same case in several modes
+            label = f"{label}, {ours['mode'].replace('_', '+')}"
         cells = [
-            ours["headline"],
+            label,
             _time_cell(ours),
             best,
             _fmt(best_t),
