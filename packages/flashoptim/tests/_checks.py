@@ -206,8 +206,15 @@ def assert_step_matches_reference(
     two (a shift of the whole group, not counted in the 2%); a v below fp32's normal range
     (2**-126: (1 - b2) g^2 of |g| < ~1e-18 underflows) codes 0, not float64's 1, and is not
     counted either. ``fuzz`` (inputs anywhere in
-    the float range): fp32 states carry subnormal round-off (2**-149 absolute)."""
-    gd = g.detach().reshape(-1).to(torch.float64)
+    the float range): fp32 states carry subnormal round-off (2**-149 absolute).
+
+    Every input is copied to the CPU first: the reference keeps its inputs' device, and one
+    device for all of them makes the GPU tests' check the code the CPU suite runs (with
+    CUDA inputs the moved-scale check subtracted a ``.cpu()`` kernel scale from a CUDA
+    reference one: a device mismatch in every quantized ``_gpu_steps`` test)."""
+    p0, g, p1 = (t.detach().cpu() for t in (p0, g, p1))
+    st0, st1 = ({k: v.detach().cpu() for k, v in st.items()} for st in (st0, st1))
+    gd = g.reshape(-1).to(torch.float64)
     bits = hp["ecc"]
     if bits:
         th0 = reference.join_ref(p0.reshape(-1), st0["c"].reshape(-1), bits)
@@ -218,15 +225,14 @@ def assert_step_matches_reference(
     )
     for k, ref in ref_st.items():
         v = st1[k].reshape(-1)
-        ref = ref.reshape(-1).to(v.device)
+        ref = ref.reshape(-1)
         if k in ("ms", "vs"):
             assert torch.allclose(ref.double(), v.double(), rtol=2e-2), k
         elif k == "c":
             continue  # checked through the master weight below
         elif v.is_floating_point():  # fp32 states (quantize=False)
-            old = st0[k].reshape(-1).double().abs().to(v.device)
-            gv = gd.to(v.device)
-            tol = 2.0**-20 * (ref.double().abs() + old + gv.abs() + gv * gv)
+            old = st0[k].reshape(-1).double().abs()
+            tol = 2.0**-20 * (ref.double().abs() + old + gd.abs() + gd * gd)
             if fuzz:
                 tol = tol + 2.0**-147
             assert ((ref.double() - v.double()).abs() <= tol).all(), k
@@ -234,30 +240,29 @@ def assert_step_matches_reference(
             d = (ref.int() - v.int()).abs()
             # groups whose scale fp32 moved one bf16 step (2**-8 .. 2**-7 relative; an fp32
             # scale's ulp is no step): within 2 (ties 3), not counted
-            sr, sg = ref_st[k + "s"].double(), st1[k + "s"].reshape(-1).double().cpu()
+            sr, sg = ref_st[k + "s"].double(), st1[k + "s"].reshape(-1).double()
             rel = (sr - sg).abs() / sr.clamp(min=2.0**-149)
             moved = (rel > 2.0**-9) & (rel <= 2.0**-7 * (1 + 2.0**-20))
-            same = ~reference.pad_groups(moved.repeat_interleave(reference.GROUP).to(d.device))
+            same = ~reference.pad_groups(moved.repeat_interleave(reference.GROUP))
             same = same[: d.numel()]
             d = torch.where(same, d, (d - 1).clamp(min=0))
             if k == "v":  # a float64 v below fp32's normal range is 0 in fp32: code 0, not 1
                 v64 = _adam_mv(hp, gd, th0, st0)[1]
-                same = same & (v64.to(d.device) >= 2.0**-126)
+                same = same & (v64 >= 2.0**-126)
             assert d.max() <= (2 if ties else 1), (k, int(d.max()))
             assert _few((d > 0) & same, 0.02), k
     lr = float(hp["lr"])
     pn = p1.reshape(-1)
-    ref_pn = ref_p.reshape(-1).to(pn.device)
-    th0 = th0.to(pn.device)
+    ref_pn = ref_p.reshape(-1)
     if bits:
         th = reference.join_ref(pn, st1["c"].reshape(-1), bits)
-        th_ref = reference.join_ref(ref_pn, ref_st["c"].reshape(-1).to(pn.device), bits)
+        th_ref = reference.join_ref(ref_pn, ref_st["c"].reshape(-1), bits)
         q = torch.maximum(reference.ulp_ref(pn), reference.ulp_ref(ref_pn)) / 2.0**bits
         step_q = 2 * q
     else:  # the narrow (or fp32) parameter is the only copy: one rounding step of it
         th, th_ref = pn.double(), ref_pn.double()
         step_q = reference.ulp_ref(pn) if pn.dtype != torch.float32 else 0.0
-    tol = step_q + _update_rounding(kind, hp, step, gd.to(pn.device), th0, th_ref, st0)
+    tol = step_q + _update_rounding(kind, hp, step, gd, th0, th_ref, st0)
     bad = (th - th_ref).abs() > tol
     if ties and kind == reference.LION:
         assert _few(bad, 0.01)
@@ -289,7 +294,7 @@ def _update_rounding(kind, hp, step, g, th0, th1, st0) -> torch.Tensor:
     if kind != reference.ADAM:
         return tol
     b1, b2, eps, wd = hp["b1"], hp["b2"], hp["eps"], hp["wd"]
-    m0 = _decoded(st0, "m", hp).to(th0.device)
+    m0 = _decoded(st0, "m", hp)
     m, v = _adam_mv(hp, g, th0, st0)
     isb = 1 / math.sqrt(1 - b2**step)
     step_size = hp["lr"] / (1 - b1**step)
@@ -303,8 +308,7 @@ def _update_rounding(kind, hp, step, g, th0, th1, st0) -> torch.Tensor:
 
 def _adam_mv(hp, g, th0, st0) -> tuple:
     """This Adam step's float64 m and v (``reference.step_ref``'s) from the stored states."""
-    dev = th0.device
-    m0, v0 = _decoded(st0, "m", hp).to(dev), _decoded(st0, "v", hp).to(dev)
+    m0, v0 = _decoded(st0, "m", hp), _decoded(st0, "v", hp)
     gc = -g if hp.get("maximize") else g
     if not hp["decoupled"]:
         gc = gc + hp["wd"] * th0

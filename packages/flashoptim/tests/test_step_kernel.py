@@ -388,6 +388,17 @@ def _gpu_steps(Opt, kw, sizes, steps=3, dev="cuda", **okw):
         copy_state(b, qb, a, qa)
 
 
+@needs_interp
+@pytest.mark.parametrize("Opt,kw", [OPTS[0], OPTS[3], OPTS[6]], ids=["adamw", "nesterov", "lion"])
+def test_gpu_steps_helper_on_the_interpreter(Opt, kw):
+    """The GPU tests' helper on the CPU (small sizes, a mixed-gradient step): kernel vs CPU
+    path (``assert_ties``), the float64 reference with ``ties=True``, ``copy_state``. The
+    reference check copies its inputs to the CPU, so this is the code the GPU tests run
+    (with CUDA inputs it mixed CUDA and CPU scales: by count the 16 failures of the H200
+    run of 2026-12-02 01:45, whose tracebacks were not captured)."""
+    _gpu_steps(Opt, kw, (4112, 48, CHUNK + 16), dev="cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Opt,kw", OPTS, ids=OPT_IDS)
 def test_gpu_kernel_vs_cpu_path_and_reference(monkeypatch, Opt, kw):
