@@ -16,8 +16,8 @@
 #   bench-<package>.json    benchmark results (schema kernel-bench/1)
 #   env.json                GPU, driver and library versions
 #   summary.md              pass/fail and time per step, then the tables (printed last)
-# Limits in seconds per step (a step past its limit is killed, marked FAILED, and the run
-# goes on): LIMIT_BUILD (300), LIMIT_TESTS (240, each package), LIMIT_BENCH_<pkg> (150),
+# Limits in seconds per step (a step past its limit gets SIGINT, then SIGKILL 20 s later, is
+# marked TIMED OUT, and the run goes on; pytest prints the failures it has so far): LIMIT_BUILD (300), LIMIT_TESTS (240, each package), LIMIT_BENCH_<pkg> (150),
 # with <pkg> the import name. GPU_PYTEST_ARGS: extra pytest args; BENCH_ARGS_<pkg>: extra
 # bench args; GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1 skip a phase; GPU_BENCH_PACKAGES (space
 # separated) limits the benchmarks to those packages.
@@ -36,7 +36,8 @@ step() {  # step NAME LIMIT_S LOGFILE CMD...: run under a time limit, record in 
   local name="$1" limit="$2" file="$3"; shift 3
   local t0=$SECONDS
   say "=== $name (limit ${limit} s): $*"
-  timeout --kill-after=10 "$limit" "$@" >"$file" 2>&1
+  # SIGINT first: pytest then prints its summary (the failures so far) before it stops
+  timeout --signal=INT --kill-after=20 "$limit" "$@" >"$file" 2>&1
   local rc=$?
   local status="ok"; [ $rc -ne 0 ] && status="FAILED (rc=$rc)"
   [ $rc -eq 124 ] && status="TIMED OUT after ${limit} s"
@@ -80,7 +81,7 @@ cat "$out/env.json" >>"$log"
 workers=()
 if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-4}"); fi
 # GPU_PYTEST_ARGS is split on spaces on purpose (several pytest arguments)
-pytest_gpu=(python3 -m pytest -q -m gpu -p no:cacheprovider -c pyproject.toml --rootdir .
+pytest_gpu=(python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -c pyproject.toml --rootdir .
   "${workers[@]}" ${GPU_PYTEST_ARGS:-})
 
 has() { local p; for p in "${packages[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
