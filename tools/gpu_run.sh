@@ -17,8 +17,9 @@
 #   env.json                GPU, driver and library versions
 #   summary.md              pass/fail and time per step, then the tables (printed last)
 # Limits in seconds per step (a step past its limit gets SIGINT, then SIGKILL 20 s later, is
-# marked TIMED OUT, and the run goes on; pytest prints the failures it has so far): LIMIT_BUILD (300), LIMIT_TESTS (240, each package), LIMIT_BENCH_<pkg> (150),
-# with <pkg> the import name. GPU_PYTEST_ARGS: extra pytest args; BENCH_ARGS_<pkg>: extra
+# marked TIMED OUT, and the run goes on; pytest prints the failures it has so far):
+# LIMIT_BUILD (300), LIMIT_TESTS (240, each package), LIMIT_BENCH_<pkg> (150), with <pkg>
+# the import name. GPU_PYTEST_ARGS: extra pytest args; BENCH_ARGS_<pkg>: extra
 # bench args; GPU_SKIP_TESTS=1 / GPU_SKIP_BENCH=1 skip a phase; GPU_BENCH_PACKAGES (space
 # separated) limits the benchmarks to those packages.
 set -uo pipefail
