@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
+
+from hopper_check import _problem  # same folder: run as a script
 
 
 def child(d: int, precision: str, n: int, config: str) -> None:
@@ -24,20 +25,9 @@ def child(d: int, precision: str, n: int, config: str) -> None:
 
     from flashsinkhorn import _softmin_hopper as H
     from flashsinkhorn._softmin_triton import softmin_triton
-    from flashsinkhorn.operands import round_to_tf32
 
-    gen = torch.Generator().manual_seed(0)
-    s = 1.0 / math.sqrt(d)
-    x = (torch.rand(1, n, d, generator=gen) * s).cuda()
-    y = (torch.rand(1, n, d, generator=gen) * s + 0.5 * s).cuda()
-    cx, cy = (x * x).sum(-1), (y * y).sum(-1)
-    xk, yk = (
-        (round_to_tf32(x), round_to_tf32(y))
-        if precision == "tf32"
-        else (x.bfloat16(), y.bfloat16())
-    )
+    xk, yk, cx, cy, logw = _problem(n, d, precision, "cuda")  # hopper_check's clouds
     g = torch.zeros(1, n, device="cuda")
-    logw = torch.full((1, n), -math.log(n), device="cuda")
     cfg = H.default_config(d, xk.dtype)
     if config == "bn128":
         from dataclasses import replace
