@@ -2,6 +2,8 @@
 
     python -m flashoptim_fused.parity --out DIR    # GPU: ~25M params, 3 seeds x 2 optimizers
     python -m flashoptim_fused.parity --optimizers torch_muon,flash_muon --out DIR   # Muon
+    python -m flashoptim_fused.parity --cpu --optimizers torch_muon,flash_muon --out DIR
+                                                    # CPU, ~0.9M params, minutes per run
     python -m flashoptim_fused.parity --smoke --out DIR  # CPU, tiny model, seconds
 
 FlashAdamW (defaults: bf16 weights, 24-bit master, companded 8-bit states) against
@@ -336,17 +338,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashoptim_fused.parity")
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="a small model long enough to compare optimizers on a CPU (minutes per run)",
+    )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     add_optimizers_option(ap, OPTIMIZERS)
     a = ap.parse_args(argv)
     names = parse_optimizers(a.optimizers, OPTIMIZERS)
-    cuda = torch.cuda.is_available() and not a.smoke
+    cuda = torch.cuda.is_available() and not (a.smoke or a.cpu)
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         cfg = dict(d=512, layers=8, heads=8, ctx=256, batch=64, steps=600, lr=1e-3, val_batches=20)
         corpus = load_corpus(24_000_000)
+    elif a.cpu:
+        cfg = dict(d=128, layers=4, heads=4, ctx=64, batch=16, steps=400, lr=3e-3, val_batches=20)
+        corpus = load_corpus(4_000_000)
     else:
         cfg = dict(d=32, layers=1, heads=2, ctx=32, batch=8, steps=30, lr=3e-3, val_batches=2)
         corpus = load_corpus(300_000)
