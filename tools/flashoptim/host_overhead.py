@@ -30,10 +30,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import flashoptim_fused as fo  # noqa: E402
-from flashoptim_fused import _step_kernel  # noqa: E402
+from flashoptim_fused import _prepass_kernel, _step_kernel  # noqa: E402
 from flashoptim_fused.bench import layout_shapes  # noqa: E402
 
-_KERNELS = ["_step_kernel", "_step_kernel_tuned", "_nonfinite_kernel"]
+_KERNELS = [(_step_kernel, "_step_kernel"), (_step_kernel, "_step_kernel_tuned")]
+_KERNELS += [(_prepass_kernel, "_nonfinite_kernel")]
 
 
 _LAUNCHES: list = []  # perf_counter() of every no-op launch
@@ -50,8 +51,8 @@ class _NoLaunch:
 
 def patch_launches() -> None:
     """Every step / pre-pass kernel becomes a no-op launch."""
-    for name in _KERNELS:
-        setattr(_step_kernel, name, _NoLaunch())
+    for module, name in _KERNELS:
+        setattr(module, name, _NoLaunch())
 
 
 def build(layout: str, scenario: str):

@@ -53,8 +53,12 @@ def kernels():
             from flashoptim_fused import _step_kernel as k
         except ImportError:  # before the rename (issue #20)
             from flashoptim import _step_kernel as k
+        try:
+            from flashoptim_fused import _prepass_kernel as pk
+        except ImportError:  # before the pre-pass had its own module (2026-12-02)
+            pk = k
 
-        return k._step_kernel, k._nonfinite_kernel, k.CHUNK, k.PREPASS_SUB, {}
+        return k._step_kernel, pk._nonfinite_kernel, k.CHUNK, pk.PREPASS_SUB, {}
     except ImportError:
         from flashoptim import _core as k  # 1cd3e42 and before
 
@@ -197,12 +201,13 @@ def muon_files(chunk: int) -> dict:
         return {}
     base = dict(QUANT=True, NESTEROV=True, SCALE_F32=False, ECC=8, SR=True, P_DTYPE=1)
     base.update(ALIGNED=True, N16=True, CHECK_SKIP=True, ASM=True, UNIT=chunk, BLOCK=2048)
-    base.update(PF=1, GROUP_SIZE=32, DRAW_HOIST=True, INDEX64=False)
+    base.update(PF=1, GROUP_SIZE=32, DRAW_HOIST=True, INDEX64=False, MAXIMIZE=False)
     files = {}
     for name, over in MUON_MODES:
         consts = dict(base, **over)
         p = P_TYPES[consts["P_DTYPE"]]
         sig = {"units": "*i32", "nunits": "i32", "tab": "*i64", "skip_flag": "*i32", "epoch": "i32"}
+        sig["step_mix"] = "i32"  # both passes since the momentum's stochastic rounding
         if name.startswith("momentum"):
             fn = mk._momentum_kernel
             sig.update(g_base="*bf16", u_base="*bf16", one_m_mu="fp32")
@@ -210,7 +215,7 @@ def muon_files(chunk: int) -> dict:
         else:
             fn = mk._update_kernel
             sig.update(p_base=f"*{p}", c_base="*i8" if consts["ECC"] else f"*{p}")
-            sig.update(o_base="*bf16", lr="fp32", decay_mult="fp32", step_mix="i32")
+            sig.update(o_base="*bf16", lr="fp32", decay_mult="fp32")
         k = compile_fn(fn, sig, consts, 4)
         from sass_count import _regs_spills  # (imports this module)
 

@@ -33,6 +33,7 @@ from _checks import (
 
 import flashoptim_fused as fo
 from flashoptim_fused import _config, _plan, reference
+from flashoptim_fused import _prepass_kernel as PK
 from flashoptim_fused import _step_kernel as K
 
 CHUNK = K.CHUNK
@@ -325,7 +326,7 @@ def _int32_offsets_of_last_chunk(n: int, block: int) -> list:
     for s in range(nt):
         start = base + s * block
         vals += [start, start + block, start + block - 1]
-    sub = K.PREPASS_SUB
+    sub = PK.PREPASS_SUB
     vals += [base + (ch // sub - 1) * sub + sub - 1]  # the pre-pass's last offset
     return vals
 

@@ -17,6 +17,7 @@ import operator
 import torch
 
 from . import _config
+from . import _prepass_kernel as PK
 from . import _step_kernel as K
 from .reference import ADAM, GOLDEN, GROUP, M32
 
@@ -305,9 +306,9 @@ def launch_prepass(ent: dict, flag: torch.Tensor, mark: int) -> None:
     if nb == 0:
         return
     dev = ent["tab"].device
-    nsub = nb * (K.CHUNK // K.PREPASS_SUB)
-    nprog = min(nsub, num_sms(dev) * K.PREPASS_PER_SM) if dev.type == "cuda" else min(nsub, 3)
-    K._nonfinite_kernel[(nprog,)](
+    nsub = nb * (K.CHUNK // PK.PREPASS_SUB)
+    nprog = min(nsub, num_sms(dev) * PK.PREPASS_PER_SM) if dev.type == "cuda" else min(nsub, 3)
+    PK._nonfinite_kernel[(nprog,)](
         ent["work"],
         nb,
         ent["tab"],
@@ -318,8 +319,8 @@ def launch_prepass(ent: dict, flag: torch.Tensor, mark: int) -> None:
         N16=ent["n16"],
         G_DTYPE=P_CODE[ent["bases"][1].dtype],
         UNIT=K.CHUNK,
-        SUB=K.PREPASS_SUB,
-        BLOCK=K.PREPASS_BLOCK,
+        SUB=PK.PREPASS_SUB,
+        BLOCK=PK.PREPASS_BLOCK,
         INDEX64=ent["index64"],
         num_warps=4,
     )
