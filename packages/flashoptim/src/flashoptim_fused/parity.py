@@ -7,7 +7,7 @@
     python -m flashoptim_fused.parity --smoke --out DIR  # CPU, tiny model, seconds
 
 FlashAdamW (defaults: bf16 weights, 24-bit master, companded 8-bit states) against
-torch.optim.AdamW (fp32 weights, bf16 autocast on CUDA, fused), same init, data order and
+torch.optim.AdamW (fp32 weights, bf16 autocast, fused on CUDA), same init, data order and
 schedule per seed; FlashMuon (Muon for the blocks' matrices, AdamW for embeddings, head,
 norms and biases: ``muon.default_use_muon``) against torch.optim.Muon + torch.optim.AdamW
 on the same split, both with Moonlight's ``adjust_lr_fn="match_rms_adamw"`` so the AdamW
@@ -158,11 +158,9 @@ def _optimizer(opt_name, model, cfg, device):
             opt.load_master_weights(masters)
         return opt, [opt], contextlib.nullcontext()
     fused = {"fused": True} if device.type == "cuda" else {}
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else contextlib.nullcontext()
-    )
+    # bf16 autocast on the CPU too: the flash runs compute in bf16 (their weights are
+    # bf16), so an fp32 CPU baseline would credit torch with fp32 activations
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     if opt_name == "torch_muon":
         named = list(model.named_parameters())
         mats = [p for n, p in named if default_use_muon(n, p)]
