@@ -116,7 +116,9 @@ FLASH_VARIANTS = {
     # master starts on a bf16 value and updates under half an ulp stay invisible
     "flash_adamw_bf16_init": {"bf16_init": True},
 }
-OPTIMIZERS = ("torch_adamw", *FLASH_VARIANTS, "torch_muon", "flash_muon")
+# FlashMuon with fp32 states (``quantize=False``: the Muon momentum and the AdamW part's
+# moments): the control that separates the 8-bit states from the bf16 weights and compute
+OPTIMIZERS = ("torch_adamw", *FLASH_VARIANTS, "torch_muon", "flash_muon", "flash_muon_fp32_states")
 # (peer, ours) pairs a verdict compares: summary key "verdict" (AdamW), "verdict_muon"
 PAIRS = {"verdict": ("torch_adamw", "flash_adamw"), "verdict_muon": ("torch_muon", "flash_muon")}
 
@@ -142,11 +144,12 @@ def _optimizer(opt_name, model, cfg, device):
     if opt_name.startswith("flash_"):
         masters = {p: p.detach().clone() for p in model.parameters()}
         model.to(torch.bfloat16)  # in place: the same parameter objects
-        if opt_name == "flash_muon":
+        if opt_name in ("flash_muon", "flash_muon_fp32_states"):
             opt = fo.FlashMuon(
                 model.named_parameters(),
                 adjust_lr_fn="match_rms_adamw",
                 adamw_betas=(0.9, 0.95),
+                quantize=opt_name == "flash_muon",
                 **hp,
             )
             bf16_init = False
@@ -295,6 +298,7 @@ def plot(result, path):
         "torch_adamw": "tab:blue",
         "flash_muon": "tab:orange",
         "torch_muon": "tab:green",
+        "flash_muon_fp32_states": "tab:purple",
     }
     for r in result["runs"]:
         ls = r["losses"]
