@@ -1,8 +1,9 @@
 """torch.compile (``_compile.py``): ``torch.compile(opt.step, fullgraph=True)`` traces the
 step as one custom op (it failed on ``operator.attrgetter``), bit for bit the eager step; a
 compiled function that changes the gradients before stepping passes them to the op; a
-compiled step inside a CUDA graph capture (``mode="reduce-overhead"``) is refused with an
-error that points to the package's own capture (``capturable=True``)."""
+compiled step inside a user's CUDA graph capture is refused with an error that points to the
+package's own capture (``capturable=True``); ``mode="reduce-overhead"`` leaves the step out of
+its CUDA graphs (the op's ``cudagraph_unsafe`` tag) and steps as eager does."""
 
 import pytest
 import torch
@@ -61,8 +62,8 @@ def test_compiled_function_passes_its_gradients():
 
 
 def test_compiled_step_in_a_capture_is_refused(monkeypatch):
-    """The compiled step's op, run while a CUDA graph is being captured (what
-    mode='reduce-overhead' does on its recording call), raises the error naming the
+    """The compiled step's op, run while a CUDA graph is being captured (a
+    torch.cuda.graph of the user's around a compiled step), raises the error naming the
     package's own capture, and the optimizer's step count is untouched."""
     torch._dynamo.reset()
     (a, pa), _ = _twins(fo.FlashAdamW)
@@ -76,19 +77,29 @@ def test_compiled_step_in_a_capture_is_refused(monkeypatch):
     assert all(a.state[p]["step"] == 1 for p in pa)
 
 
+def test_step_op_is_left_out_of_cuda_graphs():
+    """The op is tagged cudagraph_unsafe: Inductor's reduce-overhead mode does not record it."""
+    assert torch.Tag.cudagraph_unsafe in torch.ops.flashoptim_fused.step.default.tags
+
+
 @pytest.mark.gpu
-def test_gpu_reduce_overhead_is_refused():
-    """mode='reduce-overhead' on CUDA (capturable=True, as the removed bench mode had it):
-    the recording call raises the error (the package's own capture is the supported
-    CUDA-graph path; without capturable the same check refuses first)."""
+def test_gpu_reduce_overhead_steps_like_eager():
+    """mode='reduce-overhead' on CUDA (capturable=True, nn.Parameters as in training): the
+    graph holding the step is left out of the CUDA graph trees (the op's cudagraph_unsafe
+    tag), so every step is bit for bit the eager twin's (it raised torch's "tensors in the
+    cudagraph pool not tracked" error on the H200 before the tag)."""
     torch._dynamo.reset()
-    # nn.Parameters (static inputs of the graph, as in training: the bench's case)
-    pa = [torch.nn.Parameter(p.detach().cuda()) for p in small_params(torch.bfloat16)]
-    a = fo.FlashAdamW(pa, lr=1e-2, capturable=True)
-    step = torch.compile(a.step, mode="reduce-overhead", fullgraph=True)
-    for p in pa:
-        p.grad = torch.ones_like(p)
-    with pytest.raises(Exception, match="capture the eager step instead"):  # maybe wrapped
-        for _ in range(4):
-            step()
+    twins = []
+    for _ in range(2):
+        ps = [torch.nn.Parameter(p.detach().cuda()) for p in small_params(torch.bfloat16)]
+        twins.append((fo.FlashAdamW(ps, lr=1e-2, capturable=True), ps))
+    (a, pa), (b, pb) = twins
+    step = torch.compile(b.step, mode="reduce-overhead", fullgraph=True)
+    for s in range(4):
+        for p, q, g in zip(pa, pb, small_grads(pa, s)):
+            p.grad, q.grad = g.cuda().bfloat16(), g.cuda().bfloat16()
+        a.step()
+        step()
+    torch.cuda.synchronize()
+    _same(a, pa, b, pb)
     torch._dynamo.reset()

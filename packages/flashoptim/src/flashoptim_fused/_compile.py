@@ -2,8 +2,12 @@
 declared to mutate the parameters, with a no-op fake impl), so ``torch.compile(opt.step,
 fullgraph=True)`` and compiled training steps trace it without a graph break or tracing our
 host code. At run time the op runs the eager step of the optimizer it names, on the
-gradients the graph passes; ``mode="reduce-overhead"`` then captures it in the CUDA graph
-(needs ``capturable=True``: the step makes no host sync).
+gradients the graph passes. The op carries torch's ``cudagraph_unsafe`` tag: under
+``mode="reduce-overhead"`` Inductor leaves a graph holding it out of its CUDA graph trees
+(whose recording hands a step static copies of its inputs, on which the step's offset
+tables, built on the real ``.grad`` pointers, would be stale), so the step runs eagerly and
+correctly; the CUDA-graph speed of the step comes from the package's own capture
+(``capturable=True`` and ``torch.cuda.graph`` around the eager ``step()``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ def register(opt) -> int:
     return h
 
 
-@torch.library.custom_op("flashoptim_fused::step", mutates_args=("params",))
+@torch.library.custom_op(
+    "flashoptim_fused::step", mutates_args=("params",), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def step_op(
     handle: int, index: list[int], params: list[torch.Tensor], grads: list[torch.Tensor]
 ) -> None:

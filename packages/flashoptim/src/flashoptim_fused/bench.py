@@ -5,8 +5,8 @@
     python -m flashoptim_fused.bench --layout large --providers ours torch-fused --json out.json
 
 Cases (bench ``adamw`` / ``sgd`` / ``lion`` / ``muon``, mode ``step`` eager, ``graph``
-replayed in a CUDA graph (``capturable=True``; torch.compile's mode="reduce-overhead" is
-refused: docs/design/flashoptim.md); ``muon_fused``: FlashMuon's two fused passes alone,
+replayed in a CUDA graph (``capturable=True``; torch.compile's mode="reduce-overhead" runs the step
+outside its graphs: docs/design/flashoptim.md); ``muon_fused``: FlashMuon's two fused passes alone,
 without the Newton-Schulz matmuls), each on a layout (Muon: its 2-D
 tensors): ``large`` (8 x 8192^2 bf16, 537M params), ``small`` (2,050 tensors, 54.6M params),
 ``gpt`` (the parameter list of a 12-layer d=768 GPT). Providers: ``ours``; ``torch-fused``

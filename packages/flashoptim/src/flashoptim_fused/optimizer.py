@@ -26,16 +26,15 @@ _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-# torch.compile(mode="reduce-overhead") records the compiled step in CUDA graph trees, which
-# hand the step static copies of its inputs: the step's offset tables (built on the eager
-# step's .grad pointers) would have to be rebuilt inside the capture (the H200 bench of
-# 2026-12-02 failed so), and a replay would read the copies. Not verified correct on a GPU:
-# refused; the package's own capture (capturable=True + torch.cuda.graph) is the fast path.
+# A compiled step inside a CUDA graph capture: a capture would record the step on whatever
+# tensors the graph hands it (CUDA graph trees pass static copies), where the step's offset
+# tables are built on the real .grad pointers. mode="reduce-overhead" never gets here (the
+# op's cudagraph_unsafe tag, _compile.py); a torch.cuda.graph of the user's around a
+# compiled step does: refused; the package's own capture (capturable=True, eager step).
 REDUCE_OVERHEAD_ERROR = (
-    "flashoptim: a compiled step() is being captured in a CUDA graph (torch.compile"
-    " mode='reduce-overhead', or a capture around a compiled step): not supported (CUDA"
-    " graph trees pass the step copies of its gradients). Compile without"
-    " mode='reduce-overhead' and capture the eager step instead: capturable=True, static"
+    "flashoptim: a compiled step() is being captured in a CUDA graph: not supported (a"
+    " graph's inputs may be copies of the gradients the step's tables point at). Capture"
+    " the eager step instead: capturable=True, static"
     " .grad tensors, one eager step, then torch.cuda.graph around opt.step() (docs/"
     "flashoptim.md, 'Capturable mode and CUDA graphs': 2,050 tensors replay in 0.271 ms"
     " against 1.64 ms eager on an H200)"
