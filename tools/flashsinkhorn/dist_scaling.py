@@ -4,6 +4,9 @@
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     PYTHONPATH=packages/flashsinkhorn/src torchrun --nproc_per_node 2 \\
         tools/flashsinkhorn/dist_scaling.py --out OUT
+    # per-rank peak memory of 2 ranks on a host with one GPU (gloo; times not meaningful):
+    PYTHONPATH=packages/flashsinkhorn/src torchrun --nproc_per_node 2 \\
+        tools/flashsinkhorn/dist_scaling.py --gloo-cuda --sizes 1048576 --out OUT
     # the one-GPU dry run (every case at small sizes, < 2 minutes on one H200):
     PYTHONPATH=packages/flashsinkhorn/src torchrun --nproc_per_node 1 \\
         tools/flashsinkhorn/dist_scaling.py --dry-run --out OUT
@@ -369,6 +372,10 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="every case at small sizes: n = 2^18, 50 flow-matching steps")  # fmt: skip
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU tensors (tiny sizes)")
+    ap.add_argument("--gloo-cuda", action="store_true",
+                    help="gloo on CUDA tensors, ranks sharing the GPUs there are: per-rank "
+                         "peak memory on a host with fewer GPUs than ranks (each process "
+                         "has its own allocator); its times are not scaling numbers")  # fmt: skip
     args = ap.parse_args(argv)
     if args.dry_run:
         args.sizes, args.fm_steps, args.fm_batch = [1 << 18], 50, 1024
@@ -382,9 +389,13 @@ def main(argv=None):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=9))
     else:
-        DEV = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        DEV = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(DEV)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=9))
+        backend = "gloo" if args.gloo_cuda else "nccl"
+        if args.gloo_cuda:  # the package refuses gloo with CUDA tensors (slow: host staging)
+            D._check_device = lambda group, x3: None
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=9))
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     run = Run(args, rank, world, group)
