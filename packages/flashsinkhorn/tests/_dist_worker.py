@@ -206,7 +206,7 @@ def case_sampling_and_pairs(c):
 
 def case_subgroup(c):
     """A group of a subset of the ranks (global ranks are not group ranks) and a group of
-    one rank (the gather exchange, nothing sent)."""
+    one rank (the single-process code: the same bits; a forced exchange still shards)."""
     import flashsinkhorn as fs
 
     members = list(range(1, c.world)) if c.world > 2 else [1]
@@ -215,15 +215,22 @@ def case_subgroup(c):
     x, y, a, b = _problem(30, 22, 3, seed=10)
     ref = fs.solve(x, y, a, b, eps=0.1, tol=1e-9)
     r = fs.solve(x, y, a, b, eps=0.1, tol=1e-9, process_group=groups[c.rank])
-    _close("world-1 f", r.f, ref.f)
-    _close("world-1 value", r.value, ref.value)
+    assert torch.equal(r.f, ref.f) and torch.equal(r.value, ref.value), "world-1: not the same"
+    loss = dict(blur=0.3, scaling=0.7)
+    one = fs.SamplesLoss(process_group=groups[c.rank], **loss)(a, x, b, y)
+    assert torch.equal(one, fs.SamplesLoss(**loss)(a, x, b, y)), "world-1 SamplesLoss"
+    from flashsinkhorn import distributed
+
+    r = distributed.solve(x, y, a, b, eps=0.1, tol=1e-9, process_group=groups[c.rank],
+                          exchange="gather")  # fmt: skip
+    assert isinstance(r._prob, distributed.ShardedProblem)
+    _close("world-1 gather f", r.f, ref.f)
+    _close("world-1 gather value", r.value, ref.value)
     if c.rank in members:
         k, R = members.index(c.rank), len(members)
         nx = [30 // R + (i < 30 % R) for i in range(R)]
         ny = [22 // R + (i < 22 % R) for i in range(R)]
         sl = (slice(sum(nx[:k]), sum(nx[: k + 1])), slice(sum(ny[:k]), sum(ny[: k + 1])))
-        from flashsinkhorn import distributed
-
         r = distributed.solve(x[sl[0]], y[sl[1]], a[sl[0]], b[sl[1]], eps=0.1, tol=1e-9,
                               process_group=sub, exchange="stream", chunk_bytes=200)  # fmt: skip
         _close("subgroup f", r.f, ref.f[sl[0]])

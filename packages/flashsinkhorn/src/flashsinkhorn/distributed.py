@@ -73,6 +73,13 @@ def _check_group(group):
     return group
 
 
+def _alone(group, exchange, chunk_bytes):
+    """A group of one rank runs the single-process code (the same result; on the H200 at
+    n = m = 1M the sharded path's SamplesLoss took 1.36x as long there): unless a test or
+    benchmark forces an exchange."""
+    return dist.get_world_size(group) == 1 and exchange == "auto" and chunk_bytes is None
+
+
 def _comm_device(group):
     """Where this group's collectives take their tensors: the current CUDA device for NCCL."""
     if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
@@ -422,6 +429,12 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
     group = _check_group(process_group)
     if torch.compiler.is_compiling():
         raise NotImplementedError("solve(process_group=...) does not run under torch.compile")
+    if _alone(group, exchange, chunk_bytes):
+        return S.solve(x, y, a, b, eps=eps, rho=rho, cost=cost, cost_scale=cost_scale,
+                       max_iter=max_iter, tol=tol, schedule=schedule, eps_scaling=eps_scaling,
+                       diameter=diameter, check_every=check_every, label_cost=label_cost,
+                       precision=precision, backend=backend, warn=warn,
+                       verbose=verbose)  # fmt: skip
     with _collective_errors(group):
         eps, rx, ry, max_iter, check_every, tol = S._check_args(
             eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
@@ -523,6 +536,11 @@ def sinkhorn_divergence(a, x, b, y, *, process_group, blur, reach, diameter, sca
     if torch.compiler.is_compiling():
         raise NotImplementedError("SamplesLoss(process_group=...) does not run under "
                                   "torch.compile")  # fmt: skip
+    if _alone(group, exchange, chunk_bytes):
+        return L.sinkhorn_divergence(a, x, b, y, blur=blur, reach=reach, diameter=diameter,
+                                     scaling=scaling, debias=debias, potentials=potentials,
+                                     precision=precision, backend=backend, warn_tol=warn_tol,
+                                     info=info)  # fmt: skip
     with _collective_errors(group):
         blur, reach, scaling, diameter = L._check_loss_args(blur, reach, scaling, diameter,
                                                             precision)  # fmt: skip
