@@ -115,8 +115,11 @@ def test_compiled_solve_keeps_the_centre_through_a_polish():
     x, y, a, b = clouds(40, 30, 3, dtype=torch.float32, seed=2)
     x, y = x + 4.0, y + 4.0
 
+    # tol 1e-5: beyond tf32's reach (the polish must run), 4x above this problem's float32
+    # floor (1e-6 stalled at 1.16e-6 on one CPU and passed on another: the floor moves with
+    # the machine's float summation order)
     def run(x, y, a, b):
-        return fs.solve(x, y, a, b, eps=0.05, max_iter=300, tol=1e-6, warn=False,
+        return fs.solve(x, y, a, b, eps=0.05, max_iter=300, tol=1e-5, warn=False,
                         backend="triton")  # fmt: skip
 
     eager = run(x, y, a, b)
