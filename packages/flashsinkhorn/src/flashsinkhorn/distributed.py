@@ -42,7 +42,7 @@ import torch
 from flashsinkhorn import _config
 from flashsinkhorn._inputs import prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, cost_features
-from flashsinkhorn.primitives import check_precision, resolve_backend, softmin
+from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend, softmin
 from flashsinkhorn.reference import LN2
 from flashsinkhorn.result import SinkhornResult
 from flashsinkhorn.sampling import softmax_sample
@@ -458,10 +458,10 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
             raise ValueError("balanced OT needs a.sum() == b.sum() over all ranks; got "
                              f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights "
                              "or pass rho= for unbalanced OT")  # fmt: skip
-    be = resolve_backend(backend, x3.device)
-    if backend == "auto" and x3.dtype == torch.float64:
-        be = "torch"
-    check_precision(precision, be)
+    # as the single-process solve: "auto" stays "auto" (the sm_90 kernel per pass where it
+    # applies); it was resolved to "triton" here, so sharded passes never took it
+    be = problem_backend(backend, x3.device, x3.dtype)
+    check_precision(precision, resolve_backend(backend, x3.device))
     X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
     prob = comm.problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(),
                         cy.detach(), c2, cost, cost_scale, None, precision, be, center)  # fmt: skip
@@ -501,10 +501,8 @@ def problem(x, y, a=None, b=None, *, process_group, cost="sqeuclidean", cost_sca
     with _collective_errors(group):
         x3, y3, a2, b2, _ = prepare_inputs(x, y, a, b)
         _check_device(group, x3)
-        be = resolve_backend(backend, x3.device)
-        if backend == "auto" and x3.dtype == torch.float64:
-            be = "torch"
-        check_precision(precision, be)
+        be = problem_backend(backend, x3.device, x3.dtype)  # as solve
+        check_precision(precision, resolve_backend(backend, x3.device))
     agree = dict(cost=cost, cost_scale=cost_scale, precision=precision, backend=backend,
                  weights=(a is None, b is None), exchange=exchange,
                  chunk_bytes=chunk_bytes)  # fmt: skip
