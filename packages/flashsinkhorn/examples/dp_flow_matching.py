@@ -24,6 +24,7 @@ Sinkhorn divergence between samples generated with 1 and 4 Euler steps and fresh
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -144,6 +145,15 @@ def _spawned(rank, world, port, args, out_path):
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(rows, fh)
+    _shut_down()
+
+
+def _shut_down():
+    """Every rank done (and the DDP modules gone) before the group goes: a gloo rank that
+    tore its group down while the other still talked to it aborted once in CI ("terminate
+    called without an active exception")."""
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -168,7 +178,7 @@ def main(argv=None):
                        steps=args.steps, batch=args.batch, eps=args.eps, seed=args.seed,
                        n_eval=args.n_eval)  # fmt: skip
         rank = dist.get_rank()
-        dist.destroy_process_group()
+        _shut_down()
         if rank != 0:
             return 0
     else:
