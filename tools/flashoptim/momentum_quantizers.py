@@ -23,7 +23,14 @@ import torch.nn.functional as F
 
 from flashoptim_fused import parity
 from flashoptim_fused.muon import default_use_muon
-from flashoptim_fused.reference import NS_COEFFICIENTS, newton_schulz_ref
+from flashoptim_fused.reference import (
+    MOM_SCALE_MIN,
+    NS_COEFFICIENTS,
+    _ceil_scale_ref,
+    dequantize_momentum_ref,
+    newton_schulz_ref,
+    quantize_momentum_ref,
+)
 
 MU = 0.95
 SKIP = 40  # replay steps before the errors are counted (the EMA's start-up)
@@ -58,14 +65,21 @@ def record_gradients(steps=220, keep_from=100):
     return grads
 
 
-def int8_codes(m, group=32, compand="frac", stochastic=True):
-    """Group-scaled int8 codes (scale: the group's absmax rounded up to bf16), decoded."""
-    x = m.reshape(-1, group)
-    s = x.abs().amax(1, keepdim=True)
-    sb = s.bfloat16().float()
-    s = torch.where(sb < s, sb * (1 + 2**-7), sb).clamp(min=1e-30)
-    y = x / s
-    if compand == "frac":  # the package's: 2y / (1 + |y|), decoded c / (2 - |c|)
+def package_codes(m, stochastic=True):
+    """The package's int8 momentum (its float64 reference quantizer and decoder)."""
+    flat = m.reshape(-1)
+    u = torch.rand(flat.shape, dtype=torch.float64) if stochastic else None
+    code, s = quantize_momentum_ref(flat, u=u)
+    return dequantize_momentum_ref(code, s).float().reshape(m.shape)
+
+
+def other_codes(m, group=32, compand="uniform"):
+    """Alternatives to the package's code at the same byte count (stochastic rounding; the
+    scale as the package's: the group's absmax rounded up to bf16)."""
+    x = m.reshape(-1, group).double()
+    s = _ceil_scale_ref(x.abs().amax(1), torch.bfloat16).double().clamp(min=MOM_SCALE_MIN)
+    y = x / s[:, None]
+    if compand == "frac":  # the package's 2y / (1 + |y|), decoded c / (2 - |c|)
         enc, dec = (lambda v: 2 * v / (1 + v.abs())), (lambda c: c / (2 - c.abs()))
     elif compand == "uniform":
         enc, dec = (lambda v: v), (lambda c: c)
@@ -73,8 +87,8 @@ def int8_codes(m, group=32, compand="frac", stochastic=True):
         p = float(compand)
         enc, dec = (lambda v: v.sign() * v.abs() ** p), (lambda c: c.sign() * c.abs() ** (1 / p))
     t = enc(y) * 127
-    code = (torch.floor(t + torch.rand_like(t)) if stochastic else torch.round(t)).clamp(-127, 127)
-    return (dec(code / 127) * s).reshape(m.shape)
+    code = torch.floor(t + torch.rand_like(t)).clamp(-127, 127)
+    return (dec(code / 127) * s[:, None]).float().reshape(m.shape)
 
 
 def bf16_value(m, stochastic=True):
@@ -85,11 +99,11 @@ def bf16_value(m, stochastic=True):
 
 
 STORAGES = {
-    "int8, 2x/(1+|x|), scale per 32, stochastic (ours)": int8_codes,
-    "the same, rounded to nearest": lambda m: int8_codes(m, stochastic=False),
-    "int8 uniform, stochastic": lambda m: int8_codes(m, compand="uniform"),
-    "int8 |x|^0.7, stochastic": lambda m: int8_codes(m, compand="0.7"),
-    "ours with a scale per 16": lambda m: int8_codes(m, group=16),
+    "int8, 2x/(1+|x|), scale per 32, stochastic (ours)": package_codes,
+    "the same, rounded to nearest": lambda m: package_codes(m, stochastic=False),
+    "int8 uniform, stochastic": lambda m: other_codes(m, compand="uniform"),
+    "int8 |x|^0.7, stochastic": lambda m: other_codes(m, compand="0.7"),
+    "ours with a scale per 16": lambda m: other_codes(m, group=16, compand="frac"),
     "bf16, stochastic": bf16_value,
     "bf16, nearest": lambda m: bf16_value(m, stochastic=False),
 }
