@@ -29,6 +29,7 @@ import torch
 
 from . import _muon_kernel
 from ._cpu import muon_momentum_cpu, muon_update_cpu
+from ._gram_kernel import gram
 from ._plan import build_table, global_index_base, local
 from .optimizer import FlashOptimizer
 from .reference import GOLDEN, M32, NS_COEFFICIENTS
@@ -81,28 +82,49 @@ def _addmm(inp, m1, m2, beta, alpha, out=None):
     return torch.baddbmm(inp, m1, m2, beta=beta, alpha=alpha, out=out)
 
 
+def gram_torch(y, alpha=1.0, z=None, beta=0.0):
+    """``alpha y y^T + beta z`` by torch's matmuls, as torch.optim.Muon computes both Gram
+    products (``X @ X.mT``; with ``z``, ``y`` is the symmetric ``A`` and the product is
+    ``addmm(A, A, A)``: bitwise its operations)."""
+    if z is None:
+        return y @ y.mT if alpha == 1.0 else alpha * (y @ y.mT)
+    return _addmm(z, y, y, beta=beta, alpha=alpha)
+
+
+def default_gram(x: torch.Tensor):
+    """The Gram product ``newton_schulz`` uses for ``x``: the symmetric Triton kernel on CUDA
+    (half the tiles of a matmul), torch's matmuls elsewhere."""
+    return gram if x.is_cuda else gram_torch
+
+
 def newton_schulz(
     x: torch.Tensor,
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     steps: int = 5,
     eps: float = 1e-7,
     out: torch.Tensor | None = None,
+    gram_fn=None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Muon's orthogonalisation of ``x`` (A, B) or a batch (k, A, B), bf16: the operations of
     ``torch.optim.Muon`` (wide orientation, ``X / max(||X||_F, eps)``, then ``steps`` times
-    ``S = X X^T``, ``X = a X + (b S + c S S) X`` by addmm / baddbmm in bf16), batched.
-    ``out`` (``x`` itself allowed): where the result goes. float64 reference:
-    ``reference.newton_schulz_ref``."""
+    ``S = X X^T``, ``X = a X + (b S + c S S) X``), batched. The two Gram products ``S`` and
+    ``b S + c S S`` (both symmetric) come from ``gram_fn(y, alpha, z, beta)`` (default
+    ``default_gram(x)``: the symmetric kernel on CUDA, torch's matmuls elsewhere, bitwise
+    torch.optim.Muon's there), ``a X + (.) X`` from torch's addmm / baddbmm. ``out`` (``x``
+    itself allowed): where the result goes. ``dtype``: of the iteration (torch's bf16; fp32
+    for a closer orthogonalisation). float64 reference: ``reference.newton_schulz_ref``."""
+    gram_fn = default_gram(x) if gram_fn is None else gram_fn
     a, b, c = coefficients
     tall = x.shape[-2] > x.shape[-1]
     X = x.mT if tall else x
     dst = None if out is None else (out.mT if tall else out)
-    X = X.bfloat16()
+    X = X.to(dtype)
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
     direct = dst is not None and (dst.is_contiguous() or dst.mT.is_contiguous())
     for i in range(steps):
-        s = X @ X.mT
-        s2 = _addmm(s, s, s, beta=b, alpha=c)
+        s = gram_fn(X)
+        s2 = gram_fn(s, c, s, b)
         last = i == steps - 1 and direct
         X = _addmm(X, s2, X, beta=a, alpha=1.0, out=dst if last else None)
     if dst is None:
