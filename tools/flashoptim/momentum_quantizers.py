@@ -58,17 +58,28 @@ SCHEMES = {
     "linear_2048_bf16_nearest": (2048, "bf16", "linear", "nearest", "ema"),
     "softsign_32_fp32_nearest": (32, "fp32", "softsign", "nearest", "ema"),
     "softsign_256_fp32_nearest": (256, "fp32", "softsign", "nearest", "ema"),
+    # 2 bytes, above the 6.1 B/param budget: how close a finer storage gets (calibration)
+    "bf16_nearest": (1, "none", "bf16", "nearest", "ema"),
+    "bf16_stochastic": (1, "none", "bf16", "stochastic", "ema"),
 }
 
 
 def scheme_bytes(name: str) -> float:
-    block, scale = SCHEMES[name][:2]
+    block, scale, code = SCHEMES[name][:3]
+    if code == "bf16":
+        return 2.0
     return 1 + (4 if scale == "fp32" else 2) / block
 
 
 def fake_quantize(m: torch.Tensor, scheme: tuple, gen: torch.Generator | None = None):
     """``m`` stored with ``scheme`` and read back (float64 arithmetic, ``m``'s dtype out)."""
     block, scale, code, rounding, form = scheme
+    if code == "bf16":
+        if rounding == "nearest":
+            return m.bfloat16().to(m.dtype)
+        bits = m.float().view(torch.int32)
+        noise = torch.randint(0, 1 << 16, m.shape, generator=gen, dtype=torch.int32)
+        return ((bits + noise) & ~0xFFFF).view(torch.float32).to(m.dtype)
     x = m.reshape(-1).double()
     if form == "sum":  # the paper's m = mu m + g: the same values 1 / (1 - mu) larger
         x = x / (1 - MU)

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from . import _muon_kernel
+from . import _muon_kernel, _muon_shard
 from ._cpu import muon_momentum_cpu, muon_update_cpu
 from ._gram_kernel import gram
 from ._plan import build_table, global_index_base, local
@@ -142,10 +142,9 @@ def _logical(u: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
 
 def _orthogonalize_one(p, u: torch.Tensor, coefficients, steps: int, eps: float) -> None:
     """One matrix on its own: a parameter stored in another memory order (a transpose,
-    channels_last), or a DTensor (FSDP2). A DTensor's ``u`` (its local rows) is all-gathered,
-    the full matrix orthogonalised on every rank and this rank's part of ``O`` written back:
-    per matrix of A x B elements each rank receives (world - 1) / world * 2 A B bytes,
-    nothing else moves."""
+    channels_last), or a DTensor of a placement other than row shards (``_muon_shard``
+    takes those): its ``u`` (the local part) is all-gathered, the full matrix orthogonalised
+    on every rank and this rank's part of ``O`` written back."""
     lp = local(p)
     x = _logical(u, lp)
     if hasattr(p, "_local_tensor"):
@@ -224,6 +223,8 @@ class FlashMuon(FlashOptimizer):
             adamw_weight_decay=adamw_weight_decay,
         )
         super().__init__(params, defaults, **kw)
+        # waves of a step that hold DTensor matrices: finished by _orthogonalize_sharded
+        self._pending: list = []
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict) -> None:
@@ -379,16 +380,28 @@ class FlashMuon(FlashOptimizer):
                 ib = global_index_base(p)
                 muon_momentum_cpu(local(p.grad), sv, hp, u, step, st["seed"], ib)
         coeffs, steps, eps = group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
+        sharded = []
         for run in b["runs"]:
             i, k, (rows, cols) = run["i"], run["k"], run["shape"]
-            if run["alone"]:
+            if run["alone"] and hasattr(ps[i], "_local_tensor"):
+                sharded.append(i)  # after every wave of the group: _orthogonalize_sharded
+            elif run["alone"]:
                 _orthogonalize_one(ps[i], views[i], coeffs, steps, eps)
-                continue
-            if k == 1:
-                x = views[i].view(rows, cols)
             else:
-                x = ws.as_strided((k, rows, cols), (run["stride"], cols, 1), b["offs"][i])
-            newton_schulz(x, coeffs, steps, eps, out=x)
+                if k == 1:
+                    x = views[i].view(rows, cols)
+                else:
+                    x = ws.as_strided((k, rows, cols), (run["stride"], cols, 1), b["offs"][i])
+                newton_schulz(x, coeffs, steps, eps, out=x)
+        pass2 = (b, ws, views, hp, step, mix, skip)
+        if sharded:
+            self._pending.append((group, pass2, [(ps[i], views[i]) for i in sharded]))
+        else:
+            self._update(*pass2)
+
+    def _update(self, b, ws, views, hp, step, mix, skip) -> None:
+        """Pass 2 of a wave: the weights from ``O`` in the workspace ``ws``."""
+        ps, ent = b["ps"], b["ent"]
         if ent is not None:
             _muon_kernel.launch_update(ent, ws, hp, mix, skip, self._epoch)
             return
@@ -397,6 +410,32 @@ class FlashMuon(FlashOptimizer):
             c = st.get("correction")
             idx = global_index_base(p)
             muon_update_cpu(local(p), c, o, hp, r, step, st["seed"], idx)
+
+    def _commit(self, prep, skip: dict | None = None) -> None:
+        super()._commit(prep, skip)
+        self._orthogonalize_sharded()
+
+    def _orthogonalize_sharded(self) -> None:
+        """The DTensor matrices of a group's step, after pass 1 of every wave: each ranks'
+        buckets and waves differ (a bucket's key holds the local numel), so the collectives
+        run here, once per step, over all of them in the group's parameter order (the same on
+        every rank): row shards through ``_muon_shard`` (each matrix orthogonalised once, on
+        its owner rank), any other placement gathered whole on every rank; then pass 2 of
+        those waves. Their workspaces live until then: 2 bytes per local element."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        group = pending[0][0]
+        coeffs, steps, eps = group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
+        items = sorted(
+            ((p, _logical(u, local(p))) for _, _, its in pending for p, u in its),
+            key=lambda it: self._pindex[id(it[0])],
+        )
+        rest = _muon_shard.orthogonalize(items, lambda u: newton_schulz(u, coeffs, steps, eps))
+        for p, x in rest:  # (x has p's local shape: _logical keeps it)
+            _orthogonalize_one(p, x, coeffs, steps, eps)
+        for _, pass2, _ in pending:
+            self._update(*pass2)
 
 
 def _validate(group: dict, d: dict) -> None:
