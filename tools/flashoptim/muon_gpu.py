@@ -9,10 +9,11 @@ this order; each under its own time limit; JSON and a short table under OUT):
 Stages (default ``tests,ns,step,parity``; about 7 minutes on an H100):
 
 * ``tests`` (~1.5 min): the @gpu tests of test_gram_kernel.py and test_muon.py.
-* ``ns`` (~1 min): Newton-Schulz at 8 x 8192^2 and 24 x 4096^2 bf16 with three Gram
+* ``ns`` (~1.5 min): Newton-Schulz at 8 x 8192^2 and 24 x 4096^2 bf16 with four Gram
   products: ``torch`` (torch.optim.Muon's matmuls), ``triton`` (the package's symmetric
-  kernel, the default on CUDA), ``blocks`` (cuBLAS on the upper block rows, mirrored by a
-  copy: the contender a kernel must beat); each one's whole iteration and its two Gram
+  kernel through TMA descriptors, the default on CUDA), ``triton_ptr`` (the same tiles by
+  pointers, cp.async), ``blocks`` (cuBLAS on the upper block rows, mirrored by a copy: the
+  contender a kernel must beat); each one's whole iteration and its two Gram
   products alone; the orthogonality error of each against the float64 polar factor (SVD) on
   a Gaussian 4096^2, a low-rank-plus-noise 4096^2 and an ill-conditioned 2048^2 matrix.
 * ``step`` (~1 min): one optimizer step at the same two layouts: FlashMuon (default), FlashMuon
@@ -40,7 +41,7 @@ import torch
 import flashoptim_fused as fo
 from flashoptim_fused import _gram_kernel, muon
 from flashoptim_fused import _harness as H
-from flashoptim_fused._gram_kernel import gram
+from flashoptim_fused._gram_kernel import gram, gram_ptr
 from flashoptim_fused.muon import gram_torch, newton_schulz
 from flashoptim_fused.parity import PAIRS, summarize
 from flashoptim_fused.reference import NS_COEFFICIENTS
@@ -74,7 +75,7 @@ def gram_blocks(y, alpha=1.0, z=None, beta=0.0, blocks=4):
     return out if y.ndim == 3 else out[0]
 
 
-GRAMS = {"torch": gram_torch, "triton": gram, "blocks": gram_blocks}
+GRAMS = {"torch": gram_torch, "triton": gram, "triton_ptr": gram_ptr, "blocks": gram_blocks}
 
 
 def _polar(x):
@@ -141,7 +142,12 @@ def stage_ns(out: dict, dev) -> list[str]:
                 f" {r['xxt_ms']:.2f} | {r['bA_cAA_ms']:.2f} | {r['aX_BX_ms']:.2f} |"
             )
             print(rows[-1], flush=True)
-    res["triton_best_config"] = str(getattr(_gram_kernel._gram_kernel_tuned, "best_config", None))
+    res["triton_best_config"] = str(
+        getattr(_gram_kernel._gram_tma_kernel_tuned, "best_config", None)
+    )
+    res["triton_ptr_best_config"] = str(
+        getattr(_gram_kernel._gram_kernel_tuned, "best_config", None)
+    )
     err_rows = []
     for mname, mat in _test_matrices(dev).items():
         polar = _polar(mat)

@@ -10,7 +10,7 @@ import torch
 from _checks import needs_interp
 
 from flashoptim_fused import _gram_kernel
-from flashoptim_fused._gram_kernel import gram, gram_ref
+from flashoptim_fused._gram_kernel import gram, gram_ptr, gram_ref
 from flashoptim_fused.muon import gram_torch, newton_schulz
 from flashoptim_fused.reference import newton_schulz_ref
 
@@ -30,16 +30,42 @@ def _check(c, ref, k):
     assert (c.double() - ref).abs().max().item() <= tol
 
 
+def _aligned(m, k, g, batch=()):
+    """A random (..., m, k) fp32 view whose row stride is a multiple of 4 elements (16
+    bytes): the operands the TMA kernel takes."""
+    ld = -(-k // 4) * 4
+    base = torch.randn(*batch, m, ld, generator=g)
+    return base[..., :k]
+
+
 @needs_interp
 @pytest.mark.parametrize("tiling,group", TILINGS)
 @pytest.mark.parametrize("m,k", [(1, 3), (5, 1), (16, 40), (33, 7), (70, 19)])
-def test_gram_matches_float64(monkeypatch, tiling, group, m, k):
+def test_gram_ptr_matches_float64(monkeypatch, tiling, group, m, k):
     monkeypatch.setattr(_gram_kernel, "INTERP_CONFIG", tiling)
     monkeypatch.setattr(_gram_kernel, "GROUP", group)
     g = torch.Generator().manual_seed(m * 100 + k)
     y = torch.randn(m, k, generator=g)
-    c = gram(y, out=_nan_out((m, m)))
+    c = gram_ptr(y, out=_nan_out((m, m)))
     _check(c, gram_ref(y), k)
+
+
+@needs_interp
+@pytest.mark.parametrize("bm,group", [(16, 8), (32, 1)])
+@pytest.mark.parametrize("m,k", [(4, 3), (16, 40), (36, 7), (68, 19)])
+def test_gram_tma_matches_float64(monkeypatch, bm, group, m, k):
+    """The TMA kernel (what ``gram`` takes for aligned operands): every element written,
+    off-diagonal tiles mirrored, the tiles past the matrix clipped."""
+    monkeypatch.setattr(_gram_kernel, "TMA_INTERP_CONFIG", (bm, 16, 4, 1))
+    monkeypatch.setattr(_gram_kernel, "GROUP", group)
+    g = torch.Generator().manual_seed(m * 100 + k)
+    y = _aligned(m, k, g, batch=(2,))
+    out = _nan_out((2, m, m))
+    assert _gram_kernel._tma_ready(y, out)
+    c = gram(y, out=out)
+    _check(c, gram_ref(y), k)
+    zc = gram(c, 0.25, c, -1.5, out=_nan_out((2, m, m)))
+    _check(zc, gram_ref(c, 0.25, c, -1.5), m)
 
 
 @needs_interp
@@ -48,7 +74,8 @@ def test_gram_batched_strided_and_beta_z():
     second product of an iteration: ``c A A + b A`` with ``A`` symmetric."""
     g = torch.Generator().manual_seed(4)
     base = torch.randn(3, 45, 20, generator=g)
-    y = base.mT  # (3, 20, 45), strides (900, 1, 20)
+    y = base.mT  # (3, 20, 45), strides (900, 1, 20): not for TMA
+    assert not _gram_kernel._tma_ready(y)
     a = gram(y, out=_nan_out((3, 20, 20)))
     _check(a, gram_ref(y), 45)
     b = gram(a, -4.775, a, 3.4445, out=_nan_out((3, 20, 20)))
@@ -97,6 +124,8 @@ def test_newton_schulz_through_the_kernel(kind):
     converge: singular values end in about [0.7, 1.2], and tiny ones stay small)."""
     x = _matrices()[kind]
     got = newton_schulz(x, gram_fn=gram, dtype=torch.float32).double()
+    by_ptr = newton_schulz(x, gram_fn=gram_ptr, dtype=torch.float32).double()
+    assert (got - by_ptr).abs().max().item() <= 1e-5
     ref = newton_schulz_ref(x)
     assert (got - ref).abs().max().item() <= 1e-4
     torch_way = newton_schulz(x, gram_fn=gram_torch, dtype=torch.float32).double()
@@ -120,8 +149,8 @@ def test_newton_schulz_through_the_kernel(kind):
 @pytest.mark.parametrize("shape", [(512, 1536), (1, 640, 640), (3, 1000, 777), (129, 4097)])
 def test_gpu_gram_bf16_against_torch(shape):
     """bf16 operands, fp32 accumulation: the error to float64 at most ~2x that of torch's
-    bf16 matmul (both round the result once to bf16), both products of an iteration;
-    autotuned (every config the tuner times runs on these shapes)."""
+    bf16 matmul (both round the result once to bf16), both products of an iteration, both
+    kernels; autotuned (every config the tuner times runs on these shapes)."""
     g = torch.Generator().manual_seed(1)
     y = torch.randn(shape, generator=g).cuda().bfloat16()
     for z_term in (False, True):
@@ -130,13 +159,14 @@ def test_gpu_gram_bf16_against_torch(shape):
             args = (-4.775, y, 2.0315)
         else:
             args = ()
-        c = gram(y, *args)
         t = gram_torch(y, *args)
         ref = gram_ref(y, *args)
-        assert torch.equal(c, c.mT)
-        e_ours = (c.double() - ref).abs().max().item()
         e_torch = (t.double() - ref).abs().max().item()
-        assert e_ours <= 2 * e_torch + 1e-6, (e_ours, e_torch)
+        for fn in (gram, gram_ptr):
+            c = fn(y, *args)
+            assert torch.equal(c, c.mT) or fn is gram
+            e_ours = (c.double() - ref).abs().max().item()
+            assert e_ours <= 2 * e_torch + 1e-6, (fn.__name__, e_ours, e_torch)
 
 
 @pytest.mark.gpu
@@ -147,8 +177,8 @@ def test_gpu_newton_schulz_orthogonality_no_worse_than_torch(kind):
     rounding of the iterates differs; neither is systematically closer)."""
     x = _matrices()[kind].cuda()
     big = torch.randn(2, 1024, 3072, device="cuda")
-    for inp in (x, big):
-        ours = newton_schulz(inp, gram_fn=gram).double()
+    for inp, fn in ((x, gram), (big, gram), (x, gram_ptr), (big, gram_ptr)):
+        ours = newton_schulz(inp, gram_fn=fn).double()
         theirs = newton_schulz(inp, gram_fn=gram_torch).double()
         polar = torch.stack([_polar(m) for m in inp.reshape(-1, *inp.shape[-2:])]).view_as(ours)
         e_ours = ((ours - polar).norm() / polar.norm()).item()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _config
 
@@ -130,6 +131,43 @@ def _gram_kernel(
     tl.store(cb + rn[:, None] * sc_m + rm[None, :] * sc_n, tl.trans(out), mask=inside_t & strict_t)
 
 
+@triton.jit
+def _gram_tma_kernel(
+    y_desc,
+    z_desc,
+    c_desc,
+    M,
+    K,
+    alpha,
+    beta,
+    HAS_Z: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """The same product through TMA descriptors of (k, M, K) / (k, M, M) (rows and columns
+    past the matrix read as zeros and are not stored), square tiles only: an off-diagonal
+    tile is stored whole twice (itself and its transpose), a diagonal one once, whole."""
+    ti, tj = _tile_of(tl.program_id(0), M, BM, BM, GROUP)
+    b = tl.program_id(1)
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = y_desc.load([b, ti * BM, k * BK]).reshape(BM, BK)
+        bt = y_desc.load([b, tj * BM, k * BK]).reshape(BM, BK)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(bt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(bt), acc)
+    acc = acc * alpha
+    if HAS_Z:
+        acc += beta * z_desc.load([b, ti * BM, tj * BM]).reshape(BM, BM).to(tl.float32)
+    out = acc.to(c_desc.dtype)
+    c_desc.store([b, ti * BM, tj * BM], out.reshape(1, BM, BM))
+    if ti != tj:
+        c_desc.store([b, tj * BM, ti * BM], tl.trans(out).reshape(1, BM, BM))
+
+
 # (BM, BN, BK, num_warps, num_stages): square and 2:1 tiles for sm_90 wgmma; the tuner picks
 # per (M, K) on the first launch. GROUP 8: a band of 8 tile rows
 CONFIGS = [
@@ -168,10 +206,70 @@ _gram_kernel_tuned = triton.autotune(
 )(triton.heuristics(dict(EVEN_K=lambda a: a["K"] % a["BK"] == 0))(_gram_kernel))
 
 
+# the TMA kernel's (BM, BK, num_warps, num_stages), square tiles
+TMA_CONFIGS = [(128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4)]
+TMA_INTERP_CONFIG = (16, 16, 4, 1)
+
+
+def _tma_blocks(nargs) -> None:
+    """The descriptors' block shapes for the config being launched (autotuning's pre-hook)."""
+    bm, bk = nargs["BM"], nargs["BK"]
+    nargs["y_desc"].block_shape = [1, bm, bk]
+    nargs["z_desc"].block_shape = [1, bm, bm]
+    nargs["c_desc"].block_shape = [1, bm, bm]
+
+
+def _prune_tma(configs, named_args, **kwargs) -> list:
+    if named_args["M"] >= 2048:
+        return configs
+    return configs[:2]
+
+
+_gram_tma_kernel_tuned = triton.autotune(
+    configs=[
+        triton.Config(dict(BM=bm, BK=bk), num_warps=w, num_stages=st, pre_hook=_tma_blocks)
+        for bm, bk, w, st in TMA_CONFIGS
+    ],
+    key=["M", "K", "HAS_Z", "IEEE"],
+    prune_configs_by=dict(early_config_prune=_prune_tma),
+)(_gram_tma_kernel)
+
+
 def _tiles(m: int, bm: int, bn: int) -> int:
     """Tiles of BM x BN touching the upper triangle of an m x m matrix."""
     tn = -(-m // bn)
     return sum(tn - (i * bm) // bn for i in range(-(-m // bm)))
+
+
+def _check(y, z, out):
+    """The (k, M, K) / (k, M, M) views of ``y``, ``z`` (``out`` where None) and ``out``
+    (allocated where None), after the checks of ``gram``."""
+    if y.ndim not in (2, 3):
+        raise ValueError(f"y must be (M, K) or (k, M, K); got shape {tuple(y.shape)}")
+    if y.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"y must be bf16, fp16 or fp32; got {y.dtype}")
+    m = y.shape[-2]
+    want = (*y.shape[:-2], m, m)
+    if z is not None and tuple(z.shape) != want:
+        raise ValueError(f"z must have shape {want}; got {tuple(z.shape)}")
+    if out is None:
+        out = torch.empty(want, dtype=y.dtype, device=y.device)
+    elif tuple(out.shape) != want or out.dtype != y.dtype:
+        raise ValueError(f"out must be {want} of {y.dtype}; got {tuple(out.shape)} {out.dtype}")
+    y3 = y if y.ndim == 3 else y.unsqueeze(0)
+    c3 = out if out.ndim == 3 else out.unsqueeze(0)
+    z3 = c3 if z is None else (z if z.ndim == 3 else z.unsqueeze(0))
+    return y3, z3, c3, out
+
+
+def _tma_ready(*ts) -> bool:
+    """TMA descriptors need a unit last stride, 16-byte aligned other strides and base."""
+    return all(
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+        for t in ts
+    )
 
 
 def gram(
@@ -184,25 +282,24 @@ def gram(
     """``alpha y y^T + beta z`` for ``y`` (M, K) or (k, M, K) (any strides) and a symmetric
     ``z`` of the result's shape (None: ``beta`` unused), in ``y``'s dtype (bf16 on the GPU:
     fp32 accumulation; fp32 operands multiply in IEEE fp32). ``out``: where the result goes
-    (the result's shape and dtype; not ``y`` or ``z``)."""
-    if y.ndim not in (2, 3):
-        raise ValueError(f"y must be (M, K) or (k, M, K); got shape {tuple(y.shape)}")
-    if y.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"y must be bf16, fp16 or fp32; got {y.dtype}")
-    y3 = y if y.ndim == 3 else y.unsqueeze(0)
+    (the result's shape and dtype; not ``y`` or ``z``). Through TMA descriptors where the
+    operands allow them (``gram_tma``), else by pointers (``gram_ptr``)."""
+    y3, z3, c3, out = _check(y, z, out)
+    if _tma_ready(y3, z3, c3):
+        return _launch_tma(y3, z3, c3, out, alpha, z is not None, beta)
+    return _launch_ptr(y3, z3, c3, out, alpha, z is not None, beta)
+
+
+def gram_ptr(y, alpha=1.0, z=None, beta=0.0, out=None) -> torch.Tensor:
+    """``gram`` by the pointer kernel whatever the operands (square and 2:1 tiles)."""
+    y3, z3, c3, out = _check(y, z, out)
+    return _launch_ptr(y3, z3, c3, out, alpha, z is not None, beta)
+
+
+def _launch_ptr(y3, z3, c3, out, alpha, has_z: bool, beta) -> torch.Tensor:
     k, m, kk = y3.shape
-    if z is not None and tuple(z.shape) != (*y.shape[:-2], m, m):
-        raise ValueError(f"z must have shape {(*y.shape[:-2], m, m)}; got {tuple(z.shape)}")
-    if out is None:
-        out = torch.empty((*y.shape[:-2], m, m), dtype=y.dtype, device=y.device)
-    elif tuple(out.shape) != (*y.shape[:-2], m, m) or out.dtype != y.dtype:
-        raise ValueError(
-            f"out must be {(*y.shape[:-2], m, m)} of {y.dtype}; got {tuple(out.shape)} {out.dtype}"
-        )
     if k == 0 or m == 0:
         return out
-    c3 = out if out.ndim == 3 else out.unsqueeze(0)
-    z3 = c3 if z is None else (z if z.ndim == 3 else z.unsqueeze(0))
     args = (
         y3,
         z3,
@@ -215,8 +312,8 @@ def gram(
         float(alpha),
         float(beta),
     )
-    flags = dict(HAS_Z=z is not None, IEEE=y.dtype == torch.float32, GROUP=GROUP)
-    if _config.autotune(y.device):
+    flags = dict(HAS_Z=has_z, IEEE=y3.dtype == torch.float32, GROUP=GROUP)
+    if _config.autotune(y3.device):
 
         def grid(meta):
             return (_tiles(m, meta["BM"], meta["BN"]), k)
@@ -233,5 +330,26 @@ def gram(
         num_warps=warps,
         num_stages=stages,
         **flags,
+    )
+    return out
+
+
+def _launch_tma(y3, z3, c3, out, alpha, has_z: bool, beta) -> torch.Tensor:
+    k, m, kk = y3.shape
+    if k == 0 or m == 0:
+        return out
+    tuned = _config.autotune(y3.device)
+    bm, bk, warps, stages = TMA_INTERP_CONFIG if _config.interpret() else TMA_CONFIGS[0]
+    descs = [
+        TensorDescriptor.from_tensor(t, block_shape=shape)
+        for t, shape in ((y3, [1, bm, bk]), (z3, [1, bm, bm]), (c3, [1, bm, bm]))
+    ]
+    args = (*descs, m, kk, float(alpha), float(beta))
+    flags = dict(HAS_Z=has_z, IEEE=y3.dtype == torch.float32, GROUP=GROUP)
+    if tuned:
+        _gram_tma_kernel_tuned[lambda meta: (_tiles(m, meta["BM"], meta["BM"]), k)](*args, **flags)
+        return out
+    _gram_tma_kernel[(_tiles(m, bm, bm), k)](
+        *args, BM=bm, BK=bk, num_warps=warps, num_stages=stages, **flags
     )
     return out
