@@ -3,7 +3,7 @@
 
     PYTHONPATH=packages/flashoptim/src python tools/flashoptim/momentum_quantizers.py replay
     PYTHONPATH=packages/flashoptim/src python tools/flashoptim/momentum_quantizers.py parity \\
-        --schemes paper,ours --seeds 3 --out DIR
+        --schemes torch_muon,q_paper,q_ours --seeds 3 --out DIR
 
 ``replay``: trains the CPU parity GPT (``flashoptim_fused.parity``'s ``cpu`` model) with
 torch.optim.Muon for 220 steps and keeps the bf16 gradients of four matrices over steps
@@ -12,10 +12,12 @@ prints the error against the fp32 momentum over the last 80 steps: of the moment
 Newton-Schulz output per step (float64 Newton-Schulz, the kernels' quintic), and of that
 output summed over the 80 steps (what moves the weights).
 
-``parity``: the CPU parity run (0.87M GPT, 400 steps, ``parity.run``) per scheme and seed:
-FlashMuon with an fp32 Muon momentum that is quantized and decoded after every step (the
-stored value the next step reads: exactly what an 8-bit state holds), the AdamW part at the
-package's defaults; against torch.optim.Muon + AdamW. Writes ``DIR/schemes.json``.
+``parity``: the CPU parity run (0.87M GPT, 400 steps, ``parity.run``) per run and seed:
+``torch_muon`` (torch.optim.Muon + AdamW), ``q_<scheme>`` (the same, its momentum buffer
+quantized and decoded after every step: the stored value the next step reads, exactly what
+an 8-bit state holds; the storage alone), ``flash_<scheme>`` (FlashMuon with the scheme on
+its fp32 Muon momentum, the AdamW part at the package's defaults; ``flash_fp32``: none).
+Paired by seed (same init and data). Writes ``DIR/schemes.json``.
 
 A scheme is ``block``, ``scale`` (``bf16``: the absmax rounded up to bf16, as the package's;
 ``fp32``), ``code`` (``linear``: ``127 x / s``; ``softsign``: the package's ``127 2y / (1 +
@@ -199,40 +201,43 @@ def main_replay(a) -> None:
 
 
 class _FakeQuantized:
-    """FlashMuon with an fp32 Muon momentum that is stored through ``scheme`` after each
-    step (the AdamW group keeps the package's 8-bit states)."""
+    """An optimizer whose Muon momentum buffers (``bufs``: fp32 tensors) are stored through
+    ``scheme`` after each step: the next step reads what an 8-bit state would hold."""
 
-    def __init__(self, opt: fo.FlashMuon, scheme: tuple, seed: int):
-        self.opt, self.scheme = opt, scheme
+    def __init__(self, opt, bufs, scheme: tuple, seed: int):
+        self.opt, self.bufs, self.scheme = opt, bufs, scheme
         self.gen = torch.Generator().manual_seed(10_000 + seed)
         self.skipped_steps = 0
 
     def step(self):
         self.opt.step()
-        for g in self.opt.param_groups:
-            if g["use_muon"]:
-                for p in g["params"]:
-                    m = self.opt.state[p]["momentum_buffer"]
-                    m.copy_(fake_quantize(m, self.scheme, self.gen))
+        for m in self.bufs():
+            m.copy_(fake_quantize(m, self.scheme, self.gen))
 
     def zero_grad(self, set_to_none=True):
         self.opt.zero_grad(set_to_none=set_to_none)
 
 
 def make_optimizer(nesterov: bool, seed: int):
-    """A ``parity.run`` factory: ``torch_muon`` or ``flash_<scheme>`` (``flash_fp32``: no
-    quantization of the Muon momentum), with ``nesterov``."""
+    """A ``parity.run`` factory: ``torch_muon`` (torch.optim.Muon + AdamW, bf16 autocast, as
+    the parity run's), ``q_<scheme>`` (the same with its momentum stored through the scheme:
+    the storage alone), ``flash_<scheme>`` (FlashMuon, bf16 weights, its fp32 Muon momentum
+    stored through the scheme; ``flash_fp32``: not quantized); all with ``nesterov``."""
 
     def make(name, model, cfg, device):
         hp = dict(lr=cfg["lr"], weight_decay=0.1)
         named = list(model.named_parameters())
         mats = [p for n, p in named if default_use_muon(n, p)]
         rest = [p for n, p in named if not default_use_muon(n, p)]
-        if name == "torch_muon":
+        if name == "torch_muon" or name.startswith("q_"):
             muon = torch.optim.Muon(mats, adjust_lr_fn="match_rms_adamw", nesterov=nesterov, **hp)
             adamw = torch.optim.AdamW(rest, betas=(0.9, 0.95), **hp)
             autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-            return parity._Both(muon, adamw), [muon, adamw], autocast
+            both = parity._Both(muon, adamw)
+            if name.startswith("q_"):
+                bufs = lambda: [s["momentum_buffer"] for s in muon.state.values()]  # noqa: E731
+                both = _FakeQuantized(both, bufs, SCHEMES[name[2:]], seed)
+            return both, [muon, adamw], autocast
         masters = {p: p.detach().clone() for p in model.parameters()}
         model.to(torch.bfloat16)
         opt = fo.FlashMuon(
@@ -246,8 +251,13 @@ def make_optimizer(nesterov: bool, seed: int):
         )
         opt.load_master_weights(masters)
         scheme = name.removeprefix("flash_")
-        wrapped = opt if scheme == "fp32" else _FakeQuantized(opt, SCHEMES[scheme], seed)
-        return wrapped, [opt], contextlib.nullcontext()
+        if scheme == "fp32":
+            return opt, [opt], contextlib.nullcontext()
+
+        def bufs():
+            return [opt.state[p]["momentum_buffer"] for p in mats if p in opt.state]
+
+        return _FakeQuantized(opt, bufs, SCHEMES[scheme], seed), [opt], contextlib.nullcontext()
 
     return make
 
@@ -259,7 +269,7 @@ def main_parity(a) -> None:
     corpus = parity.load_corpus(4_000_000)
     cut = int(corpus.numel() * 0.95)
     data = (corpus[:cut], corpus[cut:])
-    names = [n if n == "torch_muon" else f"flash_{n}" for n in a.schemes.split(",")]
+    names = a.schemes.split(",")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "schemes.json")
     result = json.load(open(path)) if os.path.exists(path) else {"config": cfg, "runs": []}

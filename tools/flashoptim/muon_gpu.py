@@ -47,6 +47,9 @@ from flashoptim_fused.parity import PAIRS, summarize
 from flashoptim_fused.reference import NS_COEFFICIENTS
 
 LAYOUTS = {"8x8192^2": (8, 8192, 8192), "24x4096^2": (24, 4096, 4096)}
+# --dry-run: the same code on the CPU at toy sizes (Triton's interpreter), seconds
+DRY = {"layouts": {"2x16^2": (2, 16, 16)}, "big": 24, "small": 16, "reps": (0, 1)}
+SIZES = {"layouts": LAYOUTS, "big": 4096, "small": 2048, "reps": (2, 5)}
 LIMITS = {"tests": 200, "ns": 150, "step": 150, "parity": 330, "parity_large": 480}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,15 +96,21 @@ def _polar(x):
 
 def _test_matrices(dev):
     g = torch.Generator(device=dev).manual_seed(0)
-    gauss = torch.randn(4096, 4096, device=dev, generator=g)
-    low = torch.randn(4096, 64, device=dev, generator=g) @ torch.randn(
-        64, 4096, device=dev, generator=g
-    )
+    big, small = SIZES["big"], SIZES["small"]
+    gauss = torch.randn(big, big, device=dev, generator=g)
+    u = torch.randn(big, 64, device=dev, generator=g)
+    low = u @ torch.randn(64, big, device=dev, generator=g)
     low = low / low.norm() + 0.1 * gauss / gauss.norm()
-    q1, _ = torch.linalg.qr(torch.randn(2048, 2048, device=dev, generator=g, dtype=torch.float64))
-    q2, _ = torch.linalg.qr(torch.randn(2048, 2048, device=dev, generator=g, dtype=torch.float64))
-    ill = ((q1 * torch.logspace(0, -5, 2048, device=dev, dtype=torch.float64)) @ q2.T).float()
-    return {"gaussian_4096": gauss, "lowrank_noise_4096": low, "ill_conditioned_2048": ill}
+    q1, _ = torch.linalg.qr(torch.randn(small, small, device=dev, generator=g).double())
+    q2, _ = torch.linalg.qr(torch.randn(small, small, device=dev, generator=g).double())
+    spectrum = torch.logspace(0, -5, small, device=dev, dtype=torch.float64)
+    ill = ((q1 * spectrum) @ q2.T).float()
+    return {f"gaussian_{big}": gauss, f"lowrank_noise_{big}": low, f"ill_conditioned_{small}": ill}
+
+
+def _empty_cache(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _ns_layout(k, m, n, dev) -> dict:
@@ -120,8 +129,9 @@ def _ns_layout(k, m, n, dev) -> dict:
             bA_cAA_ms=lambda fn=fn: fn(A, c, A, b),
             aX_BX_ms=lambda: torch.baddbmm(X, B, X, beta=a),
         )
+        w, r = SIZES["reps"]
         out[name] = {
-            key: H.time_fn(f, dev, warmup=2, reps=5)["time_ms"] for key, f in cases.items()
+            key: H.time_fn(f, dev, warmup=w, reps=r)["time_ms"] for key, f in cases.items()
         }
     return out
 
@@ -129,10 +139,10 @@ def _ns_layout(k, m, n, dev) -> dict:
 def stage_ns(out: dict, dev) -> list[str]:
     rows = []
     res = out.setdefault("ns", {})
-    for lay, (k, m, n) in LAYOUTS.items():
+    for lay, (k, m, n) in SIZES["layouts"].items():
         flops = 5 * (4 * m * m * n + 2 * m**3) * k
         times = _ns_layout(k, m, n, dev)
-        torch.cuda.empty_cache()
+        _empty_cache(dev)
         for name, r in times.items():
             r["torch_equiv_tflops"] = flops / (r["ns_ms"] * 1e-3) / 1e12
             r["ratio_to_torch"] = r["ns_ms"] / times["torch"]["ns_ms"]
@@ -178,10 +188,10 @@ def stage_step(out: dict, dev) -> list[str]:
     rows = []
     res = out.setdefault("step", {})
     default_gram = muon.default_gram
-    for lay, (k, m, n) in LAYOUTS.items():
+    for lay, (k, m, n) in SIZES["layouts"].items():
         base = None
         for name in ("torch_muon_bf16", "torch_muon_fp32", "flash_muon", "flash_muon_torch_gram"):
-            torch.cuda.empty_cache()
+            _empty_cache(dev)
             dt = torch.float32 if name.endswith("fp32") else torch.bfloat16
             gen = torch.Generator(device=dev).manual_seed(0)
             ps = [
@@ -197,7 +207,7 @@ def stage_step(out: dict, dev) -> list[str]:
                 if name == "flash_muon_torch_gram":
                     muon.default_gram = lambda x: gram_torch
             try:
-                t = H.time_fn(opt.step, dev, warmup=1, reps=5)["time_ms"]
+                t = H.time_fn(opt.step, dev, warmup=1, reps=SIZES["reps"][1])["time_ms"]
             finally:
                 muon.default_gram = default_gram
             if name == "torch_muon_bf16":
@@ -213,7 +223,7 @@ def stage_step(out: dict, dev) -> list[str]:
     ]
 
 
-def stage_parity(out: dict, outdir: str, config: str, limit: float) -> list[str]:
+def stage_parity(out: dict, outdir: str, config: str, limit: float, extra=()) -> list[str]:
     """Three seeds as three processes side by side; the summary of parity.py over all."""
     runs = []
     procs = []
@@ -235,6 +245,7 @@ def stage_parity(out: dict, outdir: str, config: str, limit: float) -> list[str]
         ]
         if config != "gpu":
             cmd += ["--config", config]
+        cmd += list(extra)
         log = open(os.path.join(outdir, f"parity-{config}-seed{seed}.log"), "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), d))
     t0 = time.time()
@@ -279,11 +290,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--stages", default="tests,ns,step,parity")
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (interpreter)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if a.dry_run else "cuda")
+    if a.dry_run:
+        SIZES.update(DRY)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)"
     out = {"env": H.environment(dev), "stages": {}}
-    print(f"device: {torch.cuda.get_device_name()}", flush=True)
+    print(f"device: {name}", flush=True)
     tables = []
     path = os.path.join(a.out, "muon-gpu.json")
     for stage in a.stages.split(","):
@@ -321,7 +336,9 @@ def main(argv=None) -> int:
                 tables += stage_step(out, dev)
             elif stage in ("parity", "parity_large"):
                 config = "gpu" if stage == "parity" else "gpt2s"
-                tables += stage_parity(out, a.out, config, LIMITS[stage])
+                extra = ("--steps", "3") if a.dry_run else ()
+                config = "smoke" if a.dry_run else config
+                tables += stage_parity(out, a.out, config, LIMITS[stage], extra)
             else:
                 raise ValueError(f"unknown stage {stage!r}")
             status = "ok"
@@ -333,7 +350,7 @@ def main(argv=None) -> int:
         json.dump(out, open(path, "w"), indent=1, default=str)
     summary = "\n".join(
         [
-            f"device: {torch.cuda.get_device_name()}",
+            f"device: {name}",
             *(
                 f"stage {k}: {v['status']} in {v['seconds']:.0f} s"
                 for k, v in out["stages"].items()
