@@ -60,17 +60,64 @@ SCHEMES = {
     "linear_2048_bf16_nearest": (2048, "bf16", "linear", "nearest", "ema"),
     "softsign_32_fp32_nearest": (32, "fp32", "softsign", "nearest", "ema"),
     "softsign_256_fp32_nearest": (256, "fp32", "softsign", "nearest", "ema"),
+    "softsign_64_fp32_nearest": (64, "fp32", "softsign", "nearest", "ema"),
+    "linear_64_fp32_nearest": (64, "fp32", "linear", "nearest", "ema"),
     # 2 bytes, above the 6.1 B/param budget: how close a finer storage gets (calibration)
     "bf16_nearest": (1, "none", "bf16", "nearest", "ema"),
     "bf16_stochastic": (1, "none", "bf16", "stochastic", "ema"),
 }
 
 
-def scheme_bytes(name: str) -> float:
+# low rank + residual (GRASP, Wu et al., ICLR 2026): "lr<k>_<scheme>" keeps a rank-k part
+# P R^T of the momentum in bf16 (P: rows x k, R: cols x k, tracked by one power iteration
+# per step warm-started from the last R) and stores the residual m - P R^T with <scheme>
+
+
+def scheme_bytes(name: str, shape=(512, 2048)) -> float:
+    """Bytes per element of the momentum (a low-rank part counted on ``shape``)."""
+    k, name = _rank_of(name)
     block, scale, code = SCHEMES[name][:3]
-    if code == "bf16":
-        return 2.0
-    return 1 + (4 if scale == "fp32" else 2) / block
+    per = 2.0 if code == "bf16" else 1 + (4 if scale == "fp32" else 2) / block
+    return per + 2 * k * (shape[0] + shape[1]) / (shape[0] * shape[1])
+
+
+def _rank_of(name: str) -> tuple[int, str]:
+    if name.startswith("lr") and "_" in name:
+        head, rest = name.split("_", 1)
+        return int(head[2:]), rest
+    return 0, name
+
+
+class Storage:
+    """A momentum storage by name (``SCHEMES``, optionally ``lr<k>_`` before it): called on
+    a buffer, returns what the next step reads back. Keeps the low-rank factors per buffer
+    (keyed by the tensor's identity) and its rounding generator."""
+
+    def __init__(self, name: str, seed: int = 0):
+        self.rank, base = _rank_of(name)
+        self.scheme = SCHEMES[base]
+        self.seed = seed
+        self.gen = None
+        self.factors: dict = {}
+
+    def __call__(self, m: torch.Tensor, key=None) -> torch.Tensor:
+        """``m`` stored and read back; ``key``: whose factors (default: ``m``'s identity)."""
+        key = id(m) if key is None else key
+        if self.gen is None:
+            self.gen = torch.Generator(device=m.device).manual_seed(10_000 + self.seed)
+        if not self.rank or m.ndim != 2:
+            return fake_quantize(m, self.scheme, self.gen)
+        md = m.double()
+        r = self.factors.get(key)
+        if r is None:  # a fixed random start
+            g = torch.Generator(device=m.device).manual_seed(1)
+            r = torch.randn(m.shape[1], self.rank, generator=g, device=m.device).double()
+        p, _ = torch.linalg.qr(md @ r)
+        p = p.bfloat16().double()
+        r = (md.T @ p).bfloat16().double()
+        self.factors[key] = r
+        low = p @ r.T
+        return (low + fake_quantize(md - low, self.scheme, self.gen)).to(m.dtype)
 
 
 def fake_quantize(m: torch.Tensor, scheme: tuple, gen: torch.Generator | None = None):
@@ -80,7 +127,9 @@ def fake_quantize(m: torch.Tensor, scheme: tuple, gen: torch.Generator | None = 
         if rounding == "nearest":
             return m.bfloat16().to(m.dtype)
         bits = m.float().view(torch.int32)
-        noise = torch.randint(0, 1 << 16, m.shape, generator=gen, dtype=torch.int32)
+        noise = torch.randint(
+            0, 1 << 16, m.shape, generator=gen, dtype=torch.int32, device=gen.device
+        ).to(m.device)
         return ((bits + noise) & ~0xFFFF).view(torch.float32).to(m.dtype)
     x = m.reshape(-1).double()
     if form == "sum":  # the paper's m = mu m + g: the same values 1 / (1 - mu) larger
@@ -95,7 +144,8 @@ def fake_quantize(m: torch.Tensor, scheme: tuple, gen: torch.Generator | None = 
     if rounding == "nearest":
         c = torch.round(t)
     else:
-        c = torch.floor(t + torch.rand(t.shape, generator=gen, dtype=torch.float64))
+        u = torch.rand(t.shape, generator=gen, dtype=torch.float64, device=gen.device)
+        c = torch.floor(t + u.to(t.device))
     c = c.clamp(-127, 127) / 127
     y = c / (2 - c.abs()) if code == "softsign" else c
     out = (y * s[:, None]).view(-1)[: x.numel()]
@@ -149,12 +199,12 @@ def ns_bf16(u):
     return (X.T if tall else X).float()
 
 
-def replay(grads, scheme, nesterov=True, seed=0):
-    """Mean over the matrices of (momentum, per-step, summed) relative errors; ``scheme``
-    None: the exact momentum through the bf16 Newton-Schulz (for scale)."""
-    gen = torch.Generator().manual_seed(seed)
+def replay(grads, name, nesterov=True, seed=0):
+    """Mean over the matrices of (momentum, per-step, summed) relative errors of storage
+    ``name``; None: the exact momentum through the bf16 Newton-Schulz (for scale)."""
+    store = None if name is None else Storage(name, seed)
     errs = [[], [], []]
-    for gs in grads.values():
+    for key, gs in grads.items():
         ref = torch.zeros_like(gs[0])
         m = torch.zeros_like(gs[0])
         sum_ref = sum_q = 0
@@ -162,18 +212,18 @@ def replay(grads, scheme, nesterov=True, seed=0):
         for t, g in enumerate(gs):
             ref = ref + (g - ref) * (1 - MU)
             u_ref = ref + (g - ref) * (1 - MU) if nesterov else ref
-            if scheme is None:
+            if store is None:
                 u = u_ref
             else:
                 m = m + (g - m) * (1 - MU)
                 u = m + (g - m) * (1 - MU) if nesterov else m
-                m = fake_quantize(m, scheme, gen)
+                m = store(m, key)
             if t >= SKIP:
                 o_ref = newton_schulz_ref(u_ref.double()).float()
-                o = ns_bf16(u) if scheme is None else newton_schulz_ref(u.double()).float()
+                o = ns_bf16(u) if store is None else newton_schulz_ref(u.double()).float()
                 sum_ref, sum_q = sum_ref + o_ref, sum_q + o
                 per.append(((o - o_ref).norm() / o_ref.norm()).item())
-                errs[0].append(((m - ref).norm() / ref.norm()).item() if scheme else 0.0)
+                errs[0].append(((m - ref).norm() / ref.norm()).item() if store else 0.0)
         errs[1].append(sum(per) / len(per))
         errs[2].append(((sum_q - sum_ref).norm() / sum_ref.norm()).item())
     return [sum(e) / len(e) for e in errs]
@@ -190,29 +240,70 @@ def main_replay(a) -> None:
     print("| momentum storage | bytes | momentum | NS(u), per step | NS(u), summed |")
     print("|---|---|---|---|---|")
     for name in names:
-        m, per, summed = replay(grads, SCHEMES[name], nesterov=not a.no_nesterov)
-        row = f"| {name} {SCHEMES[name]} | {scheme_bytes(name):.3f} | {100 * m:.2f} % |"
+        m, per, summed = replay(grads, name, nesterov=not a.no_nesterov)
+        row = f"| {name} | {scheme_bytes(name):.3f} | {100 * m:.2f} % |"
         print(f"{row} {100 * per:.1f} % | {100 * summed:.1f} % |", flush=True)
     m, per, summed = replay(grads, None, nesterov=not a.no_nesterov)
     print(f"| fp32, bf16 Newton-Schulz | 4 | 0 | {100 * per:.1f} % | {100 * summed:.1f} % |")
+
+
+# ----------------------------------------------------------------------------- cosine
+
+
+def _cosine_run(name, seed, batches, steps=20):
+    """torch.optim.Muon (fp32, no weight decay) on a 2-layer d = 64 GPT for ``steps`` steps,
+    its momentum stored through ``name`` (None: not), then the update of one more step."""
+    torch.manual_seed(seed)
+    model = parity.GPT(d=64, layers=2, heads=2, ctx=32)
+    mats = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
+    opt = torch.optim.Muon(mats, lr=0.02, weight_decay=0.0)
+    store = None if name is None else Storage(name, seed)
+    for xb in batches[: steps + 1]:
+        logits = model(xb[:, :-1]).reshape(-1, 256)
+        F.cross_entropy(logits, xb[:, 1:].reshape(-1)).backward()
+        before = [p.detach().clone() for p in mats]
+        opt.step()
+        opt.zero_grad()
+        if store is not None:
+            for st in opt.state.values():
+                st["momentum_buffer"].copy_(store(st["momentum_buffer"]))
+    return torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(mats, before)])
+
+
+def main_cosine(a) -> None:
+    """The cosine between the update after 20 steps with each storage and with the fp32
+    momentum (same init and data), mean of seeds 0, 1, 2: a seconds-long proxy."""
+    corpus = parity.load_corpus(300_000)
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, corpus.numel() - 40, (21, 8), generator=g)
+    batches = [torch.stack([corpus[i : i + 33] for i in row]) for row in starts]
+    refs = {sd: _cosine_run(None, sd, batches) for sd in range(3)}
+    print("| momentum storage | bytes (512 x 2048) | cosine, seeds 0 / 1 / 2 | mean |")
+    print("|---|---|---|---|")
+    for name in a.schemes.split(","):
+        cs = [
+            F.cosine_similarity(_cosine_run(name, sd, batches), refs[sd], dim=0).item()
+            for sd in refs
+        ]
+        vals = " / ".join(f"{c:.4f}" for c in cs)
+        print(f"| {name} | {scheme_bytes(name):.3f} | {vals} | {sum(cs) / 3:.4f} |", flush=True)
 
 
 # ----------------------------------------------------------------------------- parity
 
 
 class _FakeQuantized:
-    """An optimizer whose Muon momentum buffers (``bufs``: fp32 tensors) are stored through
-    ``scheme`` after each step: the next step reads what an 8-bit state would hold."""
+    """An optimizer whose Muon momentum buffers (``bufs()``: fp32 tensors) are stored through
+    ``storage`` after each step: the next step reads what that state would hold."""
 
-    def __init__(self, opt, bufs, scheme: tuple, seed: int):
-        self.opt, self.bufs, self.scheme = opt, bufs, scheme
-        self.gen = torch.Generator().manual_seed(10_000 + seed)
+    def __init__(self, opt, bufs, storage: Storage):
+        self.opt, self.bufs, self.storage = opt, bufs, storage
         self.skipped_steps = 0
 
     def step(self):
         self.opt.step()
         for m in self.bufs():
-            m.copy_(fake_quantize(m, self.scheme, self.gen))
+            m.copy_(self.storage(m))
 
     def zero_grad(self, set_to_none=True):
         self.opt.zero_grad(set_to_none=set_to_none)
@@ -236,7 +327,7 @@ def make_optimizer(nesterov: bool, seed: int):
             both = parity._Both(muon, adamw)
             if name.startswith("q_"):
                 bufs = lambda: [s["momentum_buffer"] for s in muon.state.values()]  # noqa: E731
-                both = _FakeQuantized(both, bufs, SCHEMES[name[2:]], seed)
+                both = _FakeQuantized(both, bufs, Storage(name[2:], seed))
             return both, [muon, adamw], autocast
         masters = {p: p.detach().clone() for p in model.parameters()}
         model.to(torch.bfloat16)
@@ -257,16 +348,17 @@ def make_optimizer(nesterov: bool, seed: int):
         def bufs():
             return [opt.state[p]["momentum_buffer"] for p in mats if p in opt.state]
 
-        return _FakeQuantized(opt, bufs, SCHEMES[scheme], seed), [opt], contextlib.nullcontext()
+        return _FakeQuantized(opt, bufs, Storage(scheme, seed)), [opt], contextlib.nullcontext()
 
     return make
 
 
 def main_parity(a) -> None:
-    cfg = dict(parity.CONFIGS["cpu"])
+    cfg = dict(parity.CONFIGS[a.config])
     if a.steps:
         cfg["steps"] = a.steps
-    corpus = parity.load_corpus(4_000_000)
+    device = torch.device("cuda" if a.config != "cpu" and torch.cuda.is_available() else "cpu")
+    corpus = parity.load_corpus(4_000_000 if a.config == "cpu" else 24_000_000)
     cut = int(corpus.numel() * 0.95)
     data = (corpus[:cut], corpus[cut:])
     names = a.schemes.split(",")
@@ -280,7 +372,7 @@ def main_parity(a) -> None:
                 continue
             t0 = time.perf_counter()
             make = make_optimizer(not a.no_nesterov, seed)
-            r = parity.run(name, seed, cfg, data, torch.device("cpu"), make_optimizer=make)
+            r = parity.run(name, seed, cfg, data, device, make_optimizer=make)
             r.update(nesterov=not a.no_nesterov, seconds=time.perf_counter() - t0)
             r.pop("losses")
             result["runs"].append(r)
@@ -311,7 +403,7 @@ def table(result) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["replay", "parity"])
+    ap.add_argument("mode", choices=["replay", "parity", "cosine"])
     ap.add_argument("--schemes", default="", help="comma-separated names of SCHEMES")
     ap.add_argument("--no-nesterov", action="store_true")
     ap.add_argument("--cache", default="", help="replay: the recorded gradients (.pt)")
@@ -319,8 +411,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--config", default="cpu", help="parity: a size of parity.CONFIGS")
     a = ap.parse_args(argv)
-    main_replay(a) if a.mode == "replay" else main_parity(a)
+    {"replay": main_replay, "parity": main_parity, "cosine": main_cosine}[a.mode](a)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,7 @@ def _gram_tma_kernel(
 # per (M, K) on the first launch. GROUP 8: a band of 8 tile rows
 CONFIGS = [
     (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 3),
     (128, 128, 64, 4, 4),
     (128, 256, 64, 8, 3),
     (256, 128, 64, 8, 3),
@@ -191,12 +192,16 @@ def _triton_configs() -> list:
 
 
 def _prune(configs, named_args, **kwargs) -> list:
-    """Below M = 2048 only the two square 128 configs are timed: a few dozen tiles per
-    matrix, where the first launch's compiles (one per config) cost more than a better
-    tile could win back."""
+    """Below M = 2048 only the square 128 x 128 x 64 configs of 8 warps (4 and 3 stages)
+    are timed: a few dozen tiles per matrix, where the first launch's compiles (one per
+    config) cost more than a better tile could win back."""
     if named_args["M"] >= 2048:
         return configs
-    return [c for c in configs if c.kwargs["BM"] == c.kwargs["BN"] == 128 and c.kwargs["BK"] == 64]
+    return [
+        c
+        for c in configs
+        if c.kwargs["BM"] == c.kwargs["BN"] == 128 and c.kwargs["BK"] == 64 and c.num_warps == 8
+    ]
 
 
 _gram_kernel_tuned = triton.autotune(
@@ -207,7 +212,8 @@ _gram_kernel_tuned = triton.autotune(
 
 
 # the TMA kernel's (BM, BK, num_warps, num_stages), square tiles
-TMA_CONFIGS = [(128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4)]
+# (3 stages: 96 KiB of ring, two programs per SM, one's epilogue under the other's loads)
+TMA_CONFIGS = [(128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4)]
 TMA_INTERP_CONFIG = (16, 16, 4, 1)
 
 
@@ -220,9 +226,11 @@ def _tma_blocks(nargs) -> None:
 
 
 def _prune_tma(configs, named_args, **kwargs) -> list:
+    """As ``_prune``: below M = 2048 the first three (128 x 64, 8 warps, 4 / 3 stages; 4
+    warps)."""
     if named_args["M"] >= 2048:
         return configs
-    return configs[:2]
+    return configs[:3]
 
 
 _gram_tma_kernel_tuned = triton.autotune(
