@@ -32,15 +32,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashsinkhorn._softmin_hopper import (
-    HAS_GLUON,
-    LOG2E,
-    SMEM_LIMIT,
-    _elem_bytes,
-    _tma_ready,
-    compile_gluon_sm90,
-    unsupported_reason,
-)
+from flashsinkhorn._gluon_ring import HAS_GLUON, compile_gluon_sm90, elem_bytes, tma_ready
+from flashsinkhorn._softmin_hopper import LOG2E, SMEM_LIMIT, unsupported_reason
 from flashsinkhorn._symmetric_triton import column_chunk
 
 if HAS_GLUON:
@@ -53,7 +46,7 @@ if HAS_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashsinkhorn._softmin_hopper import _tma_load, _turn_after
+    from flashsinkhorn._gluon_ring import tma_load, turn_after
 
 __all__ = [
     "SymmetricConfig",
@@ -86,14 +79,14 @@ def smem_bytes(cfg: SymmetricConfig, D: int, dtype: torch.dtype) -> int:
     """Shared memory of the operand buffers (the compiler adds barriers and alignment)."""
     nk = -(-D // cfg.block_k)
     x_chunks = nk if cfg.x_resident else cfg.stages
-    return (x_chunks * ROWS + cfg.stages * COLS) * cfg.block_k * _elem_bytes(dtype)
+    return (x_chunks * ROWS + cfg.stages * COLS) * cfg.block_k * elem_bytes(dtype)
 
 
 def default_symmetric_config(D: int, dtype: torch.dtype) -> SymmetricConfig:
     """The softmin pass's regimes (``_softmin_hopper.default_config``, measured there) with
     128 rows of x per CTA: one feature chunk per tile, 4 stages, x resident; several chunks:
     128-byte chunk rows, ping-pong turns, x resident while 4 stages fit beside it."""
-    e = _elem_bytes(dtype)
+    e = elem_bytes(dtype)
     atom = 16 if D * e <= 128 else 128 // e
     one_chunk = -(-D // atom) * atom
     if one_chunk * e <= 512:
@@ -111,7 +104,7 @@ def _fit(cfg, D, dtype):
 
 
 def _check_config(cfg: SymmetricConfig, D: int, dtype: torch.dtype) -> None:
-    row = cfg.block_k * _elem_bytes(dtype)
+    row = cfg.block_k * elem_bytes(dtype)
     nk = -(-D // cfg.block_k)
     if cfg.block_k % 16 or row < 32 or cfg.block_k > 256 or (row > 128 and row % 128):
         raise ValueError(
@@ -159,9 +152,9 @@ if HAS_GLUON:
         )
         mbarrier.expect(bar, nbytes)
         for w in gl.static_range(2):
-            _tma_load(y_desc, [yrow0 + (2 * j + w) * BOXM, k * BK], bar, y_smem.index(2 * s + w))
+            tma_load(y_desc, [yrow0 + (2 * j + w) * BOXM, k * BK], bar, y_smem.index(2 * s + w))
         if not X_RESIDENT:
-            _tma_load(x_desc, [xrow0, k * BK], bar, x_smem.index(s))
+            tma_load(x_desc, [xrow0, k * BK], bar, x_smem.index(s))
 
     @gluon.jit
     def _issue_tile(j, x_smem, y_smem, ready, empty, turn, SPEC: gl.constexpr,
@@ -175,7 +168,7 @@ if HAS_GLUON:
         STAGES: gl.constexpr = SPEC[1]
         X_RESIDENT: gl.constexpr = SPEC[2]
         PINGPONG: gl.constexpr = SPEC[4]
-        TURN_AFTER: gl.constexpr = _turn_after(NUM_K, STAGES)
+        TURN_AFTER: gl.constexpr = turn_after(NUM_K, STAGES)
         if PINGPONG:
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         acc = gl.zeros([BOXM, XR], gl.float32, MMA)
@@ -302,7 +295,7 @@ if HAS_GLUON:
             BK: gl.constexpr = x_desc.block_type.shape[1]
             mbarrier.expect(x_bar, NUM_K * x_desc.block_type.nbytes)
             for k in gl.static_range(NUM_K):
-                _tma_load(x_desc, [xrow0, k * BK], x_bar, x_smem.index(k))
+                tma_load(x_desc, [xrow0, k * BK], x_bar, x_smem.index(k))
         for t in range(n_tiles * NUM_K):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -390,7 +383,7 @@ def symmetric_sums_hopper(x, y, rb, cb, *, eps, c2, precision, config=None, chun
     cfg = config or default_symmetric_config(D, x.dtype)
     _check_config(cfg, D, x.dtype)
     dev, f32 = x.device, torch.float32
-    x_desc, y_desc = _descriptors(_tma_ready(x).view(B * N, D), _tma_ready(y).view(B * M, D), cfg)
+    x_desc, y_desc = _descriptors(tma_ready(x).view(B * N, D), tma_ready(y).view(B * M, D), cfg)
     NB = -(-N // ROWS)
     W = chunk or column_chunk(NB, B, M, COLS)
     if W % COLS:
