@@ -35,7 +35,7 @@ try:  # Gluon ships inside triton (3.6 on the GPU host, 3.9 in CI); the API move
 except Exception:  # pragma: no cover - triton missing or without the Hopper Gluon API
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "MAX_D", "elem_bytes", "operand_reason", "tma_ready",
+__all__ = ["HAS_GLUON", "MAX_D", "elem_bytes", "one_chunk_width", "operand_reason", "tma_ready",
            "compile_gluon_sm90"]  # fmt: skip
 
 MAX_D = 4096
@@ -43,6 +43,13 @@ MAX_D = 4096
 
 def elem_bytes(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.bfloat16 else 4
+
+
+def one_chunk_width(D: int) -> int:
+    """Features per shared-memory chunk when one chunk holds a whole row: the power of two
+    at or above D (TMA boxes have power-of-two sides; at least 16, the wgmma K of bf16);
+    the zero padding past D adds nothing to the dot products."""
+    return max(16, 1 << (int(D) - 1).bit_length())
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:

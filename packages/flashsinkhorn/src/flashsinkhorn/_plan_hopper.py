@@ -46,6 +46,7 @@ from flashsinkhorn._gluon_ring import (
     HAS_GLUON,
     compile_gluon_sm90,
     elem_bytes,
+    one_chunk_width,
     operand_reason,
     tma_ready,
 )
@@ -92,8 +93,8 @@ class PlanConfig:
 
     block_n: columns of y per tile (64 or 128; the K of the P @ V wgmma). block_k: features
     per chunk of the score ring. stages: chunks in the score ring; v_stages: V tiles in
-    theirs. block_dv: output columns per program (the N of the P @ V wgmma, a multiple of
-    16, at most 256). pingpong (several feature chunks per tile): the consumers take turns
+    theirs. block_dv: output columns per program (the N of the P @ V wgmma, a power of
+    two from 16 to 256). pingpong (several feature chunks per tile): the consumers take turns
     to start a tile. x_resident: the CTA's rows of x stay in shared memory.
     """
 
@@ -129,9 +130,8 @@ def default_plan_config(D: int, DV: int, dtype: torch.dtype) -> PlanConfig:
     beyond), output chunks of at most 128 columns at 128-wide tiles (registers: the
     score accumulator, the weights and O live together) and 256 at 64-wide tiles."""
     e = elem_bytes(dtype)
-    atom = 16 if D * e <= 128 else 128 // e
-    one_chunk = -(-D // atom) * atom
-    dv = max(16, -(-DV // 16) * 16)
+    one_chunk = one_chunk_width(D)
+    dv = max(16, 1 << (int(DV) - 1).bit_length())  # TMA boxes: powers of two
     if one_chunk * e <= 512:
         bn = 128 if dv <= 128 else 64
         cfg = PlanConfig(
@@ -248,8 +248,17 @@ if HAS_GLUON:
         return O, pa
 
     @gluon.jit
-    def _release_v(j, n_tiles, v_desc, v_smem, vready, vempty, vrow0, VSTAGES: gl.constexpr,
-                   INLINE_LOADS: gl.constexpr):  # fmt: skip
+    def _release_v(
+        j,
+        n_tiles,
+        v_desc,
+        v_smem,
+        vready,
+        vempty,
+        vrow0,
+        VSTAGES: gl.constexpr,
+        INLINE_LOADS: gl.constexpr,
+    ):
         """The P @ V wgmma of tile ``j`` has retired: refill its stage (the fallback launch
         loads tile j + VSTAGES itself; the consumers of the main launch tell the producer)."""
         if INLINE_LOADS:
@@ -261,10 +270,12 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
         """One warpgroup's pass over every column tile for its 64 rows, then its epilogue."""
-        (x_desc, y_desc, v_desc, x_smem, y_smem, v_smem, ready, empty, vready, vempty, x_bar,
-         turn, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, vbar_ptr, flag_ptr, cnt_ptr, b,
-         row0, N, Mpad, n_tiles, DV, xrow0, yrow0, vrow0, dot_scale, eps_ln2,
-         damping) = args  # fmt: skip
+        ring, vbufs, ptrs, sizes, scal, x_bar, turn = args
+        x_desc, y_desc, x_smem, y_smem, ready, empty = ring
+        v_desc, v_smem, vready, vempty = vbufs
+        bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, vbar_ptr, flag_ptr, cnt_ptr = ptrs
+        b, row0, N, Mpad, n_tiles, DV, xrow0, yrow0, vrow0 = sizes
+        dot_scale, eps_ln2, damping = scal
         NUM_K: gl.constexpr = SPEC[0]
         X_RESIDENT: gl.constexpr = SPEC[3]
         PIPE: gl.constexpr = SPEC[4]
@@ -292,7 +303,6 @@ if HAS_GLUON:
         ROUND: gl.constexpr = BITS == 32
         EARLY: gl.constexpr = not PIPE
         total = n_tiles * NUM_K
-        ring = (x_desc, y_desc, x_smem, y_smem, ready, empty)
         vring = (v_desc, v_smem, vready, vempty, vrow0)
 
         rows = row0 + WG * BM + gl.arange(0, BM, layout=ROW)
@@ -385,10 +395,10 @@ if HAS_GLUON:
     def _producer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
         """The producer warp: x once (when resident), then per column tile its score chunks
         and its V tile, each after its stage's empty barrier says both consumers are done."""
-        (x_desc, y_desc, v_desc, x_smem, y_smem, v_smem, ready, empty, vready, vempty, x_bar,
-         turn, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, vbar_ptr, flag_ptr, cnt_ptr, b,
-         row0, N, Mpad, n_tiles, DV, xrow0, yrow0, vrow0, dot_scale, eps_ln2,
-         damping) = args  # fmt: skip
+        ring, vbufs, ptrs, sizes, scal, x_bar, turn = args
+        x_desc, y_desc, x_smem, y_smem, ready, empty = ring
+        v_desc, v_smem, vready, vempty = vbufs
+        b, row0, N, Mpad, n_tiles, DV, xrow0, yrow0, vrow0 = sizes
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         VSTAGES: gl.constexpr = SPEC[10]
@@ -407,10 +417,28 @@ if HAS_GLUON:
 
     @gluon.jit
     def _plan_sm90_kernel(
-        x_desc, y_desc, v_desc, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, vbar_ptr,
-        flag_ptr, cnt_ptr, N, M, Mpad, n_tiles, DV, DVpad, dot_scale, eps_ln2, damping,
+        x_desc,
+        y_desc,
+        v_desc,
+        bias_ptr,
+        cx_ptr,
+        guess_ptr,
+        out_ptr,
+        lse_ptr,
+        vbar_ptr,
+        flag_ptr,
+        cnt_ptr,
+        N,
+        M,
+        Mpad,
+        n_tiles,
+        DV,
+        DVpad,
+        dot_scale,
+        eps_ln2,
+        damping,
         SPEC: gl.constexpr,
-    ):  # fmt: skip
+    ):
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         NUM_WG: gl.constexpr = SPEC[2]
@@ -461,10 +489,18 @@ if HAS_GLUON:
             mbarrier.init(x_bar, count=1)
             for i in gl.static_range(2):
                 mbarrier.init(turn.index(i), count=1)
-            args = (x_desc, y_desc, v_desc, x_smem, y_smem, v_smem, ready, empty, vready,
-                    vempty, x_bar, turn, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr,
-                    vbar_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, DV, xrow0, yrow0,
-                    vrow0, dot_scale, eps_ln2, damping)  # fmt: skip
+            ring = (x_desc, y_desc, x_smem, y_smem, ready, empty)
+            ptrs = (bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, vbar_ptr, flag_ptr, cnt_ptr)
+            sizes = (b, row0, N, Mpad, n_tiles, DV, xrow0, yrow0, vrow0)
+            args = (
+                ring,
+                (v_desc, v_smem, vready, vempty),
+                ptrs,
+                sizes,
+                (dot_scale, eps_ln2, damping),
+                x_bar,
+                turn,
+            )
             if not FALLBACK:
                 gl.warp_specialize(
                     [
@@ -513,8 +549,19 @@ def _spec(cfg: PlanConfig, D: int, online: bool, has_lse: bool, count: bool, fal
     num_wg = 1 if fallback_pass else 2
     pipe = nk == 1 and not fallback_pass
     pingpong = cfg.pingpong and not fallback_pass
-    return (nk, cfg.stages, num_wg, cfg.x_resident, pipe, pingpong, online, has_lse, count,
-            fallback_pass, cfg.v_stages)  # fmt: skip
+    return (
+        nk,
+        cfg.stages,
+        num_wg,
+        cfg.x_resident,
+        pipe,
+        pingpong,
+        online,
+        has_lse,
+        count,
+        fallback_pass,
+        cfg.v_stages,
+    )
 
 
 def transposed_values(v: torch.Tensor, cfg: PlanConfig, Mpad: int, dtype: torch.dtype):

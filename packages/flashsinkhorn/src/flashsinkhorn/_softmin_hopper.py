@@ -53,6 +53,7 @@ import torch
 from flashsinkhorn._gluon_ring import (
     HAS_GLUON,
     elem_bytes,
+    one_chunk_width,
     operand_reason,
     tma_ready,
 )
@@ -131,8 +132,7 @@ def default_config(D: int, dtype: torch.dtype) -> HopperConfig:
     resident: 128-wide tiles, ping-pong (d = 512 bf16: 4.12 ms); x streamed: 256-wide tiles,
     ping-pong (d = 512 tf32: 6.92 ms against 8.60 at 128)."""
     e = elem_bytes(dtype)
-    atom = 16 if D * e <= 128 else 128 // e  # whole 128-byte swizzle rows beyond 128 bytes
-    one_chunk = -(-D // atom) * atom
+    one_chunk = one_chunk_width(D)
     if one_chunk * e <= 512:  # d <= 128 fp32, d <= 256 bf16: one chunk per tile, x resident
         return fit_stages(HopperConfig(block_k=one_chunk, stages=4), D, dtype)
     bk = 128 // e  # one 128-byte swizzle row per chunk row

@@ -32,7 +32,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashsinkhorn._gluon_ring import HAS_GLUON, compile_gluon_sm90, elem_bytes, tma_ready
+from flashsinkhorn._gluon_ring import (
+    HAS_GLUON,
+    compile_gluon_sm90,
+    elem_bytes,
+    one_chunk_width,
+    tma_ready,
+)
 from flashsinkhorn._softmin_hopper import LOG2E, SMEM_LIMIT, unsupported_reason
 from flashsinkhorn._symmetric_triton import column_chunk
 
@@ -87,8 +93,7 @@ def default_symmetric_config(D: int, dtype: torch.dtype) -> SymmetricConfig:
     128 rows of x per CTA: one feature chunk per tile, 4 stages, x resident; several chunks:
     128-byte chunk rows, ping-pong turns, x resident while 4 stages fit beside it."""
     e = elem_bytes(dtype)
-    atom = 16 if D * e <= 128 else 128 // e
-    one_chunk = -(-D // atom) * atom
+    one_chunk = one_chunk_width(D)
     if one_chunk * e <= 512:
         return _fit(SymmetricConfig(block_k=one_chunk, stages=4), D, dtype)
     cfg = SymmetricConfig(block_k=128 // e, stages=8, pingpong=True, x_resident=True)
