@@ -223,3 +223,20 @@ if HAS_GLUON:
             for k in gl.static_range(NUM_K):
                 release(j * NUM_K + k, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
                          xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+
+    @gluon.jit
+    def produce(pargs, SPEC: gl.constexpr):
+        """The producer warp's partition of a warp-specialized kernel: x once (when
+        resident), then every ring chunk in order, each after its stage's empty barrier says
+        all consumers are done with it. ``pargs``: (x_desc, y_desc, x_smem, y_smem, ready,
+        empty, x_bar, n_tiles, xrow0, yrow0)."""
+        x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, n_tiles, xrow0, yrow0 = pargs
+        NUM_K: gl.constexpr = SPEC[0]
+        STAGES: gl.constexpr = SPEC[1]
+        if SPEC[3]:  # X_RESIDENT
+            load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
+        for t in range(n_tiles * NUM_K):
+            s = t % STAGES
+            # mbarriers start in the completed state of phase "-1": the first round passes
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
