@@ -76,6 +76,7 @@ __all__ = [
     "default_config",
     "fit_stages",
     "softmin_hopper",
+    "softmin_rows_hopper",
     "unsupported_reason",
     "compile_for_sm90",
     "smem_bytes",
@@ -514,6 +515,34 @@ def softmin_hopper(
                     M, Mpad, n_tiles, D, dot_scale, eps_ln2, damping, cfg, online=True,
                     has_lse=want_lse, count=False, fallback_pass=True)  # fmt: skip
     return out, (lse if want_lse else None)
+
+
+def softmin_rows_hopper(x, y, g, logb, cx, cy, *, eps, c2, damping, precision, flags, out):
+    """Recompute, in place in ``out`` (B, N), the rows of a pass whose ``flags`` (B, N) are
+    nonzero: the fallback launch alone (one warpgroup per 64 rows with the online max; row
+    blocks without a flagged row exit after reading their flags, no host sync). Operands
+    as :func:`softmin_hopper`; the one passes' exact recomputation of the rows and columns
+    whose sums left the safe range (``primitives.symmetric_update``, the self update)."""
+    reason = unsupported_reason(x, y, precision)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    B, N, D = x.shape
+    M = y.shape[1]
+    cfg = default_config(D, x.dtype)
+    f32 = torch.float32
+    n_tiles = -(-M // cfg.block_n)
+    Mpad = n_tiles * cfg.block_n
+    bias = torch.full((B, Mpad), float("-inf"), device=x.device, dtype=f32)
+    torch.sub(g.to(f32), cy.to(f32), out=bias[:, :M]).mul_(LOG2E / eps)
+    bias[:, :M].add_(logb.to(f32), alpha=LOG2E)
+    cx = cx.to(f32).contiguous()
+    flags = flags.to(torch.int8).contiguous()
+    x2, y2 = tma_ready(x).view(B * N, D), tma_ready(y).view(B * M, D)
+    with torch.cuda.device(x.device):
+        _launch((-(-N // BLOCK_M), B), x2, y2, bias, cx, cx, out, out, flags, out, N, M, Mpad,
+                n_tiles, D, c2 * LOG2E / eps, eps * LN2, damping, cfg, online=True,
+                has_lse=False, count=False, fallback_pass=True)  # fmt: skip
+    return out
 
 
 # ----------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ __all__ = [
     "symmetric_sums_hopper",
     "unsupported_reason",
     "compile_symmetric_for_sm90",
+    "self_sums_hopper",
 ]
 
 ROWS = 128  # rows of x per CTA (the wgmma N, shared by the two consumers)
@@ -131,7 +132,7 @@ if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
-    # SPEC: (NUM_K, STAGES, X_RESIDENT, PIPE, PINGPONG), one constexpr tuple
+    # SPEC: (NUM_K, STAGES, X_RESIDENT, PIPE, PINGPONG, SELF), one constexpr tuple
 
     @gluon.constexpr_function
     def _stage_bytes(y_bytes, x_bytes, x_resident):
@@ -219,6 +220,17 @@ if HAS_GLUON:
         return racc, gl.sum(p, 1)
 
     @gluon.jit
+    def _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, j, SELF: gl.constexpr):
+        """A tile's column sums: this CTA's partial sums of the chunk (no atomics), or
+        (SELF, the debiasing terms: x against itself, tiles J >= I of row block I) added
+        to those columns' row sums, except on the diagonal tile (its rows' sums have
+        them)."""
+        if SELF:
+            gl.atomic_add(rsum_ptr + b * N + cols, csum, mask=(cols < c1) & (j > 0))
+        else:
+            gl.store(part_row + cols, csum, mask=cols < c1)
+
+    @gluon.jit
     def _consumer(args, SPEC: gl.constexpr, WG: gl.constexpr):
         """One consumer's pass over the chunk's tiles (its 64-column half of each), then
         its partial row sums."""
@@ -227,6 +239,7 @@ if HAS_GLUON:
          dot_scale) = args  # fmt: skip
         X_RESIDENT: gl.constexpr = SPEC[2]
         PIPE: gl.constexpr = SPEC[3]
+        SELF: gl.constexpr = SPEC[5]
         EARLY: gl.constexpr = not PIPE
         BOXM: gl.constexpr = y_desc.block_type.shape[0]
         XR: gl.constexpr = x_desc.block_type.shape[0]
@@ -263,13 +276,13 @@ if HAS_GLUON:
                 cb = gl.load(cb_row + cols, mask=cols < c1, other=float("-inf"))
                 racc, csum = _tile_sums(T, rbp, racc)
                 cols = yc + j * (2 * BOXM)
-                gl.store(part_row + cols, csum, mask=cols < c1)
+                _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, j, SELF)
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j + 1, empty, SPEC, False)
                 T = S * dot_scale + gl.expand_dims(cb, 1)
             racc, csum = _tile_sums(T, rbp, racc)
             cols = yc + (n_tiles - 1) * (2 * BOXM)
-            gl.store(part_row + cols, csum, mask=cols < c1)
+            _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, n_tiles - 1, SELF)
         else:
             for j in range(n_tiles):
                 acc = _issue_tile(j, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA, EARLY,
@@ -279,13 +292,16 @@ if HAS_GLUON:
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j, empty, SPEC, EARLY)
                 racc, csum = _tile_sums(S * dot_scale + gl.expand_dims(cb, 1), rbp, racc)
-                gl.store(part_row + cols, csum, mask=cols < c1)
+                _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, j, SELF)
 
         # this consumer's row sums over the chunk, added to its own slice of (2, B, N)
         rs = gl.convert_layout(gl.sum(gl.sum(racc, 1), 0), XROW)  # lanes, then warps
-        out = rsum_ptr + (WG * gl.num_programs(1) + b) * N + xr
-        old = gl.load(out, mask=xr < N, other=0.0)
-        gl.store(out, old + rs, mask=xr < N)
+        if SELF:  # other CTAs add these rows' column sums
+            gl.atomic_add(rsum_ptr + b * N + xr, rs, mask=xr < N)
+        else:
+            out = rsum_ptr + (WG * gl.num_programs(1) + b) * N + xr
+            old = gl.load(out, mask=xr < N, other=0.0)
+            gl.store(out, old + rs, mask=xr < N)
 
     @gluon.jit
     def _producer(args, SPEC: gl.constexpr, WG: gl.constexpr):
@@ -317,6 +333,9 @@ if HAS_GLUON:
         XR: gl.constexpr = x_desc.block_type.shape[0]
         b = gl.program_id(1).to(gl.int64)
         row0 = gl.program_id(0) * XR
+        if SPEC[5]:  # SELF: row block I against the column tiles J >= I of the same cloud
+            c0 = row0
+            n_tiles = (N - row0 + XR - 1) // XR
         xrow0 = (b * N + row0).to(gl.int32)
         yrow0 = (b * M + c0).to(gl.int32)
         if X_RESIDENT:
@@ -368,9 +387,9 @@ def _descriptors(x2, y2, cfg: SymmetricConfig):
     return x_desc, y_desc
 
 
-def _spec(cfg: SymmetricConfig, D: int):
+def _spec(cfg: SymmetricConfig, D: int, self_pass: bool = False):
     nk = -(-D // cfg.block_k)
-    return (nk, cfg.stages, cfg.x_resident, nk == 1, cfg.pingpong)
+    return (nk, cfg.stages, cfg.x_resident, nk == 1, cfg.pingpong, self_pass)
 
 
 def symmetric_sums_hopper(x, y, rb, cb, *, eps, c2, precision, config=None, chunk=None):
@@ -412,7 +431,38 @@ def symmetric_sums_hopper(x, y, rb, cb, *, eps, c2, precision, config=None, chun
     return rsum.sum(0), csum
 
 
-def compile_symmetric_for_sm90(D: int, dtype=torch.float32, config=None):
+def self_sums_hopper(x, rb, *, eps, c2, precision, config=None):
+    """Row sums ``R (B, N)`` of ``exp2(c2 log2e / eps <x_i, x_j> + rb_i + rb_j)`` on sm_90:
+    the debiasing (self-transport) update's one pass. The plan of x against itself is
+    symmetric: row block I streams only the column tiles J >= I (one CTA per row block,
+    the longest first) and each tile J > I gives the rows of I their sums and, from the
+    same exps, the rows of J theirs (fp32 atomics; the diagonal tile gives its rows only):
+    N^2 / 2 scores instead of N^2. Arguments as :func:`symmetric_sums_hopper`."""
+    reason = unsupported_reason(x, x, precision)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite positive number; got {eps}")
+    B, N, D = x.shape
+    cfg = config or default_symmetric_config(D, x.dtype)
+    _check_config(cfg, D, x.dtype)
+    dev, f32 = x.device, torch.float32
+    x2 = tma_ready(x).view(B * N, D)
+    x_desc, y_desc = _descriptors(x2, x2, cfg)
+    NB = -(-N // ROWS)
+    NP = NB * ROWS
+    rbp = torch.full((B, NP), float("-inf"), device=dev, dtype=f32)
+    rbp[:, :N] = rb
+    rsum = torch.zeros((B, N), device=dev, dtype=f32)
+    with torch.cuda.device(dev):
+        _symmetric_sm90_kernel[(NB, B)](
+            x_desc, y_desc, rbp, rbp[:, :N].contiguous(), rsum, rsum, N, NP, N, 0, N, COLS, NB,
+            NB, float(c2 * LOG2E / eps), SPEC=_spec(cfg, D, True), num_warps=4,
+        )  # fmt: skip
+    return rsum
+
+
+def compile_symmetric_for_sm90(D: int, dtype=torch.float32, config=None, self_pass=False):
     """The kernel compiled for sm_90 without a GPU (``.asm``, ``.metadata``): CPU tests and
     the check script read its resources and SASS."""
     if not HAS_GLUON:
@@ -424,4 +474,5 @@ def compile_symmetric_for_sm90(D: int, dtype=torch.float32, config=None):
                                   torch.zeros(rows, D, dtype=dtype), cfg)  # fmt: skip
     f = torch.zeros(rows, dtype=torch.float32)
     args = (x_desc, y_desc, f, f, f, f, rows, rows, rows, 0, rows, rows, 2, 2, 1.0)
-    return compile_gluon_sm90(_symmetric_sm90_kernel, args, dict(SPEC=_spec(cfg, D), num_warps=4))
+    kwargs = dict(SPEC=_spec(cfg, D, self_pass), num_warps=4)
+    return compile_gluon_sm90(_symmetric_sm90_kernel, args, kwargs)

@@ -382,10 +382,11 @@ def self_softmin(
     if backend == "auto" and center is None and be == "triton":
         xk = x.to(kdt)
         if sm90_pass_reason(xk, xk, precision) is None:
-            # sm_90: the plain Gluon pass in shift mode (the current potential as guess:
-            # no host sync) is predicted faster than the Triton symmetric kernel at every
-            # measured size (one pass 1.22 ms at 50k, d = 64, H200 call 1, against 2.21 ms
-            # for the Triton symmetric kernel in run 3)
+            # sm_90: the symmetric Gluon kernel (each tile pair once, rows and columns from
+            # one exp: N^2 / 2 scores); if it fails, the plain Gluon pass in shift mode
+            ft = _self_update_sm90(xk, loga, f, cx, eps, c2, damping, precision)
+            if ft is not None:
+                return ft
             return softmin(
                 xk, xk, f, loga, cx, cx, eps=eps, c2=c2, damping=damping,
                 precision=precision, backend=backend, guess=f,
@@ -401,6 +402,30 @@ def self_softmin(
             backend=backend, center=center,
         )[0]  # fmt: skip
     return self_softmin_triton(x, A, cx, eps, c2, damping, precision, center)
+
+
+def _self_update_sm90(xk, loga, f, cx, eps, c2, damping, precision):
+    """The self-transport update on the sm_90 symmetric kernel (``self_sums_hopper``), or
+    None if it failed. The math of :func:`symmetric_update` with y = x: row sums of
+    ``exp2(q_ij + rb_i + rb_j)`` with the shift ``sigma`` putting a mean weight's sum at
+    2^SHIFT_CENTER; rows whose sum left the safe range recomputed exactly."""
+    f32 = torch.float32
+    loga, f, cx = loga.to(f32), f.to(f32), cx.to(f32)
+    N = xk.shape[1]
+    mean_w = torch.logsumexp(loga, -1) - math.log(N)
+    sigma = torch.nan_to_num(_config.SHIFT_CENTER - LOG2E * mean_w, 0.0, 0.0, 0.0)
+    half = (0.5 * sigma)[:, None]
+    rb = (loga + (f - cx) / eps) * LOG2E + half
+    rsum = sm90_call(
+        f"self d={xk.shape[2]} {precision}", _symmetric_hopper.self_sums_hopper, xk, rb,
+        eps=eps, c2=c2, precision=precision,
+    )  # fmt: skip
+    if rsum is None:
+        return None
+    ft = damping * (cx - (eps * LN2) * (torch.log2(rsum) - rb - half))
+    bad = ((rsum >= _config.SHIFT_LO) & (rsum <= _FLT_MAX)).logical_not_()
+    _recompute_rows(xk, xk, f, loga, cx, cx, eps, c2, damping, precision, bad, ft, True)
+    return ft
 
 
 def one_pass_reason(x, y, labels, backend) -> str | None:
@@ -515,9 +540,25 @@ def symmetric_update(
     bad_r = ((rsum >= _config.SHIFT_LO) & (rsum <= _FLT_MAX)).logical_not_()
     bad_c = ((csum >= _config.SHIFT_LO) & (csum <= _FLT_MAX)).logical_not_()
     stats["rows_recomputed"], stats["cols_recomputed"] = bad_r.sum(), bad_c.sum()
-    sweep = x.device.type != "cpu"  # on CPU (the interpreter) a host check is free
-    if sweep or bool(bad_r.any()):
-        softmin_rows_triton(xk, yk, g, logb, cx, cy, eps, c2, damping_x, precision, bad_r, ft)
-    if sweep or bool(bad_c.any()):
-        softmin_rows_triton(yk, xk, f, loga, cy, cx, eps, c2, damping_y, precision, bad_c, gt)
+    gluon = stats["kernel"] == "one pass (sm_90 Gluon)"
+    _recompute_rows(xk, yk, g, logb, cx, cy, eps, c2, damping_x, precision, bad_r, ft, gluon)
+    _recompute_rows(yk, xk, f, loga, cy, cx, eps, c2, damping_y, precision, bad_c, gt, gluon)
     return ft, gt
+
+
+def _recompute_rows(xk, yk, g, logb, cx, cy, eps, c2, damping, precision, bad, out, gluon):
+    """The rows of a one pass whose sums left the safe range, recomputed in place in
+    ``out`` with the running max: on sm_90 the Gluon pass's fallback launch (``gluon``),
+    else the Triton kernel. On CUDA always launched (blocks without a flagged row exit at
+    once: no host sync); on CPU (the interpreter) only when a row is flagged."""
+    if xk.device.type == "cpu" and not bool(bad.any()):
+        return
+    if gluon:
+        res = sm90_call(
+            f"softmin rows d={xk.shape[2]} {precision}", _softmin_hopper.softmin_rows_hopper,
+            xk, yk, g, logb, cx, cy, eps=eps, c2=c2, damping=damping, precision=precision,
+            flags=bad, out=out,
+        )  # fmt: skip
+        if res is not None:
+            return
+    softmin_rows_triton(xk, yk, g, logb, cx, cy, eps, c2, damping, precision, bad, out)
