@@ -50,9 +50,11 @@ class CheckpointMixin:
         """Start from fp32 weights: set every parameter to the nearest narrow (bf16/fp16)
         value of its fp32 master and keep the rest in its correction.
 
-        ``masters``: one tensor per parameter, in ``param_groups`` order (FlashMuon's groups
-        reorder a model's parameters), or a dict {parameter: tensor}, each of the parameter's
-        shape (for FSDP2, DTensors sharded like the parameters, or their local shards). Call
+        ``masters``: a dict {parameter: tensor}, or one tensor per parameter in
+        ``param_groups`` order, each of the parameter's shape (for FSDP2, DTensors sharded
+        like the parameters, or their local shards). A list is refused where the optimizer
+        reordered the parameters it was given (FlashMuon's split into a Muon and an AdamW
+        group): a list in the model's order would fit other parameters of equal shape. Call
         it after building the optimizer, typically with the weights the model had before
         ``model.to(torch.bfloat16)``::
 
@@ -70,6 +72,13 @@ class CheckpointMixin:
         "Parity at 400 steps"). fp32 parameters are set to their master; with
         ``master_weight_bits=None`` only the narrow value is kept."""
         params = [p for group in self.param_groups for p in group["params"]]
+        if not isinstance(masters, dict) and self._reordered:
+            raise ValueError(
+                "load_master_weights: this optimizer's param_groups order is not the order its"
+                " parameters were given in (FlashMuon splits them into a Muon and an AdamW"
+                " group), so a list cannot be matched safely; pass a dict {parameter: fp32"
+                " tensor}, e.g. dict(zip(model.parameters(), masters))"
+            )
         if isinstance(masters, dict):
             missing = sum(1 for p in params if p not in masters)
             if missing:

@@ -78,6 +78,9 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
     _m_key = "exp_avg"
     _v_key: str | None = "exp_avg_sq"
     _decoupled = True
+    # the param_groups order differs from the order the parameters were given in (FlashMuon's
+    # split): load_master_weights then refuses a list
+    _reordered = False
 
     def __init__(
         self,
