@@ -67,7 +67,14 @@ from flashsinkhorn.primitives import (
 )
 from flashsinkhorn.reference import LN2, LOG2E
 
-__all__ = ["softmax_sample", "softmax_sample_ref", "sample_chunk", "DrawMerger", "sample_plan"]
+__all__ = [
+    "softmax_sample",
+    "softmax_sample_ref",
+    "sample_chunk",
+    "DrawMerger",
+    "sample_plan",
+    "sample_from_scores",
+]
 
 BLOCK = _config.SAMPLE_BLOCK  # columns per block of the first level (a pass's tile)
 _M32 = 0xFFFFFFFF
@@ -210,6 +217,20 @@ def softmax_sample_ref(
     rk, ck, bk = _keys(B, N, M, seed, row_offset, col_offset, x.device)
     off = col_offset % BLOCK
     return _draw_dense(s2, rk, ck, bk, off, True, True)[1] + col_offset
+
+
+def sample_from_scores(scores2, seed):
+    """The draw of :func:`softmax_sample` from dense scores ``scores2`` (B, N, M) in log2
+    units (any per-row constant added: the draw ignores it), with the same blocks and hash:
+    a dense backend's plan sampling. Row blocks bound the int64 hash temporaries."""
+    B, N, M = scores2.shape
+    rk, ck, bk = _keys(B, N, M, seed, 0, 0, scores2.device)
+    out = torch.empty((B, N), dtype=torch.int64, device=scores2.device)
+    rows = max(1, _block_rows(N, M) // 4)
+    for i0 in range(0, N, rows):
+        i1 = min(N, i0 + rows)
+        out[:, i0:i1] = _draw_dense(scores2[:, i0:i1], rk[:, i0:i1], ck, bk, 0, True, True)[1]
+    return out
 
 
 @dataclass
@@ -500,26 +521,10 @@ def sample_plan(result, *, seed: int = 0) -> torch.Tensor:
     ``(x_i, y[sample_plan(r)[i]])`` (sharded: :func:`flashsinkhorn.distributed.gather_rows`).
     One streaming pass and a pass over one block of 128 columns per row.
     """
-    from flashsinkhorn.distributed import ShardedProblem  # noqa: PLC0415 (import cycle)
-
+    # every backend supplies the draw (the sharded problem streams the other ranks'
+    # columns); f - cx estimates the rows' -eps LogSumExp of the scores (exact at a balanced
+    # fixed point): the sm_90 pass's fixed shift, exact whatever it is
     p = result._prob
-    if isinstance(p, ShardedProblem):
-        idx = p.sample_rows(result._g, result.eps, seed)
-    else:
-        # the potential f is the c-transform of g (balanced): -eps LSE_j S_ij ~ f - cx
-        guess = (result._f - p.cx).float() if p.labels is None else None
-        idx = softmax_sample(
-            p.Xk,
-            p.Yk,
-            result._g,
-            p.logb,
-            p.cy,
-            eps=result.eps,
-            c2=p.c2,
-            seed=seed,
-            labels=p.labels,
-            precision=p.precision,
-            backend=p.backend,
-            guess=guess,
-        )
+    guess = (result._f - p.cx).float()
+    idx = p.sample_rows(result._g, result.eps, seed, guess=guess)
     return result._unb(idx)
