@@ -356,13 +356,13 @@ def sample_blocks_hopper(
     Mpad = n_tiles * TILE
     bias_p = torch.full((B, Mpad), float("-inf"), device=dev, dtype=f32)
     bias_p[:, off : off + M] = bias
-    online = guess is None
-    if online:
-        sh = bias_p  # unused
-    else:  # the shift in log2 units: the guess's LogSumExp minus the center
-        sh = (guess.to(f32) * (-1.0 / (eps * LN2)) - SHIFT_CENTER).contiguous()
     val, lz0, lzl = (torch.empty((B, N), device=dev, dtype=f32) for _ in range(3))
     tile = torch.empty((B, N), device=dev, dtype=torch.int32)
+    online = guess is None
+    if online:
+        sh = val  # unused (a (B, N) buffer: the kernel reads its rows' entries anyway)
+    else:  # the shift in log2 units: the guess's LogSumExp minus the center
+        sh = (guess.to(f32) * (-1.0 / (eps * LN2)) - SHIFT_CENTER).contiguous()
     flags = torch.empty((B, N), device=dev, dtype=torch.int8) if not online else tile
     descs = _descriptors(tma_ready(x).view(B * N, D), tma_ready(y).view(B * M, D), cfg)
     bufs = (bias_p, sh, rk.contiguous(), bk.contiguous(), val, tile, lz0, lzl, flags)
