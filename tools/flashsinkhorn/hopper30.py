@@ -47,12 +47,12 @@ from hopper_check import (  # noqa: E402
 )
 
 STAGES = {
-    "ceilings": 20,
-    "kernels:64:tf32": 55,
-    "kernels:512:tf32": 50,
-    "loss:64": 70,
-    "loss:512": 40,
-    "peer": 45,
+    "ceilings": 15,
+    "kernels:64:tf32": 50,
+    "kernels:512:tf32": 45,
+    "loss:64": 60,
+    "loss:512": 35,
+    "peer": 40,
     "kernels:64:bf16": 30,
 }
 EXP_RATE = 4.2e12  # default rates (GPU.md, H200) where the ceilings stage failed
@@ -140,7 +140,14 @@ def _ref_rows(fs, xk, yk, g, logw, cx, cy, rows, v=None):
     )
 
 
-def run_kernels(case, deadline, n, out_path):
+def _sync(dev):
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_kernels(case, deadline, n, out_path, device="cuda"):
     import torch
 
     import flashsinkhorn as fs
@@ -149,7 +156,7 @@ def run_kernels(case, deadline, n, out_path):
 
     _, d_str, precision = case.split(":")
     D = int(d_str)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     res = {"case": case, "n": n, "d": D, "precision": precision}
     C = Case(res, out_path, deadline)
     xk, yk, cx, cy, logw = _problem(n, D, precision, dev)
@@ -171,7 +178,7 @@ def run_kernels(case, deadline, n, out_path):
     def timed(fn, extra=None):
         t1 = time.time()
         out = fn()
-        torch.cuda.synchronize()
+        _sync(dev)
         r = {"first_call_s": round(time.time() - t1, 2)}
         r.update(extra(out) if extra else {})
         r["ms"] = _bench(fn, dev)
@@ -227,21 +234,12 @@ def run_kernels(case, deadline, n, out_path):
                         guess=f,
                         fallback_rows=cnt,
                     ),
-                    torch.cuda.synchronize(),
+                    _sync(dev),
                     cnt,
                 )[2]
             )
         },
     )
-    C.step("plan_triton", plan("triton"), optional=True)
-    if D >= 512:  # a narrow V (a barycentric map of a few columns) at large d
-        v64 = yf[..., :64].contiguous()
-        C.step(
-            "plan_auto_dv64",
-            lambda: timed(lambda: fs.softmin(xk, yk, g, logw, cx, cy, v=v64, guess=f, **kw)),
-            optional=True,
-        )
-
     # the debias self update of x: the Gluon symmetric kernel / the plain Gluon pass / Triton
     ref_self = fs.softmin_ref(
         xk[:, rows].double(), xk.double(), f, logw, cx[:, rows], cx, eps=EPS, c2=2.0
@@ -270,8 +268,6 @@ def run_kernels(case, deadline, n, out_path):
         return run
 
     C.step("self_auto", self_step("auto"))
-    C.step("self_plain_gluon", self_step("plain_gluon"), optional=True)
-    C.step("self_triton", self_step("triton"), optional=True)
 
     # plan sampling: the draws of 512 consecutive rows against the float64 reference
     r0 = 1000
@@ -307,6 +303,18 @@ def run_kernels(case, deadline, n, out_path):
         return run
 
     C.step("sample_auto", sample_step("guess"))
+    # the comparisons last (the stage's time limit skips what it cannot fit)
+    C.step("plan_triton", plan("triton"), optional=True)
+    if D >= 512:  # a narrow V (a barycentric map of a few columns) at large d
+        v64 = yf[..., :64].contiguous()
+        C.step(
+            "plan_auto_dv64",
+            lambda: timed(lambda: fs.softmin(xk, yk, g, logw, cx, cy, v=v64, guess=f, **kw)),
+            optional=True,
+        )
+
+    C.step("self_plain_gluon", self_step("plain_gluon"), optional=True)
+    C.step("self_triton", self_step("triton"), optional=True)
     C.step("sample_auto_noguess", sample_step("noguess"), optional=True)
     C.step("sample_triton", sample_step("triton"), optional=True)
     res["sm90_failed"] = dict(primitives.SM90_FAILED)
@@ -315,14 +323,14 @@ def run_kernels(case, deadline, n, out_path):
     return res
 
 
-def run_loss(case, deadline, n, out_path):
+def run_loss(case, deadline, n, out_path, device="cuda"):
     import torch
 
     import flashsinkhorn as fs
     from flashsinkhorn import primitives
 
     D = int(case.split(":")[1])
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     res = {"case": case, "n": n, "d": D}
     C = Case(res, out_path, deadline)
     x, y = _loss_problem(n, D, dev)
@@ -556,20 +564,23 @@ def table(report):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON report path")
-    ap.add_argument("--budget", type=float, default=270.0, help="seconds for all stages")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for all stages")
     ap.add_argument("--n", type=int, default=50000)
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    # cpu: a smoke run of this script's own code (TRITON_INTERPRET=1, small --n)
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.stage:  # a child: one stage, its JSON to --out
         s = args.stage
         if s == "ceilings":
             run_ceilings(args.deadline, args.out)
         elif s.startswith("kernels"):
-            run_kernels(s, args.deadline, args.n, args.out)
+            run_kernels(s, args.deadline, args.n, args.out, args.device)
         elif s.startswith("loss"):
-            run_loss(s, args.deadline, args.n, args.out)
+            run_loss(s, args.deadline, args.n, args.out, args.device)
         else:
             run_peer(args.deadline, args.n, args.out)
         return
@@ -582,14 +593,16 @@ def main():
 
     for s in args.stages.split(","):
         left = t_end - time.time()
-        if left < 8:
+        if left < 20:
             report["cases"][s] = "skipped: budget spent"
             continue
-        limit = min(STAGES.get(s, 40), left)
+        limit = min(STAGES.get(s, 40), left - 12)
         part = f"{args.out}.{s.replace(':', '_')}.json"
         cmd = [
             sys.executable,
             __file__,
+            "--device",
+            args.device,
             "--out",
             part,
             "--stage",
@@ -601,11 +614,11 @@ def main():
         ]
         t0 = time.time()
         try:
-            p = subprocess.run(cmd, timeout=limit + 20, capture_output=True, text=True)
+            p = subprocess.run(cmd, timeout=limit + 10, capture_output=True, text=True)
             log = (p.stdout + p.stderr)[-4000:]
             print(p.stdout[-6000:], p.stderr[-3000:] if p.returncode else "", flush=True)
         except subprocess.TimeoutExpired as e:
-            log = f"TIMEOUT after {limit + 20:.0f} s: {str(e.stdout)[-2000:]}"
+            log = f"TIMEOUT after {limit + 10:.0f} s: {str(e.stdout)[-2000:]}"
             print(log, flush=True)
         try:
             with open(part) as fh:
