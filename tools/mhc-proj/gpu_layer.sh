@@ -11,13 +11,13 @@
 #    run, the hypothesis fuzz of the layer under autocast, DeepSeek's formulation end to
 #    end, the paper-API aliases, the layer against float64 and the CPU path;
 # 4. the training example at GPT-2-small size (12 blocks, width 768, n = 4, bf16 autocast),
-#    exact projection vs Sinkhorn-20, GPT_BUDGET seconds of training (default 110) + plot;
+#    exact projection vs Sinkhorn-20, GPT_BUDGET seconds of training (default 90) + plot;
 # 5. the layer benchmark: ours (exact and Sinkhorn-20) vs LigerMHC, fwd and fwd+bwd, 32K
 #    tokens, C = 7168, n = 4, bf16 stream, identity sublayer, in the same process.
 # Writes OUTDIR/summary.json (steps, test counts, the example's table, the bench rows),
 # summary.md (printed last), build.txt, tests.txt, gpt/ (JSON, PNG, log), bench-layer.json
-# and bench.txt. Expected total on an H100: about 7 minutes (build ~2.5, tests ~1, example
-# ~2.5, bench ~1). Limits (seconds): LIMIT_BUILD 300, LIMIT_TESTS 150, LIMIT_GPT 240,
+# and bench.txt. Expected total on an H100: about 7 minutes (build ~2.5, tests ~1.5,
+# example ~2, bench ~1.5; not yet run on a GPU). Limits (seconds): LIMIT_BUILD 300, LIMIT_TESTS 150, LIMIT_GPT 240,
 # LIMIT_BENCH 200.
 set -uo pipefail
 out="${1:?usage: tools/mhc-proj/gpu_layer.sh OUTDIR}"
@@ -40,6 +40,13 @@ step() {  # step NAME LIMIT_S LOGFILE CMD...
 }
 
 site="$root/.site"; build="$root/.gpu-build"
+# the compile caches tools/gpu_run.sh carries in .gpu-cache/ (Triton kernels: Liger's), if any
+cache_root="${GPU_CACHE_ROOT:-/tmp/gpu-compile-cache}"; mkdir -p "$cache_root"
+if compgen -G "$root/.gpu-cache/gpu-cache.tar.xz.*" >/dev/null; then
+  cat "$root"/.gpu-cache/gpu-cache.tar.xz.* | tar -xJ -C "$cache_root" 2>>"$out/log.txt" \
+    && say "compile cache restored from .gpu-cache/"
+fi
+export TRITON_CACHE_DIR="$cache_root/triton"
 if compgen -G ".whl/liger_kernel-*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" --upgrade \
     .whl/liger_kernel-*.whl >"$out/install.txt" 2>&1 || say "liger-kernel install failed"
@@ -48,7 +55,7 @@ export PYTHONPATH="$build:$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch; print(torch.cuda.get_device_name(), torch.__version__)" | tee -a "$out/log.txt"
 
 # Liger's kernels compile into triton's disk cache while nvcc builds ours
-python3 - >"$out/liger-warmup.txt" 2>&1 <<'PY' &
+timeout 240 python3 - >"$out/liger-warmup.txt" 2>&1 <<'PY' &
 import torch
 from liger_kernel.transformers import LigerMHC
 layer = LigerMHC(torch.nn.Identity(), hc=4, c=7168, phi_dtype=torch.bfloat16).cuda()
@@ -75,7 +82,7 @@ step tests "${LIMIT_TESTS:-150}" "$out/tests.txt" env MHC_PROJ_EXPECT_CUDA=1 pyt
   -k "not test_fuzz_birkhoff and not test_fuzz_sinkhorn"
 
 step gpt "${LIMIT_GPT:-240}" "$out/gpt.txt" python3 packages/mhc-proj/examples/gpt_mhc.py \
-  --out "$out/gpt" --time-budget "${GPT_BUDGET:-110}"
+  --out "$out/gpt" --time-budget "${GPT_BUDGET:-90}"
 python3 packages/mhc-proj/examples/plot_gpt_mhc.py "$out/gpt/gpt_mhc.json" "$out/gpt/gpt_mhc.png" \
   >>"$out/gpt.txt" 2>&1 || say "plot failed (matplotlib?)"
 
