@@ -86,13 +86,16 @@ def test_load_torch_adamw_checkpoint():
     m_f.load_state_dict(m_t.state_dict())
     o_f = fo.FlashAdamW(m_f.parameters(), lr=1e-2)
     o_f.load_state_dict(sd)
-    p_t, p_f = next(iter(m_t.parameters())), next(iter(m_f.parameters()))
-    assert o_f.state[p_f]["exp_avg"].dtype == torch.int8
+    # Linear(32, 4).weight: rows of 32 (quantized); the first layer's rows of 16 keep fp32
+    # states (grid.py), loaded as they are
+    p_t, p_f = m_t[2].weight, m_f[2].weight
+    assert o_f.state[p_f]["exp_avg_codes"].dtype == torch.int8
     assert o_f.state[p_f]["step"] == 5
+    assert torch.equal(o_f.state[m_f[0].weight]["exp_avg"], o_t.state[m_t[0].weight]["exp_avg"])
     from flashoptim_fused import reference
 
     m = reference.dequantize_momentum_ref(
-        o_f.state[p_f]["exp_avg"].view(-1), o_f.state[p_f]["exp_avg_scale"]
+        o_f.state[p_f]["exp_avg_codes"].view(-1), o_f.state[p_f]["exp_avg_scale"]
     ).view(p_t.shape)
     ref = o_t.state[p_t]["exp_avg"].double()
     assert (m - ref).abs().max() <= ref.abs().max() / 60  # within the companded resolution
