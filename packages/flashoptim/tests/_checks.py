@@ -324,7 +324,9 @@ def _decoded(st, k, hp) -> torch.Tensor:
     return dq(v, st[k + "s"].reshape(-1))
 
 
-def small_params(dtype=torch.float32, seed=0, sizes=((7, 5), (33,), (300,))):
+# (7, 5), (33,), (300,): rows under 32 (fp32 states, grid.py); (3, 40): quantized rows of
+# 40 (groups of 32 and 8 per row)
+def small_params(dtype=torch.float32, seed=0, sizes=((7, 5), (33,), (300,), (3, 40))):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in sizes]
 

@@ -179,10 +179,11 @@ def dequantize_variance_ref(code: torch.Tensor, s: torch.Tensor, row=None) -> to
 
 def state_row(p: torch.Tensor, quant: bool) -> int | None:
     """The ``row`` argument of the quantizers for a parameter ``p`` (its local tensor):
-    its row length where rows end inside a group (``grid.py``), else None (the flat grid
-    of 32 is the same)."""
+    its row length where rows of at least a group end inside one (``grid.split``), else
+    None: the flat grid of 32 (the same grid for rows of a multiple of 32; the optimizer
+    keeps fp32 states for shorter rows, and the quantizers on a flat tensor use it)."""
     r = row_len(p)
-    return r if quant and r % GROUP else None
+    return r if quant and r >= GROUP and r % GROUP else None
 
 
 def pad_groups(x: torch.Tensor) -> torch.Tensor:
