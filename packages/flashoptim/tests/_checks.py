@@ -71,14 +71,14 @@ def state_view(opt, p) -> dict:
     """The stored state of ``p`` under the names of ``reference.step_ref``."""
     st = opt.state[p]
     out = {}
-    if opt._m_key in st:
-        out["m"] = st[opt._m_key]
-        if opt._m_key + "_scale" in st:
-            out["ms"] = st[opt._m_key + "_scale"]
-    if opt._v_key is not None and opt._v_key in st:
-        out["v"] = st[opt._v_key]
-        if opt._v_key + "_scale" in st:
-            out["vs"] = st[opt._v_key + "_scale"]
+    for key, a in ((opt._m_key, "m"), (opt._v_key, "v")):
+        if key is None:
+            continue
+        if key + "_codes" in st:  # quantized: codes and the grid's scales (grid.py)
+            out[a] = st[key + "_codes"]
+            out[a + "s"] = st[key + "_scale"]
+        elif key in st:
+            out[a] = st[key]
     if "correction" in st:
         out["c"] = st["correction"]
     return out
@@ -324,7 +324,9 @@ def _decoded(st, k, hp) -> torch.Tensor:
     return dq(v, st[k + "s"].reshape(-1))
 
 
-def small_params(dtype=torch.float32, seed=0, sizes=((7, 5), (33,), (300,))):
+# (7, 5), (33,), (300,): rows under 32 (fp32 states, grid.py); (3, 40): quantized rows of
+# 40 (groups of 32 and 8 per row)
+def small_params(dtype=torch.float32, seed=0, sizes=((7, 5), (33,), (300,), (3, 40))):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in sizes]
 

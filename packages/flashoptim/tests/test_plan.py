@@ -26,10 +26,10 @@ def _count_builds(monkeypatch, params) -> list:
     builds = []
     build = _plan.build_table
 
-    def spy(ps, *rest):
+    def spy(ps, *rest, **kw):
         if any(ps[0] is p for p in params):
             builds.append(1)
-        return build(ps, *rest)
+        return build(ps, *rest, **kw)
 
     monkeypatch.setattr(_plan, "build_table", spy)
     return builds

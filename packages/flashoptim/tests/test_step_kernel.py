@@ -624,17 +624,20 @@ def test_gpu_subnormal_bf16_momenta_quantize():
 
 def _check_subnormal_momenta(backend, dev, dtype):
     for Opt, kw in [(fo.FlashAdamW, {}), (fo.FlashSGD, dict(momentum=0.9)), (fo.FlashLion, {})]:
-        p = torch.randn(100, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
+        # one row of 100 (grid.py: rows of >= 32 are quantized; in one row its grid is the
+        # flat one, groups 32, 32, 32, 4)
+        p = torch.randn(1, 100, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
         p.requires_grad_()
         g = torch.randn(100, generator=torch.Generator().manual_seed(1)) * 1e-39
         g[:32] *= 1e-4  # a group of the smallest subnormals
         g = g.to(dtype).float()  # the values the optimizer sees
         opt = Opt([p], lr=1e-2, backend=backend, **kw)
-        p.grad = g.to(dev, dtype)
+        p.grad = g.to(dev, dtype).view(1, 100)
         opt.step()
         st = opt.state[p]
-        key = opt._m_key
-        got = reference.dequantize_momentum_ref(st[key].cpu(), st[key + "_scale"].cpu())
+        key = opt._m_key + "_codes"
+        scale = st[opt._m_key + "_scale"].cpu().reshape(-1)
+        got = reference.dequantize_momentum_ref(st[key].cpu().reshape(-1), scale)
         want = g.double() * (0.1 if Opt is fo.FlashAdamW else (1.0 if Opt is fo.FlashSGD else 0.01))
         for lo in range(0, 100, 32):
             a, b = got[lo : lo + 32], want[lo : lo + 32]
@@ -646,10 +649,10 @@ def test_momentum_beyond_bf16_range_stays_finite(backend):
     """A momentum group beyond the largest bf16 (3.39e38) had an inf scale (NaN decodes):
     it now codes 0 with the largest bf16 as its scale; the weights stay finite."""
     dev = DEV if backend == "triton" else "cpu"
-    p = torch.zeros(64, device=dev, requires_grad=True)
+    p = torch.zeros(2, 32, device=dev, requires_grad=True)  # rows of 32: quantized
     opt = fo.FlashSGD([p], lr=1e-3, momentum=0.9, backend=backend)
     for _ in range(2):
-        p.grad = torch.full((64,), 3.4e38, device=dev)
+        p.grad = torch.full((2, 32), 3.4e38, device=dev)
         opt.step()
         assert torch.isfinite(p.detach()).all()
         st = opt.state[p]
