@@ -272,7 +272,7 @@ def muon_momentum_cpu(g, st: dict, hp: dict, u_out, step: int, seed: int, idx_ba
         rows = g.numel() // r
         m_pad = pad_rows(flat(st["m"]), r)
         u_pad = torch.empty(m_pad.shape, dtype=u_out.dtype, device=u_out.device)
-        sp = dict(m=m_pad, ms=st["ms"].view(-1))
+        sp = dict(m=m_pad, ms=st["ms"])
         idx = row_index(rows, r, idx_base, m_pad.device)
         _muon_momentum_flat(pad_rows(flat(g), r), sp, hp, u_pad, step, seed, idx)
         flat(st["m"]).copy_(unpad_rows(m_pad, r))
@@ -284,16 +284,17 @@ def muon_momentum_cpu(g, st: dict, hp: dict, u_out, step: int, seed: int, idx_ba
 
 def _muon_momentum_flat(g, st: dict, hp: dict, u_out, step: int, seed: int, idx) -> None:
     mc = flat(st["m"])
+    ms = st["ms"].view(-1) if hp["quant"] else None  # (rows, groups per row), flat
     gf = flat(g).to(torch.float32)
     if hp.get("maximize"):
         gf = -gf
-    m = decode_momentum_t(mc, st["ms"]) if hp["quant"] else mc
+    m = decode_momentum_t(mc, ms) if hp["quant"] else mc
     c = f32_c(1 - hp["mu"])
     m = m + (gf - m) * c
     u = m + (gf - m) * c if hp["nesterov"] else m
     if hp["quant"]:
         h = hash_ref(seed, step, idx) if hp["sr"] else None
-        encode_momentum_t(m, mc, st["ms"], hp["scale_dtype"] == torch.float32, h)
+        encode_momentum_t(m, mc, ms, hp["scale_dtype"] == torch.float32, h)
     else:
         mc.copy_(m)
     u_out.copy_(_to_narrow_t(u, True))

@@ -69,18 +69,29 @@ def layout_error(p: torch.Tensor, where: str) -> ValueError:
 
 
 def global_index_base(p: torch.Tensor) -> int:
-    """Flat index of the first local element in the full tensor (DTensor Shard(0) only): the
-    start of the tensor's stochastic-rounding stream, so a sharded run rounds as one."""
-    if not hasattr(p, "_local_tensor"):
+    """Flat index of the first local element in the full tensor: the start of the tensor's
+    stochastic-rounding stream, so a sharded run rounds as one process does. A DTensor's
+    placements are Shard(0) or Replicate (``check_placements``): each Shard(0) mesh
+    dimension cuts the rows left to it into ``ceil(rows / size)``-row chunks (torch.chunk's
+    rule, FSDP2's), applied in mesh-dimension order."""
+    if not hasattr(p, "_local_tensor") or p.dim() == 0:
         return 0
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        stride = math.prod(p.shape[1:]) if p.dim() > 1 else 1
-        return int(off[0]) * stride if p.dim() else 0
-    except Exception:  # pragma: no cover - older torch / exotic placements
-        return 0
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    start, rows = 0, p.shape[0]
+    for d, pl in enumerate(p.placements):
+        if pl.is_shard():
+            chunk = -(-rows // mesh.size(d))
+            lo = min(coord[d] * chunk, rows)
+            start, rows = start + lo, min(chunk, rows - lo)
+    if rows != local(p).shape[0]:
+        raise ValueError(
+            f"a DTensor parameter of shape {tuple(p.shape)} and placements"
+            f" {tuple(p.placements)} holds {local(p).shape[0]} rows on this rank where"
+            f" torch.chunk's rule gives {rows}: flashoptim cannot place its shard in the"
+            " unsharded tensor (its rounding stream and quantization grid need that)"
+        )
+    return start * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 
 def check_placements(p, where: str) -> None:

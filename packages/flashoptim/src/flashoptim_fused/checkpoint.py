@@ -1,6 +1,7 @@
 """Checkpoints and master weights of the flashoptim optimizers: compact bit-exact state
-dicts, torch.optim checkpoints (quantized on load), FSDP2 / DCP state dicts with per-element
-scales (reshardable), fp32 master weights in and out."""
+dicts, torch.optim checkpoints (quantized on load), FSDP2 / DCP state dicts whose group
+scales are sharded by rows like their parameter (reshardable bit for bit, ``grid.py``),
+fp32 master weights in and out."""
 
 from __future__ import annotations
 
@@ -249,9 +250,15 @@ class CheckpointMixin:
                 st[key].copy_(lay)
                 continue
             dst, dst_s = st[key + "_codes"], st[key + "_scale"]
-            same_grid = scales is not None and scales.dim() == 2
-            if codes is not None and same_grid and scales.shape == dst_s.shape:
-                flat(dst).copy_(flat(codes))  # our own layout: bit for bit
+            # the saved groups are this grid's: (rows, groups per row) scales of our shape,
+            # or 0.2.0's flat grid of 32 on rows of a multiple of 32 (the same groups)
+            flat_grid = state_row(lp, True) is None  # rows of a multiple of 32
+            same_grid = scales is not None and (
+                scales.shape == dst_s.shape
+                or (scales.dim() == 1 and scales.numel() == dst_s.numel() and flat_grid)
+            )
+            if codes is not None and same_grid:
+                flat(dst).copy_(flat(codes))  # bit for bit
                 dst_s.copy_(scales.reshape(dst_s.shape))
                 continue
             # a torch.optim moment, or codes on another grid (older checkpoints): quantized
