@@ -7,9 +7,11 @@ ends where the uninterrupted run ends, bit for bit.
 
 The gradients are set directly (the same full gradient on every rank, each rank its rows):
 the contract is the optimizer's; how FSDP reduces gradients (summation order) is torch's.
-The step runs on the CPU path, bit for bit the Triton kernel's math
+The gloo runs step on the CPU path, bit for bit the Triton kernel's math
 (``test_kernel_rows_equal_cpu_path`` checks that for the per-row layout; ``test_cpu.py`` and
-``test_step_kernel.py`` for the rest).
+``test_step_kernel.py`` for the rest). Without a process group, row shards stepped as
+separate tensors equal the whole tensors on the CPU path and, on a GPU, through the CUDA
+kernel (``test_gpu_row_shards_equal_the_whole``).
 """
 
 import os
@@ -22,7 +24,7 @@ from _checks import INTERP
 from test_distributed import _finish, _spawn
 
 import flashoptim_fused as fo
-from flashoptim_fused import grid
+from flashoptim_fused import _plan, grid
 
 STEPS = 50
 # name -> shape: rows of 64 (the flat grid), rows of 40 and 33 (end inside a group: split
@@ -99,7 +101,12 @@ def _reference(opt_name, steps=STEPS) -> dict:
     return _snapshot(model, opt)
 
 
-def _worker(rank, world, init, out, job):
+def _worker(rank, world, init, out, phases):
+    """Run ``phases`` in order in one process group (one spawn per world size: the
+    processes' start-up is most of the cost on a 2-core machine). A phase: ``tag``, ``mesh``
+    (None: FSDP2 over all ranks; "hsdp": a 2 x (world / 2) mesh, replicated x sharded),
+    ``opts``, ``steps`` (first, stop), optionally ``load`` (a DCP checkpoint to resume),
+    ``save_at`` / ``save``, ``ddp`` (also a plain replicated model, as DDP steps it)."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         import torch.distributed.checkpoint as dcp
@@ -111,43 +118,45 @@ def _worker(rank, world, init, out, job):
         )
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = None
-        if job["mesh"] == "hsdp":
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
         results = {}
-        for opt_name in job["opts"]:
-            Opt, kw = OPTS[opt_name]
-            model = _shard(Net(), mesh)
-            opt = Opt(model.parameters(), **kw)
-            start, stop = job["steps"]
-            if job.get("load"):
-                sd = {"model": get_model_state_dict(model)}
-                sd["optim"] = get_optimizer_state_dict(model, opt)
-                dcp.load(sd, checkpoint_id=job["load"] + opt_name)
-                set_model_state_dict(model, sd["model"])
-                set_optimizer_state_dict(model, opt, sd["optim"])
-            save_at = job.get("save_at")
-            for s in range(start, stop):
-                _train(model, opt, [s])
-                if save_at is not None and s + 1 == save_at:
+        for job in phases:
+            mesh = None
+            if job["mesh"] == "hsdp":
+                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+            for opt_name in job["opts"]:
+                Opt, kw = OPTS[opt_name]
+                model = _shard(Net(), mesh)
+                opt = Opt(model.parameters(), **kw)
+                start, stop = job["steps"]
+                if job.get("load"):
                     sd = {"model": get_model_state_dict(model)}
                     sd["optim"] = get_optimizer_state_dict(model, opt)
-                    dcp.save(sd, checkpoint_id=job["save"] + opt_name)
-            results[opt_name] = _snapshot(model, opt)
-            if job.get("ddp") and opt_name == "adamw":  # plain replicated tensors (DDP)
+                    dcp.load(sd, checkpoint_id=job["load"] + opt_name)
+                    set_model_state_dict(model, sd["model"])
+                    set_optimizer_state_dict(model, opt, sd["optim"])
+                save_at = job.get("save_at")
+                for s in range(start, stop):
+                    _train(model, opt, [s])
+                    if save_at is not None and s + 1 == save_at:
+                        sd = {"model": get_model_state_dict(model)}
+                        sd["optim"] = get_optimizer_state_dict(model, opt)
+                        dcp.save(sd, checkpoint_id=job["save"] + opt_name)
+                results[f"{job['tag']}/{opt_name}"] = _snapshot(model, opt)
+            if job.get("ddp"):  # plain replicated tensors, every rank the whole step
                 plain = Net()
+                Opt, kw = OPTS["adamw"]
                 o2 = Opt(plain.parameters(), **kw)
                 _train(plain, o2, range(STEPS))
-                results["ddp"] = _snapshot(plain, o2)
+                results[f"{job['tag']}-ddp/adamw"] = _snapshot(plain, o2)
         _finish(rank, out, results)
     finally:
         dist.destroy_process_group()
 
 
-def _run(world, job, d, tag):
-    out = os.path.join(d, tag + ".pt")
-    init = "file://" + os.path.join(d, tag + ".store")
-    _spawn(_worker, (world, init, out, job), world, d)
+def _run(world, phases, d):
+    out = os.path.join(d, f"w{world}.pt")
+    init = "file://" + os.path.join(d, f"w{world}.store")
+    _spawn(_worker, (world, init, out, phases), world, d)
     return torch.load(out, weights_only=False)
 
 
@@ -183,30 +192,35 @@ def test_states_cover_every_grid_case(refs):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed")
 def test_fsdp2_meshes_and_reshard_are_bit_identical(refs):
-    """1, 2, 3, 4 ranks (uneven and empty shards), HSDP 2 x 2, DDP; DCP 4 -> 2 -> 1."""
+    """FSDP2 on 1, 2, 3, 4 ranks (uneven and empty shards), HSDP 2 x 2, DDP; a DCP checkpoint
+    saved on 4 ranks at step 25 resumed on 2, saved there at 40 and resumed on 1: every
+    parameter and state bit for bit the one-process run's after 50 steps."""
+    all_opts = list(OPTS)
+    got = {}
     with tempfile.TemporaryDirectory() as d:
         ck = os.path.join(d, "ck")
-        all_opts = list(OPTS)
-        got = {
-            "fsdp1": _run(1, dict(mesh=None, opts=all_opts, steps=(0, STEPS)), d, "w1"),
-            "fsdp2": _run(2, dict(mesh=None, opts=all_opts, steps=(0, STEPS), ddp=True), d, "w2"),
-            "fsdp3": _run(3, dict(mesh=None, opts=all_opts, steps=(0, STEPS)), d, "w3"),
-            "fsdp4": _run(
+        full = dict(mesh=None, opts=all_opts, steps=(0, STEPS))
+        got.update(
+            _run(
                 4,
-                dict(mesh=None, opts=all_opts, steps=(0, STEPS), save_at=25, save=ck + "25"),
+                [
+                    dict(full, tag="fsdp4", save_at=25, save=ck + "25"),
+                    dict(tag="hsdp2x2", mesh="hsdp", opts=["adamw"], steps=(0, STEPS)),
+                ],
                 d,
-                "w4",
-            ),
-            "hsdp2x2": _run(4, dict(mesh="hsdp", opts=["adamw"], steps=(0, STEPS)), d, "h4"),
-        }
-        job2 = dict(mesh=None, opts=all_opts, steps=(25, STEPS), load=ck + "25")
-        job2.update(save_at=40, save=ck + "40")
-        got["4->2"] = _run(2, job2, d, "r2")
-        job1 = dict(mesh=None, opts=all_opts, steps=(40, STEPS), load=ck + "40")
-        got["4->2->1"] = _run(1, job1, d, "r1")
-    for mesh, res in got.items():
-        for o, snap in res.items():
-            _assert_identical(snap, refs["adamw" if o == "ddp" else o], f"{mesh}/{o}")
+            )
+        )
+        resume2 = dict(tag="4->2", mesh=None, opts=all_opts, steps=(25, STEPS), load=ck + "25")
+        resume2.update(save_at=40, save=ck + "40")
+        got.update(_run(2, [dict(full, tag="fsdp2", ddp=True), resume2], d))
+        resume1 = dict(tag="4->2->1", mesh=None, opts=all_opts, steps=(40, STEPS), load=ck + "40")
+        got.update(_run(1, [dict(full, tag="fsdp1"), resume1], d))
+        got.update(_run(3, [dict(full, tag="fsdp3")], d))
+    expected = ["fsdp1", "fsdp2", "fsdp3", "fsdp4", "4->2", "4->2->1"]
+    want = {f"{t}/{o}" for t in expected for o in all_opts} | {"hsdp2x2/adamw", "fsdp2-ddp/adamw"}
+    assert set(got) == want
+    for key, snap in got.items():
+        _assert_identical(snap, refs[key.split("/")[1]], key)
 
 
 @pytest.mark.skipif(not INTERP, reason="the kernel under TRITON_INTERPRET=1")
@@ -234,6 +248,75 @@ def test_kernel_rows_equal_cpu_path(Opt, kw):
         for k, v in a.state[x].items():
             w = b.state[y][k]
             assert torch.equal(v, w) if torch.is_tensor(v) else v == w, k
+
+
+def _row_shards_vs_whole(monkeypatch, opt_name: str, dev: str, world: int, steps=4) -> None:
+    """One process, no process group: each parameter of ``Net`` whole in one optimizer, and
+    cut into the row shards FSDP2 gives ``world`` ranks (torch.chunk's rule: uneven, some
+    empty) as separate tensors in another optimizer. Each shard gets its rank's rounding
+    stream base and its parameter's seed (as a DTensor shard has); after ``steps`` steps
+    the shards, concatenated by rows, equal the whole tensors and states bit for bit."""
+    Opt, kw = OPTS[opt_name]
+    whole = {n: p.detach().to(dev).requires_grad_() for n, p in Net().named_parameters()}
+    shards, bases = {}, {}
+    for n, w in whole.items():
+        rows = -(-w.shape[0] // world)
+        parts = [w.detach()[i * rows : (i + 1) * rows].clone() for i in range(world)]
+        shards[n] = [q.requires_grad_() for q in parts]
+        for i, q in enumerate(shards[n]):
+            bases[id(q)] = i * rows * (w.numel() // w.shape[0])
+    a = Opt(list(whole.values()), backend="auto", **kw)
+    b = Opt([q for qs in shards.values() for q in qs], backend="auto", **kw)
+    for n, w in whole.items():
+        a._init_state(w, a.param_groups[0])
+        for q in shards[n]:
+            b._init_state(q, b.param_groups[0])["seed"] = a.state[w]["seed"]
+    with monkeypatch.context() as m:
+        real = _plan.global_index_base
+        m.setattr(_plan, "global_index_base", lambda p: bases[id(p)] if id(p) in bases else real(p))
+        for s in range(steps):
+            for n, w in whole.items():
+                w.grad = _grad(s, n, SHAPES[n]).to(dev)
+                rows = -(-w.shape[0] // world)
+                for i, q in enumerate(shards[n]):
+                    q.grad = w.grad[i * rows : i * rows + q.shape[0]].clone()
+            a.step()
+            b.step()
+    if world == 4:
+        assert shards["w2"][-1].numel() == 0  # 5 rows on 4 ranks: 2, 2, 1, 0
+    for n, w in whole.items():
+        _assert_identical(_cat_state(b, shards[n]), _cat_state(a, [w]), f"{opt_name}/{n}")
+
+
+def _cat_state(opt, ps) -> dict:
+    """The parameter and each state of ``ps`` (row shards of one tensor), concatenated."""
+    out = {"param": torch.cat([p.detach().cpu() for p in ps])}
+    for k, v in opt.state[ps[0]].items():
+        if torch.is_tensor(v):
+            out[k] = torch.cat([opt.state[p][k].cpu() for p in ps])
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("opt_name", list(OPTS))
+def test_row_shards_equal_the_whole(monkeypatch, opt_name):
+    """The CPU path on 3 and 4 row shards of every grid case (uneven, one empty): the
+    whole tensors' bits."""
+    for world in (3, 4):
+        _row_shards_vs_whole(monkeypatch, opt_name, "cpu", world)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opt_name", list(OPTS))
+def test_gpu_row_shards_equal_the_whole(monkeypatch, opt_name):
+    """The CUDA kernel on 3 and 4 row shards of every grid case (flat-grid rows, per-row
+    table entries, fp32 states; uneven, one empty) in one launch per bucket against the
+    whole tensors in theirs: the same bits (the kernel's approximate arithmetic is the
+    same on both sides; the groups and rounding streams are the grid's)."""
+    monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
+    for world in (3, 4):
+        _row_shards_vs_whole(monkeypatch, opt_name, "cuda", world)
 
 
 def test_grid_rules():

@@ -291,8 +291,6 @@ def rebase_grads(plan: dict, gs: list, gptrs: tuple) -> bool:
     updates = []
     for b in plan["buckets"]:
         ent = b["ent"]
-        if ent["rows"]:  # one entry per row: rebuilt (rare shapes, grid.split)
-            return False
         idx = b["idx"]
         if idx is None:  # the plan's only bucket: every parameter, in order
             bgs, bptrs = gs, gptrs
@@ -315,6 +313,9 @@ def rebase_grads(plan: dict, gs: list, gptrs: tuple) -> bool:
         if bool((d % es).any()):
             return False
         offs = d // es
+        if ent["rows"]:  # one entry per row (grid.split): its parameter's offset + its row
+            own, row0 = ent["owner"], ent["row0"]
+            ptr, offs = ptr[own] + row0 * es, offs[own] + row0
         aligned = bool(((offs % 16 == 0) & (ptr % 16 == 0)).all())
         updates.append((ent, base, offs, aligned))
     for ent, base, col, aligned in updates:

@@ -21,8 +21,9 @@ Per run: the loss curve (mean over ranks), validation loss, peak memory of every
 tokens/s. The first FlashAdamW run also saves a ``torch.distributed.checkpoint`` at half
 the steps, and then a world-size-1 process loads it (resharding), checks that the loaded
 optimizer state equals the saved one bit for bit (gathered: codes, scales, fp32 states,
-corrections and steps; docs/flashoptim.md, "Sharding") and trains the remaining steps; its losses are compared with the uninterrupted run's (the gradient
-reduction order differs between world sizes, so they agree to rounding, not bitwise).
+corrections and steps; docs/flashoptim.md, "Sharding") and trains the remaining steps;
+its losses are compared with the uninterrupted run's (the gradient reduction order differs
+between world sizes, so they agree to rounding, not bitwise).
 Writes ``parity_fsdp.json`` into DIR.
 """
 
