@@ -5,17 +5,22 @@
 - :func:`sinkhorn_project` — the Sinkhorn-k compatibility projection (fused).
 - :class:`mhc_proj.nn.HyperConnection` / :func:`hyper_connection` — the mHC layer around
   a sublayer, with fused pre / post kernels around the projection.
+- :class:`HyperConnectionStack` / :func:`hyper_connection_stack` — a sequence of those
+  layers with each boundary (post of one, norm + GEMM + projection + pre of the next)
+  fused, and a batch-invariant ``deterministic`` mode.
 - :mod:`mhc_proj.reference` — float64 torch oracles.
 """
 
 from mhc_proj._backend import cuda_available, cuda_built
 from mhc_proj.birkhoff import BirkhoffProjection, ProjectionInfo, birkhoff_project
+from mhc_proj.boundary import HyperConnectionStack, hyper_connection_stack
 from mhc_proj.layer import HCMaps, hyper_connection
 from mhc_proj.nn import HyperConnection
 from mhc_proj.reference import (
     birkhoff_project_ref,
     birkhoff_vjp_ref,
     hyper_connection_ref,
+    hyper_connection_stack_ref,
     marginal_error,
     sinkhorn_project_ref,
 )
@@ -27,6 +32,7 @@ __all__ = [
     "BirkhoffProjection",
     "HCMaps",
     "HyperConnection",
+    "HyperConnectionStack",
     "ProjectionInfo",
     "birkhoff_project",
     "birkhoff_project_ref",
@@ -35,6 +41,8 @@ __all__ = [
     "cuda_built",
     "hyper_connection",
     "hyper_connection_ref",
+    "hyper_connection_stack",
+    "hyper_connection_stack_ref",
     "marginal_error",
     "sinkhorn_project",
     "sinkhorn_project_ref",

@@ -46,3 +46,10 @@ N_MIN, N_MAX = 2, 8
 # initial alphas (the mHC paper's gating-factor init, 0.01) and the std of phi's init.
 HC_RMS_EPS, HC_PRE_EPS, HC_POST_MULT = 1e-6, 0.0, 2.0
 HC_ALPHA_INIT, HC_PHI_STD = 0.01, 0.02
+
+# The fused layer boundary (mhc_proj.boundary): each token's row of C columns is summed in
+# splits of BND_SPLIT_COLUMNS columns (rounded to whole chunks), the splits' partials added
+# in order. The deterministic mode (and the CPU) always uses this split, so a token's
+# results do not depend on its batch; the default on CUDA uses narrower splits when the
+# tokens alone would not fill the GPU.
+BND_SPLIT_COLUMNS = 1024
