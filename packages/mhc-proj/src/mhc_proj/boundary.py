@@ -29,7 +29,6 @@ alone, so a token's maps, output and gradients are bitwise the same in any batch
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
@@ -70,13 +69,20 @@ def _mpad(n: int) -> int:
     return (n * n + 2 * n + 15) // 16 * 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def splits(tokens: int, n: int, c: int, *, deterministic: bool, device: torch.device,
-           backward: bool = False) -> tuple[int, int]:  # fmt: skip
+def splits(
+    tokens: int,
+    n: int,
+    c: int,
+    *,
+    deterministic: bool,
+    device: torch.device,
+    backward: bool = False,
+) -> tuple[int, int]:
     """(S, chunks per split) of a boundary launch. Deterministic (and on the CPU): splits
     of BND_SPLIT_COLUMNS columns, a function of (n, C) only. Default on CUDA: more splits
     when the token blocks alone would not fill the GPU, so S depends on the token count."""
@@ -125,8 +131,14 @@ def _phi_operands(phi: torch.Tensor, n: int, c: int) -> tuple[torch.Tensor, torc
 def _sum_splits(part: torch.Tensor) -> torch.Tensor:
     """part (S, ...) summed over S in order (float32)."""
     out = part.new_empty(part.shape[1:])
-    _launch("bnd_sum_splits", part.data_ptr(), out.data_ptr(), part.shape[0], out.numel(),
-            stream_of=part)  # fmt: skip
+    _launch(
+        "bnd_sum_splits",
+        part.data_ptr(),
+        out.data_ptr(),
+        part.shape[0],
+        out.numel(),
+        stream_of=part,
+    )
     return out
 
 
@@ -136,8 +148,24 @@ def _project(lres, projection, iters, sk_eps):
     return sinkhorn_fwd(lres, iters, sk_eps)
 
 
-def _forward(x, f, maps_prev, hres_prev, phi, bias, alpha, has_post, has_pre, projection,
-             iters, sk_eps, rms_eps, pre_eps, post_mult, deterministic):  # fmt: skip
+def _forward(
+    x,
+    f,
+    maps_prev,
+    hres_prev,
+    phi,
+    bias,
+    alpha,
+    has_post,
+    has_pre,
+    projection,
+    iters,
+    sk_eps,
+    rms_eps,
+    pre_eps,
+    post_mult,
+    deterministic,
+):
     t, n, c = x.shape
     m = n * n + 2 * n
     f32 = torch.float32
@@ -161,17 +189,56 @@ def _forward(x, f, maps_prev, hres_prev, phi, bias, alpha, has_post, has_pre, pr
     lres = x.new_empty(t, n, n, dtype=f32)
     inv_r = x.new_empty(t, dtype=f32)
     _launch(
-        "hc_pre_fwd", x1.data_ptr(), mix.data_ptr(), 1, alpha.data_ptr(), bias.data_ptr(),
-        y.data_ptr(), maps.data_ptr(), lres.data_ptr(), inv_r.data_ptr(), t, n, c, code,
-        rms_eps, pre_eps, post_mult, stream_of=x,
-    )  # fmt: skip
+        "hc_pre_fwd",
+        x1.data_ptr(),
+        mix.data_ptr(),
+        1,
+        alpha.data_ptr(),
+        bias.data_ptr(),
+        y.data_ptr(),
+        maps.data_ptr(),
+        lres.data_ptr(),
+        inv_r.data_ptr(),
+        t,
+        n,
+        c,
+        code,
+        rms_eps,
+        pre_eps,
+        post_mult,
+        stream_of=x,
+    )
     h_res = _project(lres, projection, iters, sk_eps)
     return x_next, y, maps, h_res, mix, inv_r, lres
 
 
-def _backward(g_next, g_y, g_maps, g_hres, x, f, maps_prev, hres_prev, x_next, phi, alpha,
-              maps, h_res, mix, inv_r, lres, has_post, has_pre, projection, iters, sk_eps,
-              pre_eps, post_mult, deterministic, need_phi):  # fmt: skip
+def _backward(
+    g_next,
+    g_y,
+    g_maps,
+    g_hres,
+    x,
+    f,
+    maps_prev,
+    hres_prev,
+    x_next,
+    phi,
+    alpha,
+    maps,
+    h_res,
+    mix,
+    inv_r,
+    lres,
+    has_post,
+    has_pre,
+    projection,
+    iters,
+    sk_eps,
+    pre_eps,
+    post_mult,
+    deterministic,
+    need_phi,
+):
     t, n, c = x.shape
     m, nmap = n * n + 2 * n, n * n + n
     f32 = torch.float32
@@ -189,11 +256,28 @@ def _backward(g_next, g_y, g_maps, g_hres, x, f, maps_prev, hres_prev, x_next, p
         coef = x.new_empty(t, dtype=f32)
         x1 = x_next if has_post else x
         _launch(
-            "hc_pre_bwd_reduce", g_y.data_ptr(), x1.data_ptr(), maps.data_ptr(),
-            g_maps.data_ptr(), g_lres.data_ptr(), mix.data_ptr(), 1, inv_r.data_ptr(),
-            alpha.data_ptr(), g_logit.data_ptr(), g_mix.data_ptr(), g_alpha.data_ptr(),
-            coef.data_ptr(), t, n, c, code, pre_eps, post_mult, stream_of=x,
-        )  # fmt: skip
+            "hc_pre_bwd_reduce",
+            g_y.data_ptr(),
+            x1.data_ptr(),
+            maps.data_ptr(),
+            g_maps.data_ptr(),
+            g_lres.data_ptr(),
+            mix.data_ptr(),
+            1,
+            inv_r.data_ptr(),
+            alpha.data_ptr(),
+            g_logit.data_ptr(),
+            g_mix.data_ptr(),
+            g_alpha.data_ptr(),
+            coef.data_ptr(),
+            t,
+            n,
+            c,
+            code,
+            pre_eps,
+            post_mult,
+            stream_of=x,
+        )
     s, cps = splits(t, n, c, deterministic=deterministic, device=x.device, backward=True)
     groups = -(-t // _bwd_group(n)) if x.is_cuda else 1
     w = _width(n)
@@ -206,19 +290,41 @@ def _backward(g_next, g_y, g_maps, g_hres, x, f, maps_prev, hres_prev, x_next, p
     g_x = torch.empty_like(x)
     g_f = x.new_empty(t, c) if has_post else x.new_empty(0)
     phi_a, phi_b = _phi_operands(phi, n, c) if has_pre else (empty, empty)
-    args = [_ptr(x), _ptr(f), _ptr(maps_prev), _ptr(hres_prev), _ptr(g_next), _ptr(g_y),
-            _ptr(maps), _ptr(coef), _ptr(g_mix), _ptr(phi_a)]  # fmt: skip
+    args = [
+        _ptr(x),
+        _ptr(f),
+        _ptr(maps_prev),
+        _ptr(hres_prev),
+        _ptr(g_next),
+        _ptr(g_y),
+        _ptr(maps),
+        _ptr(coef),
+        _ptr(g_mix),
+        _ptr(phi_a),
+    ]
     if x.is_cuda:
         args.append(_ptr(phi_b))
-    args += [_ptr(g_x), _ptr(g_f), _ptr(dh_part), _ptr(dphi), t, n, c, code, has_post, has_pre,
-             s, cps]  # fmt: skip
+    args += [
+        _ptr(g_x),
+        _ptr(g_f),
+        _ptr(dh_part),
+        _ptr(dphi),
+        t,
+        n,
+        c,
+        code,
+        has_post,
+        has_pre,
+        s,
+        cps,
+    ]
     if x.is_cuda:
         args.append(groups)
     _launch("bnd_bwd_main", *args, stream_of=x)
     if has_post:
         dh = _sum_splits(dh_part)
         g_maps_prev = torch.cat([torch.zeros_like(dh[:, :n]), dh[:, n * n :]], dim=1)
-        g_hres_prev = dh[:, : n * n].reshape(t, n, n)
+        g_hres_prev = dh[:, : n * n].reshape(t, n, n).contiguous()  # the fake's strides
     else:
         g_maps_prev, g_hres_prev = x.new_empty(0, dtype=f32), x.new_empty(0, dtype=f32)
     if has_pre:
@@ -235,17 +341,45 @@ def _backward(g_next, g_y, g_maps, g_hres, x, f, maps_prev, hres_prev, x_next, p
 # float32 (has_pre); projection 0 (Birkhoff) or 1 (Sinkhorn-k). Absent outputs are empty.
 @torch.library.custom_op("mhc_proj::bnd_fwd", mutates_args=())
 def _fwd_op(
-    x: torch.Tensor, f: torch.Tensor, maps_prev: torch.Tensor, hres_prev: torch.Tensor,
-    phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, has_post: bool, has_pre: bool,
-    projection: int, iters: int, sk_eps: float, rms_eps: float, pre_eps: float,
-    post_mult: float, deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    f: torch.Tensor,
+    maps_prev: torch.Tensor,
+    hres_prev: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    has_post: bool,
+    has_pre: bool,
+    projection: int,
+    iters: int,
+    sk_eps: float,
+    rms_eps: float,
+    pre_eps: float,
+    post_mult: float,
+    deterministic: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     # autocast stays on inside a custom op: nothing here may be recast behind our back
     with torch.autocast(x.device.type, enabled=False):
-        return _forward(x, f, maps_prev, hres_prev, phi, bias, alpha, has_post, has_pre,
-                        projection, iters, sk_eps, rms_eps, pre_eps, post_mult,
-                        deterministic)  # fmt: skip
+        return _forward(
+            x,
+            f,
+            maps_prev,
+            hres_prev,
+            phi,
+            bias,
+            alpha,
+            has_post,
+            has_pre,
+            projection,
+            iters,
+            sk_eps,
+            rms_eps,
+            pre_eps,
+            post_mult,
+            deterministic,
+        )
 
 
 @_fwd_op.register_fake
@@ -254,50 +388,122 @@ def _(x, f, maps_prev, hres_prev, phi, bias, alpha, has_post, has_pre, *args):
     f32 = torch.float32
     x_next = torch.empty_like(x) if has_post else x.new_empty(0)
     if not has_pre:
-        e = x.new_empty(0, dtype=f32)
-        return x_next, x.new_empty(0), e, e, e, e, e
+        return (x_next, x.new_empty(0)) + tuple(x.new_empty(0, dtype=f32) for _ in range(5))
     m = n * n + 2 * n
     return (
-        x_next, x.new_empty(t, c), x.new_empty(t, 2 * n, dtype=f32),
-        x.new_empty(t, n, n, dtype=f32), x.new_empty(t, m, dtype=f32),
-        x.new_empty(t, dtype=f32), x.new_empty(t, n, n, dtype=f32),
-    )  # fmt: skip
+        x_next,
+        x.new_empty(t, c),
+        x.new_empty(t, 2 * n, dtype=f32),
+        x.new_empty(t, n, n, dtype=f32),
+        x.new_empty(t, m, dtype=f32),
+        x.new_empty(t, dtype=f32),
+        x.new_empty(t, n, n, dtype=f32),
+    )
 
 
 @torch.library.custom_op("mhc_proj::bnd_bwd", mutates_args=())
 def _bwd_op(
-    g_next: torch.Tensor, g_y: torch.Tensor, g_maps: torch.Tensor, g_hres: torch.Tensor,
-    x: torch.Tensor, f: torch.Tensor, maps_prev: torch.Tensor, hres_prev: torch.Tensor,
-    x_next: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, maps: torch.Tensor,
-    h_res: torch.Tensor, mix: torch.Tensor, inv_r: torch.Tensor, lres: torch.Tensor,
-    has_post: bool, has_pre: bool, projection: int, iters: int, sk_eps: float, pre_eps: float,
-    post_mult: float, deterministic: bool, need_phi: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor]:  # fmt: skip
+    g_next: torch.Tensor,
+    g_y: torch.Tensor,
+    g_maps: torch.Tensor,
+    g_hres: torch.Tensor,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    maps_prev: torch.Tensor,
+    hres_prev: torch.Tensor,
+    x_next: torch.Tensor,
+    phi: torch.Tensor,
+    alpha: torch.Tensor,
+    maps: torch.Tensor,
+    h_res: torch.Tensor,
+    mix: torch.Tensor,
+    inv_r: torch.Tensor,
+    lres: torch.Tensor,
+    has_post: bool,
+    has_pre: bool,
+    projection: int,
+    iters: int,
+    sk_eps: float,
+    pre_eps: float,
+    post_mult: float,
+    deterministic: bool,
+    need_phi: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     with torch.autocast(x.device.type, enabled=False):
-        return _backward(g_next, g_y, g_maps, g_hres, x, f, maps_prev, hres_prev, x_next, phi,
-                         alpha, maps, h_res, mix, inv_r, lres, has_post, has_pre, projection,
-                         iters, sk_eps, pre_eps, post_mult, deterministic, need_phi)  # fmt: skip
+        return _backward(
+            g_next,
+            g_y,
+            g_maps,
+            g_hres,
+            x,
+            f,
+            maps_prev,
+            hres_prev,
+            x_next,
+            phi,
+            alpha,
+            maps,
+            h_res,
+            mix,
+            inv_r,
+            lres,
+            has_post,
+            has_pre,
+            projection,
+            iters,
+            sk_eps,
+            pre_eps,
+            post_mult,
+            deterministic,
+            need_phi,
+        )
 
 
 @_bwd_op.register_fake
-def _(g_next, g_y, g_maps, g_hres, x, f, maps_prev, hres_prev, x_next, phi, alpha, maps,
-      h_res, mix, inv_r, lres, has_post, has_pre, *args):  # fmt: skip
+def _(
+    g_next,
+    g_y,
+    g_maps,
+    g_hres,
+    x,
+    f,
+    maps_prev,
+    hres_prev,
+    x_next,
+    phi,
+    alpha,
+    maps,
+    h_res,
+    mix,
+    inv_r,
+    lres,
+    has_post,
+    has_pre,
+    *args,
+):
     t, n, c = x.shape
-    e = x.new_empty(0, dtype=torch.float32)
-    post = (x.new_empty(t, c), torch.empty_like(maps_prev), torch.empty_like(hres_prev))
-    pre = (torch.empty_like(phi), alpha.new_empty(phi.shape[1]), alpha.new_empty(3))
-    return (torch.empty_like(x),) + (post if has_post else (x.new_empty(0), e, e)) + (
-        pre if has_pre else (e, e, e)
-    )
+
+    def e():
+        return x.new_empty(0, dtype=torch.float32)
+
+    post = (x.new_empty(0), e(), e())
+    if has_post:
+        post = (x.new_empty(t, c), torch.empty_like(maps_prev), torch.empty_like(hres_prev))
+    pre = (e(), e(), e())
+    if has_pre:
+        pre = (torch.empty_like(phi), alpha.new_empty(phi.shape[1]), alpha.new_empty(3))
+    return (torch.empty_like(x), *post, *pre)
 
 
 def _fwd_setup(ctx, inputs, output):
     x, f, maps_prev, hres_prev, phi, _bias, alpha, has_post, has_pre, *rest = inputs
     projection, iters, sk_eps, _rms_eps, pre_eps, post_mult, deterministic = rest
     x_next, _y, maps, h_res, mix, inv_r, lres = output
-    ctx.save_for_backward(x, f, maps_prev, hres_prev, x_next, phi, alpha, maps, h_res, mix,
-                          inv_r, lres)  # fmt: skip
+    ctx.save_for_backward(
+        x, f, maps_prev, hres_prev, x_next, phi, alpha, maps, h_res, mix, inv_r, lres
+    )
     ctx.args = (has_post, has_pre, projection, iters, sk_eps, pre_eps, post_mult, deterministic)
     ctx.need_phi = has_pre and ctx.needs_input_grad[4]
 
@@ -318,10 +524,25 @@ def _fwd_autograd(ctx, g_next, g_y, g_maps, g_hres, *_unused):
         g_y = x.new_empty(0)
         g_maps = g_hres = maps
     g_x, g_f, g_mp, g_hr, g_phi, g_bias, g_alpha = _bwd_op(
-        g_next.contiguous(), g_y.contiguous(), g_maps.contiguous(), g_hres.contiguous(), x, f,
-        maps_prev, hres_prev, x_next, phi, alpha, maps, h_res, mix, inv_r, lres, *ctx.args,
+        g_next.contiguous(),
+        g_y.contiguous(),
+        g_maps.contiguous(),
+        g_hres.contiguous(),
+        x,
+        f,
+        maps_prev,
+        hres_prev,
+        x_next,
+        phi,
+        alpha,
+        maps,
+        h_res,
+        mix,
+        inv_r,
+        lres,
+        *ctx.args,
         ctx.need_phi,
-    )  # fmt: skip
+    )
     post = (g_f, g_mp, g_hr) if has_post else (None, None, None)
     pre = (g_phi, g_bias, g_alpha) if has_pre else (None, None, None)
     return (g_x,) + post + pre + (None,) * 9
@@ -337,9 +558,14 @@ def _alphas(hc: HyperConnection) -> torch.Tensor:
 
 def _pre_args(hc: HyperConnection, deterministic: bool) -> tuple:
     return (
-        PROJECTIONS.index(hc.projection), hc.tmax, hc.sinkhorn_eps, hc.rms_eps, hc.pre_eps,
-        hc.post_mult, deterministic,
-    )  # fmt: skip
+        PROJECTIONS.index(hc.projection),
+        hc.tmax,
+        hc.sinkhorn_eps,
+        hc.rms_eps,
+        hc.pre_eps,
+        hc.post_mult,
+        deterministic,
+    )
 
 
 def _check(x, layers):
@@ -349,16 +575,20 @@ def _check(x, layers):
         raise ValueError("layers must hold at least one HyperConnection; got none")
     for i, hc in enumerate(layers):
         if not isinstance(hc, HyperConnection):
-            raise TypeError(f"layers[{i}] must be a mhc_proj.HyperConnection; got "
-                            f"{type(hc).__name__}")  # fmt: skip
+            raise TypeError(
+                f"layers[{i}] must be a mhc_proj.HyperConnection; got {type(hc).__name__}"
+            )
     n, c = layers[0].hc, layers[0].c
     for i, hc in enumerate(layers):
         if (hc.hc, hc.c) != (n, c):
-            raise ValueError(f"every layer must have the same hc and c: layers[0] has "
-                             f"(hc, c) = {(n, c)}, layers[{i}] {(hc.hc, hc.c)}")  # fmt: skip
+            raise ValueError(
+                f"every layer must have the same hc and c: layers[0] has "
+                f"(hc, c) = {(n, c)}, layers[{i}] {(hc.hc, hc.c)}"
+            )
         if hc.phi.device != x.device:
-            raise ValueError(f"layers[{i}].phi must be on x's device {x.device}; got "
-                             f"{hc.phi.device}")  # fmt: skip
+            raise ValueError(
+                f"layers[{i}].phi must be on x's device {x.device}; got {hc.phi.device}"
+            )
     if x.dtype not in _STREAM_CODE:
         raise TypeError(f"x (the residual stream) must be bfloat16 or float32; got {x.dtype}")
     if x.dim() < 2 or tuple(x.shape[-2:]) != (n, c):
@@ -404,9 +634,17 @@ def hyper_connection_stack(
     all_maps = []
     for i, hc in enumerate(layers):
         x_next, y, maps, h_res, *_ = _fwd_op(
-            cur, f, maps_prev, hres_prev, hc.phi.float().contiguous(), hc.b.float(),
-            _alphas(hc), i > 0, True, *_pre_args(hc, deterministic),
-        )  # fmt: skip
+            cur,
+            f,
+            maps_prev,
+            hres_prev,
+            hc.phi.float().contiguous(),
+            hc.b.float(),
+            _alphas(hc),
+            i > 0,
+            True,
+            *_pre_args(hc, deterministic),
+        )
         if i > 0:
             cur = x_next
         out = hc.layer(y.reshape(*shape[:-2], c))
@@ -419,13 +657,26 @@ def hyper_connection_stack(
         maps_prev, hres_prev = maps, h_res
         if return_maps:
             lead = shape[:-2]
-            all_maps.append(HCMaps(maps[:, :n].reshape(*lead, n), maps[:, n:].reshape(*lead, n),
-                                   h_res.reshape(*lead, n, n)))  # fmt: skip
+            all_maps.append(
+                HCMaps(
+                    maps[:, :n].reshape(*lead, n),
+                    maps[:, n:].reshape(*lead, n),
+                    h_res.reshape(*lead, n, n),
+                )
+            )
     last = layers[-1]
     x_out = _fwd_op(
-        cur, f, maps_prev, hres_prev, empty32, empty32, empty32, True, False,
+        cur,
+        f,
+        maps_prev,
+        hres_prev,
+        empty32,
+        empty32,
+        empty32,
+        True,
+        False,
         *_pre_args(last, deterministic),
-    )[0].reshape(shape)  # fmt: skip
+    )[0].reshape(shape)
     return (x_out, all_maps) if return_maps else x_out
 
 
@@ -448,8 +699,9 @@ class HyperConnectionStack(torch.nn.Module):
         layers = list(layers)
         for i, hc in enumerate(layers):
             if not isinstance(hc, HyperConnection):
-                raise TypeError(f"layers[{i}] must be a mhc_proj.HyperConnection; got "
-                                f"{type(hc).__name__}")  # fmt: skip
+                raise TypeError(
+                    f"layers[{i}] must be a mhc_proj.HyperConnection; got {type(hc).__name__}"
+                )
         self.layers = torch.nn.ModuleList(layers)
         self.deterministic = bool(deterministic)
 

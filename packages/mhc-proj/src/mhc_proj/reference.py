@@ -212,8 +212,9 @@ def hyper_connection_ref(
     return out
 
 
-def hyper_connection_stack_ref(x: torch.Tensor, layers, *, dtype: torch.dtype = torch.float64,
-                               return_maps: bool = False):  # fmt: skip
+def hyper_connection_stack_ref(
+    x: torch.Tensor, layers, *, dtype: torch.dtype = torch.float64, return_maps: bool = False
+):
     """The chain ``for hc in layers: x = hc(x)`` of :func:`hyper_connection_ref`: the oracle
     of :func:`mhc_proj.hyper_connection_stack` (whose fused boundaries change the order of
     the work, never the function). ``layers``: objects with a HyperConnection's attributes
@@ -223,11 +224,22 @@ def hyper_connection_stack_ref(x: torch.Tensor, layers, *, dtype: torch.dtype = 
     maps = []
     for hc in layers:
         x = hyper_connection_ref(
-            x, hc.layer, hc.phi, hc.b, hc.alpha_pre, hc.alpha_post, hc.alpha_res,
-            projection=hc.projection, sinkhorn_iters=hc.tmax, sinkhorn_eps=hc.sinkhorn_eps,
-            rms_eps=hc.rms_eps, pre_eps=hc.pre_eps, post_mult=hc.post_mult, dtype=dtype,
+            x,
+            hc.layer,
+            hc.phi,
+            hc.b,
+            hc.alpha_pre,
+            hc.alpha_post,
+            hc.alpha_res,
+            projection=hc.projection,
+            sinkhorn_iters=hc.tmax,
+            sinkhorn_eps=hc.sinkhorn_eps,
+            rms_eps=hc.rms_eps,
+            pre_eps=hc.pre_eps,
+            post_mult=hc.post_mult,
+            dtype=dtype,
             return_maps=return_maps,
-        )  # fmt: skip
+        )
         if return_maps:
             x, m = x
             maps.append(m)
