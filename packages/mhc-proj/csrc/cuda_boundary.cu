@@ -154,8 +154,6 @@ void register_boundary(py::module_& m) {
         check_launch("bnd_sum_splits");
       },
       "out[i] = sum over s = 0..S-1 (in order) of part[s][i]");
-  m.def("bnd_bwd_group", [](int n) { return bwd_group(n); },
-        "tokens per block of the backward kernel (the dL/dphi partials' group)");
 }
 
 }  // namespace mhc_bnd

@@ -231,7 +231,7 @@ def test_options_and_maps(device):
 
 # ---------------------------------------------------------------- the CUDA path vs the CPU path
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-5), (torch.bfloat16, BF16_BOUND)])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 6e-5), (torch.bfloat16, BF16_BOUND)])
 @pytest.mark.parametrize(
     "lead,n,c",
     [
@@ -247,7 +247,10 @@ def test_options_and_maps(device):
 )
 def test_cuda_vs_cpu(dtype, bound, lead, n, c):
     """Wide rows (C = 7168: many chunks and splits), several token groups (600 tokens),
-    C not a multiple of the chunk or of the vector (the scalar path), every n class."""
+    C not a multiple of the chunk or of the vector (the scalar path), every n class.
+    float32 bound: CUDA multiplies by phi split into bf16 hi + lo (16 significant bits),
+    the CPU by float32 phi; that rounding alone moves these cases by up to 1.8e-5 (the CPU
+    path with a rounded phi), the g_h split and the tensor cores' sums add to it."""
     layers = _layers(n, c, 2, seed=c + n, sub="linear" if c <= 256 else "diag")
     x = torch.randn(*lead, n, c, generator=torch.Generator().manual_seed(3)).to(dtype)
     out_c, maps_c, g_c, gout = _run(layers, x, "cuda")

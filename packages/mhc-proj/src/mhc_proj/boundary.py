@@ -34,14 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from mhc_proj import _backend
-from mhc_proj._config import (
-    BND_SPLIT_COLUMNS,
-    FALLBACK_MAX_ITER,
-    MAX_ITER_F32,
-    N_MAX,
-    N_MIN,
-    TOL_F32,
-)
+from mhc_proj._config import BND_SPLIT_COLUMNS, FALLBACK_MAX_ITER, MAX_ITER_F32, TOL_F32
 from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.layer import PROJECTIONS, HCMaps
 from mhc_proj.nn import HyperConnection
@@ -50,6 +43,7 @@ from mhc_proj.sinkhorn import sinkhorn_bwd, sinkhorn_fwd
 __all__ = ["hyper_connection_stack", "HyperConnectionStack"]
 
 _STREAM_CODE = {torch.float32: 0, torch.bfloat16: 2}
+_N_MIN, _N_MAX = 2, 8  # the boundary kernels' instantiations (csrc/boundary_n.cu)
 # the CUDA kernels' blocks (boundary_kernels.cuh): tokens per forward block, per backward
 # block (n <= 4 / n > 4), and the blocks per SM each wants at least
 _FWD_TILE, _FWD_BLOCKS_PER_SM = 128, 4
@@ -595,8 +589,8 @@ def _check(x, layers):
         raise ValueError(f"x must have shape (..., {n}, {c}); got {tuple(x.shape)}")
     if not (x.is_cuda or x.is_cpu):
         raise ValueError(f"x must be on a CPU or CUDA device; got {x.device}")
-    if not N_MIN <= n <= N_MAX:
-        raise ValueError(f"the number of streams n must be in 2..8; got {n}")
+    if not _N_MIN <= n <= _N_MAX:
+        raise ValueError(f"the fused boundary runs n = 2..8 streams; got hc = {n}")
 
 
 def hyper_connection_stack(
