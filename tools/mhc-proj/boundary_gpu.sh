@@ -5,8 +5,9 @@
 #
 # 1. installs the peer wheels in .whl/ (Liger-Kernel 0.8.5) into .site/ and, in the
 #    background, compiles Liger's mHC Triton kernels for C = 4096 and 7168 (its first call
-#    at these widths compiles for minutes: done while we build, the bench finds them cached);
-# 2. builds mhc-proj for sm_90 only (CUDAARCHS=90) into .site/;
+#    at these widths compiles for minutes: done while we build, the bench finds them in
+#    Triton's cache; the caches tools/gpu_run.sh carries in .gpu-cache/ are restored first);
+# 2. builds mhc-proj for sm_90 only (CUDAARCHS=90, all cores) into .gpu-build/;
 # 3. runs the GPU tests of the boundary (tests/test_boundary.py -m gpu: CUDA vs the C++ CPU
 #    path, float64, batch invariance, CUDA graphs, torch.compile, checkpointing, autocast);
 # 4. benchmarks: one boundary fwd / fwd+bwd at 32K and 2K tokens, C = 4096 and 7168, n = 4,
@@ -44,9 +45,16 @@ step() {  # step NAME LIMIT_S FILE CMD...: run under a time limit, record status
   return $rc
 }
 
-site="$root/.site"
+site="$root/.site"; build="$root/.gpu-build"
 mkdir -p "$site"
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$build:$site${PYTHONPATH:+:$PYTHONPATH}"
+# the compile caches tools/gpu_run.sh carries in .gpu-cache/ (Triton: Liger's kernels), if any
+cache_root="${GPU_CACHE_ROOT:-/tmp/gpu-compile-cache}"; mkdir -p "$cache_root"
+if compgen -G "$root/.gpu-cache/gpu-cache.tar.xz.*" >/dev/null; then
+  cat "$root"/.gpu-cache/gpu-cache.tar.xz.* | tar -xJ -C "$cache_root" 2>>"$log" \
+    && say "compile cache restored from .gpu-cache/"
+fi
+export TRITON_CACHE_DIR="$cache_root/triton" TORCHINDUCTOR_CACHE_DIR="$cache_root/inductor"
 if compgen -G ".whl/liger_kernel*.whl" >/dev/null; then
   step "install liger-kernel" 60 "$out/install.txt" python3 -m pip install -q --no-index \
     --no-deps --no-compile --target "$site" --upgrade .whl/liger_kernel*.whl
@@ -69,8 +77,7 @@ print(json.dumps(env, indent=1))
 PY
 cat "$out/env.json" >>"$log"
 
-# Liger's Triton kernels for both widths (few tokens: the compile is keyed by the shape
-# constants, not the token count), while the build runs
+# Liger's Triton kernels for both widths, at the bench's shape, while the build runs
 warm_pid=""
 if python3 -c "import liger_kernel" 2>/dev/null; then
   ( timeout 330 python3 - >"$out/liger-warm.txt" 2>&1 <<'PY'
@@ -79,7 +86,7 @@ from liger_kernel.transformers import LigerMHC
 for c in (4096, 7168):
     t0 = time.time()
     m = LigerMHC(torch.nn.Identity(), hc=4, c=c, phi_dtype=torch.bfloat16).cuda()
-    x = torch.randn(2, 128, 4, c, device="cuda").bfloat16().requires_grad_(True)
+    x = torch.randn(8, 4096, 4, c, device="cuda").bfloat16().requires_grad_(True)
     m(x).backward(torch.randn_like(x))
     torch.cuda.synchronize()
     print(f"liger C={c}: first fwd+bwd {time.time() - t0:.1f} s", flush=True)
@@ -89,11 +96,13 @@ PY
 fi
 
 built=0
-export CUDAARCHS=90  # Hopper only: the quickest build
-step "build mhc-proj (sm_90)" 330 "$out/build.txt" python3 -m pip install -q \
-  --no-build-isolation --no-deps --target "$site" --upgrade packages/mhc-proj && built=1
+rm -rf "$build"
+# Hopper only (the quickest build), every core
+step "build mhc-proj (sm_90)" 330 "$out/build.txt" env CUDAARCHS=90 \
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -q --no-build-isolation \
+  --no-deps --target "$build" packages/mhc-proj && built=1
 if [ $built = 1 ]; then
-  so=$(ls "$site"/mhc_proj/_cuda*.so 2>/dev/null | head -n 1)
+  so=$(ls "$build"/mhc_proj/_cuda*.so 2>/dev/null | head -n 1)
   if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
     cuobjdump -res-usage "$so" 2>/dev/null | grep -A1 "bnd_" | grep -E "Function|REG" \
       | paste - - | sed -E 's/[[:space:]]+/ /g' >"$out/resources.txt" || true
@@ -107,7 +116,7 @@ if [ $built = 1 ]; then
   step "gpu tests (test_boundary.py)" 150 "$out/tests.txt" python3 -m pytest -q -rfE -m gpu \
     -p no:cacheprovider -c pyproject.toml --rootdir . "${workers[@]}" \
     packages/mhc-proj/tests/test_boundary.py
-  step "bench hc_boundary hc_chain" 150 "$out/bench.txt" python3 -m mhc_proj.bench \
+  step "bench hc_boundary hc_chain" 200 "$out/bench.txt" python3 -m mhc_proj.bench \
     --bench hc_boundary hc_chain --json "$out/bench-boundary.json"
   step "gpt step (12 layers, fused vs unfused)" 90 "$out/gpt.txt" python3 \
     tools/mhc-proj/gpt_boundary_step.py --json "$out/gpt-step.json"

@@ -11,7 +11,7 @@
 //
 // Backward, with G = dL/dx1 from the next boundary and g_y = dL/dy:
 //
-//   Gt[k]  = G[k] + H_pre[k] g_y + (g_h phi^T)[k] + coef x1[k]     (all of dL/dx1)
+//   Gt[k]  = G[k] + H_pre[k] g_y + (g_h phi^T)[k] + coef inv_r x1[k]   (all of dL/dx1)
 //   dL/dx[j] = sum_i H_res[i][j] Gt[i],   dL/df = sum_i H_post[i] Gt[i]
 //   dL/dH_res[i][j] += <Gt[i], x[j]>,    dL/dH_post[i] += <Gt[i], f>
 //   dL/dphi += vec(x1)^T g_h
@@ -63,9 +63,12 @@ MHC_HD float bnd_post(int n, const float* hres_row, float hpost, const float* x,
 }
 
 // dL/dx1[k] at one column: the gradient from the next boundary g, the pre-mix's share
-// H_pre[k] g_y, the mixing GEMM's share gh = (g_h phi^T)[k] and the RMS norm's coef x1[k].
-MHC_HD float bnd_stream_grad(float g, float hpre, float gy, float gh, float coef, float x1) {
-  return fmaf(coef, x1, bnd_add(fmaf(hpre, gy, g), gh));
+// H_pre[k] g_y, the mixing GEMM's share gh = (g_h phi^T)[k] and the RMS norm's term
+// coef (inv_r x1[k]) (coef and inv_r from the layer's hc_pre_bwd_reduce / hc_pre_fwd: the
+// product inv_r x1 stays finite for a stream near FLT_MAX, hc_layer.h).
+MHC_HD float bnd_stream_grad(float g, float hpre, float gy, float gh, float coef, float inv_r,
+                             float x1) {
+  return fmaf(coef, bnd_mul(inv_r, x1), bnd_add(fmaf(hpre, gy, g), gh));
 }
 
 // The post-mix's backward at one column: writes dL/dx[0..n) and returns dL/df; adds the

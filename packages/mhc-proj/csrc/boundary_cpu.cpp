@@ -95,7 +95,7 @@ void fwd_main(const E* x, const E* f, const float* maps_prev, const float* hres_
 template <typename E>
 void bwd_main(const E* x, const E* f, const float* maps_prev, const float* hres_prev,
               const E* g_next, const E* g_y, const float* maps, const float* coef,
-              const float* g_mix, const float* phi, E* g_x, E* g_f, float* dh_part, float* dphi,
+              const float* inv_r, const float* g_mix, const float* phi, E* g_x, E* g_f, float* dh_part, float* dphi,
               const Geometry& g, bool has_post, bool has_pre) {
   const int n = g.n, M = g.M, K = n * n + n;
   for (int64_t t = 0; t < g.T; ++t) {
@@ -103,7 +103,7 @@ void bwd_main(const E* x, const E* f, const float* maps_prev, const float* hres_
     const float* hres = has_post ? hres_prev + t * n * n : nullptr;
     const float* hpre = has_pre ? maps + t * 2 * n : nullptr;
     const float* gm = has_pre ? g_mix + t * M : nullptr;
-    const float cf = has_pre ? coef[t] : 0.0f;
+    const float cf = has_pre ? coef[t] : 0.0f, r = has_pre ? inv_r[t] : 0.0f;
     for (int s = 0; s < g.S; ++s) {
       float acc[kMaxN * kMaxN + kMaxN] = {};
       int64_t first, last;
@@ -123,7 +123,7 @@ void bwd_main(const E* x, const E* f, const float* maps_prev, const float* hres_
             const float* pr = phi + (k * g.C + c) * M;
             float gh = 0.0f;
             for (int m = 0; m < M; ++m) gh = fmaf(gm[m], pr[m], gh);
-            gt[k] = mhc::bnd_stream_grad(gn, hpre[k], gy, gh, cf, x1[k]);
+            gt[k] = mhc::bnd_stream_grad(gn, hpre[k], gy, gh, cf, r, x1[k]);
             float* dr = dphi + (k * g.Cp + c) * g.MP;
             for (int m = 0; m < M; ++m) dr[m] = fmaf(x1[k], gm[m], dr[m]);
           }
@@ -171,7 +171,7 @@ void register_boundary(py::module_& m) {
     });
   });
   m.def("bnd_bwd_main", [](u x, u f, u maps_prev, u hres_prev, u g_next, u g_y, u maps, u coef,
-                           u g_mix, u phi, u g_x, u g_f, u dh_part, u dphi, int64_t T, int n,
+                           u inv_r, u g_mix, u phi, u g_x, u g_f, u dh_part, u dphi, int64_t T, int n,
                            int64_t C, int dtype, bool has_post, bool has_pre, int S, int cps) {
     const Geometry g(T, n, C, S, cps);
     py::gil_scoped_release nogil;
@@ -179,7 +179,8 @@ void register_boundary(py::module_& m) {
       using E = decltype(e);
       bwd_main<E>(ptr<const E>(x), ptr<const E>(f), ptr<const float>(maps_prev),
                   ptr<const float>(hres_prev), ptr<const E>(g_next), ptr<const E>(g_y),
-                  ptr<const float>(maps), ptr<const float>(coef), ptr<const float>(g_mix),
+                  ptr<const float>(maps), ptr<const float>(coef), ptr<const float>(inv_r),
+                  ptr<const float>(g_mix),
                   ptr<const float>(phi), ptr<E>(g_x), ptr<E>(g_f), ptr<float>(dh_part),
                   ptr<float>(dphi), g, has_post, has_pre);
     });

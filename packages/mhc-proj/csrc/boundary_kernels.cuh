@@ -171,7 +171,8 @@ struct BwdArgs {
   const void* g_next;      // (T, n, C) dL/dx1 from the next boundary, or null (zero)
   const void* g_y;         // (T, C) (has_pre)
   const float* maps;       // (T, 2n) this boundary's maps: H_pre in the first n (has_pre)
-  const float* coef;       // (T,) the RMS norm's coefficient (has_pre)
+  const float* coef;       // (T,) the RMS norm's coefficient (of inv_r x1) (has_pre)
+  const float* inv_r;      // (T,) (has_pre)
   const float* g_mix;      // (T, M) dL/dh (has_pre)
   const bf16* phi_hi;      // (n, Cp, MP) (has_pre)
   const bf16* phi_lo;
@@ -208,7 +209,7 @@ template <typename E, int N>
 __host__ __device__ constexpr size_t bwd_smem_bytes() {
   using L = Layout<N>;
   constexpr bool kSplitX = sizeof(E) == 4;
-  constexpr int NTOK = L::NMAP + N + 1;
+  constexpr int NTOK = L::NMAP + N + 2;
   return size_t(2 * L::K * L::LDP + 2 * kBwdTile * L::LDP + (kSplitX ? 2 : 1) * kBwdTile * L::LDA) *
              2 +
          size_t(kBwdTile * L::LDG + kBwdTile * NTOK + bwd_group(N) * L::NMAP) * 4;
@@ -346,7 +347,7 @@ template <typename E, int N, int V>
 __global__ void __launch_bounds__(kThreads, 2) bnd_bwd_kernel(BwdArgs a) {
   using L = Layout<N>;
   constexpr int W = L::W, K = L::K, M = L::M, MP = L::MP, NMAP = L::NMAP;
-  constexpr int NTOK = NMAP + N + 1;  // H_res, H_post (previous layer), H_pre, coef
+  constexpr int NTOK = NMAP + N + 2;  // H_res, H_post (previous layer), H_pre, coef, inv_r
   constexpr int TM = kBwdTile, GT = bwd_group(N), CPI = W / kLanesPerToken, NV = CPI / V;
   constexpr int KF = K / 16, MF = MP / 16, TF = TM / 16;
   constexpr int NDF = KF * MF, DPW = (NDF + kWarps - 1) / kWarps;
@@ -400,8 +401,10 @@ __global__ void __launch_bounds__(kThreads, 2) bnd_bwd_kernel(BwdArgs a) {
             v = a.has_post ? a.maps_prev[t * 2 * N + N + (p - N * N)] : 0.0f;
           else if (p < NMAP + N)
             v = a.has_pre ? a.maps[t * 2 * N + (p - NMAP)] : 0.0f;
-          else
+          else if (p == NMAP + N)
             v = a.has_pre ? a.coef[t] : 0.0f;
+          else
+            v = a.has_pre ? a.inv_r[t] : 0.0f;
         }
         s_tok[i] = v;
       }
@@ -443,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, 2) bnd_bwd_kernel(BwdArgs a) {
       const float* hres = tok;
       const float* hpost = tok + N * N;
       const float* hpre = tok + NMAP;
-      const float cf = tok[NMAP + N];
+      const float cf = tok[NMAP + N], r = tok[NMAP + N + 1];
       float accd[NMAP];
 #pragma unroll
       for (int p = 0; p < NMAP; ++p) accd[p] = 0.0f;
@@ -483,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 2) bnd_bwd_kernel(BwdArgs a) {
                 s_x_hi[tl * L::LDA + k * W + jc + e] = hi;
                 if constexpr (kSplitX) s_x_lo[tl * L::LDA + k * W + jc + e] = lo;
                 gt[k] = mhc::bnd_stream_grad(gv[k][e], hpre[k], gyv[e],
-                                             s_gh[tl * L::LDG + k * W + jc + e], cf, x1[k]);
+                                             s_gh[tl * L::LDG + k * W + jc + e], cf, r, x1[k]);
               }
             } else {
 #pragma unroll

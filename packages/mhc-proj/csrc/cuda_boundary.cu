@@ -112,9 +112,9 @@ void register_boundary(py::module_& m) {
       "x_next = the post-mix, and the split partials of h = vec(x_next) phi");
   m.def(
       "bnd_bwd_main",
-      [](u x, u f, u maps_prev, u hres_prev, u g_next, u g_y, u maps, u coef, u g_mix, u phi_hi,
-         u phi_lo, u g_x, u g_f, u dh_part, u dphi_part, int64_t T, int n, int64_t C, int dtype,
-         bool has_post, bool has_pre, int S, int cps, int64_t groups, u stream) {
+      [](u x, u f, u maps_prev, u hres_prev, u g_next, u g_y, u maps, u coef, u inv_r, u g_mix,
+         u phi_hi, u phi_lo, u g_x, u g_f, u dh_part, u dphi_part, int64_t T, int n, int64_t C,
+         int dtype, bool has_post, bool has_pre, int S, int cps, int64_t groups, u stream) {
         int64_t nchunks, Cp;
         check_args(n, dtype, T, C, S, cps, nchunks, Cp);
         const int group = bwd_group(n);
@@ -125,7 +125,8 @@ void register_boundary(py::module_& m) {
         if (T == 0) return;
         BwdArgs a{ptr<const void>(x),        ptr<const void>(f),        ptr<const float>(maps_prev),
                   ptr<const float>(hres_prev), ptr<const void>(g_next), ptr<const void>(g_y),
-                  ptr<const float>(maps),    ptr<const float>(coef),    ptr<const float>(g_mix),
+                  ptr<const float>(maps),    ptr<const float>(coef),    ptr<const float>(inv_r),
+                  ptr<const float>(g_mix),
                   ptr<const bf16>(phi_hi),   ptr<const bf16>(phi_lo),   ptr<void>(g_x),
                   ptr<void>(g_f),            ptr<float>(dh_part),       ptr<float>(dphi_part),
                   T,                         C,                         Cp,

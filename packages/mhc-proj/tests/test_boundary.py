@@ -129,7 +129,8 @@ def _ref(layers, x, gout):
         if x.dtype == torch.bfloat16:  # the fused run's sublayer: the same bf16 values
             sub = sub.to(torch.bfloat16)
         sub = sub.double()
-        opts = ("projection", "tmax", "sinkhorn_eps", "rms_eps", "pre_eps", "post_mult")
+        opts = ("projection", "formulation", "tmax", "sinkhorn_eps", "rms_eps", "pre_eps")
+        opts += ("post_mult",)
         ns = types.SimpleNamespace(**{k: getattr(hc, k) for k in opts})
         ns.layer = sub
         ns.phi = hc.phi.detach().double().requires_grad_(True)
@@ -227,6 +228,41 @@ def test_options_and_maps(device):
             assert a.dtype == torch.float32 and a.shape == r.shape
             assert float((a.detach().cpu().double() - r.detach()).abs().max()) <= 1e-5
     assert float(marginal_error(maps[-1].h_res.detach()).max()) <= 5.5e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("projection", ["birkhoff", "sinkhorn"])
+def test_deepseek_formulation(device, projection):
+    """formulation="deepseek" (x_next = P^T x, hc_eps on H_pre), mixed with "mhc" layers:
+    the float64 chain, and the maps in the layer's convention (P itself)."""
+    layers = _layers(4, 20, 2, seed=31, projection=projection, formulation="deepseek")
+    layers.insert(1, _layers(4, 20, 1, seed=32)[0])
+    x = torch.randn(11, 4, 20, generator=torch.Generator().manual_seed(8))
+    out, maps, grads, gout = _run(layers, x, device)
+    ref_out, ref_maps, ref_grads, scales = _ref(layers, x, gout)
+    errs = _errors(out, grads, ref_out, ref_grads, scales)
+    assert max(errs.values()) <= F32_BOUND, errs
+    for ours, ref in zip(maps, ref_maps):
+        assert float((ours.h_res.detach().cpu().double() - ref[2].detach()).abs().max()) <= 1e-5
+    _u_out, u_maps, _ug, _ = _run(layers, x, device, fused=False, gout=gout)
+    for ours, unf in zip(maps, u_maps):
+        assert float((ours.h_res - unf.h_res).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_stream_float32_sublayer(device):
+    """A bf16 stream around float32 sublayers: y enters them in float32, as in the layer;
+    the same results as the unfused layers to bf16 rounding."""
+    layers = _layers(4, 32, 2, seed=41)
+    x = torch.randn(9, 4, 32, generator=torch.Generator().manual_seed(9)).bfloat16()
+    mods = [copy.deepcopy(hc).to(device) for hc in layers]  # float32 sublayers
+    out = hyper_connection_stack(x.to(device), mods)
+    ref = x.to(device)
+    for hc in mods:
+        ref = hc(ref)
+    assert out.dtype == torch.bfloat16
+    err = float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+    assert err <= BF16_BOUND, err
 
 
 # ---------------------------------------------------------------- the CUDA path vs the CPU path
@@ -478,7 +514,7 @@ def test_opcheck():
     hres = torch.rand(t, n, n, generator=g)
     phi, bias = torch.randn(n * c, m, generator=g) * 0.1, torch.randn(m, generator=g)
     alpha = torch.tensor([0.5, 1.0, 1.5])
-    opts = (0, 20, 1e-6, 1e-6, 0.0, 2.0, True)
+    opts = (0, 20, 1e-6, 1e-6, 0.0, 2.0, False, True)
     e = torch.empty(0)
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     op = torch.ops.mhc_proj.bnd_fwd.default
@@ -496,7 +532,7 @@ def test_opcheck():
             torch.randn_like(h_res),
         )
         saved = (x, *post, x_next, pre[0], pre[2], mp, h_res, mix, inv_r, lres)
-        bwd_args = (*grads, *saved, has_post, has_pre, 0, 20, 1e-6, 0.0, 2.0, True, has_pre)
+        bwd_args = (*grads, *saved, has_post, has_pre, 0, 20, 1e-6, 0.0, 2.0, False, True, has_pre)
         torch.library.opcheck(torch.ops.mhc_proj.bnd_bwd.default, bwd_args, test_utils=tests)
 
 

@@ -86,7 +86,7 @@ def _boundary_inputs(tokens, n, c, device):
 
 
 def run_boundary_case(R, mode, tokens, n, c, deterministic, device, ceiling, warmup, reps):
-    opts = (0, 20, 1e-6, 1e-6, 0.0, 2.0, deterministic)
+    opts = (0, 20, 1e-6, 1e-6, 0.0, 2.0, False, deterministic)
 
     def make():
         st = _boundary_inputs(tokens, n, c, device)
@@ -101,7 +101,7 @@ def run_boundary_case(R, mode, tokens, n, c, deterministic, device, ceiling, war
             grads = (st["g_next"], st["g_y"], st["g_maps"], st["g_hres"])
             saved = (st["x"], st["f"], st["maps_prev"], st["hres_prev"], x_next, st["phi"])
             saved = (*saved, st["alpha"], maps, h_res, mix, inv_r, lres)
-            bwd_opts = (True, True, 0, 20, 1e-6, 0.0, 2.0, deterministic, True)
+            bwd_opts = (True, True, 0, 20, 1e-6, 0.0, 2.0, False, deterministic, True)
             return torch.ops.mhc_proj.bnd_bwd(*grads, *saved, *bwd_opts)
 
         return step

@@ -136,10 +136,14 @@ def _sum_splits(part: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _project(lres, projection, iters, sk_eps):
+def _project(lres, projection, iters, sk_eps, transpose):
+    """H_res (row = output stream): the projection P of the logits, P^T for DeepSeek's
+    formulation (the layer's convention, mhc_proj.layer)."""
     if projection == 0:
-        return birkhoff_fwd(lres, TOL_F32, MAX_ITER_F32, False, FALLBACK_MAX_ITER)[0]
-    return sinkhorn_fwd(lres, iters, sk_eps)
+        p = birkhoff_fwd(lres, TOL_F32, MAX_ITER_F32, False, FALLBACK_MAX_ITER)[0]
+    else:
+        p = sinkhorn_fwd(lres, iters, sk_eps)
+    return p.transpose(-1, -2).contiguous() if transpose else p
 
 
 def _forward(
@@ -158,6 +162,7 @@ def _forward(
     rms_eps,
     pre_eps,
     post_mult,
+    transpose,
     deterministic,
 ):
     t, n, c = x.shape
@@ -202,7 +207,7 @@ def _forward(
         post_mult,
         stream_of=x,
     )
-    h_res = _project(lres, projection, iters, sk_eps)
+    h_res = _project(lres, projection, iters, sk_eps, transpose)
     return x_next, y, maps, h_res, mix, inv_r, lres
 
 
@@ -230,6 +235,7 @@ def _backward(
     sk_eps,
     pre_eps,
     post_mult,
+    transpose,
     deterministic,
     need_phi,
 ):
@@ -240,6 +246,8 @@ def _backward(
     empty = x.new_empty(0, dtype=f32)
     g_mix = coef = empty
     if has_pre:
+        if transpose:  # H_res = P^T: the projection's VJP takes P and dL/dP
+            h_res, g_hres = (a.transpose(-1, -2).contiguous() for a in (h_res, g_hres))
         if projection == 0:
             g_lres = birkhoff_bwd(h_res, g_hres)
         else:
@@ -293,6 +301,7 @@ def _backward(
         _ptr(g_y),
         _ptr(maps),
         _ptr(coef),
+        _ptr(inv_r),
         _ptr(g_mix),
         _ptr(phi_a),
     ]
@@ -332,7 +341,8 @@ def _backward(
 # ---------------------------------------------------------------- custom ops
 # x: (T, n, C) contiguous bf16 / float32; f (T, C) in x's dtype, maps_prev (T, 2n) and
 # hres_prev (T, n, n) float32 (has_post; else empty); phi (n C, M), bias (M,), alpha (3,)
-# float32 (has_pre); projection 0 (Birkhoff) or 1 (Sinkhorn-k). Absent outputs are empty.
+# float32 (has_pre); projection 0 (Birkhoff) or 1 (Sinkhorn-k); transpose: DeepSeek's
+# formulation (H_res = P^T). Absent outputs are empty.
 @torch.library.custom_op("mhc_proj::bnd_fwd", mutates_args=())
 def _fwd_op(
     x: torch.Tensor,
@@ -350,6 +360,7 @@ def _fwd_op(
     rms_eps: float,
     pre_eps: float,
     post_mult: float,
+    transpose: bool,
     deterministic: bool,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
@@ -372,6 +383,7 @@ def _fwd_op(
             rms_eps,
             pre_eps,
             post_mult,
+            transpose,
             deterministic,
         )
 
@@ -420,6 +432,7 @@ def _bwd_op(
     sk_eps: float,
     pre_eps: float,
     post_mult: float,
+    transpose: bool,
     deterministic: bool,
     need_phi: bool,
 ) -> tuple[
@@ -450,6 +463,7 @@ def _bwd_op(
             sk_eps,
             pre_eps,
             post_mult,
+            transpose,
             deterministic,
             need_phi,
         )
@@ -493,12 +507,22 @@ def _(
 
 def _fwd_setup(ctx, inputs, output):
     x, f, maps_prev, hres_prev, phi, _bias, alpha, has_post, has_pre, *rest = inputs
-    projection, iters, sk_eps, _rms_eps, pre_eps, post_mult, deterministic = rest
+    projection, iters, sk_eps, _rms_eps, pre_eps, post_mult, transpose, deterministic = rest
     x_next, _y, maps, h_res, mix, inv_r, lres = output
     ctx.save_for_backward(
         x, f, maps_prev, hres_prev, x_next, phi, alpha, maps, h_res, mix, inv_r, lres
     )
-    ctx.args = (has_post, has_pre, projection, iters, sk_eps, pre_eps, post_mult, deterministic)
+    ctx.args = (
+        has_post,
+        has_pre,
+        projection,
+        iters,
+        sk_eps,
+        pre_eps,
+        post_mult,
+        transpose,
+        deterministic,
+    )
     ctx.need_phi = has_pre and ctx.needs_input_grad[4]
 
 
@@ -539,7 +563,7 @@ def _fwd_autograd(ctx, g_next, g_y, g_maps, g_hres, *_unused):
     )
     post = (g_f, g_mp, g_hr) if has_post else (None, None, None)
     pre = (g_phi, g_bias, g_alpha) if has_pre else (None, None, None)
-    return (g_x,) + post + pre + (None,) * 9
+    return (g_x,) + post + pre + (None,) * 10
 
 
 _fwd_op.register_autograd(_fwd_autograd, setup_context=_fwd_setup)
@@ -558,8 +582,19 @@ def _pre_args(hc: HyperConnection, deterministic: bool) -> tuple:
         hc.rms_eps,
         hc.pre_eps,
         hc.post_mult,
+        hc.formulation == "deepseek",
         deterministic,
     )
+
+
+def _param_dtype(layer) -> torch.dtype | None:
+    """The dtype of the sublayer's first floating parameter (None: none): the sublayer sees
+    y in it, as in the layer (mhc_proj.layer: a bf16 stream around a float32 sublayer)."""
+    if isinstance(layer, torch.nn.Module):
+        for p in layer.parameters():
+            if p.is_floating_point():
+                return p.dtype
+    return None
 
 
 def _check(x, layers):
@@ -608,7 +643,8 @@ def hyper_connection_stack(
         x: the stream (..., n, C), bfloat16 or float32; every layer's ``hc`` is n and ``c``
             is C.
         layers: :class:`mhc_proj.HyperConnection` modules (their sublayers, parameters and
-            options: projection, tmax, sinkhorn_eps, rms_eps, pre_eps, post_mult).
+            options: projection, formulation, tmax, sinkhorn_eps, rms_eps, pre_eps,
+            post_mult); each sublayer sees y in its parameters' dtype, as in the layer.
         deterministic: batch-invariant sums: a token's maps, output and gradients do not
             depend on the batch it is in (bitwise), at a cost when few tokens are in flight
             (docs/mhc-proj-layer.md, "The fused boundary").
@@ -641,7 +677,9 @@ def hyper_connection_stack(
         )
         if i > 0:
             cur = x_next
-        out = hc.layer(y.reshape(*shape[:-2], c))
+        y = y.reshape(*shape[:-2], c)
+        pdt = _param_dtype(hc.layer)
+        out = hc.layer(y if pdt is None or pdt == y.dtype else y.to(pdt))
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (*shape[:-2], c):
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(
@@ -655,7 +693,9 @@ def hyper_connection_stack(
                 HCMaps(
                     maps[:, :n].reshape(*lead, n),
                     maps[:, n:].reshape(*lead, n),
-                    h_res.reshape(*lead, n, n),
+                    (h_res.transpose(-1, -2) if hc.formulation == "deepseek" else h_res).reshape(
+                        *lead, n, n
+                    ),
                 )
             )
     last = layers[-1]
