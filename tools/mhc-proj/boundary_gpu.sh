@@ -135,7 +135,8 @@ fi
   if [ -s "$out/bench.txt" ]; then
     echo "## Benchmarks (from bench.txt; copy ceiling: $(python3 -c 'import json,sys; print(round(json.load(open(sys.argv[1]))["env"].get("copy_ceiling_gbps", 0)), "GB/s")' "$out/bench-boundary.json" 2>/dev/null))"
     echo
-    grep -E "^\| (hc_boundary|hc_chain|bench|---)" "$out/bench.txt" | grep -v "^| mode" || true
+    grep -m1 -A1 -E "^\| bench \|" "$out/bench.txt" || true
+    grep -E "^\| (hc_boundary|hc_chain) " "$out/bench.txt" || true
     echo
     sed -n '/^| C | one more boundary/,$p' "$out/bench.txt"
     grep -E "^- (error|skipped)" "$out/bench.txt" || true
