@@ -82,9 +82,13 @@ def scheme_bytes(name: str, shape=(512, 2048)) -> float:
 
 
 def _rank_of(name: str) -> tuple[int, str]:
-    if name.startswith("lr") and "_" in name:
-        head, rest = name.split("_", 1)
-        return int(head[2:]), rest
+    """(rank, residual scheme) of a name: ``lr<k>_<scheme>`` or ``lag<k>_<scheme>`` (the
+    residual taken against the factors of the step before: ``Storage.lag``)."""
+    for prefix in ("lr", "lag"):
+        if name.startswith(prefix) and "_" in name:
+            head, rest = name.split("_", 1)
+            if head[len(prefix) :].isdigit():
+                return int(head[len(prefix) :]), rest
     return 0, name
 
 
@@ -95,6 +99,10 @@ class Storage:
 
     def __init__(self, name: str, seed: int = 0):
         self.rank, base = _rank_of(name)
+        # lag: the residual is taken against the factors of the last step (estimated from
+        # its momentum), the new ones are estimated after: what a kernel that quantizes in
+        # the same pass as it forms the momentum can do
+        self.lag = name.startswith("lag")
         self.scheme = SCHEMES[base]
         self.seed = seed
         self.gen = None
@@ -108,15 +116,16 @@ class Storage:
         if not self.rank or m.ndim != 2:
             return fake_quantize(m, self.scheme, self.gen)
         md = m.double()
-        r = self.factors.get(key)
-        if r is None:  # a fixed random start
+        old = self.factors.get(key)
+        if old is None:  # a fixed random start, no low-rank part yet
             g = torch.Generator(device=m.device).manual_seed(1)
             r = torch.randn(m.shape[1], self.rank, generator=g, device=m.device).double()
-        p, _ = torch.linalg.qr(md @ r)
+            old = (torch.zeros(m.shape[0], self.rank, device=m.device).double(), r)
+        p, _ = torch.linalg.qr(md @ old[1])
         p = p.bfloat16().double()
         r = (md.T @ p).bfloat16().double()
-        self.factors[key] = r
-        low = p @ r.T
+        self.factors[key] = (p, r)
+        low = old[0] @ old[1].T if self.lag else p @ r.T
         return (low + fake_quantize(md - low, self.scheme, self.gen)).to(m.dtype)
 
 

@@ -16,13 +16,17 @@ from _checks import DEV, _bits, assert_bitwise, needs_interp, needs_kernel
 
 import flashoptim_fused as fo
 from flashoptim_fused import reference
+from flashoptim_fused.muon import LOWRANK_P as LOW_P
+from flashoptim_fused.muon import LOWRANK_R as LOW_R
 from flashoptim_fused.muon import default_use_muon, lr_ratio, matrix_shape, newton_schulz
 
 torch_muon = getattr(torch.optim, "Muon", None)
 needs_torch_muon = pytest.mark.skipif(torch_muon is None, reason="torch.optim.Muon (torch 2.9+)")
-# odd shapes: tall, wide, a numel that is not a multiple of 16 (33 x 7), two of one shape
-# (batched), a vector and a 4-D tensor (AdamW by the default rule)
-SHAPES = [(40, 24), (24, 40), (40, 24), (33, 7), (50,), (4, 3, 2, 2)]
+# odd shapes: tall, wide, two of one shape (batched), a vector and a 4-D tensor (AdamW by
+# the default rule)
+SHAPES = [(40, 48), (48, 40), (40, 48), (36, 33), (33, 7), (50,), (4, 3, 2, 2)]
+# (both sides >= 32: a low-rank momentum part; 36 x 33: rows ending inside a group and a
+# numel not a multiple of 16; 33 x 7: rows under a group, fp32 momentum)
 
 
 def _params(dtype=torch.bfloat16, seed=0, shapes=SHAPES, device="cpu"):
@@ -154,10 +158,18 @@ def _state_snapshot(opt, ps):
         sv = {"c": st.get("correction")}
         if "momentum_buffer_codes" in st:  # 8-bit codes, (rows, groups per row) scales
             sv["m"], sv["ms"] = st["momentum_buffer_codes"], st["momentum_buffer_scale"]
+            if LOW_P in st:  # the low-rank part's factors
+                sv["P"], sv["R"] = st[LOW_P], st[LOW_R]
         elif "momentum_buffer" in st:  # fp32 (rows under 32 elements: grid.py)
             sv["m"] = st["momentum_buffer"]
         out.append((p.detach().clone(), {k: v.clone() for k, v in sv.items() if v is not None}))
     return out
+
+
+def _ref_u(p0, g, st0, hp):
+    """The direction u of ``muon_step_ref``'s step (bf16, the matrix's shape)."""
+    _, _, u, _ = reference.muon_step_ref(p0, g, st0, hp, 2, 0, orthogonalize=lambda x: x)
+    return u.to(torch.bfloat16).view(matrix_shape(p0))
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
@@ -179,7 +191,25 @@ def test_step_matches_float64_reference(backend, adjust):
         hp = dict(opt._hp(group, p), ratio=lr_ratio(matrix_shape(p), adjust))
         hp["ns"] = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         st = opt.state[p]
-        ref_p, ref_st, u, o_ref = reference.muon_step_ref(p0, p.grad, st0, hp, 2, st["seed"])
+        # the new factors as ours: the reference's (float64) power iteration differs by
+        # roundings, and the residual codes are taken against the stored factors
+        fac = None
+        if LOW_P in st:
+            assert "P" in st0 and not torch.equal(st0["R"], st[LOW_R])  # they moved
+            fac = lambda u, g, R, st=st: (st[LOW_P].cpu(), st[LOW_R].cpu())  # noqa: E731
+            want = reference.lowrank_factors_ref(
+                _ref_u(p0, p.grad, st0, hp),
+                p.grad.double().view(matrix_shape(p)),
+                st0["R"].cpu(),
+                hp["mu"],
+                hp["nesterov"],
+            )
+            low_ref = reference.lowrank_ref(*want)
+            low = reference.lowrank_ref(st[LOW_P].cpu(), st[LOW_R].cpu())
+            assert (low - low_ref).norm() <= 0.02 * low_ref.norm()
+        ref_p, ref_st, u, o_ref = reference.muon_step_ref(
+            p0, p.grad, st0, hp, 2, st["seed"], factors=fac
+        )
         if "momentum_buffer_codes" in st:
             codes = st["momentum_buffer_codes"].reshape(-1).int()
             assert (ref_st["m"].int() - codes).abs().max() <= 1
@@ -198,7 +228,14 @@ def test_step_matches_float64_reference(backend, adjust):
         assert rel < 0.02, rel.item()
         # the same step with O = ours: the split is the reference's to two codes
         _, _, _, o_same = reference.muon_step_ref(
-            p0, p.grad, st0, hp, 2, st["seed"], orthogonalize=lambda x, o=o_ours: o.view(x.shape)
+            p0,
+            p.grad,
+            st0,
+            hp,
+            2,
+            st["seed"],
+            orthogonalize=lambda x, o=o_ours: o.view(x.shape),
+            factors=fac,
         )
         ref_th = th0 - hp["lr"] * hp["ratio"] * o_same
         assert ((th1 - ref_th).abs() <= 2 * q + 2.0**-21 * th1.abs()).all()
@@ -411,6 +448,8 @@ def test_checkpoint_resume_is_bit_exact_and_loads_torch_muon():
                 st["momentum_buffer_scale"],
                 reference.state_row(p, True),
             )
+            if LOW_P in st:  # the whole momentum split into a low-rank part and codes
+                m = m + reference.lowrank_ref(st[LOW_P], st[LOW_R]).reshape(-1)
         else:  # rows under 32 elements: fp32, torch's buffer exactly
             m = st["momentum_buffer"].reshape(-1).double()
         buf = tm.state[w]["momentum_buffer"].reshape(-1).double()
@@ -418,16 +457,22 @@ def test_checkpoint_resume_is_bit_exact_and_loads_torch_muon():
         assert (m - buf).abs().max() <= buf.abs().max() * 2 / 127
 
 
-def test_memory_report_matrices():
-    """bf16 matrices: weight 2 + correction 1 + momentum 1 + scales 1/16 + bf16 gradient 2 =
-    6.0625 bytes per parameter (torch.optim.Muon on fp32 parameters: 12)."""
-    ps = [torch.zeros(256, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+@pytest.mark.parametrize("shape", [(512, 512), (512, 2048), (16, 2048)])
+def test_memory_report_matrices(shape):
+    """bf16 matrices: weight 2 + correction 1 + momentum codes 1 + scales 1/16 + bf16
+    gradient 2 = 6.0625 bytes per parameter, plus the low-rank factors' 2 k (A + B) / (A B)
+    where both sides are >= 32 (k = 4: 0.031 at 512 x 512, 0.0195 at 512 x 2048); under 6.1
+    (torch.optim.Muon on fp32 parameters: 12)."""
+    ps = [torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
     opt = fo.FlashMuon(ps)
     for p in ps:
         p.grad = torch.zeros_like(p)
     opt.step()
     rep = fo.memory_report(opt)
-    assert rep["bytes_per_param"] == pytest.approx(6.0625)
+    a, b = shape
+    low = 2 * reference.MUON_RANK * (a + b) / (a * b) if min(shape) >= 32 else 0.0
+    assert rep["bytes_per_param"] == pytest.approx(6.0625 + low)
+    assert rep["state_lowrank"] == pytest.approx(low * 2 * a * b)
     assert rep["bytes_per_param"] <= 6.1
 
 

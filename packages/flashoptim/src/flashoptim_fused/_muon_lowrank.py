@@ -1,0 +1,87 @@
+"""The low-rank part of FlashMuon's momentum (issue #31).
+
+Muon's momentum is stored as ``P R^T + residual``: bf16 factors ``P`` (rows x k) and ``R``
+(cols x k), k = ``reference.MUON_RANK``, and the residual in int8 codes rounded to nearest.
+Newton-Schulz maps every singular value of the direction towards 1, so an error that is
+small against the whole momentum is lifted to the size of its weak directions; the int8
+codes' error is set by the group maxima, which the top singular directions dominate. With
+those directions kept in the factors, the residual's codes are several times finer
+(docs/design/flashoptim.md: the update's cosine to the fp32 momentum's 0.919 -> 0.994 at k =
+4, against 0.987 for a bf16 momentum).
+
+The factors follow the momentum by one power iteration per step, warm-started from the last
+``R``: ``P = orth(u R)``, ``R = m^T P`` with ``m`` recovered from the direction ``u`` the step
+wrote (``u = mu m + (1 - mu) g`` with Nesterov); any factors serve, since the residual is
+taken exactly against the ones stored. The low-rank part is materialized once per step as
+``bf16(P R^T)`` (``lowrank_into``), the same tensor for the passes of the CPU path and the
+kernels. float64 reference: ``reference.lowrank_factors_ref`` / ``lowrank_ref``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .reference import MUON_RANK
+
+
+def uses_lowrank(shape: tuple[int, int]) -> bool:
+    """Whether an (A, B) matrix keeps a low-rank part: both sides at least 8 k (32), so that
+    the factors cost at most 2 k (A + B) / (A B) <= 0.5 bytes per element (0.031 at 512 x
+    512, 0.0195 at 512 x 2048)."""
+    return min(shape) >= 8 * MUON_RANK
+
+
+def init_factors(rows: int, cols: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, R) before the first step: P = 0 (no low-rank part yet), R a fixed draw (the
+    power iteration's start), the same on every rank for one ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(cols, MUON_RANK, generator=g) / math.sqrt(cols)
+    p = torch.zeros(rows, MUON_RANK, dtype=torch.bfloat16)
+    return p.to(device), r.bfloat16().to(device)
+
+
+def update_factors(
+    u: torch.Tensor,
+    g: torch.Tensor,
+    R: torch.Tensor,
+    mu: float,
+    nesterov: bool,
+    reduce: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New (P, R), bf16, from the step's direction ``u`` (..., A, B), its gradient ``g``
+    (sign applied) and the last ``R`` (..., B, k): one power iteration. ``reduce``: the sum
+    over the ranks that hold other rows of the same matrices (None: one process); both
+    ``Y^T Y`` and ``m^T P`` are sums over rows."""
+    reduce = reduce or (lambda t: t)
+    y = u.float() @ R.float()
+    gram = reduce((y.mT @ y).double())
+    k = gram.shape[-1]
+    ridge = 1e-12 * gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] + 1e-300
+    eye = torch.eye(k, dtype=torch.float64, device=gram.device)
+    # (cholesky_ex: no error check, no host sync; a skipped step's garbage is dropped)
+    chol = torch.linalg.cholesky_ex(gram + ridge * eye).L
+    P = torch.linalg.solve_triangular(chol, y.double().mT, upper=False).mT.bfloat16()
+    if nesterov and mu > 0:
+        m = (u.float() - (1 - mu) * g.float()) / mu
+    else:
+        m = u.float()
+    return P, reduce(m.mT @ P.float()).bfloat16()
+
+
+def lowrank(P: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """The stored low-rank part ``bf16(P R^T)`` (fp32 products)."""
+    return (P.float() @ R.float().mT).bfloat16()
+
+
+def factors_of(m: torch.Tensor, seed: int, reduce: Callable | None = None, iterations: int = 8):
+    """(P, R) of a whole fp32 momentum ``m`` (its local rows, A x B) for a checkpoint
+    without factors: power iterations from ``init_factors``'s start (``reduce``: as in
+    ``update_factors``)."""
+    _, R = init_factors(m.shape[0], m.shape[1], seed, m.device)
+    P = None
+    for _ in range(iterations):
+        P, R = update_factors(m, m, R, 1.0, False, reduce)
+    return P, R
