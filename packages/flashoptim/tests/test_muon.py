@@ -314,6 +314,39 @@ def test_quantized_tracks_unquantized():
         assert cos > 0.97, (tuple(p.shape), cos)
 
 
+def test_lowrank_momentum_is_finer_than_whole_codes():
+    """Gradients with a strong rank-2 part (as real ones have) plus noise, 20 steps: the
+    stored momentum (P R^T + residual codes) against the fp32 momentum of a quantize=False
+    twin is several times closer than the whole momentum in the same int8 codes would be
+    (the codes' scale is set by the top directions), and so is the orthogonalised update."""
+    g = torch.Generator().manual_seed(4)
+    shape = (64, 96)
+    p = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.zeros(shape, requires_grad=True)
+    a = fo.FlashMuon([p], lr=0.0)  # lr 0: the momentum alone
+    b = fo.FlashMuon([q], lr=0.0, quantize=False)
+    left, right = torch.randn(64, 2, generator=g), torch.randn(2, 96, generator=g)
+    for _ in range(20):
+        grad = left @ torch.diag(torch.randn(2, generator=g)) @ right
+        grad = grad + 0.05 * torch.randn(shape, generator=g)
+        p.grad, q.grad = grad.bfloat16(), grad.bfloat16().float()
+        a.step()
+        b.step()
+    st = a.state[p]
+    m_ref = b.state[q]["momentum_buffer"].double()
+    codes, scales = st["momentum_buffer_codes"], st["momentum_buffer_scale"]
+    m = reference.dequantize_momentum_ref(codes.reshape(-1), scales).view(shape)
+    m = m + reference.lowrank_ref(st[LOW_P], st[LOW_R])
+    whole = reference.dequantize_momentum_ref(*reference.quantize_momentum_ref(m_ref)).view(shape)
+    err = ((m - m_ref).norm() / m_ref.norm()).item()
+    err_whole = ((whole - m_ref).norm() / m_ref.norm()).item()
+    assert err < err_whole / 4, (err, err_whole)
+    ns = reference.newton_schulz_ref
+    d = ((ns(m) - ns(m_ref)).norm() / ns(m_ref).norm()).item()
+    d_whole = ((ns(whole) - ns(m_ref)).norm() / ns(m_ref).norm()).item()
+    assert d < d_whole / 4, (d, d_whole)
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
 def test_lost_update(backend):
     """Weight 1.0, gradient a 64 x 64 Hadamard matrix H (orthogonal rows: O = s H every
@@ -572,15 +605,19 @@ def test_fsdp2_two_gloo_processes_match_one():
 # row shards: uneven (33 on 2 and 3 ranks), two of one shape (one owner's batch or two
 # owners), a tall and a wide one, and 2 rows (one rank of 3 holds none)
 SHARD_SHAPES = [(33, 7), (40, 24), (40, 24), (24, 40), (2, 16)]
+# quantized: low-rank momenta (both sides >= 32; rows of 40 end inside a group)
+SHARD_SHAPES_Q = [(33, 40), (40, 48), (40, 48), (48, 40), (2, 16)]
 
 
-def _shard_run(world, rank=0, mesh=None, steps=2):
-    """FlashMuon (fp32 momentum: elementwise the same on any split) on SHARD_SHAPES with the
-    same gradients each step; DTensor row shards when ``mesh`` is given. Returns the full
-    parameters and the matrices this process orthogonalised."""
+def _shard_run(world, rank=0, mesh=None, steps=2, quantize=False):
+    """FlashMuon on SHARD_SHAPES (fp32 momentum: elementwise the same on any split) or
+    SHARD_SHAPES_Q (``quantize``) with the same gradients each step; DTensor row shards when
+    ``mesh`` is given. Returns the full parameters, the matrices this process orthogonalised
+    and the low-rank factors (P gathered by rows)."""
     from flashoptim_fused import muon as muon_mod
 
-    full = _params(shapes=SHARD_SHAPES, seed=3)
+    shapes = SHARD_SHAPES_Q if quantize else SHARD_SHAPES
+    full = _params(shapes=shapes, seed=3)
     ps = full
     if mesh is not None:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -595,7 +632,7 @@ def _shard_run(world, rank=0, mesh=None, steps=2):
 
     muon_mod.newton_schulz = counting
     try:
-        opt = fo.FlashMuon(ps, lr=0.02, quantize=False)
+        opt = fo.FlashMuon(ps, lr=0.02, quantize=quantize)
         for s in range(steps):
             g = torch.Generator().manual_seed(50 + s)
             for p, f in zip(ps, full):
@@ -607,46 +644,67 @@ def _shard_run(world, rank=0, mesh=None, steps=2):
     finally:
         muon_mod.newton_schulz = ns
     out = [p.full_tensor() if mesh is not None else p for p in ps]
-    return [o.detach().clone() for o in out], seen
+    sd = opt.state_dict()["state"]
+    factors = [
+        tuple(
+            st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k] for k in (LOW_P, LOW_R)
+        )
+        for st in sd.values()
+        if LOW_P in st
+    ]
+    return [o.detach().clone() for o in out], seen, factors
 
 
-def _owner_worker(rank, world, init, out):
+def _owner_worker(rank, world, quantize, init, out):
     from test_distributed import _finish
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        params, seen = _shard_run(world, rank, mesh)
+        params, seen, factors = _shard_run(world, rank, mesh, quantize=quantize)
         every = [None] * world
         dist.all_gather_object(every, seen)
-        _finish(rank, out, dict(params=params, seen=every))
+        _finish(rank, out, dict(params=params, seen=every, factors=factors))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_row_shards_orthogonalised_once_on_an_owner(world):
+@pytest.mark.parametrize("world,quantize", [(2, False), (3, True)])
+def test_row_shards_orthogonalised_once_on_an_owner(world, quantize):
     """DTensor row shards on 2 and 3 gloo processes: every matrix is orthogonalised on one
     rank only (each step: the ranks' matrices add up to the matrices, once each, and every
-    rank owns some), and the parameters after 2 steps equal one process's bit for bit."""
+    rank owns some). fp32 momenta: the parameters after 2 steps equal one process's bit for
+    bit. 8-bit low-rank momenta: the factors' sums over the row shards (all-reduced) round
+    in another order than one process's products, so the factors agree to bf16 roundings and
+    the parameters to a few of their ulps."""
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
     from test_distributed import _spawn
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.pt")
-        _spawn(_owner_worker, (world, "file://" + os.path.join(d, "store"), out), world, d)
+        args = (world, quantize, "file://" + os.path.join(d, "store"), out)
+        _spawn(_owner_worker, args, world, d)
         got = torch.load(out)
-    ref, seen = _shard_run(1)
-    per_step = sorted(matrix_shape(torch.empty(s)) for s in SHARD_SHAPES)
+    ref, seen, factors = _shard_run(1, quantize=quantize)
+    shapes = SHARD_SHAPES_Q if quantize else SHARD_SHAPES
+    per_step = sorted(matrix_shape(torch.empty(s)) for s in shapes)
     per_step = [(min(a, b), max(a, b)) for a, b in per_step]
     wide = sorted(sorted(s) for r in got["seen"] for s in r)
     assert wide == sorted([list(s) for s in per_step] * 2)
-    assert all(got["seen"][r] for r in range(min(world, len(SHARD_SHAPES))))
-    assert len(seen) == 2 * len(SHARD_SHAPES)
+    assert all(got["seen"][r] for r in range(min(world, len(shapes))))
+    assert len(seen) == 2 * len(shapes)
+    if not quantize:
+        for a, b in zip(got["params"], ref):
+            assert torch.equal(a, b)
+        return
+    assert len(factors) == len(got["factors"]) == 4
+    for (P, R), (Pg, Rg) in zip(factors, got["factors"]):
+        low, low_g = reference.lowrank_ref(P, R), reference.lowrank_ref(Pg, Rg)
+        assert (low - low_g).abs().max() <= 2**-7 * low.abs().max()
     for a, b in zip(got["params"], ref):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=1e-4)
 
 
 # ------------------------------------------------------------------------- GPU
@@ -655,9 +713,10 @@ def test_row_shards_orthogonalised_once_on_an_owner(world):
 @pytest.mark.gpu
 def test_gpu_kernels_match_cpu_path():
     """The two CUDA kernels against the CPU path from the same inputs, pass by pass (the
-    GPU's and the CPU's bf16 matmuls differ, so pass 2 gets the same random O on both):
-    codes within one at ties, u within one bf16 ulp, the master weights within one
-    correction code plus the fp32 rounding (fma and approximate reciprocals move ties)."""
+    GPU's and the CPU's bf16 matmuls differ, so pass 2 gets the same random O on both, and
+    both passes the same low-rank parts): codes within one at ties, u within one bf16 ulp,
+    the master weights within one correction code plus the fp32 rounding (fma and
+    approximate reciprocals move ties)."""
     from flashoptim_fused import _cpu, _muon_kernel
 
     shapes = [(96, 80), (33, 7), (640, 128), (128, 640)]
@@ -666,36 +725,44 @@ def test_gpu_kernels_match_cpu_path():
     _train(opt, ps, 2)  # states that are not zero
     group = opt.param_groups[0]
     _grads(ps, 9)
-    # the optimizer's own waves: 8-bit rows of a multiple of 32, 8-bit rows of 80 (a table
-    # entry per row), fp32 rows of 7 (grid.py); numel % 16 == 0 or not
-    for wave in opt._prepare(group, ps, cache=False)["buckets"]:
-        bucket = wave["ps"]
+    # the optimizer's own waves: low-rank momenta (rows of a multiple of 32, and rows of 80:
+    # a table entry per row), fp32 rows of 7 (grid.py); numel % 16 == 0 or not
+    waves = opt._prepare(group, ps, cache=False)["buckets"]
+    assert {w["lowrank"] for w in waves} == {True, False}
+    for wave in waves:
+        bucket, n = wave["ps"], wave["ws_numel"]
         hp = opt._hp(group, bucket[0])
         sts = [opt._state_view(opt.state[p], group) for p in bucket]
         cpu = [{k: v.cpu().clone() for k, v in st.items() if v is not None} for st in sts]
-        ws = torch.empty(wave["ws_numel"], dtype=torch.bfloat16, device="cuda")
+        ws = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        lo = ln = None
+        if wave["lowrank"]:
+            lo = (torch.randn(n, device="cuda") * 0.01).bfloat16()
+            ln = (torch.randn(n, device="cuda") * 0.01).bfloat16()
         mix = (3 * reference.GOLDEN) & reference.M32  # step 3's rounding stream
-        _muon_kernel.launch_momentum(wave["ent"], ws, hp, mix)
+        _muon_kernel.launch_momentum(wave["ent"], ws, lo, hp)
+
+        def part(t, off, p):
+            return None if t is None else t[off : off + p.numel()].cpu()
+
         for p, st, c, off in zip(bucket, sts, cpu, wave["offs"]):
             u = torch.empty(p.numel(), dtype=torch.bfloat16)
-            _cpu.muon_momentum_cpu(p.grad.cpu(), c, hp, u, 3, opt.state[p]["seed"])
-            if "ms" in c:  # 8-bit codes and their scales
+            _cpu.muon_momentum_cpu(p.grad.cpu(), c, hp, u, part(lo, off, p))
+            if "ms" in c and lo is None:  # 8-bit codes stored in pass 1
                 d = (st["m"].cpu().int() - c["m"].int()).abs()
                 assert d.max() <= 1 and (d > 0).float().mean() < 0.02
-                ms, ms_cpu = st["ms"].cpu().float(), c["ms"].float()
-                torch.testing.assert_close(ms, ms_cpu, rtol=1e-2, atol=0)
-            else:  # fp32 momentum: fma moves an ulp
+            elif "ms" not in c:  # fp32 momentum: fma moves an ulp
                 tol = 2.0**-22 * c["m"].abs().max().item()
                 torch.testing.assert_close(st["m"].cpu(), c["m"], rtol=2.0**-20, atol=tol)
             ug = ws[off : off + p.numel()].cpu().float()
             tol = 1e-6 * u.float().abs().max().item()
             torch.testing.assert_close(ug, u.float(), rtol=2**-7, atol=tol)
-        o = torch.randn(wave["ws_numel"], device="cuda").bfloat16()
+        o = torch.randn(n, device="cuda").bfloat16()
         ws.copy_(o)
         before = [
             (p.detach().cpu().clone(), opt.state[p]["correction"].cpu().clone()) for p in bucket
         ]
-        _muon_kernel.launch_update(wave["ent"], ws, hp, mix)
+        _muon_kernel.launch_update(wave["ent"], ws, lo, ln, hp, mix)
         for i, (p, (pc, cc), off) in enumerate(zip(bucket, before, wave["offs"])):
             seed = opt.state[p]["seed"]
             oc = o[off : off + p.numel()].cpu()
@@ -706,6 +773,13 @@ def test_gpu_kernels_match_cpu_path():
             q = reference.ulp_ref(pc.reshape(-1)) / 256
             bad = (a - b).abs() > q * 1.01 + 2.0**-22 * b.abs()
             assert int(bad.sum()) <= max(2, 0.001 * bad.numel())
+            if lo is not None:  # pass 2 stored the residual codes
+                c = cpu[i]
+                _cpu.muon_requantize_cpu(p.grad.cpu(), c, hp, part(lo, off, p), part(ln, off, p))
+                d = (sts[i]["m"].cpu().int() - c["m"].int()).abs()
+                assert d.max() <= 1 and (d > 0).float().mean() < 0.02
+                ms, ms_cpu = sts[i]["ms"].cpu().float(), c["ms"].float()
+                torch.testing.assert_close(ms, ms_cpu, rtol=1e-2, atol=0)
 
 
 @pytest.mark.gpu
@@ -744,8 +818,8 @@ def test_gpu_step_matches_cpu_path(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_measured_bytes_per_param():
     """Allocator bytes held between steps by 16 bf16 matrices of 2048 x 2048 with their bf16
-    gradients, FlashMuon: <= 6.1 (6.0625 counted + tables); the Newton-Schulz workspace and
-    temporaries are freed after the step."""
+    gradients, FlashMuon: <= 6.1 (6.0625 + the low-rank factors' 0.0078 counted, + tables);
+    the Newton-Schulz workspace and temporaries are freed after the step."""
     w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     (w @ w).sum().backward()  # cuBLAS workspaces exist before the baseline
     del w
@@ -765,4 +839,5 @@ def test_gpu_measured_bytes_per_param():
     held = (torch.cuda.memory_allocated() - base) / n
     print(f"FlashMuon held {held:.4f} bytes/param")
     assert held <= 6.1, held
-    assert fo.memory_report(opt)["bytes_per_param"] == pytest.approx(6.0625)
+    low = 2 * reference.MUON_RANK * 4096 / 2048**2
+    assert fo.memory_report(opt)["bytes_per_param"] == pytest.approx(6.0625 + low)
