@@ -1,19 +1,22 @@
 """FlashMuon's two fused passes around the Newton-Schulz orthogonalisation, each one launch
 over every matrix of a workspace wave (float64 reference: ``reference.muon_step_ref``; the
-same fp32 arithmetic in torch: ``_cpu.muon_momentum_cpu`` / ``muon_update_cpu``; the
-orchestration: ``muon.py``).
+same fp32 arithmetic in torch: ``_cpu.muon_momentum_cpu`` / ``muon_update_cpu`` /
+``muon_requantize_cpu``; the orchestration: ``muon.py``; the low-rank part:
+``_muon_lowrank``).
 
-* ``_momentum_kernel`` (before the orthogonalisation): decode the int8 momentum, take the
-  EMA ``m += (1 - mu)(g - m)``, quantize and store it (codes rounded stochastically from the
-  step's hash, as the step kernel's; ``maximize``: on ``-g``), and write the Nesterov direction
-  ``u = m + (1 - mu)(g - m)`` (or ``m``) rounded to bf16 into the wave's workspace.
-  Bytes per element (bf16 gradient, bf16 scales): 2 (g) + 1 + 1 (codes) + 0.125 (scales) +
-  2 (u) = 6.125.
+* ``_momentum_kernel`` (before the orthogonalisation): decode the int8 momentum and add its
+  low-rank part (bf16, from the workspace), take the EMA ``m += (1 - mu)(g - m)``
+  (``maximize``: on ``-g``), and write the Nesterov direction ``u = m + (1 - mu)(g - m)`` (or
+  ``m``) rounded to bf16 into the wave's workspace; without a low-rank part it stores the
+  codes (rounded to nearest) too. Bytes per element (bf16 gradient, bf16 scales): 2 (g) + 1
+  (codes) + 0.0625 (scales) + 2 (low-rank part) + 2 (u) = 7.06.
 * ``_update_kernel`` (after it, the workspace now holding the orthogonalised ``O``):
   reconstruct the master weight, ``theta = theta (1 - lr wd) - lr ratio O`` (``ratio``: the
   tensor's shape-dependent scale, from its table row), split it back into the bf16 parameter
-  and its correction (stochastic rounding). Bytes per element (bf16, int8 correction):
-  2 + 2 (p) + 1 + 1 (correction) + 2 (O) = 8.
+  and its correction (stochastic rounding); with a low-rank part, the momentum formed again
+  as in the first pass minus the new low-rank part, stored as codes rounded to nearest.
+  Bytes per element (bf16, int8 correction): 2 + 2 (p) + 1 + 1 (correction) + 2 (O), and
+  2 (g) + 1 + 1 (codes) + 0.125 (scales) + 2 + 2 (the two low-rank parts) = 16.125.
 
 Both use the step kernel's tables (``_plan.build_table``, 10 columns per tensor; here column 5
 is the element offset of the tensor's matrix in the workspace and column 6 the fp32 bits of

@@ -1,24 +1,30 @@
 """FlashMuon: Muon for the matrices, AdamW for the rest, with weight splitting and a
-companded 8-bit momentum.
+momentum held as a low-rank part plus int8 residual codes.
 
 Muon (Keller Jordan 2024; ``torch.optim.Muon``) steps a matrix by the orthogonalised
 Nesterov momentum: ``m = mu m + (1 - mu) g``, ``u = mu m + (1 - mu) g`` (or ``m``),
 ``O = NS(u)`` (5 quintic Newton-Schulz iterations in bf16 on the Frobenius-normalised
 ``u``, on its wide orientation), ``theta = theta (1 - lr wd) - lr ratio(shape) O``. The
 parameters Muon should not take (embeddings, output heads, norms, biases) take AdamW in the
-same optimizer. A step per workspace wave of matrices (``_bucket_entries``):
+same optimizer. The momentum of a matrix of both sides >= 32 is ``P R^T`` (bf16 factors of
+rank ``reference.MUON_RANK``) plus int8 codes of the residual rounded to nearest
+(``_muon_lowrank``). A step per workspace wave of matrices (``_bucket_entries``):
 
-1. ``_muon_kernel._momentum_kernel``: one launch over the wave, the momentum EMA and its
-   int8 codes in place, ``u`` in bf16 into the wave's workspace;
-2. ``newton_schulz`` on each matrix of the workspace (torch bf16 matmuls, the tensor cores;
-   matrices of one shape batched), its result written back into the workspace; a DTensor
-   (FSDP2) matrix is all-gathered for it and each rank keeps its rows;
+1. the stored low-rank parts ``bf16(P R^T)`` into the workspace, then
+   ``_muon_kernel._momentum_kernel``: one launch over the wave, the momentum EMA, ``u`` in
+   bf16 into the wave's workspace (codes stored here only without a low-rank part);
+2. the factors' power iteration from ``u`` and the gradient, the new low-rank parts into
+   the workspace; ``newton_schulz`` on each matrix of the workspace (the symmetric Gram
+   kernel and cuBLAS on CUDA; matrices of one shape batched), its result written back into
+   the workspace; DTensor (FSDP2) matrices after every wave of the group, each on one owner
+   rank (``_muon_shard``);
 3. ``_muon_kernel._update_kernel``: one launch over the wave, decay, the scaled update and
-   the split into bf16 + int8 correction.
+   the split into bf16 + int8 correction; the momentum again, minus the new low-rank part,
+   into its codes.
 
-The workspace (2 bytes per element of the wave) lives only during the step; waves hold at
-most ``WAVE_ELEMS`` elements (or one larger matrix), so the step's transient memory stays
-that of one wave plus its Newton-Schulz temporaries.
+The workspace (6 bytes per element of the wave with low-rank parts, else 2) lives only
+during the step; waves hold at most ``WAVE_ELEMS`` elements (or one larger matrix), so the
+step's transient memory stays that of one wave plus its Newton-Schulz temporaries.
 """
 
 from __future__ import annotations
@@ -176,9 +182,10 @@ def _orthogonalize_one(p, u: torch.Tensor, coefficients, steps: int, eps: float)
 class FlashMuon(FlashOptimizer):
     """Muon (torch.optim.Muon semantics and defaults) for matrices, AdamW for the other
     parameters, in one optimizer: bf16 weights + int8 correction (stochastic rounding), the
-    Muon momentum companded into int8 with group scales (6.06 bytes per matrix parameter
-    with its bf16 gradient; torch.optim.Muon with fp32 parameters: 12), the AdamW states as
-    ``FlashAdamW``'s.
+    Muon momentum as a rank-4 part (bf16 factors) plus companded int8 residual codes with
+    group scales (6.0625 + 8 (A + B) / (A B) bytes per parameter of an A x B matrix with its
+    bf16 gradient, 6.08 at 512 x 2048; torch.optim.Muon with fp32 parameters: 12), the
+    AdamW states as ``FlashAdamW``'s.
 
     Which parameters take Muon: a param group's ``use_muon`` (True / False); a group without
     it is split by ``default_use_muon`` (2-D and not named like an embedding or a head; pass
@@ -194,8 +201,9 @@ class FlashMuon(FlashOptimizer):
 
     Storage and step options: ``FlashOptimizer`` (``master_weight_bits``, ``quantize``,
     ``stochastic_rounding``, ``scale_dtype``, ``backend``, ``check_finite``,
-    ``on_nonfinite``, ``seed``); ``capturable`` is not supported. Under FSDP2 each matrix
-    is all-gathered (bf16) for its orthogonalisation and every rank keeps its rows.
+    ``on_nonfinite``, ``seed``; ``stochastic_rounding`` applies to the correction: the
+    momentum's codes round to nearest); ``capturable`` is not supported. Under FSDP2 each
+    row-sharded matrix is orthogonalised once, on an owner rank (``_muon_shard``).
     """
 
     def __init__(
