@@ -23,6 +23,9 @@ Stages (default ``tests,ns,step,parity``; about 7 minutes on an H100):
   mean validation loss inside torch.optim.Muon's seed range.
 * ``parity_large`` (~6 min, its own call): the same at the ``gpt2s`` size (127M parameters:
   d 768, 18 layers, 1,000 steps of 16 x 512 bytes), seeds 0, 1, 2 side by side.
+* ``search`` (~7 min, its own call): the momentum storages of issue #31 at the 25.6M size on
+  torch.optim.Muon's own buffer (the storage alone): none, the #24 codes, the same to
+  nearest, rank 4 + nearest codes (the shipped one); 3 seeds side by side.
 
 Writes OUT/muon-gpu.json (every number) and OUT/summary.md (the tables, printed last).
 """
@@ -50,7 +53,7 @@ LAYOUTS = {"8x8192^2": (8, 8192, 8192), "24x4096^2": (24, 4096, 4096)}
 # --dry-run: the same code on the CPU at toy sizes (Triton's interpreter), seconds
 DRY = {"layouts": {"2x16^2": (2, 16, 16)}, "big": 24, "small": 16, "reps": (0, 1)}
 SIZES = {"layouts": LAYOUTS, "big": 4096, "small": 2048, "reps": (2, 5)}
-LIMITS = {"tests": 200, "ns": 150, "step": 150, "parity": 330, "parity_large": 480}
+LIMITS = {"tests": 200, "ns": 150, "step": 150, "parity": 330, "parity_large": 480, "search": 450}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -223,13 +226,76 @@ def stage_step(out: dict, dev) -> list[str]:
     ]
 
 
+def _seeds_side_by_side(cmd_of, name: str, outdir: str, limit: float, result: str) -> list:
+    """Seeds 0, 1, 2 as three processes side by side (``cmd_of(seed, dir)``), each under
+    ``limit`` seconds in all; the runs of their ``result`` JSON files."""
+    procs, runs = [], []
+    for seed in range(3):
+        d = os.path.join(outdir, f"{name}-seed{seed}")
+        log = open(os.path.join(outdir, f"{name}-seed{seed}.log"), "w")
+        proc = subprocess.Popen(cmd_of(seed, d), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        procs.append((proc, d))
+    t0 = time.time()
+    for p, _ in procs:
+        try:
+            p.wait(timeout=max(1.0, limit - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for _, d in procs:
+        path = os.path.join(d, result)
+        if os.path.exists(path):
+            runs += json.load(open(path))["runs"]
+    return runs
+
+
+def stage_search(out: dict, outdir: str, limit: float, extra=()) -> list[str]:
+    """The momentum storages on torch.optim.Muon's own buffer at the 25.6M size
+    (``momentum_quantizers.py parity --config gpu``): torch.optim.Muon, its momentum through
+    the #24 codes (stochastic), the same to nearest, and the shipped rank-4 + nearest codes."""
+    schemes = "torch_muon,q_ours,q_ours_nearest,q_lr4_ours_nearest"
+
+    def cmd_of(seed, d):
+        tool = os.path.join(ROOT, "tools", "flashoptim", "momentum_quantizers.py")
+        return [
+            sys.executable,
+            tool,
+            "parity",
+            "--config",
+            "gpu",
+            "--schemes",
+            schemes,
+            "--seeds",
+            "1",
+            "--first-seed",
+            str(seed),
+            "--out",
+            d,
+            *extra,
+        ]
+
+    runs = _seeds_side_by_side(cmd_of, "search", outdir, limit, "schemes.json")
+    out["search"] = runs
+    vals: dict = {}
+    for r in runs:
+        vals.setdefault(r["optimizer"], {})[r["seed"]] = r["val_loss"]
+    rows = []
+    base = vals.get("torch_muon", {})
+    for name, v in vals.items():
+        common = [k for k in v if k in base]
+        diff = sum(v[k] - base[k] for k in common) / max(1, len(common))
+        seeds = " / ".join(f"{v[k]:.4f}" for k in sorted(v))
+        rows.append(f"| {name} | {seeds} | {diff:+.4f} |")
+    return [
+        "| momentum storage (on torch.optim.Muon) | val loss seeds 0/1/2 | minus torch |",
+        "|---|---|---|",
+        *rows,
+    ]
+
+
 def stage_parity(out: dict, outdir: str, config: str, limit: float, extra=()) -> list[str]:
     """Three seeds as three processes side by side; the summary of parity.py over all."""
-    runs = []
-    procs = []
-    env = dict(os.environ)
-    for seed in range(3):
-        d = os.path.join(outdir, f"parity-{config}-seed{seed}")
+
+    def cmd_of(seed, d):
         cmd = [
             sys.executable,
             "-m",
@@ -245,19 +311,9 @@ def stage_parity(out: dict, outdir: str, config: str, limit: float, extra=()) ->
         ]
         if config != "gpu":
             cmd += ["--config", config]
-        cmd += list(extra)
-        log = open(os.path.join(outdir, f"parity-{config}-seed{seed}.log"), "w")
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), d))
-    t0 = time.time()
-    for p, _ in procs:
-        try:
-            p.wait(timeout=max(1.0, limit - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    for _, d in procs:
-        path = os.path.join(d, "parity.json")
-        if os.path.exists(path):
-            runs += json.load(open(path))["runs"]
+        return cmd + list(extra)
+
+    runs = _seeds_side_by_side(cmd_of, f"parity-{config}", outdir, limit, "parity.json")
     for r in runs:
         r["losses"] = r["losses"][:: max(1, len(r["losses"]) // 200)]  # a thinned curve
     summary = summarize(runs, "peak_mem_mib") if runs else {}
@@ -334,6 +390,9 @@ def main(argv=None) -> int:
                 tables += stage_ns(out, dev)
             elif stage == "step":
                 tables += stage_step(out, dev)
+            elif stage == "search":
+                extra = ("--steps", "3", "--config", "smoke") if a.dry_run else ()
+                tables += stage_search(out, a.out, LIMITS[stage], extra)
             elif stage in ("parity", "parity_large"):
                 config = "gpu" if stage == "parity" else "gpt2s"
                 extra = ("--steps", "3") if a.dry_run else ()
