@@ -259,13 +259,13 @@ def main_replay(a) -> None:
 # ----------------------------------------------------------------------------- cosine
 
 
-def _cosine_run(name, seed, batches, steps=20):
+def _cosine_run(name, seed, batches, steps=20, nesterov=True):
     """torch.optim.Muon (fp32, no weight decay) on a 2-layer d = 64 GPT for ``steps`` steps,
     its momentum stored through ``name`` (None: not), then the update of one more step."""
     torch.manual_seed(seed)
     model = parity.GPT(d=64, layers=2, heads=2, ctx=32)
     mats = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
-    opt = torch.optim.Muon(mats, lr=0.02, weight_decay=0.0)
+    opt = torch.optim.Muon(mats, lr=0.02, weight_decay=0.0, nesterov=nesterov)
     store = None if name is None else Storage(name, seed)
     for xb in batches[: steps + 1]:
         logits = model(xb[:, :-1]).reshape(-1, 256)
@@ -286,12 +286,15 @@ def main_cosine(a) -> None:
     g = torch.Generator().manual_seed(1)
     starts = torch.randint(0, corpus.numel() - 40, (21, 8), generator=g)
     batches = [torch.stack([corpus[i : i + 33] for i in row]) for row in starts]
-    refs = {sd: _cosine_run(None, sd, batches) for sd in range(3)}
+    nest = not a.no_nesterov
+    refs = {sd: _cosine_run(None, sd, batches, nesterov=nest) for sd in range(3)}
     print("| momentum storage | bytes (512 x 2048) | cosine, seeds 0 / 1 / 2 | mean |")
     print("|---|---|---|---|")
     for name in a.schemes.split(","):
         cs = [
-            F.cosine_similarity(_cosine_run(name, sd, batches), refs[sd], dim=0).item()
+            F.cosine_similarity(
+                _cosine_run(name, sd, batches, nesterov=nest), refs[sd], dim=0
+            ).item()
             for sd in refs
         ]
         vals = " / ".join(f"{c:.4f}" for c in cs)

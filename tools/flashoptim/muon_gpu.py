@@ -1,32 +1,40 @@
 """The GPU run of issue #31 (FlashMuon): tests, Newton-Schulz speed and orthogonality,
-whole steps against torch.optim.Muon, and training parity, in one command (stages run in
-this order; each under its own time limit; JSON and a short table under OUT):
+whole steps against torch.optim.Muon, and training parity. Stages run in the order given,
+each under its own time limit (``LIMITS``); JSON and a short table under OUT. Three calls:
 
-    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT
-    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \\
-        --stages parity_large                                   # the >= 124M run, alone
+    # 1. parity (~6 min on an H100): 25.6M GPT 600 steps and 127M GPT 1,000 steps, 3 seeds
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages parity,parity_large
+    # 2. kernels (~5 min): GPU tests, Newton-Schulz and the whole step vs torch.optim.Muon
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages tests,ns,step
+    # 3. optional (~6 min): the momentum storages of the search at the 25.6M size
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages search
 
-Stages (default ``tests,ns,step,parity``; about 7 minutes on an H100):
+Stages:
 
-* ``tests`` (~1.5 min): the @gpu tests of test_gram_kernel.py and test_muon.py.
-* ``ns`` (~1.5 min): Newton-Schulz at 8 x 8192^2 and 24 x 4096^2 bf16 with four Gram
-  products: ``torch`` (torch.optim.Muon's matmuls), ``triton`` (the package's symmetric
-  kernel through TMA descriptors, the default on CUDA), ``triton_ptr`` (the same tiles by
+* ``tests``: the @gpu tests of test_gram_kernel.py and test_muon.py.
+* ``ns``: Newton-Schulz at 8 x 8192^2 and 24 x 4096^2 bf16 with four Gram products:
+  ``torch`` (torch.optim.Muon's matmuls), ``triton`` (the package's symmetric kernel
+  through TMA descriptors, the default on CUDA), ``triton_ptr`` (the same tiles by
   pointers, cp.async), ``blocks`` (cuBLAS on the upper block rows, mirrored by a copy: the
-  contender a kernel must beat); each one's whole iteration and its two Gram
-  products alone; the orthogonality error of each against the float64 polar factor (SVD) on
-  a Gaussian 4096^2, a low-rank-plus-noise 4096^2 and an ill-conditioned 2048^2 matrix.
-* ``step`` (~1 min): one optimizer step at the same two layouts: FlashMuon (default), FlashMuon
-  with torch's Gram products, torch.optim.Muon on bf16 and on fp32 parameters.
-* ``parity`` (~3 min): ``python -m flashoptim_fused.parity --optimizers torch_muon,flash_muon``,
+  contender a kernel must beat); each one's whole iteration and its three products alone
+  (the first autotunes the kernels: a minute of compiles); the orthogonality error of each
+  against the float64 polar factor on a Gaussian 4096^2, a low-rank-plus-noise 4096^2 and
+  an ill-conditioned 2048^2 matrix.
+* ``step``: one optimizer step at the same two layouts: FlashMuon (default), FlashMuon with
+  torch's Gram products, torch.optim.Muon on bf16 and on fp32 parameters.
+* ``parity``: ``python -m flashoptim_fused.parity --optimizers torch_muon,flash_muon``,
   25.6M GPT, 600 steps, seeds 0, 1, 2 as three processes side by side; verdict: FlashMuon's
   mean validation loss inside torch.optim.Muon's seed range.
-* ``parity_large`` (~6 min, its own call): the same at the ``gpt2s`` size (127M parameters:
-  d 768, 18 layers, 1,000 steps of 16 x 512 bytes), seeds 0, 1, 2 side by side.
-* ``search`` (~7 min, its own call): the momentum storages of issue #31 at the 25.6M size on
-  torch.optim.Muon's own buffer (the storage alone): none, the #24 codes, the same to
-  nearest, rank 4 + nearest codes (the shipped one); 3 seeds side by side.
+* ``parity_large``: the same at the ``gpt2s`` size (127M parameters: d 768, 18 layers,
+  1,000 steps of 16 x 512 bytes).
+* ``search``: the momentum storages of issue #31 at the 25.6M size on torch.optim.Muon's
+  own buffer (the storage alone): none, the #24 codes, the same to nearest, rank 4 +
+  nearest codes (the shipped one); 3 seeds side by side.
 
+``--dry-run``: every stage's code on the CPU at toy sizes (Triton's interpreter), a minute.
 Writes OUT/muon-gpu.json (every number) and OUT/summary.md (the tables, printed last).
 """
 
@@ -53,7 +61,7 @@ LAYOUTS = {"8x8192^2": (8, 8192, 8192), "24x4096^2": (24, 4096, 4096)}
 # --dry-run: the same code on the CPU at toy sizes (Triton's interpreter), seconds
 DRY = {"layouts": {"2x16^2": (2, 16, 16)}, "big": 24, "small": 16, "reps": (0, 1)}
 SIZES = {"layouts": LAYOUTS, "big": 4096, "small": 2048, "reps": (2, 5)}
-LIMITS = {"tests": 200, "ns": 150, "step": 150, "parity": 330, "parity_large": 480, "search": 450}
+LIMITS = {"tests": 150, "ns": 200, "step": 90, "parity": 240, "parity_large": 330, "search": 420}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -345,7 +353,7 @@ def stage_parity(out: dict, outdir: str, config: str, limit: float, extra=()) ->
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="tests,ns,step,parity")
+    ap.add_argument("--stages", default="parity,parity_large")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (interpreter)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
