@@ -50,13 +50,16 @@ def update_factors(
     mu: float,
     nesterov: bool,
     reduce: Callable | None = None,
+    g_sign: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """New (P, R), bf16, from the step's direction ``u`` (..., A, B), its gradient ``g``
-    (sign applied) and the last ``R`` (..., B, k): one power iteration. ``reduce``: the sum
-    over the ranks that hold other rows of the same matrices (None: one process); both
-    ``Y^T Y`` and ``m^T P`` are sums over rows."""
+    """New (P, R), bf16, from the step's direction ``u`` (..., A, B; bf16), its gradient
+    ``g`` (times ``g_sign``: -1 under ``maximize``) and the last ``R`` (..., B, k): one power
+    iteration. Only thin products touch the matrices (``u R``, ``u^T P``, ``g^T P``, in fp32,
+    ``ROWS`` rows at a time: no temporary of the matrix's size), ``m^T P = (u^T P - (1 - mu)
+    g^T P) / mu`` with Nesterov. ``reduce``: the sum over the ranks that hold other rows of the same
+    matrices (None: one process); ``Y^T Y`` and ``m^T P`` are sums over rows."""
     reduce = reduce or (lambda t: t)
-    y = u.float() @ R.float()
+    y = _rows_times(u, R.float())
     gram = reduce((y.mT @ y).double())
     k = gram.shape[-1]
     ridge = 1e-12 * gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] + 1e-300
@@ -64,11 +67,34 @@ def update_factors(
     # (cholesky_ex: no error check, no host sync; a skipped step's garbage is dropped)
     chol = torch.linalg.cholesky_ex(gram + ridge * eye).L
     P = torch.linalg.solve_triangular(chol, y.double().mT, upper=False).mT.bfloat16()
+    t = _rows_t_times(u, P.float())
     if nesterov and mu > 0:
-        m = (u.float() - (1 - mu) * g.float()) / mu
-    else:
-        m = u.float()
-    return P, reduce(m.mT @ P.float()).bfloat16()
+        t = (t - (1 - mu) * g_sign * _rows_t_times(g, P.float())) / mu
+    return P, reduce(t).bfloat16()
+
+
+# rows of a matrix converted to fp32 at a time by the thin products (a bounded temporary)
+ROWS = 2048
+
+
+def _rows_times(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y`` in fp32 for a large ``x`` (..., A, B) of any float dtype and a thin fp32
+    ``y`` (..., B, k), ``ROWS`` rows of ``x`` at a time."""
+    return torch.cat(
+        [x[..., i : i + ROWS, :].float() @ y for i in range(0, x.shape[-2], ROWS)]
+        or [x.new_zeros(*x.shape[:-1], y.shape[-1], dtype=torch.float32)],
+        dim=-2,
+    )
+
+
+def _rows_t_times(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x^T @ y`` in fp32 for a large ``x`` (..., A, B) and a thin fp32 ``y`` (..., A, k),
+    summed over blocks of ``ROWS`` rows (fp32 products and sums throughout: the row
+    shards of one matrix sum the same terms in another order only)."""
+    out = torch.zeros(*x.shape[:-2], x.shape[-1], y.shape[-1], device=x.device)
+    for i in range(0, x.shape[-2], ROWS):
+        out += x[..., i : i + ROWS, :].float().mT @ y[..., i : i + ROWS, :]
+    return out
 
 
 def lowrank(P: torch.Tensor, R: torch.Tensor) -> torch.Tensor:

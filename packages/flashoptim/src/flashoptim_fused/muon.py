@@ -551,30 +551,29 @@ class FlashMuon(FlashOptimizer):
             self._update(*pass2)
 
     def _lowrank_step(self, group, hp, ps, views, skip, reduce=None) -> None:
-        """The low-rank factors of matrices of one shape (a batch), from their ``u`` in the
-        workspace and their gradients, before the orthogonalisation overwrites ``u``; the new
-        low-rank parts into the workspace. ``reduce``: the sum over the ranks of a row shard
-        (``_muon_shard``). On a step the device flag ``skip`` skips, the factors stay."""
-        shape = (int(local(ps[0]).shape[0]), matrix_shape(ps[0])[1])
-        u = torch.stack([_logical(v[0], local(p)).reshape(shape) for p, v in zip(ps, views)])
-        g = torch.stack([local(p.grad).reshape(shape) for p in ps])
-        if hp.get("maximize"):
-            g = -g
-        R = torch.stack([self.state[p][LOWRANK_R] for p in ps])
-        P, R = _muon_lowrank.update_factors(u, g, R, hp["mu"], hp["nesterov"], reduce)
-        L = _muon_lowrank.lowrank(P, R)
+        """The low-rank factors of matrices, from their ``u`` in the workspace and their
+        gradients (views: no copies), before the orthogonalisation overwrites ``u``; their
+        new low-rank parts into the workspace. ``reduce``: the sum over the ranks of a row
+        shard (``_muon_shard``). On a step the device flag ``skip`` skips, the factors stay
+        (no host sync: selected on the device)."""
         keep = None
         if skip is not None:  # the step's epoch in the device flag: it was skipped
             keep = skip.reshape(()) == self._epoch
-        for j, (p, v) in enumerate(zip(ps, views)):
-            st = self.state[p]
-            _logical(v[2], local(p)).copy_(L[j].view(local(p).shape))
-            if keep is None:
-                st[LOWRANK_P].copy_(P[j])
-                st[LOWRANK_R].copy_(R[j])
-            else:
-                st[LOWRANK_P].copy_(torch.where(keep, st[LOWRANK_P], P[j]))
-                st[LOWRANK_R].copy_(torch.where(keep, st[LOWRANK_R], R[j]))
+        sign = -1.0 if hp.get("maximize") else 1.0
+        for p, v in zip(ps, views):
+            lp, st = local(p), self.state[p]
+            shape = (int(lp.shape[0]), matrix_shape(p)[1])
+            u = _logical(v[0], lp).reshape(shape)
+            g = local(p.grad).reshape(shape)
+            P, R = _muon_lowrank.update_factors(
+                u, g, st[LOWRANK_R], hp["mu"], hp["nesterov"], reduce, sign
+            )
+            _logical(v[2], lp).copy_(_muon_lowrank.lowrank(P, R).view(lp.shape))
+            if keep is not None:
+                P = torch.where(keep, st[LOWRANK_P], P)
+                R = torch.where(keep, st[LOWRANK_R], R)
+            st[LOWRANK_P].copy_(P)
+            st[LOWRANK_R].copy_(R)
 
     def _update(self, group, b, ws, views, lo, ln, hp, step, mix, skip) -> None:
         """Pass 2 of a wave: the weights from ``O`` in the workspace ``ws``; with ``lo`` /
