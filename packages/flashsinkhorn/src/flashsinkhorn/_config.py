@@ -106,3 +106,13 @@ def plan_apply_config(dv: int) -> tuple[int, int, int, int]:
     if no_autotune():
         return FIXED
     return PLAN_APPLY_WIDE if dv > 64 else PLAN_APPLY
+
+
+# backend="auto" (flashsinkhorn.backends.auto_backend): the dense backend (-C in memory) on
+# the CPU while one cost matrix takes at most DENSE_MAX_BYTES (a debiased loss holds three,
+# plus one score matrix per pass), and on CUDA up to DENSE_MAX_SCORES_CUDA scores (B N M),
+# where a pass is launch-bound. The CPU number: docs/design/flashsinkhorn.md ("The dense
+# backend"); the CUDA one is not measured yet (tools/flashsinkhorn/gpu_check.sh measures
+# both backends at 512, 2048 and 8192 points).
+DENSE_MAX_BYTES = 1 << 28
+DENSE_MAX_SCORES_CUDA = 1 << 22

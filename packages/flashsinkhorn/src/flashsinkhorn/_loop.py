@@ -30,6 +30,7 @@ and says so.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -107,12 +108,14 @@ def report(out: Outcome, tol, eps, warn, stacklevel=3):
     err = float(out.err.max())
     if out.stalled:
         fmax = max(float(out.f.abs().max()), float(out.g.abs().max()))
-        floor = 2.0**-24 * fmax / eps
+        f64 = out.f.dtype == torch.float64
+        floor = (2.0**-53 if f64 else 2.0**-24) * fmax / eps
+        fix = "increase eps or tol" if f64 else "pass float64 inputs, or increase eps or tol"
         msg = (
             f"flashsinkhorn.solve: not converged: the float64-measured marginal error stalled "
-            f"at {err:.3g} > tol {tol} after {out.n_iter} iterations: float32 potentials of "
-            f"magnitude {fmax:.3g} carry rounding errors of about {floor:.2g} eps at "
-            f"eps={eps:.3g}; pass float64 inputs, or increase eps or tol"
+            f"at {err:.3g} > tol {tol} after {out.n_iter} iterations: {out.f.dtype} "
+            f"potentials of magnitude {fmax:.3g} carry rounding errors of about {floor:.2g} "
+            f"eps at eps={eps:.3g}; {fix}"
         )
     else:
         msg = (
@@ -251,7 +254,9 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
             f"iteration {it_e}, eps {eps:.4g}, marginal error (estimate) {est:.3g}{precision}",
             who,
         )  # noqa: E501
-        if not check or not (est < cheap_tol or it >= next_cert):  # NaN / inf: iterate on
+        # an estimate that passes, a recheck that is due, or one that is not finite (the
+        # exponents overflow: the dtype's floor, which only the certificate can tell)
+        if not check or not (est < cheap_tol or it >= next_cert or not math.isfinite(est)):
             continue
         finite_or_raise(prob, f, g, eps)
         cert = certify(f, g)
@@ -266,12 +271,13 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
             say(verbose, f"switching to precision {POLISH_PRECISION!r}", who)
             prob = prob.with_precision(POLISH_PRECISION)
             continue
-        if (last_true is not None and true > 0.5 * last_true) or est == 0.0:
+        if (last_true is not None and true >= 0.5 * last_true) or est == 0.0:
             stalled = True  # float32's floor: iterating does not lower the true error
             break
         last_true = true
         # ask the estimate for proportionally more before measuring again
-        cheap_tol, next_cert = est * tol / true, it + recheck
+        ratio = est * tol / true
+        cheap_tol, next_cert = (ratio if math.isfinite(ratio) else tol), it + recheck
     out = Outcome(f=f, g=g, prob=prob, selves=sp, n_iter=n_iter, stalled=stalled)
     if certify is None:
         return out

@@ -427,6 +427,13 @@ class ShardedProblem(StreamingProblem):
     # the debiasing update (rows and columns the same cloud): a plain sharded pass
     self_update = Problem.self_update
 
+    def self_problem(self, side):
+        """The debiasing problem of one cloud: rows and columns are that cloud's shards."""
+        p = StreamingProblem.self_problem(self, side)
+        key = self.keys[0] if side == "x" else self.keys[1]
+        p.keys = (key, key)
+        return p
+
     def dense_plan(self, f, g, eps):
         """This rank's rows of the dense plan (B, N_r, M): tests and small problems only."""
         cols = dict(

@@ -131,6 +131,8 @@ class SinkhornResult:
         precision: the dot precision of the last iterations (a tf32 / bf16 solve with a
             tolerance finishes in "tf32x3" when tf32's rounding of the cost keeps the
             float64 error above tol).
+        backend: the implementation that ran ("dense", "streaming", "sharded", ...;
+            ``backend="auto"``'s choice, printed by ``verbose=True``).
 
     ``potentials`` / ``potential_a`` / ``potential_b``, ``plan`` (dense, guarded by
     ``PLAN_MAX_ENTRIES``), ``lazy_plan``, ``marginals`` / ``marginal_a`` / ``marginal_b``
@@ -146,6 +148,7 @@ class SinkhornResult:
     converged: bool
     eps: float
     precision: str = "tf32"
+    backend: str = "streaming"
     _prob: object = field(repr=False, default=None)
     _batched: bool = field(repr=False, default=False)
     _f: torch.Tensor = field(repr=False, default=None)

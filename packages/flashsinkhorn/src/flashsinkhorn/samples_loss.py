@@ -27,12 +27,11 @@ import warnings
 
 import torch
 
-from flashsinkhorn import _loop
+from flashsinkhorn import _loop, backends
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
-from flashsinkhorn.streaming import StreamingProblem
 
 __all__ = ["SamplesLoss", "sinkhorn_divergence"]
 
@@ -72,20 +71,18 @@ def _sinkhorn_forward(
     if diameter is None:
         diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
-    be = problem_backend(backend, x.device, x.dtype)  # float64 stays float64 under "auto"
     c = common_center(x, y) if comm is None else comm.center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
-    # the centered kernel operands x - c, y - c are made once here and shared by all three
-    # problems (no per-pass centering, nothing between the kernel's loads and its dot)
-    make = StreamingProblem if comm is None else comm.problem
-    common = dict(c2=1.0, cost="sqeuclidean", cost_scale=0.5, precision=precision, backend=be)
-    pxy = make(X=x, Y=y, a=a, b=b, cx=hx, cy=hy, center=c, **common)
-    selves = ()
-    if debias:
-        kx, ky = ({}, {}) if comm is None else ({"keys": ("x", "x")}, {"keys": ("y", "y")})
-        pxx = make(X=x, Y=x, a=a, b=a, cx=hx, cy=hx, center=c, Xk=pxy.Xk, Yk=pxy.Xk, **common, **kx)
-        pyy = make(X=y, Y=y, a=b, b=b, cx=hy, cy=hy, center=c, Xk=pxy.Yk, Yk=pxy.Yk, **common, **ky)
-        selves = (pxx, pyy)
+    fields = dict(X=x, Y=y, a=a, b=b, cx=hx, cy=hy, c2=1.0, cost="sqeuclidean", cost_scale=0.5)
+    if comm is None:
+        pxy, why = backends.build(backend, precision=precision, center=c, **fields)
+    else:  # the sharded problem: the streaming passes over the ranks' columns
+        be = problem_backend(backend, x.device, x.dtype)
+        pxy, why = comm.problem(precision=precision, backend=be, center=c, **fields), "sharded"
+    if verbose:
+        print(f"flashsinkhorn.SamplesLoss: backend {pxy.kind} ({why})", flush=True)
+    # the self problems share what they can (the streaming problems: the kernel operands)
+    selves = (pxy.self_problem("x"), pxy.self_problem("y")) if debias else ()
     # GeomLoss's loop: one symmetric averaged update per temperature, the self problems
     # alongside (the one loop of flashsinkhorn._loop, stages only)
     sched = _loop.Schedule(eps=eps_list[-1], stages=tuple(eps_list), rho_x=rho, rho_y=rho)
@@ -93,6 +90,7 @@ def _sinkhorn_forward(
     f_ba, g_ab = run.f, run.g
     if debias:
         f_aa, g_bb = run.selves
+        pxx, pyy = selves
     # last extrapolation (at the last eps): potentials and the softmax averages for grads
     e = eps_list[-1]
     dmp = damping_factor(e, rho)
@@ -481,7 +479,8 @@ def sinkhorn_divergence(
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
     # clear errors for a bad backend or bf16 under the interpreter, before any work
-    check_precision(precision, resolve_backend(backend, x3.device))
+    family = "auto" if backend in ("auto", "dense", "streaming") else backend
+    check_precision(precision, resolve_backend(family, x3.device))
     if reach is None and not compiling:
         check_masses(a2, b2, None, None, "reach")  # GeomLoss would return a number: we say why not
     opts = dict(
@@ -600,10 +599,10 @@ class SamplesLoss(torch.nn.Module):
                 )
         if backend in ("tensorized", "online"):  # GeomLoss's exact backends: ours is exact
             backend = "auto"
-        if backend not in ("auto", "triton", "torch"):
+        if backend not in ("auto", "dense", "streaming", "triton", "torch"):
             raise ValueError(
-                "backend must be 'auto', 'triton', 'torch' (or GeomLoss's 'tensorized' / "
-                f"'online'); got {backend!r}"
+                "backend must be 'auto', 'dense', 'streaming', 'triton', 'torch' (or GeomLoss's "
+                f"'tensorized' / 'online'); got {backend!r}"
             )
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from flashsinkhorn import _loop
+from flashsinkhorn import _loop, backends
 from flashsinkhorn._inputs import (
     check_eps,
     check_label_range,
@@ -34,7 +34,7 @@ from flashsinkhorn._inputs import (
     prepare_inputs,
 )
 from flashsinkhorn.operands import COSTS, cost_features
-from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend
+from flashsinkhorn.primitives import check_precision, resolve_backend
 from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
 from flashsinkhorn.result import SinkhornResult, certificate
@@ -158,7 +158,7 @@ def _differentiable_value_grads(X, Y, gX, gY, ctx, f, g):
             eps=ctx.eps,
             rho_x=ctx.rx,
             rho_y=ctx.ry,
-            backend=prob.backend,
+            backend=prob.kernel_family,
             precision=precision,
         )
         terms.append(HvpTerm("xy", k, plan, prob.c2 / 2, ix, iy))
@@ -187,52 +187,40 @@ def _feature_grad(X, rows, Ybar, prob):
 # (kernel operands), ``cx, cy``, optional labels ``lx, ly, W``, the optional centre of the
 # dot products (a polish rebuilds the kernel operands from X, Y and it), then its scalars.
 
-# The ops' leading arguments: one problem, as in _op_problem_args
+# The ops' leading arguments: one problem, as in _op_problem_args (the op rebuilds it with
+# flashsinkhorn.backends.build from its backend_arg: the same implementation)
 _PROBLEM = (
-    "Tensor X, Tensor Y, Tensor a, Tensor b, Tensor Xk, Tensor Yk, Tensor cx, Tensor cy, "
-    "Tensor? lx, Tensor? ly, Tensor? W, Tensor? center, float label_scale, float c2, str cost, "
-    "str precision, str backend"
+    "Tensor X, Tensor Y, Tensor a, Tensor b, Tensor cx, Tensor cy, Tensor? lx, Tensor? ly, "
+    "Tensor? W, Tensor? center, float label_scale, float c2, str cost, str precision, "
+    "str backend"
 )
-_NP = 17  # how many
+_NP = 15  # how many
 
 
-def _op_problem_args(prob: StreamingProblem, X=None, Y=None, a=None, b=None):
+def _op_problem_args(prob, X=None, Y=None, a=None, b=None):
     """A Problem as the ops' leading arguments; ``X, Y, a, b`` replace the problem's
     (detached) ones where given (the value op takes them with their graph)."""
     lx, ly, W, label_scale = prob.labels if prob.labels is not None else (None,) * 3 + (1.0,)
     X, Y = prob.X if X is None else X, prob.Y if Y is None else Y
     a, b = prob.a if a is None else a, prob.b if b is None else b
     return (
-        *(X, Y, a, b, prob.Xk, prob.Yk, prob.cx, prob.cy, lx, ly, W, prob.center),
-        *(label_scale, prob.c2, prob.cost, prob.precision, prob.backend),
+        *(X, Y, a, b, prob.cx, prob.cy, lx, ly, W, prob.center),
+        *(label_scale, prob.c2, prob.cost, prob.precision, prob.backend_arg),
     )
 
 
 def _op_problem(args, cost_scale=1.0):
     """The Problem of the ops' leading arguments (inverse of :func:`_op_problem_args`)."""
-    X, Y, a, b, Xk, Yk, cx, cy, lx, ly, W, center, label_scale, c2, cost, precision, backend = args
+    X, Y, a, b, cx, cy, lx, ly, W, center, label_scale, c2, cost, precision, backend = args
     labels = None if W is None else (lx, ly, W, label_scale)
-    return StreamingProblem(
-        X=X,
-        Y=Y,
-        a=a,
-        b=b,
-        cx=cx,
-        cy=cy,
-        c2=c2,
-        cost=cost,
-        cost_scale=cost_scale,
-        labels=labels,
-        precision=precision,
-        backend=backend,
-        center=center,
-        Xk=Xk,
-        Yk=Yk,
-    )
+    fields = dict(X=X, Y=Y, a=a, b=b, cx=cx, cy=cy, c2=c2, cost=cost, cost_scale=cost_scale)
+    return backends.build(backend, labels=labels, precision=precision, center=center, **fields)[0]
 
 
-def _potential_dtype(X, backend):
-    return torch.float64 if (X.dtype == torch.float64 and backend == "torch") else torch.float32
+def _potential_dtype(X, backend_arg):
+    """The potentials' dtype of a problem rebuilt from ``backend_arg`` (the fake impls)."""
+    f64 = X.dtype == torch.float64 and backend_arg in ("dense", "torch")
+    return torch.float64 if f64 else torch.float32
 
 
 @torch.library.custom_op(
@@ -271,7 +259,7 @@ def _potentials_op(*args):
 
 @_potentials_op.register_fake
 def _(*args):
-    X, cx, cy, backend = args[0], args[6], args[7], args[16]
+    X, cx, cy, backend = args[0], args[4], args[5], args[_NP - 1]
     dt = _potential_dtype(X, backend)
     return (
         cx.new_empty(cx.shape, dtype=dt),
@@ -323,7 +311,7 @@ def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b
 def certifier(build64, prob, eps, rx, ry):
     """``certify(f, g) -> (err, rows, cols)``: the float64 :func:`certificate` of the
     potentials in the dtype they are returned in (the float64 problem built once, lazily)."""
-    dt = _potential_dtype(prob.X, prob.backend)
+    dt = prob.potential_dtype
     cache = {}
 
     def certify(f, g):
@@ -352,7 +340,7 @@ def _schedule(prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scali
 def _run_and_certify(prob, certify, sched, verbose):
     """The loop (no graph) and the float64 certificate of its potentials (what
     ``marginal_error`` and ``converged`` report), potentials in the returned dtype."""
-    dt = _potential_dtype(prob.X, prob.backend)
+    dt = prob.potential_dtype
     with torch.no_grad():
         out = _loop.run(prob, sched, certify, verbose=verbose)
     out.f, out.g = out.f.to(dt), out.g.to(dt)
@@ -409,8 +397,8 @@ def _(gout, *args):
 
 
 def _ot_value_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:12], *inputs[_NP : _NP + 3])  # X .. center, f, g, polished
-    ctx.scalars = inputs[12:_NP], inputs[_NP + 3 :]  # label_scale .. backend; eps, rx, ry
+    ctx.save_for_backward(*inputs[:10], *inputs[_NP : _NP + 3])  # X .. center, f, g, polished
+    ctx.scalars = inputs[10:_NP], inputs[_NP + 3 :]  # label_scale .. backend; eps, rx, ry
 
 
 def _ot_value_bwd(ctx, gout):
@@ -541,6 +529,7 @@ def solve(
     eps, rx, ry, max_iter, check_every, tol = _check_args(
         eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
+    backends.check_backend(backend)
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
@@ -548,26 +537,14 @@ def solve(
         check_masses(a2, b2, rx, ry)
         if cost == "cosine":
             _check_nonzero_rows(x3, y3)
-    be = problem_backend(backend, x3.device, x3.dtype)  # float64 stays float64 under "auto"
-    check_precision(precision, resolve_backend(backend, x3.device))
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
-    prob = StreamingProblem(
-        X=X.detach(),
-        Y=Y.detach(),
-        a=a2.detach(),
-        b=b2.detach(),
-        cx=cx.detach(),
-        cy=cy.detach(),
-        c2=c2,
-        cost=cost,
-        cost_scale=cost_scale,
-        labels=labels,
-        precision=precision,
-        backend=be,
-        center=center,
-    )
+    fields = dict(X=X.detach(), Y=Y.detach(), a=a2.detach(), b=b2.detach(), cx=cx.detach())
+    fields.update(cy=cy.detach(), c2=c2, cost=cost, cost_scale=cost_scale, labels=labels)
+    prob, why = backends.build(backend, precision=precision, center=center, **fields)
+    check_precision(precision, resolve_backend(prob.kernel_family, x3.device))
+    _loop.say(verbose, f"backend {prob.kind} ({why})")
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
     exact = [_uniform64(t) if w is None else None for w, t in ((a, x3), (b, y3))]
     build64 = float64_problem(x3, y3, prob, a64=exact[0], b64=exact[1])
@@ -596,6 +573,7 @@ def solve(
         converged=converged,
         eps=eps,
         precision=prob.precision,
+        backend=prob.kind,
         _prob=prob,
         _batched=batched,
         _f=f,

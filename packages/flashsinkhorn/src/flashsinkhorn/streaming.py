@@ -48,6 +48,20 @@ class StreamingProblem(Problem):
             )
 
     @property
+    def backend_arg(self) -> str:
+        return "streaming" if self.backend == "auto" else self.backend
+
+    @property
+    def kernel_family(self) -> str:
+        return self.backend
+
+    @property
+    def potential_dtype(self) -> torch.dtype:
+        """float64 on the torch path for float64 inputs; the kernels return float32."""
+        f64 = self.X.dtype == torch.float64 and self.backend == "torch"
+        return torch.float64 if f64 else torch.float32
+
+    @property
     def exact(self) -> bool:  # type: ignore[override]
         """The torch path computes in the problem's dtype; the kernels in ``precision``."""
         return self.backend == "torch"
