@@ -178,8 +178,8 @@ def case_samples_loss(c):
     Fs, Gs = fs.SamplesLoss(blur=0.1, potentials=True, process_group=c.group)(
         c.split(a, c.nx), c.split(x, c.nx), c.split(b, c.ny), c.split(y, c.ny)
     )
-    _close("potential F", Fs, c.split(F, c.nx))
-    _close("potential G", Gs, c.split(G, c.ny))
+    _close("potential F", Fs[0], c.split(F[0], c.nx))
+    _close("potential G", Gs[0], c.split(G[0], c.ny))
 
 
 def case_sampling_and_pairs(c):

@@ -570,3 +570,14 @@ def test_label_cost_on_gpu():
         precision="ieee",
     )
     assert abs(float(r.value) - float(r64.value)) < 1e-5
+
+
+def test_float64_floor_warning_names_float64():
+    """solve(x64, y64, tol=1e-13) stalls at float64's floor and warned about "float32
+    potentials"; the warning names the potentials' dtype and does not ask for float64
+    (here the float64 certificate stalls at 1.1e-12)."""
+    x, y, a, b = clouds(30, 25, 2, seed=31)
+    with pytest.warns(RuntimeWarning, match="float64 potentials") as rec:
+        r = fs.solve(x, y, a, b, eps=0.1, tol=1e-14, max_iter=20000)
+    assert not r.converged and r.f.dtype == torch.float64
+    assert all("float32" not in str(w.message) for w in rec)

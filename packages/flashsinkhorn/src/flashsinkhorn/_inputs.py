@@ -112,6 +112,11 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
         raise ValueError(
             f"x and y must have the same dimension D; got {x.shape[-1]} and {y.shape[-1]}"
         )
+    if x.shape[0] == 0:
+        raise ValueError(
+            f"x and y must hold at least one problem; got a batch of 0: x {tuple(x.shape)}, "
+            f"y {tuple(y.shape)}"
+        )
     if x.shape[1] == 0 or y.shape[1] == 0:
         raise ValueError(f"empty point cloud: x has {x.shape[1]} points, y has {y.shape[1]}")
     if x.shape[-1] == 0:
@@ -126,13 +131,25 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
         b = b.float() if isinstance(b, torch.Tensor) and b.dtype == half else b
     a = None if a is None else _as_tensor(a, "a", dtype=x.dtype, device=x.device)
     b = None if b is None else _as_tensor(b, "b", dtype=x.dtype, device=x.device)
-    if a is not None and a.dim() == 2 and not batched:
-        raise ValueError(f"a must be ({N},) for unbatched x; got {tuple(a.shape)}")
-    if b is not None and b.dim() == 2 and not batched:
-        raise ValueError(f"b must be ({M},) for unbatched y; got {tuple(b.shape)}")
+    a, b = _column_weights(a, "a", N, batched), _column_weights(b, "b", M, batched)
     a = _as_weights(a, "a", B, N, x, check_values)
     b = _as_weights(b, "b", B, M, x, check_values)
     return x, y, a, b, batched
+
+
+def _column_weights(w, name, n, batched):
+    """Weights given as a column, ``(N, 1)`` (``(B, N, 1)`` batched), as flash-sinkhorn and
+    GeomLoss accept them, become ``(N,)`` (``(B, N)``); a 2-D ``w`` of an unbatched problem
+    must be that column."""
+    if w is None:
+        return None
+    if w.dim() == (3 if batched else 2) and w.shape[-1] == 1 and w.shape[-2] == n:
+        return w[..., 0]
+    if w.dim() == 2 and not batched:
+        raise ValueError(
+            f"{name} must be ({n},) or ({n}, 1) for unbatched points; got {tuple(w.shape)}"
+        )
+    return w
 
 
 def check_masses(a, b, rx, ry, unbalanced="rho"):

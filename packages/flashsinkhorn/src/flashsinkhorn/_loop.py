@@ -198,13 +198,26 @@ def _anneal(prob, sched, selves, verbose, who):
     return f, g, sp
 
 
-def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flashsinkhorn.solve"):
+def run(
+    prob,
+    sched: Schedule,
+    certify=None,
+    selves=(),
+    verbose=False,
+    who="flashsinkhorn.solve",
+    init=None,
+):
     """The loop on ``prob`` (and the self problems ``selves``, annealed alongside).
-    ``certify(f, g) -> (err, rows, cols)`` is the float64 measurement (None: no certificate,
-    the caller reports what it measures itself). Returns an :class:`Outcome`."""
+    ``certify(f, g) -> (err, rows, cols)`` is the float64 measurement (None: no certificate;
+    with a ``tol`` the loop then stops on the estimate alone, and the caller reports what it
+    measures itself). ``init``: ``(f, g)`` to start from instead of the annealing stages (a
+    warm start). Returns an :class:`Outcome`."""
     eps, rx, ry = sched.eps, sched.rho_x, sched.rho_y
-    f, g, sp = _anneal(prob, sched, selves, verbose, who)
-    check = sched.tol is not None and sched.tol > 0 and certify is not None
+    if init is None:
+        f, g, sp = _anneal(prob, sched, selves, verbose, who)
+    else:
+        f, g, sp = init[0], init[1], []
+    check = sched.tol is not None and sched.tol > 0
     tol = sched.tol
     cheap_tol = tol if check else None
     cert = None  # (err, rows, cols) of the current (f, g), or None when stale
@@ -222,7 +235,7 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
         measure = it % sched.check_every == 0 and (check or bool(verbose))
         # the current potentials as guesses of the updates ("shift" kernel), except the
         # zeros the loop starts from without annealing
-        warm = bool(sched.stages) or it > 1
+        warm = bool(sched.stages) or init is not None or it > 1
         if sched.update == "alternating":
             fn = prob.sm_x(g, eps, kx, guess=f if warm else None)[0]
             if measure:
@@ -257,6 +270,10 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
         # an estimate that passes, a recheck that is due, or one that is not finite (the
         # exponents overflow: the dtype's floor, which only the certificate can tell)
         if not check or not (est < cheap_tol or it >= next_cert or not math.isfinite(est)):
+            continue
+        if certify is None:  # the estimate alone decides (no float64 certificate asked for)
+            if est < tol:
+                break
             continue
         finite_or_raise(prob, f, g, eps)
         cert = certify(f, g)

@@ -785,7 +785,7 @@ def sinkhorn_divergence(
     a2, b2 = _global_weights(comm, a2, b2, a, b)
     opts = dict(
         blur=float(blur),
-        reach=None if reach is None else float(reach),
+        reach=reach,
         diameter=diameter,
         scaling=float(scaling),
         debias=bool(debias),
@@ -800,8 +800,8 @@ def sinkhorn_divergence(
         F, G = out["f_ba"], out["g_ab"]
         if debias:
             F, G = F - out["f_aa"], G - out["g_bb"]
-        F, G = F.to(x3.dtype), G.to(x3.dtype)
-        return (F, G) if batched else (F[0], G[0])
+        # (B, N), (B, M); (1, N), (1, M) for 2-D inputs, as GeomLoss 0.3.1 returns them
+        return F.to(x3.dtype), G.to(x3.dtype)
     value = L._SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
     L._warn(value, info.get("marginal_error"), warn_tol, stacklevel=3)
     if not batched and info.get("marginal_error") is not None:
