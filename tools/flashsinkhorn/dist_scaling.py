@@ -395,7 +395,7 @@ def main(argv=None):
         torch.cuda.set_device(DEV)
         backend = "gloo" if args.gloo_cuda else "nccl"
         if args.gloo_cuda:  # the package refuses gloo with CUDA tensors (slow: host staging)
-            D._check_device = lambda group, x3: None
+            D.check_device = lambda group, x3: None
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=9))
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()

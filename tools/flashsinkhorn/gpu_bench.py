@@ -282,7 +282,7 @@ def section_big(rows, reps, tag):
     x = (torch.rand(n, 64, generator=gen) / 8).to(DEVICE)
     y = (torch.rand(n, 64, generator=gen) / 8 + 0.1 / 8).to(DEVICE)
     v = torch.randn(n, 64, generator=gen).to(DEVICE)
-    hvp = getattr(getattr(fs, "second_order", fs), "hvp", None) or fs.hvp
+    hvp = getattr(getattr(fs, "second_order", fs), "hvp", None) or fs.second_order.hvp
     run_case(
         rows,
         lambda: hvp(x, y, v, eps=0.01),

@@ -204,7 +204,7 @@ def _scenarios():
         from flashsinkhorn import kernels as K  # the layout up to 1cd3e42
     except ImportError:
         K = fs
-    from flashsinkhorn.second_order import _stream as S
+    from flashsinkhorn import _hessian_triton as S
 
     gen = torch.Generator().manual_seed(0)
     n = 4096  # same integer specializations (multiples of 16) as the 50k benchmarks

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "gpu_second_order.py")
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "..", "..", "..", "tools", "flashsinkhorn", "gpu_second_order.py")
 
 
 def test_gpu_second_order_smoke(tmp_path):
@@ -86,3 +87,25 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_shuffled_regression_hybrid_detects_saddle_and_converges():
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    from shuffled_regression import shuffled_regression  # the example (not in the wheel)
+
+    # adam_lr 0.2: the saddle is escaped after 40 Adam steps (180 at the default 0.05)
+    r = shuffled_regression(n=40, p=3, q=2, eps=0.3, seed=0, backend="torch", sinkhorn_iter=300,
+                            check_every=10, max_adam=200, newton_iters=20,
+                            adam_lr=0.2)  # fmt: skip
+    h = r["history"]
+    lam = [e["lambda_min"] for e in h if e["phase"] == "adam" and "lambda_min" in e]
+    assert lam[0] < 0  # starts in a saddle region
+    assert r["switch_iter"] is not None
+    newton = [e for e in h if e["phase"] == "newton"]
+    assert newton[-1]["grad_norm"] < 1e-8
+    assert all(e["lambda_min"] > -1e-8 for e in newton if "lambda_min" in e)
+    gn = [e["grad_norm"] for e in newton if e["grad_norm"] > 1e-11]
+    ratios = [b / a for a, b in zip(gn, gn[1:])]
+    # superlinear (the forcing tolerance sqrt|g| gives order 1.5): shrinking ratios
+    assert len(ratios) >= 3 and all(r2 < r1 for r1, r2 in zip(ratios[-3:], ratios[-2:])), gn
+    assert ratios[-1] < 0.05, gn

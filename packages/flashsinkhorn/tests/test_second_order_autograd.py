@@ -1,4 +1,4 @@
-"""Double backward of ``solve(...).value`` and ``SamplesLoss`` (second_order/_autograd.py):
+"""Double backward of ``solve(...).value`` and ``SamplesLoss`` (flashsinkhorn/_hessian.py):
 Hessian-vector products and gradient penalties against dense float64 autograd through an
 unrolled Sinkhorn loop and against finite differences of the streamed gradient."""
 

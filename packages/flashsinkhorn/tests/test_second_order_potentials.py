@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
+from flashsinkhorn._hessian_triton import row_lse
 from flashsinkhorn.second_order import _plan
 from flashsinkhorn.second_order._plan import solve_potentials
-from flashsinkhorn.second_order._stream import row_lse
 
 F64 = torch.float64
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import flashsinkhorn as fs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.reference import cost_matrix_ref, sinkhorn_ref, softmin_ref
+from flashsinkhorn.second_order._plan import solve_potentials
 from flashsinkhorn.streaming import StreamingProblem as Problem
 
 RHOS = [None, 0.5, (0.3, None)]
@@ -408,8 +409,7 @@ def test_reach_has_one_meaning():
         fs.solve(x, y, a, b, eps=0.1, reach=0.5)
     r = 0.6
     s = fs.solve(x, y, a, b, eps=0.1, rho=2 * r**2, tol=1e-12, max_iter=5000)
-    p = fs.solve_potentials(x, y, a, b, eps=0.1, reach=r, max_iter=5000, tol=1e-12,
-                            backend="torch")  # fmt: skip
+    p = solve_potentials(x, y, a, b, eps=0.1, reach=r, max_iter=5000, tol=1e-12, backend="torch")
     torch.testing.assert_close(p.f, s.f, atol=1e-9, rtol=0)
     torch.testing.assert_close(p.g, s.g, atol=1e-9, rtol=0)
     # an infinite penalty is balanced, as None

@@ -226,6 +226,12 @@ def run(
     # many iterations even if the estimate has not fallen (a stalled estimate must not run on)
     recheck = 10 * sched.check_every
     next_cert = sched.max_iter + 1
+    # an estimate that stops falling (no 10 % gain over 2 recheck windows) within 64x of the
+    # dtype's floor (rounding errors of 2^-24 |f| / eps in every exponent, 2^-53 in float64:
+    # there the potentials jitter instead of settling, and the estimate can never pass tol)
+    # is measured too; far above the floor a flat estimate is a plateau of slow convergence
+    best_est, best_it = math.inf, 0
+    unit = 2.0**-53 if prob.potential_dtype == torch.float64 else 2.0**-24
     converged = stalled = False
     n_iter = 0
     estimates = _Estimates(prob.cx.device)
@@ -256,20 +262,26 @@ def run(
         n_iter, cert = it, None
         if not measure:
             continue
-        estimates.push(it, (ea + eb).amax())
+        # (peak: the global maximum on a sharded problem, so every rank decides alike)
+        fmax = torch.maximum(prob.peak(f.abs()).amax(), prob.peak(g.abs()).amax())
+        estimates.push(it, torch.stack(((ea + eb).amax(), fmax.to(ea.dtype))))
         got = estimates.ready()
         if got is None:
             continue
-        it_e, est = got[0], float(got[1])
+        it_e, est, fmax = got[0], float(got[1][0]), float(got[1][1])
         precision = "" if prob.precision == "tf32" else ", " + prob.precision
         say(
             verbose,
             f"iteration {it_e}, eps {eps:.4g}, marginal error (estimate) {est:.3g}{precision}",
             who,
         )  # noqa: E501
-        # an estimate that passes, a recheck that is due, or one that is not finite (the
-        # exponents overflow: the dtype's floor, which only the certificate can tell)
-        if not check or not (est < cheap_tol or it >= next_cert or not math.isfinite(est)):
+        if est < 0.9 * best_est:
+            best_est, best_it = est, it_e
+        stagnant = it_e - best_it >= 2 * recheck and est < 64 * unit * fmax / eps
+        # an estimate that passes, a recheck that is due, a stagnant one, or one that is not
+        # finite (the exponents overflow: the dtype's floor, which only the certificate tells)
+        due = est < cheap_tol or it >= next_cert or stagnant or not math.isfinite(est)
+        if not check or not due:
             continue
         if certify is None:  # the estimate alone decides (no float64 certificate asked for)
             if est < tol:
@@ -292,6 +304,7 @@ def run(
             stalled = True  # float32's floor: iterating does not lower the true error
             break
         last_true = true
+        best_est, best_it = est, it  # stagnation is measured afresh from here
         # ask the estimate for proportionally more before measuring again
         ratio = est * tol / true
         cheap_tol, next_cert = (ratio if math.isfinite(ratio) else tol), it + recheck

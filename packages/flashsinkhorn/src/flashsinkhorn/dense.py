@@ -26,7 +26,7 @@ import torch
 from flashsinkhorn import _config
 from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2, LOG2E
-from flashsinkhorn.sampling import sample_from_scores
+from flashsinkhorn.sampling import softmax_sample
 
 __all__ = ["DenseProblem", "dense_bytes"]
 
@@ -163,11 +163,25 @@ class DenseProblem(Problem):
         return self.sm_x(f, eps, damping, guess=f)[0]
 
     def sample_rows(self, g, eps, seed):
-        """One column per row by Gumbel-max over the dense scores (the streaming draw's
-        hash, so the same indices as the streaming backend up to the scores' rounding)."""
-        (g,) = self._cast(g)
-        h2 = LOG2E * (self.logb.to(g.dtype) + g / eps)
-        return sample_from_scores(torch.add(h2[..., None, :], self.negC2, alpha=1.0 / eps), seed)
+        """One column per row: the streaming torch path's draw on the features (the same
+        hash and indices as the streaming backend; a one-off pass, the stored matrix is not
+        needed)."""
+        X, Y = self.X, self.Y
+        if self.center is not None:
+            X, Y = X - self.center[:, None, :], Y - self.center[:, None, :]
+        return softmax_sample(
+            X,
+            Y,
+            g,
+            self.logb,
+            self.cy,
+            eps=eps,
+            c2=self.c2,
+            seed=seed,
+            labels=self.labels,
+            precision="ieee",
+            backend="torch",
+        )
 
     def cost_bound(self):
         return self.negC2.abs().amax(dim=(-2, -1)).double() / LOG2E

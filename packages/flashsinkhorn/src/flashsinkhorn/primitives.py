@@ -164,7 +164,7 @@ def _triton_pass(
 # ----------------------------------------------------------------------------------------
 
 
-def _block_rows(n: int, m: int) -> int:
+def block_rows(n: int, m: int) -> int:
     """Rows per block of the torch paths: at most ~4M scores (n x m) per block."""
     return max(1, min(n, (1 << 22) // max(1, m)))
 
@@ -184,7 +184,7 @@ def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse,
     if v is not None:
         v = v.to(dt)
         vbar = torch.empty((B, N, v.shape[-1]), dtype=dt, device=x.device)
-    rows = _block_rows(N, M)
+    rows = block_rows(N, M)
     for i0 in range(0, N, rows):
         i1 = min(N, i0 + rows)
         xi = x[:, i0:i1] if center is None else x[:, i0:i1] - center.to(dt)[:, None, :]

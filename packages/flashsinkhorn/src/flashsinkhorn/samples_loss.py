@@ -28,7 +28,13 @@ import warnings
 
 import torch
 
-from flashsinkhorn import _loop, backends
+from flashsinkhorn import _loop, backends, distributed
+from flashsinkhorn._hessian import (
+    HvpTerm,
+    differentiable_grads,
+    no_second_order_in_weights,
+    plan_from_potentials,
+)
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
@@ -261,14 +267,8 @@ class _SinkhornLoss(torch.autograd.Function):
 
 def _differentiable_grads(ctx, need, x, y, gx, gy):
     """The loss's gradients in x, y attached to (x, y), with the streaming HVP of its OT
-    terms as their derivative (second_order._autograd): cost |x - y|^2 / 2 is the
+    terms as their derivative (flashsinkhorn._hessian): cost |x - y|^2 / 2 is the
     second-order plan at 2 eps with potentials 2 F, and its Hessian is half the plan's."""
-    from flashsinkhorn.second_order._autograd import (
-        HvpTerm,
-        differentiable_grads,
-        no_second_order_in_weights,
-        plan_from_potentials,
-    )
 
     no_second_order_in_weights(need[0] or need[2], "SamplesLoss")
     a, b, F_ba, G_ab, F_aa, G_bb, e, rho, family, opts = ctx.second
@@ -280,7 +280,7 @@ def _differentiable_grads(ctx, need, x, y, gx, gy):
     if rho != (None, None):
         raise RuntimeError(
             "SamplesLoss: double backward (create_graph=True) is implemented for balanced "
-            "problems (reach=None); for unbalanced OT use flashsinkhorn.ot_loss(x, y, "
+            "problems (reach=None); for unbalanced OT use flashsinkhorn.second_order.ot_loss(x, y, "
             "eps=2 * blur**2, reach=reach), twice differentiable (its value is twice ours)"
         )
     prec = "ieee" if opts["precision"] == "ieee" else "tf32x3"
@@ -501,25 +501,15 @@ def sinkhorn_divergence(
     of the global clouds and the loss is the global one (:mod:`flashsinkhorn.distributed`).
     """
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
-        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
-
-        return distributed.sinkhorn_divergence(
-            a,
-            x,
-            b,
-            y,
-            process_group=process_group,
-            blur=blur,
-            reach=reach,
-            diameter=diameter,
-            scaling=scaling,
-            debias=debias,
-            potentials=potentials,
-            precision=precision,
-            backend=backend,
-            warn_tol=warn_tol,
-            info=info,
-        )
+        share = distributed.sharding(process_group)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "SamplesLoss(process_group=...) does not run under torch.compile"
+            )
+        if not distributed.alone(share):  # (a group of one rank: the loss below)
+            args = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling)
+            args.update(debias=debias, potentials=potentials, precision=precision)
+            return _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **args)
     blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
@@ -571,6 +561,42 @@ def sinkhorn_divergence(
     err = info.get("marginal_error")
     if not batched and err is not None:
         info["marginal_error"] = err[0]
+    return value if batched else value[0]
+
+
+def _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **kw):
+    """:func:`sinkhorn_divergence` over a process group: a, x, b, y are this rank's shards;
+    the value (and marginal error) is global, the gradients go to this rank's points,
+    ``potentials=True`` returns this rank's potentials."""
+    group = share.group
+    with distributed.collective_errors(group):
+        blur, reach, scaling, diameter = _check_loss_args(
+            kw["blur"], kw["reach"], kw["scaling"], kw["diameter"], kw["precision"]
+        )
+        x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
+        distributed.check_device(group, x3)
+    debias, potentials = bool(kw["debias"]), bool(kw["potentials"])
+    agree = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
+    agree.update(potentials=potentials, precision=kw["precision"], backend=backend)
+    agree.update(batched=batched, weights=(a is None, b is None), exchange=share.exchange)
+    agree.update(chunk_bytes=share.chunk_bytes)
+    comm = distributed.Communicator.create(group, x3, y3, agree, share.exchange, share.chunk_bytes)
+    a2, b2 = distributed.global_weights(comm, a2, b2, a, b)
+    opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
+    opts.update(precision=kw["precision"], backend=backend, comm=comm)
+    info = {} if info is None else info
+    if potentials:
+        with torch.no_grad():
+            out = _sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
+        F, G = out["f_ba"], out["g_ab"]
+        if debias:
+            F, G = F - out["f_aa"], G - out["g_bb"]
+        # (B, N), (B, M); (1, N), (1, M) for 2-D inputs, as GeomLoss 0.3.1 returns them
+        return F.to(x3.dtype), G.to(x3.dtype)
+    value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
+    _warn(value, info.get("marginal_error"), warn_tol, stacklevel=3)
+    if not batched and info.get("marginal_error") is not None:
+        info["marginal_error"] = info["marginal_error"][0]
     return value if batched else value[0]
 
 

@@ -49,7 +49,7 @@ from flashsinkhorn._softmin_triton import (
     _pick,
     _triton_configs,
 )
-from flashsinkhorn.primitives import _block_rows, check_precision, resolve_backend
+from flashsinkhorn.primitives import block_rows, check_precision, resolve_backend
 from flashsinkhorn.reference import LOG2E
 
 if HAS_TRITON:
@@ -59,7 +59,7 @@ if HAS_TRITON:
 
     from flashsinkhorn._softmin_triton import _load_rows, _row_stationary_dot, _tile_scores
 
-__all__ = ["softmax_sample", "softmax_sample_ref", "sample_plan", "sample_from_scores"]
+__all__ = ["softmax_sample", "softmax_sample_ref", "sample_plan"]
 
 _M32 = 0xFFFFFFFF
 _MIX1, _MIX2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -164,7 +164,7 @@ def _sample_torch(x, y, g, logb, cy, eps, c2, labels, rk, ck):
     dev = x.device
     best = torch.empty((B, N), dtype=dt, device=dev)
     arg = torch.empty((B, N), dtype=torch.int64, device=dev)
-    rows = max(1, _block_rows(N, M) // 4)  # the int64 hash temporaries are 4 x the scores
+    rows = max(1, block_rows(N, M) // 4)  # the int64 hash temporaries are 4 x the scores
     for i0 in range(0, N, rows):
         i1 = min(N, i0 + rows)
         lab = None
@@ -175,21 +175,6 @@ def _sample_torch(x, y, g, logb, cy, eps, c2, labels, rk, ck):
         val = LOG2E * S + _log2_noise(rk[:, i0:i1], ck).to(dt)
         best[:, i0:i1], arg[:, i0:i1] = val.max(-1)
     return best, arg
-
-
-def sample_from_scores(scores2, seed):
-    """The draw of :func:`softmax_sample` from dense scores ``scores2`` (B, N, M) in log2
-    units (any per-row constant added: the argmax ignores it), with the same hash: the
-    dense backend's plan sampling. Row blocks bound the int64 hash temporaries."""
-    B, N, M = scores2.shape
-    rk, ck = _keys(B, N, M, seed, 0, 0, scores2.device)
-    out = torch.empty((B, N), dtype=torch.int64, device=scores2.device)
-    rows = max(1, _block_rows(N, M) // 4)
-    for i0 in range(0, N, rows):
-        i1 = min(N, i0 + rows)
-        noise = _log2_noise(rk[:, i0:i1], ck).to(scores2.dtype)
-        out[:, i0:i1] = (scores2[:, i0:i1] + noise).argmax(-1)
-    return out
 
 
 # ----------------------------------------------------------------------------------------

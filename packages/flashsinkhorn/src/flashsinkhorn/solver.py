@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from flashsinkhorn import _loop, backends
+from flashsinkhorn import _loop, backends, distributed
+from flashsinkhorn._hessian import (
+    HvpTerm,
+    differentiable_grads,
+    no_second_order_in_weights,
+    plan_from_potentials,
+)
 from flashsinkhorn._inputs import (
     check_eps,
     check_label_range,
@@ -34,7 +40,7 @@ from flashsinkhorn._inputs import (
     prepare_inputs,
 )
 from flashsinkhorn.operands import COSTS, cost_features
-from flashsinkhorn.primitives import check_precision, resolve_backend
+from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend
 from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
 from flashsinkhorn.result import SinkhornResult, certificate
@@ -117,7 +123,6 @@ class _OTValue(torch.autograd.Function):
 
 
 def _check_second_order(prob, need):
-    from flashsinkhorn.second_order._autograd import no_second_order_in_weights
 
     if type(prob).total is not Problem.total:  # sharded
         raise RuntimeError(
@@ -135,12 +140,7 @@ def _check_second_order(prob, need):
 
 def _differentiable_value_grads(X, Y, gX, gY, ctx, f, g):
     """The value's gradients (gX, gY) attached to (X, Y), with the streaming HVP of each
-    problem of the batch as their derivative (second_order._autograd)."""
-    from flashsinkhorn.second_order._autograd import (
-        HvpTerm,
-        differentiable_grads,
-        plan_from_potentials,
-    )
+    problem of the batch as their derivative (flashsinkhorn._hessian)."""
 
     prob = ctx.prob
     precision = "ieee" if prob.precision == "ieee" else "tf32x3"
@@ -502,30 +502,14 @@ def solve(
             "flashsinkhorn 0.2); reach is GeomLoss's distance, rho = 2 * cost_scale * reach**2"
         )
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
-        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
-
-        return distributed.solve(
-            x,
-            y,
-            a,
-            b,
-            process_group=process_group,
-            eps=eps,
-            rho=rho,
-            cost=cost,
-            cost_scale=cost_scale,
-            max_iter=max_iter,
-            tol=tol,
-            schedule=schedule,
-            eps_scaling=eps_scaling,
-            diameter=diameter,
-            check_every=check_every,
-            label_cost=label_cost,
-            precision=precision,
-            backend=backend,
-            warn=warn,
-            verbose=verbose,
-        )
+        share = distributed.sharding(process_group)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("solve(process_group=...) does not run under torch.compile")
+        if not distributed.alone(share):  # (a group of one rank: the solve below)
+            args = dict(eps=eps, rho=rho, cost=cost, cost_scale=cost_scale, max_iter=max_iter)
+            args.update(tol=tol, schedule=schedule, eps_scaling=eps_scaling, diameter=diameter)
+            args.update(check_every=check_every, label_cost=label_cost, precision=precision)
+            return _solve_sharded(x, y, a, b, share, backend, warn, verbose, **args)
     eps, rx, ry, max_iter, check_every, tol = _check_args(
         eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
@@ -583,10 +567,12 @@ def solve(
     )
 
 
-def _uniform64(t):
-    """The default weights 1/N of the clouds ``t`` (B, N, D) in float64 (exactly 1/N, not
-    their float32 rounding: the certificate measures against them)."""
-    return torch.full(t.shape[:2], 1.0 / t.shape[1], dtype=torch.float64, device=t.device)
+def _uniform64(t, n=None):
+    """The default weights 1/n of the clouds ``t`` (B, N, D) in float64 (exactly 1/n, not
+    their float32 rounding: the certificate measures against them); ``n`` the global size
+    of a sharded cloud (default N)."""
+    n = t.shape[1] if n is None else n
+    return torch.full(t.shape[:2], 1.0 / n, dtype=torch.float64, device=t.device)
 
 
 def _check_args(eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter):
@@ -650,3 +636,101 @@ def _check_nonzero_rows(x, y):
     for name, t in (("x", x), ("y", y)):
         if bool((t.abs().amax(-1) == 0).any()):
             raise ValueError(f"cost='cosine' needs nonzero points; {name} has a zero row")
+
+
+# ----------------------------------------------------------------------------------------
+# sharded over a process group (flashsinkhorn.distributed: the problem's passes exchange
+# the other ranks' columns; everything else is the single-process code)
+# ----------------------------------------------------------------------------------------
+
+
+def _solve_sharded(x, y, a, b, share, backend, warn, verbose, **kw):
+    """:func:`solve` with x, y, a, b this rank's shards of the global clouds."""
+    group = share.group
+    eps, rho, cost, cost_scale = kw["eps"], kw["rho"], kw["cost"], kw["cost_scale"]
+    with distributed.collective_errors(group):
+        eps, rx, ry, max_iter, check_every, tol = _check_args(
+            eps,
+            rho,
+            cost,
+            kw["schedule"],
+            kw["max_iter"],
+            kw["check_every"],
+            kw["tol"],
+            kw["eps_scaling"],
+            kw["diameter"],
+        )
+        if kw["label_cost"] is not None:
+            raise ValueError("label_cost is not supported with process_group")
+        x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
+        distributed.check_device(group, x3)
+        backends.check_backend(backend)
+    agree = dict(kw, eps=eps, rho=(rx, ry), max_iter=max_iter, tol=tol, check_every=check_every)
+    agree.update(backend=backend, verbose=bool(verbose), batched=batched)
+    agree.update(weights=(a is None, b is None), exchange=share.exchange)
+    agree.update(chunk_bytes=share.chunk_bytes, label_cost=None)
+    agree["requires_grad"] = tuple(t.requires_grad for t in (x3, y3, a2, b2))
+    comm = distributed.Communicator.create(group, x3, y3, agree, share.exchange, share.chunk_bytes)
+    a2, b2 = distributed.global_weights(comm, a2, b2, a, b)
+    if rx is None and ry is None:
+        ma, mb = comm.total(a2), comm.total(b2)
+        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
+            raise ValueError(
+                "balanced OT needs a.sum() == b.sum() over all ranks; got "
+                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights "
+                "or pass rho= for unbalanced OT"
+            )
+    # the streaming kernels' family: "auto" stays "auto" (the sm_90 kernel per pass)
+    family = "auto" if backend in ("auto", "dense", "streaming") else backend
+    be = problem_backend(family, x3.device, x3.dtype)
+    precision = kw["precision"]
+    check_precision(precision, resolve_backend(family, x3.device))
+    X, Y, cx, cy, c2, center = distributed.features(comm, x3, y3, cost, cost_scale)
+    prob = distributed.sharded_problem(
+        comm, X, Y, a2, b2, cx, cy, c2, cost, cost_scale, precision, be, center
+    )
+    diameter = kw["diameter"]
+    if kw["eps_scaling"] is not None and diameter is None:
+        diameter = comm.diameter(prob.X, prob.Y)
+    # the float64 certificate on the sharded problem rebuilt in float64 (global sums)
+    exact = [
+        None if w is not None else _uniform64(t, sum(comm.sizes[k]))
+        for w, t, k in ((a, x3, "x"), (b, y3, "y"))
+    ]
+    build64 = float64_problem(
+        x3,
+        y3,
+        prob,
+        features=lambda *t: distributed.features(comm, *t),
+        make=comm.problem,
+        a64=exact[0],
+        b64=exact[1],
+    )
+    certify = certifier(build64, prob, eps, rx, ry)
+    # every rank measures (collectives), rank 0 prints
+    say = (lambda line: print(line, flush=True) if comm.rank == 0 else None) if verbose else False
+    loop = (eps, rx, ry, max_iter, tol, kw["schedule"], check_every)
+    sched = _schedule(prob, *loop, kw["eps_scaling"], diameter)
+    out = _run_and_certify(prob, certify, sched, say)
+    _loop.report(out, tol, eps, warn)
+    prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
+    f, g, err = out.f, out.g, out.err
+    value = _OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+    finite_value_or_raise(prob, value, eps)
+    return SinkhornResult(
+        f=f if batched else f[0],
+        g=g if batched else g[0],
+        value=value if batched else value[0],
+        marginal_error=err if batched else err[0],
+        n_iter=out.n_iter,
+        converged=out.converged,
+        eps=eps,
+        precision=prob.precision,
+        backend=prob.kind,
+        _prob=prob,
+        _batched=batched,
+        _f=f,
+        _g=g,
+        _marginals=out.marginals,
+        _certify=certify,
+    )

@@ -20,14 +20,11 @@ potentials from ``flashsinkhorn.solve`` can be passed instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from flashsinkhorn._hessian import Plan, center, kappa, rho_pair
+from flashsinkhorn._hessian_triton import PRECISIONS, resolve_backend, row_lse
 from flashsinkhorn.primitives import softmin
-from flashsinkhorn.reference import rho_from_reach
-from flashsinkhorn.second_order._stream import PRECISIONS as _PRECISIONS
-from flashsinkhorn.second_order._stream import resolve_backend, row_apply, row_lse
 
 
 def _check_inputs(x, y, a, b, eps):
@@ -60,112 +57,12 @@ def _check_inputs(x, y, a, b, eps):
     return a.to(dt), b.to(dt)
 
 
-def _split_reach(reach):
-    """reach (None, a number, or a pair) -> (reach_x, reach_y)."""
-    if isinstance(reach, (tuple, list)):
-        rx, ry = reach
-        return rx, ry
-    return reach, reach
-
-
-def _rho(reach):
-    """GeomLoss's reach (a distance) -> (rho_x, rho_y) = 2 reach**2 for the cost |x - y|^2
-    (``geomloss.ot``'s convention; SamplesLoss's cost |x - y|^2 / 2 gives reach**2); None
-    or inf means balanced on that side."""
-    return rho_from_reach(reach, 1.0)
-
-
-def _kappa(rho, eps):
-    return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
-
-
-@dataclass
-class Plan:
-    """Potentials of a solved problem plus everything needed to stream its plan."""
-
-    x: torch.Tensor  # centered compute copy (n, D)
-    y: torch.Tensor  # centered compute copy (m, D)
-    a: torch.Tensor
-    b: torch.Tensor
-    f: torch.Tensor
-    g: torch.Tensor
-    eps: float
-    rho_x: float | None = None
-    rho_y: float | None = None
-    labels: tuple | None = None  # (lx, ly, table) with the label weight folded in
-    backend: str = "auto"
-    precision: str = "tf32x3"
-    info: dict = field(default_factory=dict)
-
-    @property
-    def kx(self) -> float:
-        return _kappa(self.rho_x, self.eps)
-
-    @property
-    def ky(self) -> float:
-        return _kappa(self.rho_y, self.eps)
-
-    @property
-    def balanced(self) -> bool:
-        return self.rho_x is None and self.rho_y is None
-
-    def _shifted(self):
-        F = self.f - (self.x * self.x).sum(1) + self.eps * torch.log(self.a)
-        G = self.g - (self.y * self.y).sum(1) + self.eps * torch.log(self.b)
-        return F, G
-
-    def rows(self, W, A=None, B=None, U=None):
-        """``P @ W`` (and ``(P * (A B^T)) @ U`` when A is given)."""
-        F, G = self._shifted()
-        return row_apply(
-            self.x, self.y, F, G, self.eps, W, A=A, B=B, U=U, labels=self.labels,
-            backend=self.backend, precision=self.precision,
-        )  # fmt: skip
-
-    def cols(self, W, A=None, B=None, U=None):
-        """``P^T @ W`` (and ``(P * (B A^T))^T @ U`` with A (m, E), B (n, E))."""
-        F, G = self._shifted()
-        lab = None
-        if self.labels is not None:
-            lx, ly, t = self.labels
-            lab = (ly, lx, t.T.contiguous())
-        return row_apply(
-            self.y, self.x, G, F, self.eps, W, A=A, B=B, U=U, labels=lab,
-            backend=self.backend, precision=self.precision,
-        )  # fmt: skip
-
-    def value(self, r=None) -> torch.Tensor:
-        """The dual objective (the entropic OT cost at the optimum)."""
-        if r is None:
-            r = self.rows(torch.ones_like(self.g))
-        mass = r.sum() - self.a.sum() * self.b.sum()
-        return (
-            _phi(self.f, self.rho_x) @ self.a
-            + _phi(self.g, self.rho_y) @ self.b
-            - (self.eps * mass)
-        )
-
-
-def _phi(f, rho):
-    """The dual's per-point term (and its derivative in the weight): f on a balanced side,
-    ``-rho (exp(-f / rho) - 1)`` on an unbalanced one."""
-    if rho is None:
-        return f
-    return -rho * torch.expm1(-f / rho)
-
-
-def center(x, y):
-    """Translate both clouds by their common mean (the cost is translation invariant)."""
-    t = (x.sum(0) + y.sum(0)) / (x.shape[0] + y.shape[0])
-    return x - t, y - t
-
-
 # solve_potentials on the triton backend runs its updates on the main solver's kernel for
 # D <= this and the tensor-core precisions (one feature chunk: no register spill at tf32x3
 # or tf32 without labels in a static sm_90 compile, at any d = 64 tuned config); otherwise
 # on the second-order row_lse kernel (docs/design/flashsinkhorn.md, second order).
 _MAIN_KERNEL_MAX_D = 128
-_MAIN_KERNEL_PRECISIONS = ("tf32x3", "tf32")
+_MAIN_KERNELPRECISIONS = ("tf32x3", "tf32")
 
 
 def solve_potentials(
@@ -205,8 +102,8 @@ def solve_potentials(
     (docs/design/flashsinkhorn.md); the returned plan's own products use ``precision``.
     """
     a, b = _check_inputs(x, y, a, b, eps)
-    if loop_precision is not None and loop_precision not in _PRECISIONS:
-        raise ValueError(f"loop_precision must be None or one of {_PRECISIONS}, got "
+    if loop_precision is not None and loop_precision not in PRECISIONS:
+        raise ValueError(f"loop_precision must be None or one of {PRECISIONS}, got "
                          f"{loop_precision!r}")  # fmt: skip
     if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 1:
         raise ValueError(f"exact_tail must be an int >= 1, got {exact_tail!r}")
@@ -215,7 +112,7 @@ def solve_potentials(
     xc, yc = center(x.detach().to(dt), y.detach().to(dt))
     a = a.detach().to(dt)
     b = b.detach().to(dt)
-    rx, ry = _rho(reach)
+    rx, ry = rho_pair(reach)
     lab = None
     if labels is not None:
         lx, ly, table = labels
@@ -233,7 +130,7 @@ def solve_potentials(
     lab_t = None if lab is None else (lab[1], lab[0], lab[2].T.contiguous())
 
     precisions = {precision, loop_precision or precision}
-    main = xc.shape[1] <= _MAIN_KERNEL_MAX_D and precisions <= set(_MAIN_KERNEL_PRECISIONS)
+    main = xc.shape[1] <= _MAIN_KERNEL_MAX_D and precisions <= set(_MAIN_KERNELPRECISIONS)
     if be == "triton" and main:
         # The main solver's kernel (flashsinkhorn.primitives.softmin: the streaming
         # kernels, row tile kept on chip) computes the whole update in one launch:
@@ -253,13 +150,13 @@ def solve_potentials(
 
         def upd_f(g, e, prec):
             return softmin(
-                sx, sy, g[None], logbb, x2b, y2b, eps=e, c2=2.0, damping=_kappa(rx, e),
+                sx, sy, g[None], logbb, x2b, y2b, eps=e, c2=2.0, damping=kappa(rx, e),
                 labels=klab, precision=prec, backend=kbe,
             )[0][0]  # fmt: skip
 
         def upd_g(f, e, prec):
             return softmin(
-                sy, sx, f[None], logab, y2b, x2b, eps=e, c2=2.0, damping=_kappa(ry, e),
+                sy, sx, f[None], logab, y2b, x2b, eps=e, c2=2.0, damping=kappa(ry, e),
                 labels=klab_t, precision=prec, backend=kbe,
             )[0][0]  # fmt: skip
 
@@ -267,13 +164,13 @@ def solve_potentials(
 
         def upd_f(g, e, prec):
             G = g - y2 + e * logb
-            return _kappa(rx, e) * (
+            return kappa(rx, e) * (
                 x2 + row_lse(xc, yc, G, e, labels=lab, backend=be, precision=prec)
             )
 
         def upd_g(f, e, prec):
             F = f - x2 + e * loga
-            return _kappa(ry, e) * (
+            return kappa(ry, e) * (
                 y2 + row_lse(yc, xc, F, e, labels=lab_t, backend=be, precision=prec)
             )
 
@@ -352,4 +249,4 @@ def _gauge_free_change(df, dg, balanced):
     return max(float((df - c).abs().max()), float((dg + c).abs().max()))
 
 
-__all__ = ["Plan", "solve_potentials", "center"]
+__all__ = ["solve_potentials"]

@@ -12,15 +12,9 @@ import time
 
 import torch
 
-from flashsinkhorn.second_order import (
-    hvp,
-    hvp_ref,
-    lanczos_min_eig,
-    newton_cg,
-    ot_loss,
-    otdd,
-    solve_potentials,
-)
+from flashsinkhorn.second_order import hvp, hvp_ref, ot_loss, otdd
+from flashsinkhorn.second_order._plan import solve_potentials
+from flashsinkhorn.second_order.optim import lanczos_min_eig, newton_cg
 
 
 def _digits(n_per_side=150):

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from flashsinkhorn._hessian import envelope_grads
 from flashsinkhorn.second_order._plan import solve_potentials
-from flashsinkhorn.second_order.hvp import _grads
 from flashsinkhorn.second_order.reference import ot_loss_ref
 
 
@@ -247,8 +247,8 @@ def otdd_gradient_flow(
             callback(step, x, val)
         if step == steps:
             break
-        g12, _ = _grads(p12, need_y=False)
-        g11x, g11y = _grads(p11)
+        g12, _ = envelope_grads(p12, need_y=False)
+        g11x, g11y = envelope_grads(p11)
         grad = g12 - 0.5 * (g11x + g11y)
         x = x - lr * n * grad.to(x.dtype)
     return x, hist

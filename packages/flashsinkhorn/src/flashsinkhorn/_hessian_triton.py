@@ -33,7 +33,7 @@ import torch
 # one backend rule, one set of constants and the shared tile helpers for the whole package
 from flashsinkhorn._config import interpret as _interpret
 from flashsinkhorn._softmin_triton import HAS_TRITON, _label_operands, _next_pow2
-from flashsinkhorn.primitives import _block_rows, resolve_backend
+from flashsinkhorn.primitives import block_rows, resolve_backend
 from flashsinkhorn.reference import LN2, LOG2E  # noqa: F401
 
 if HAS_TRITON:
@@ -429,7 +429,7 @@ def _exponent_rows(x, y, G, F, labels, i0, i1):
 def _row_lse_torch(x, y, G, eps, labels):
     n = x.shape[0]
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    bs = _block_rows(n, y.shape[0])
+    bs = block_rows(n, y.shape[0])
     for i0 in range(0, n, bs):
         i1 = min(n, i0 + bs)
         t = _exponent_rows(x, y, G, None, labels, i0, i1)
@@ -440,7 +440,7 @@ def _row_lse_torch(x, y, G, eps, labels):
 def _row_apply_torch(x, y, F, G, eps, W, A, B, U, labels):
     n = x.shape[0]
     m = y.shape[0]
-    bs = _block_rows(n, m)
+    bs = block_rows(n, m)
     out1 = torch.empty((n,) + tuple(W.shape[1:]), dtype=x.dtype, device=x.device)
     has_q = A is not None
     if has_q:

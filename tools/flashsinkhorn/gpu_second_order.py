@@ -47,12 +47,14 @@ import traceback
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "packages", "flashsinkhorn", "src"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "packages", "flashsinkhorn", "examples"))
 
+from flashsinkhorn._hessian import envelope_grads, hvp_plan  # noqa: E402
 from flashsinkhorn.bench import hvp_problem as _problem  # noqa: E402
 from flashsinkhorn.second_order import hvp, inverse_hvp, otdd  # noqa: E402
 from flashsinkhorn.second_order._plan import solve_potentials  # noqa: E402
-from flashsinkhorn.second_order.hvp import _grads, _hvp_plan, _resolve_loop_precision  # noqa: E402
+from flashsinkhorn.second_order.hvp import _resolve_loop_precision  # noqa: E402
 from flashsinkhorn.second_order.otdd import otdd_gradient_flow  # noqa: E402
 
 TARGET_HVP_MS = 200.0  # issue #6: HVP at n = m = 20k, d = 64, after 100 iterations
@@ -250,7 +252,7 @@ def case_hvp(run, precision="tf32x3", case="hvp", loop_precision="auto"):
 
     def full():
         plan = solve()
-        hx, _, cg = _hvp_plan(plan, v, None, need_y=False, cg_tol=1e-6)
+        hx, _, cg = hvp_plan(plan, v, None, need_y=False, cg_tol=1e-6)
         info["cg"] = cg
         return hx
 
@@ -379,7 +381,7 @@ def case_newton_step(run):
     on the streaming HVP (each product runs the inner Schur CG), capped at 20 products."""
     dev, n, d = run.dev, run.sz["hvp_n"], run.sz["hvp_d"]
     x, y, _ = run.state.get("hvp_problem") or _problem(n, n, d, dev)
-    gx, _ = _grads(solve_potentials(x, y, eps=EPS, max_iter=ITERS), need_y=False)
+    gx, _ = envelope_grads(solve_potentials(x, y, eps=EPS, max_iter=ITERS), need_y=False)
     # H is indefinite away from a minimizer (CG stops at the first negative curvature);
     # on this problem on the CPU (n = 300 and 1000) damping 2/n met negative curvature and
     # 20/n did not, so 20/n: H + damping I positive definite, CG to a tight tolerance
@@ -402,7 +404,7 @@ def case_newton_step(run):
 
 def case_newton(run):
     """Shuffled regression: Adam until the saddle is left, then Newton-CG (double backward)."""
-    from flashsinkhorn.second_order.shuffled_regression import shuffled_regression
+    from shuffled_regression import shuffled_regression
 
     n = run.sz["newton_n"]
     t0 = time.perf_counter()
