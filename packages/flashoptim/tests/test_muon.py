@@ -403,7 +403,7 @@ def test_checkpoint_resume_is_bit_exact_and_loads_torch_muon():
             st["momentum_buffer"].reshape(-1), st["momentum_buffer_scale"]
         )
         buf = tm.state[w]["momentum_buffer"].reshape(-1).double()
-        assert st["step"] == 0 or st["step"] == 2
+        assert st["step"] == 1  # torch.optim.Muon keeps no step: loaded as stepped (#32)
         assert (m - buf).abs().max() <= buf.abs().max() * 2 / 127
 
 

@@ -147,18 +147,29 @@ class CheckpointMixin:
                     " max_exp_avg_sq, so loading it would silently drop that state"
                 )
             for i, (p, pid) in enumerate(zip(g_new["params"], g_old["params"])):
-                id_map[pid] = (p, g_new, f"parameter {i} of param group {gi}")
+                id_map[pid] = (p, g_new, f"parameter {i} of param group {gi}", g_new)
+            foreign = sorted(k for k in g_old if k in _KIND_KEYS and k not in g_new)
+            if foreign:
+                raise ValueError(
+                    f"state dict param group {gi} has {', '.join(map(repr, foreign))}, which"
+                    f" {type(self).__name__} does not take: a state dict of another optimizer"
+                    " kind (its states would be dropped)"
+                )
             merged = dict(g_new, **{k: v for k, v in g_old.items() if k != "params"})
             try:
                 self._check_group(merged)
             except ValueError as e:
                 raise ValueError(f"state dict param group {gi}: {e}") from None
+            for pid in g_old["params"]:
+                if pid in id_map:
+                    id_map[pid] = id_map[pid][:3] + (merged,)
         for pid, st_old in saved.items():
             if pid not in id_map:
                 raise ValueError(f"state dict has state for parameter id {pid!r}, not in any group")
-            p, _, where = id_map[pid]
+            p, _, where, merged = id_map[pid]
             if "max_exp_avg_sq" in st_old:
                 raise ValueError(f"{where}: max_exp_avg_sq (amsgrad) cannot be loaded")
+            self._check_state_kind(st_old, merged, where)
             self._check_state_shapes(p, st_old, where)
         for g_new, g_old in zip(self.param_groups, groups):
             for k, v in g_old.items():
@@ -171,8 +182,33 @@ class CheckpointMixin:
             t.zero_()
         self._plans.clear()
         for pid, st_old in saved.items():
-            p, group, _ = id_map[pid]
+            p, group = id_map[pid][:2]
             self._load_param_state(p, group, st_old)
+
+    def _check_state_kind(self, st_old, group, where) -> None:
+        """A parameter's saved state holds exactly this optimizer's states: none of another
+        kind (an SGD momentum_buffer into FlashAdamW would be dropped), none missing (a
+        Lion-shaped {exp_avg} into FlashAdamW would restart its variance at zero)."""
+        keys = [k for k in self._state_keys(group) if k is not None]
+        known = {"step", "seed", "correction"}
+        for k in keys + [self._m_key]:
+            known.update((k, k + "_codes", k + "_scale", k + "_scale_per_element"))
+        present = {k for k, v in st_old.items() if v is not None}
+        extra = sorted(present - known)
+        if extra:
+            raise ValueError(
+                f"{where}: state {', '.join(map(repr, extra))} is not a state of"
+                f" {type(self).__name__} (it keeps {', '.join(keys) or 'no state'}, step): a"
+                " state dict of another optimizer kind?"
+            )
+        if present - {"step", "seed", "correction"}:
+            missing = [k for k in keys if not present & {k, k + "_codes"}]
+            if missing:
+                raise ValueError(
+                    f"{where}: the state dict has no {', '.join(map(repr, missing))} for this"
+                    f" parameter, which {type(self).__name__} keeps: a state dict of another"
+                    " optimizer kind? (loading it would restart that state at zero)"
+                )
 
     def _check_state_shapes(self, p, st_old, where) -> None:
         """Every per-element state has the parameter's (local) number of elements."""
@@ -189,7 +225,13 @@ class CheckpointMixin:
     def _load_param_state(self, p, group, st_old) -> None:
         lp = local(p)
         st = self._init_state(p, group)
-        step = st_old.get("step", 0)
+        step = st_old.get("step")
+        if step is None:
+            # torch.optim.SGD (and Muon, Lion-shaped dicts) keep no step count; a momentum
+            # there means steps were taken: 0 would make the next step the first, which
+            # restarts SGD's momentum from the gradient (the count changes nothing else)
+            has_state = any(torch.is_tensor(v) for k, v in st_old.items() if k != "seed")
+            step = 1 if has_state else 0
         st["step"] = int(step.item()) if torch.is_tensor(step) else int(step)
         if "seed" in st_old:
             st["seed"] = int(st_old["seed"])
@@ -357,6 +399,12 @@ class CheckpointMixin:
         return keys
 
 
+# group keys that name an optimizer kind's hyperparameters: one of them in a saved group
+# that this optimizer's groups lack means a state dict of another kind
+_KIND_KEYS = frozenset(
+    {"betas", "eps", "momentum", "dampening", "nesterov", "ns_coefficients", "ns_steps"}
+    | {"adjust_lr_fn", "use_muon"}
+)
 # our group keys that torch.optim does not have
 _OURS = ("master_weight_bits", "quantize", "stochastic_rounding", "scale_dtype")
 

@@ -383,7 +383,7 @@ def _validate(group: dict, d: dict) -> None:
     def get(k):
         return group.get(k, d[k])
 
-    if get("lr") < 0:
+    if not torch.is_tensor(get("lr")) and get("lr") < 0:  # (tensor lr: the base class's check)
         raise ValueError(f"lr must be >= 0; got {get('lr')}")
     if get("weight_decay") < 0:
         raise ValueError(f"weight_decay must be >= 0; got {get('weight_decay')}")
