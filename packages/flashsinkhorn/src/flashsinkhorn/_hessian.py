@@ -463,7 +463,7 @@ class _EnvelopeGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, Y, holder):
         ctx.holder = holder
-        ctx.set_materializeenvelope_grads(False)
+        ctx.set_materialize_grads(False)
         gX, gY = holder["grads"]
         return gX.clone(), gY.clone()
 

@@ -293,7 +293,7 @@ class _GradFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, holder):
         ctx.holder = holder
-        ctx.set_materializeenvelope_grads(False)
+        ctx.set_materialize_grads(False)
         gx, gy = envelope_grads(holder.plan)
         return gx.to(x.dtype), gy.to(y.dtype)
 
