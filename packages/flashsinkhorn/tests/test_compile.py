@@ -142,7 +142,25 @@ def test_opcheck_custom_ops():
     xg = x.clone().requires_grad_()
     torch.library.opcheck(
         torch.ops.flashsinkhorn.sinkhorn_divergence.default,
-        (a, xg, b, y, 0.3, None, None, 0.5, True, "tf32", "auto", True, False, True, None, False),
+        (
+            a,
+            xg,
+            b,
+            y,
+            0.3,
+            None,
+            None,
+            None,
+            0.5,
+            True,
+            "tf32",
+            "auto",
+            True,
+            False,
+            True,
+            None,
+            False,
+        ),
     )
     X, Y, cx, cy, c2, center = cost_features(x, y, "sqeuclidean", 1.0)
     prob = StreamingProblem(X=X, Y=Y, a=a, b=b, cx=cx, cy=cy, c2=c2, backend="torch", center=center)

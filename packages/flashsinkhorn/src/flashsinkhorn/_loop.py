@@ -78,6 +78,7 @@ class Outcome:
     n_iter: int = 0
     converged: bool = False
     stalled: bool = False
+    estimate: float | None = None  # the last estimate the host read (None: none was)
 
 
 def l1_err(prob, w, old, new, eps):
@@ -231,6 +232,7 @@ def run(
     # there the potentials jitter instead of settling, and the estimate can never pass tol)
     # is measured too; far above the floor a flat estimate is a plateau of slow convergence
     best_est, best_it = math.inf, 0
+    last_est = None
     unit = 2.0**-53 if prob.potential_dtype == torch.float64 else 2.0**-24
     converged = stalled = False
     n_iter = 0
@@ -269,6 +271,7 @@ def run(
         if got is None:
             continue
         it_e, est, fmax = got[0], float(got[1][0]), float(got[1][1])
+        last_est = est
         precision = "" if prob.precision == "tf32" else ", " + prob.precision
         say(
             verbose,
@@ -308,7 +311,7 @@ def run(
         # ask the estimate for proportionally more before measuring again
         ratio = est * tol / true
         cheap_tol, next_cert = (ratio if math.isfinite(ratio) else tol), it + recheck
-    out = Outcome(f=f, g=g, prob=prob, selves=sp, n_iter=n_iter, stalled=stalled)
+    out = Outcome(f=f, g=g, prob=prob, selves=sp, n_iter=n_iter, stalled=stalled, estimate=last_est)
     if certify is None:
         return out
     finite_or_raise(prob, f, g, eps)

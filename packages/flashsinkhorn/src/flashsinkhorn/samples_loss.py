@@ -440,7 +440,7 @@ def _divergence_setup(ctx, inputs, output):
 
 def _divergence_bwd(ctx, gout, *unused):
     grads = _loss_grads(ctx.needs_input_grad, *ctx.saved_tensors, gout)
-    return (*grads,) + (None,) * 12
+    return (*grads,) + (None,) * 13  # the op's 13 non-tensor inputs
 
 
 _divergence_op.register_autograd(_divergence_bwd, setup_context=_divergence_setup)
