@@ -224,7 +224,7 @@ class Run:
             _iterate(prob, 1)  # first-pass costs out of t(k1) (it gave t(2) < t(1) at 1M)
             ta, _ = _timed(partial(_iterate, prob, k1), self.group)
             tb, (f, g) = _timed(partial(_iterate, prob, k2), self.group)
-            value = float(prob.total(prob.a * f) + prob.total(prob.b * g))
+            value = float(prob.total(prob.a * f) + prob.total(prob.b * g, "y"))
             per = (tb - ta) / (k2 - k1)
             peak = _peaks(base, self.group)
             one_peak = self.one_peak.get(n)

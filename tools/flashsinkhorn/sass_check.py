@@ -1,7 +1,7 @@
 """Static sm_90 SASS of flashsinkhorn's default kernels, without a GPU: hash it, compare it.
 
     # triton 3.6 (the H200 host's version) with CPU torch, from the repo root:
-    PYTHONPATH=packages/flashsinkhorn/src /work/venv36/bin/python \
+    PYTHONPATH=packages/flashsinkhorn/src python \
         tools/flashsinkhorn/sass_check.py --json after.json [--compare before.json]
 
 What it does: runs the package's own public launchers (``softmin`` with and without a

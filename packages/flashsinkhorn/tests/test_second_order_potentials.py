@@ -99,11 +99,11 @@ def _spy(monkeypatch):
 
 @needs_interp
 def test_triton_loop_is_the_one_loop(monkeypatch):
-    """Two passes per alternating iteration (no separate first c-transform any more)."""
+    """The first c-transform, then two passes per alternating iteration."""
     calls = _spy(monkeypatch)
     x, y, _, _, _ = _data(19, 17, 4, False)
     solve_potentials(x.float(), y.float(), eps=0.1, max_iter=3, backend="triton")
-    assert calls == ["tf32x3"] * 6
+    assert calls == ["tf32x3"] * 7
 
 
 @pytest.mark.gpu
@@ -135,7 +135,7 @@ def test_loop_precision_runs_all_but_the_tail_cheaper(monkeypatch):
         loop_precision="tf32",
         exact_tail=2,
     )
-    assert calls == ["tf32"] * (2 * 4) + ["tf32x3"] * (2 * 2)
+    assert calls == ["tf32"] * (1 + 2 * 4) + ["tf32x3"] * (2 * 2)
     assert p.info["loop_precision_iterations"] == 4 and p.info["iterations"] == 6
     assert p.precision == "tf32x3"  # the plan's own products keep precision
     calls.clear()
@@ -148,7 +148,7 @@ def test_loop_precision_runs_all_but_the_tail_cheaper(monkeypatch):
         loop_precision="tf32",
         exact_tail=10,
     )
-    assert calls == ["tf32x3"] * 12  # a tail longer than the loop: all exact
+    assert calls == ["tf32x3"] * 13  # a tail longer than the loop: all exact
 
 
 @needs_interp
@@ -160,7 +160,7 @@ def test_loop_precision_falls_back_when_the_tail_still_moves(monkeypatch):
     kw = dict(eps=0.1, max_iter=6, backend="triton")
     p = solve_potentials(x.float(), y.float(), loop_precision="tf32", exact_tail=2, **kw)
     assert p.info["loop_precision_fallback"] is True
-    assert calls == ["tf32"] * (2 * 4) + ["tf32x3"] * (2 * 2) + ["tf32x3"] * (2 * 6)
+    assert calls == ["tf32"] * (1 + 2 * 4) + ["tf32x3"] * (2 * 2) + ["tf32x3"] * (2 * 6)
     exact = solve_potentials(x.float(), y.float(), **kw)
     assert exact.info["loop_precision_fallback"] is False
     assert torch.equal(p.f, exact.f) and torch.equal(p.g, exact.g)
@@ -180,7 +180,7 @@ def test_loop_precision_keeps_the_cheap_loop_when_converged(monkeypatch):
         exact_tail=3,
     )
     assert p.info["loop_precision_fallback"] is False
-    assert calls == ["tf32"] * (2 * 147) + ["tf32x3"] * (2 * 3)
+    assert calls == ["tf32"] * (1 + 2 * 147) + ["tf32x3"] * (2 * 3)
 
 
 @needs_interp
@@ -196,7 +196,7 @@ def test_loop_precision_with_tol_polishes_after_convergence(monkeypatch):
     k = p.info["loop_precision_iterations"]
     assert k % 5 == 0 and 0 < k < 200 - 3
     assert p.info["iterations"] == k + 3
-    assert calls == ["tf32"] * (2 * k) + ["tf32x3"] * 6
+    assert calls == ["tf32"] * (1 + 2 * k) + ["tf32x3"] * 6
     assert p.info["marginal_error"] is not None and p.info["marginal_error"] < 1e-5
     p64 = solve_potentials(x, y, a, b, eps=0.5, max_iter=200, backend="torch")
     assert _max_err(p, p64) < 1e-5

@@ -81,11 +81,13 @@ class Outcome:
     estimate: float | None = None  # the last estimate the host read (None: none was)
 
 
-def l1_err(prob, w, old, new, eps):
-    """``sum_i w_i |exp((old_i - new_i) / eps) - 1|``: the L1 marginal error of the plan of
-    the old potential (zero weights do not count), per problem (B,)."""
+def l1_err(prob, side, old, new, eps):
+    """``sum_i w_i |exp((old_i - new_i) / eps) - 1|`` with ``w`` the ``side``'s weights
+    ("x": a, "y": b): the L1 marginal error of the plan of the old potential (zero weights
+    do not count), per problem (B,)."""
+    w = prob.a if side == "x" else prob.b
     e = w * torch.expm1((old - new) / eps).abs()
-    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
+    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)), side)
 
 
 def annealing(prob, eps, eps_scaling, diameter):
@@ -187,7 +189,7 @@ def _anneal(prob, sched, selves, verbose, who):
         ft, gt = prob.sym_update(f, g, e, kx, ky)
         st = [s.self_update(p, e, k_) for s, p, k_ in zip(selves, sp, (kx, ky))]
         if verbose:
-            est = float((l1_err(prob, prob.a, f, ft, e) + l1_err(prob, prob.b, g, gt, e)).max())
+            est = float((l1_err(prob, "x", f, ft, e) + l1_err(prob, "y", g, gt, e)).max())
             say(
                 verbose,
                 f"eps-scaling stage {k + 1}/{len(sched.stages)}, eps {e:.4g}, "
@@ -247,10 +249,10 @@ def run(
         if sched.update == "alternating":
             fn = prob.sm_x(g, eps, kx, guess=f if warm else None)[0]
             if measure:
-                ea = l1_err(prob, prob.a, f, fn, eps)
+                ea = l1_err(prob, "x", f, fn, eps)
             gn = prob.sm_y(fn, eps, ky, guess=g if warm else None)[0]
             if measure:
-                eb = l1_err(prob, prob.b, g, gn, eps)
+                eb = l1_err(prob, "y", g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
             if warm:  # both from one pass where the backend has it
@@ -258,14 +260,14 @@ def run(
             else:  # the cold start from zeros: running-max passes
                 ft, gt = prob.sm_x(g, eps, kx)[0], prob.sm_y(f, eps, ky)[0]
             if measure:
-                ea = l1_err(prob, prob.a, f, ft, eps)
-                eb = l1_err(prob, prob.b, g, gt, eps)
+                ea = l1_err(prob, "x", f, ft, eps)
+                eb = l1_err(prob, "y", g, gt, eps)
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
         n_iter, cert = it, None
         if not measure:
             continue
         # (peak: the global maximum on a sharded problem, so every rank decides alike)
-        fmax = torch.maximum(prob.peak(f.abs()).amax(), prob.peak(g.abs()).amax())
+        fmax = torch.maximum(prob.peak(f.abs()).amax(), prob.peak(g.abs(), "y").amax())
         estimates.push(it, torch.stack(((ea + eb).amax(), fmax.to(ea.dtype))))
         got = estimates.ready()
         if got is None:

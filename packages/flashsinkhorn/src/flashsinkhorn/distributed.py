@@ -385,10 +385,10 @@ class ShardedProblem(StreamingProblem):
     # two sharded passes (the one-pass kernels see one rank's columns only)
     sym_update = Problem.sym_update
 
-    def total(self, t):
+    def total(self, t, side="x"):
         return self.comm.total(t)
 
-    def peak(self, t):
+    def peak(self, t, side="x"):
         return self.comm.peak(t)
 
     def any_rank(self, flags):

@@ -19,8 +19,9 @@ a device, a layout) is a subclass that implements them:
   symmetric iteration from the old potentials (one pass where the backend can);
 - ``self_update(f, eps, damping)``: the update of a self problem (x against itself);
 - ``sample_rows(g, eps, seed)``: one column index per row, drawn from its row of the plan;
-- ``total(t)`` / ``peak(t)``: a row vector (shaped like ``cx`` or ``cy``) reduced to one value
-  per problem, ``(B,)``; ``any_rank(flags)``: flags OR-ed over the ranks sharing the problem;
+- ``total(t, side)`` / ``peak(t, side)``: a row vector of the ``side`` ("x": shaped like
+  ``cx``, "y": like ``cy``) reduced to one value per problem, ``(B,)``;
+  ``any_rank(flags)``: flags OR-ed over the ranks sharing the problem;
 - ``with_precision(p)``; ``self_problem(side)`` (the debiasing problems); ``cost_bound()``;
   ``dense_plan(f, g, eps)``.
 
@@ -108,11 +109,13 @@ class Problem:
 
     # -- reductions over the problem's points (the sharded problem makes them global) -------
 
-    def total(self, t: torch.Tensor) -> torch.Tensor:
-        """``t.sum(-1)``: a row vector summed over the points of each problem, (B,)."""
+    def total(self, t: torch.Tensor, side: str = "x") -> torch.Tensor:
+        """A row vector of the ``side`` cloud ("x": shaped like ``cx``, "y": like ``cy``)
+        summed over the points of each problem, (B,) (here ``t.sum(-1)``; a ragged layout
+        needs the side to find the problems' segments)."""
         return t.sum(-1)
 
-    def peak(self, t: torch.Tensor) -> torch.Tensor:
+    def peak(self, t: torch.Tensor, side: str = "x") -> torch.Tensor:
         """``t.amax(-1)`` per problem, (B,)."""
         return t.amax(-1)
 
@@ -170,8 +173,8 @@ class Problem:
         if self.center is not None:
             X, Y = X - self.center[:, None, :], Y - self.center[:, None, :]
         xn, yn = X.double().norm(dim=-1), Y.double().norm(dim=-1)
-        mag = self.peak(self.cx.abs().double()) + self.peak(self.cy.abs().double())
-        mag = mag + abs(self.c2) * self.peak(xn) * self.peak(yn)
+        mag = self.peak(self.cx.abs().double()) + self.peak(self.cy.abs().double(), "y")
+        mag = mag + abs(self.c2) * self.peak(xn) * self.peak(yn, "y")
         if self.labels is not None:
             mag = mag + abs(self.labels[3]) * self.labels[2].abs().max().double()
         return mag

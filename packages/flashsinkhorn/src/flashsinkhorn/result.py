@@ -56,7 +56,7 @@ def certificate(prob64, f, g, eps, rx, ry):
         # zero weights do not count (their rows carry no mass, whatever the potential)
         ex = torch.where(p.a > 0, p.a * torch.expm1(rx_).abs(), torch.zeros_like(p.a))
         ey = torch.where(p.b > 0, p.b * torch.expm1(ry_).abs(), torch.zeros_like(p.b))
-        err = p.total(ex) + p.total(ey)
+        err = p.total(ex) + p.total(ey, "y")
         # float64's own resolution of the exponents (f_i + g_j - C_ij) / eps: each exponent
         # z is computed to delta (~64 ulps of its magnitude), and |expm1(z + delta)| <=
         # |expm1(z)| e^delta + expm1(delta): below expm1(delta) per unit of mass the
@@ -64,7 +64,7 @@ def certificate(prob64, f, g, eps, rx, ry):
         # known to a factor e^delta only. Both go in, so the reported error stays an upper
         # bound of the truth
         delta = _resolution(p, f, g, eps)
-        err = err * torch.exp(delta) + (p.total(p.a) + p.total(p.b)) * torch.expm1(delta)
+        err = err * torch.exp(delta) + (p.total(p.a) + p.total(p.b, "y")) * torch.expm1(delta)
         err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
     return err, rows, cols
 
@@ -72,7 +72,7 @@ def certificate(prob64, f, g, eps, rx, ry):
 def _resolution(p, f, g, eps):
     """``64 * 2^-52 * (|f| + |g| + |C|)_max / eps`` per problem (B,): the float64 rounding
     of the certificate's exponents (maxima over all points: ``p.peak``)."""
-    mag = p.peak(f.abs()) + p.peak(g.abs()) + p.cost_bound()
+    mag = p.peak(f.abs()) + p.peak(g.abs(), "y") + p.cost_bound()
     return 64 * 2.0**-52 * mag / eps
 
 

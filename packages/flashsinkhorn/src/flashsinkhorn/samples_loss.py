@@ -112,7 +112,7 @@ def _sinkhorn_forward(
     G_ab, _, Tx = pxy.sm_y(f_ba, e, ky, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": (rx, ry), "family": pxy.kernel_family}
     # L1 marginal error of the last loop plan, from what the last step already computed
-    err = _loop.l1_err(pxy, a, f_ba, F_ba, e) + _loop.l1_err(pxy, b, g_ab, G_ab, e)
+    err = _loop.l1_err(pxy, "x", f_ba, F_ba, e) + _loop.l1_err(pxy, "y", g_ab, G_ab, e)
     out["marginal_error"] = err
     if verbose:
         print(
@@ -139,7 +139,7 @@ def _sinkhorn_forward(
     # value and gradient pieces
     va, ga = _side(F_ba, F_aa, rx, e, a)
     vb, gb = _side(G_ab, G_bb, ry, e, b)
-    value = pxy.total(va) + pxy.total(vb)
+    value = pxy.total(va) + pxy.total(vb, "y")
     if not bool(torch.isfinite(value).all()):  # value is global: every rank raises together
         raise FloatingPointError(
             f"SamplesLoss: the loss is not finite at blur={blur:.3g} (eps = blur^2): the cost "

@@ -58,11 +58,11 @@ def _ot_value(prob, a, b, f, g, eps, rx, ry):
     """The dual value (B,) of the potentials (f, g) (no graph)."""
     total = prob.total
     if rx is None and ry is None:
-        return total(a * f) + total(b * g)
+        return total(a * f) + total(b * g, "y")
     _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
     rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
-    duals = total(dual_point_terms(f, a, rx)) + total(dual_point_terms(g, b, ry))
-    return duals - eps * (total(rows) - total(a) * total(b))
+    duals = total(dual_point_terms(f, a, rx)) + total(dual_point_terms(g, b, ry), "y")
+    return duals - eps * (total(rows) - total(a) * total(b, "y"))
 
 
 def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
@@ -80,7 +80,7 @@ def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
         gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
     if need_y:
         gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
-    bsum = prob.total(prob.b)[..., None]
+    bsum = prob.total(prob.b, "y")[..., None]
     asum = prob.total(prob.a)[..., None]
     if need_a:
         base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))

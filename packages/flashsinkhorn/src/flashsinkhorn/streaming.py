@@ -172,8 +172,8 @@ class StreamingProblem(Problem):
     def cost_bound(self):
         """As :meth:`Problem.cost_bound`, from the prepared operands (no copy)."""
         xn, yn = self.Xk.double().norm(dim=-1), self.Yk.double().norm(dim=-1)
-        mag = self.peak(self.cx.abs().double()) + self.peak(self.cy.abs().double())
-        mag = mag + abs(self.c2) * self.peak(xn) * self.peak(yn)
+        mag = self.peak(self.cx.abs().double()) + self.peak(self.cy.abs().double(), "y")
+        mag = mag + abs(self.c2) * self.peak(xn) * self.peak(yn, "y")
         if self.labels is not None:
             mag = mag + abs(self.labels[3]) * self.labels[2].abs().max().double()
         return mag
