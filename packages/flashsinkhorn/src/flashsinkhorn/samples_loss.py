@@ -39,6 +39,7 @@ from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
+from flashsinkhorn.varlen import VarlenProblem, prepare_varlen, segment_ids, split
 
 __all__ = ["SamplesLoss", "sinkhorn_divergence"]
 
@@ -80,17 +81,20 @@ def _sinkhorn_forward(
     need_grad_y,
     verbose=False,
     comm=None,
+    layout=None,
 ):
     """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces.
     ``comm``: sharded over a process group (flashsinkhorn.distributed): x, y, a, b are this
-    rank's shards; the passes, sums and the eps schedule are global."""
+    rank's shards; the passes, sums and the eps schedule are global. ``layout``: a ragged
+    batch ``(cu_x, cu_y, sizes_x, sizes_y)`` of concatenated points (flashsinkhorn.varlen),
+    one schedule for all its problems."""
     eps = blur**2
     # GeomLoss: rho = reach**2 for the cost |x - y|^2 / 2; a pair: one penalty per side
     rx, ry = rho_from_reach(reach, 0.5)
     if diameter is None:
         diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
-    pxy, why = _build(a, x, b, y, backend, precision, comm)
+    pxy, why = _build(a, x, b, y, backend, precision, comm, layout)
     if verbose:
         print(f"flashsinkhorn.SamplesLoss: backend {pxy.kind} ({why})", flush=True)
     # the self problems share what they can (the streaming problems: the kernel operands)
@@ -150,12 +154,20 @@ def _sinkhorn_forward(
     return out
 
 
-def _build(a, x, b, y, backend, precision, comm=None):
+def _build(a, x, b, y, backend, precision, comm=None, layout=None):
     """The loss's problem (cost |x - y|^2 / 2 in kernel form, centered at the common mean)
-    on ``backend``, or sharded over ``comm``: ``(problem, why)``."""
+    on ``backend``, sharded over ``comm``, or ragged (``layout``): ``(problem, why)``."""
     c = common_center(x, y) if comm is None else comm.center(x, y)
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     fields = dict(X=x, Y=y, a=a, b=b, cx=hx, cy=hy, c2=1.0, cost="sqeuclidean", cost_scale=0.5)
+    if layout is not None:  # a ragged batch: one launch per pass over all its problems
+        cu_x, cu_y, sx, sy = layout
+        family = "auto" if backend in ("auto", "dense", "streaming", "varlen") else backend
+        prob = VarlenProblem(
+            cu_x=cu_x, cu_y=cu_y, sizes_x=sx, sizes_y=sy, backend=family, precision=precision,
+            center=c, **fields,
+        )  # fmt: skip
+        return prob, f"{len(sx)} ragged problems"
     if comm is None:
         return backends.build(backend, precision=precision, center=c, **fields)
     # the sharded problem: the streaming passes over the ranks' columns
@@ -189,14 +201,21 @@ def _converged_potentials(a, x, b, y, F_ba, G_ab, F_aa, G_bb, e, opts, precision
     return F_ba, G_ab, F_aa, G_bb
 
 
-def _loss_grads(needs, ga, gx, gb, gy, gout):
+def _loss_grads(needs, ga, gx, gb, gy, gout, layout=None):
     """Backward of the loss: the forward's gradient pieces times ``gout`` (B,), for the
-    inputs ``(a, x, b, y)`` whose ``needs`` flag is set (None for the others)."""
-    go = gout[:, None]
+    inputs ``(a, x, b, y)`` whose ``needs`` flag is set (None for the others); a ragged
+    ``layout`` spreads each problem's ``gout`` over its points."""
+    if layout is None:
+        go_x = go_y = gout[:, None]
+    else:
+        sx, sy = layout[2], layout[3]
+        go_x = torch.repeat_interleave(gout, torch.tensor(sx, device=gout.device))[None]
+        go_y = torch.repeat_interleave(gout, torch.tensor(sy, device=gout.device))[None]
     pieces = (ga, gx, gb, gy)
+    factors = (go_x, go_x[..., None], go_y, go_y[..., None])
     return [
-        (p * (go if i % 2 == 0 else go[..., None])).to(gout.dtype) if needs[i] else None
-        for i, p in enumerate(pieces)
+        (p * go).to(gout.dtype) if needs[i] else None
+        for i, (p, go) in enumerate(zip(pieces, factors))
     ]
 
 
@@ -261,7 +280,7 @@ class _SinkhornLoss(torch.autograd.Function):
                 None,
                 None,
             )
-        grads = _loss_grads(need, ga, gx, gb, gy, gout)
+        grads = _loss_grads(need, ga, gx, gb, gy, gout, ctx.second[-1].get("layout"))
         return (*grads, None, None)
 
 
@@ -272,6 +291,11 @@ def _differentiable_grads(ctx, need, x, y, gx, gy):
 
     no_second_order_in_weights(need[0] or need[2], "SamplesLoss")
     a, b, F_ba, G_ab, F_aa, G_bb, e, rho, family, opts = ctx.second
+    if opts.get("layout") is not None:
+        raise RuntimeError(
+            "SamplesLoss on a ragged batch: double backward (create_graph=True) is not "
+            "implemented; call the loss per problem for second derivatives"
+        )
     if opts.get("comm") is not None:
         raise RuntimeError(
             "SamplesLoss(process_group=...): double backward (create_graph=True) is not "
@@ -491,12 +515,16 @@ def sinkhorn_divergence(
     info=None,
     verbose=False,
     process_group=None,
+    cu_seqlens=None,
 ):
     """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ...
 
     ``info`` (a dict, optional) receives ``marginal_error``: the L1 marginal error (B,) of
     the last plan of the schedule, on device. ``warn_tol``: warn when it exceeds this.
     ``verbose``: print each eps stage with the marginal error of its plan.
+    Ragged batches (``varlen``): x, y lists of clouds ``(N_k, D)``, ``(M_k, D)`` (a, b lists
+    or None), or concatenated points with ``cu_seqlens=(cu_x, cu_y)``: one launch per pass
+    for all problems, a (B,) value, gradients per point.
     ``process_group``: a ``torch.distributed`` group; a, x, b, y are then this rank's shards
     of the global clouds and the loss is the global one (:mod:`flashsinkhorn.distributed`).
     """
@@ -511,6 +539,10 @@ def sinkhorn_divergence(
             args.update(debias=debias, potentials=potentials, precision=precision)
             return _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **args)
     blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
+    if cu_seqlens is not None or isinstance(x, (list, tuple)):
+        kw = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
+        kw.update(potentials=potentials, precision=precision, verbose=verbose)
+        return _divergence_varlen(a, x, b, y, cu_seqlens, backend, warn_tol, info, **kw)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
@@ -600,6 +632,34 @@ def _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **kw):
     return value if batched else value[0]
 
 
+def _divergence_varlen(a, x, b, y, cu_seqlens, backend, warn_tol, info, **kw):
+    """:func:`sinkhorn_divergence` of a ragged batch (flashsinkhorn.varlen): one schedule
+    (the largest diameter), one launch per pass, values (B,), gradients per point."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("a ragged SamplesLoss batch does not run under torch.compile")
+    x3, y3, a2, b2, cu_x, cu_y, sx, sy = prepare_varlen(x, y, a, b, cu_seqlens)
+    check_values(x3, y3, a2, b2)
+    layout = (cu_x, cu_y, sx, sy)
+    if kw["reach"] == (None, None):  # balanced: every problem's masses equal
+        zeros = torch.zeros(len(sx), dtype=a2.dtype, device=a2.device)
+        ma = zeros.index_add(0, segment_ids(sx, a2.device), a2[0])
+        mb = zeros.index_add(0, segment_ids(sy, b2.device), b2[0])
+        check_masses(ma[None], mb[None], None, None, "reach")
+    opts = {k: v for k, v in kw.items() if k != "potentials"}
+    opts.update(debias=bool(opts["debias"]), backend=backend, layout=layout)
+    info = {} if info is None else info
+    if kw["potentials"]:
+        with torch.no_grad():
+            out = _sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
+        F, G = out["f_ba"], out["g_ab"]
+        if opts["debias"]:
+            F, G = F - out["f_aa"], G - out["g_bb"]
+        return split(F.to(x3.dtype), sx), split(G.to(x3.dtype), sy)
+    value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
+    _warn(value, info.get("marginal_error"), warn_tol, stacklevel=3)
+    return value
+
+
 class SamplesLoss(torch.nn.Module):
     """Drop-in for ``geomloss.SamplesLoss`` with ``loss="sinkhorn", p=2``.
 
@@ -687,7 +747,9 @@ class SamplesLoss(torch.nn.Module):
         )
         self.verbose = bool(verbose)
 
-    def forward(self, *args):
+    def forward(self, *args, cu_seqlens=None):
+        """``loss(x, y)`` or ``loss(a, x, b, y)``; lists of clouds, or concatenated points
+        with ``cu_seqlens=(cu_x, cu_y)``: a ragged batch (values (B,))."""
         if len(args) == 2:
             x, y = args
             a = b = None
@@ -713,6 +775,7 @@ class SamplesLoss(torch.nn.Module):
             info=info,
             verbose=self.verbose,
             process_group=self.process_group,
+            cu_seqlens=cu_seqlens,
         )
         self.last_marginal_error = info.get("marginal_error")
         return out
