@@ -126,3 +126,29 @@ def test_ragged_errors_name_the_argument():
         xg = [x.clone().requires_grad_() for x in xs]
         (gx,) = torch.autograd.grad(loss(xg, ys).sum(), xg[0], create_graph=True)
         gx.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rho", [None, (0.5, None)])
+def test_solve_on_a_ragged_batch_equals_one_solve_per_problem(backend, rho):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    xs, ys = _ragged((5, 33, 1, 12), (9, 3, 21, 12), 3, seed=6, dtype=dtype)
+    kw = dict(eps=0.1, rho=rho, tol=1e-6, max_iter=3000)
+    xg = [x.clone().requires_grad_() for x in xs]
+    r = fs.solve(xg, ys, backend=backend, **kw)
+    r.value.sum().backward()
+    assert r.backend == "varlen" and bool(r.converged)
+    assert r.value.shape == (4,) and [f.shape[0] for f in r.f] == [5, 33, 1, 12]
+    maps = r.barycentric_map()
+    tol = 1e-9 if dtype == torch.float64 else 2e-5
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        xr = x.clone().requires_grad_()
+        one = fs.solve(xr, y, backend="torch", **kw)
+        one.value.backward()
+        torch.testing.assert_close(r.value[k], one.value, atol=tol, rtol=tol)
+        torch.testing.assert_close(xg[k].grad, xr.grad, atol=10 * tol, rtol=1e-4)
+        torch.testing.assert_close(maps[k], one.barycentric_map(), atol=10 * tol, rtol=1e-4)
+    # the certificate is per problem, measured in float64
+    assert r.marginal_error.shape == (4,) and float(r.marginal_error.max()) < 1e-6
+    with pytest.raises(NotImplementedError, match="ragged"):
+        r.dense_plan()

@@ -119,6 +119,11 @@ class Problem:
         """``t.amax(-1)`` per problem, (B,)."""
         return t.amax(-1)
 
+    def expand(self, t: torch.Tensor, side: str = "x") -> torch.Tensor:
+        """A per-problem value ``t`` (B,) broadcast against the ``side``'s row vectors:
+        ``(B, 1)`` here (a ragged layout repeats it over each problem's segment)."""
+        return t[:, None]
+
     def any_rank(self, flags) -> tuple:
         """The flags OR-ed over the ranks that share the problem (here: one)."""
         return tuple(flags)

@@ -155,6 +155,7 @@ class SinkhornResult:
     _g: torch.Tensor = field(repr=False, default=None)
     _marginals: tuple = field(repr=False, default=None)
     _certify: object = field(repr=False, default=None)  # (f, g) -> (err, rows, cols)
+    _sizes: tuple | None = field(repr=False, default=None)  # a ragged batch's segment sizes
 
     def _unb(self, t):
         return t if self._batched else t[0]
@@ -198,7 +199,10 @@ class SinkhornResult:
         if self._marginals is None:  # (under torch.compile the loop's op returns no marginals)
             self._marginals = self._certify(self._f, self._g)[1:]
         rows, cols = self._marginals
-        return self._unb(rows.to(self._f.dtype)), self._unb(cols.to(self._f.dtype))
+        rows, cols = rows.to(self._f.dtype), cols.to(self._f.dtype)
+        if self._sizes is not None:  # a ragged batch: one tensor per problem
+            return _split(rows, self._sizes[0]), _split(cols, self._sizes[1])
+        return self._unb(rows), self._unb(cols)
 
     @property
     def marginal_a(self):
@@ -209,6 +213,10 @@ class SinkhornResult:
         return self.marginals[1]
 
     def _apply(self, V, name, side):
+        if self._sizes is not None:
+            raise NotImplementedError(
+                "plan products of a ragged batch are not implemented (barycentric_map is)"
+            )
         p = self._prob
         n = p.Y.shape[1] if side == "x" else p.X.shape[1]
         if not isinstance(V, torch.Tensor):
@@ -239,11 +247,15 @@ class SinkhornResult:
         """``T(x_i) = (P Y)_i / (P 1)_i``, shape like x (in feature space for cosine)."""
         p = self._prob
         _, _, ybar = p.sm_x(self._g, self.eps, 1.0, v=p.Y)
+        if self._sizes is not None:
+            return _split(ybar, self._sizes[0])
         return self._unb(ybar)
 
     def dense_plan(self, max_entries: int | None = PLAN_MAX_ENTRIES) -> torch.Tensor:
         """The dense plan (allocates B x N x M); ``max_entries=None`` lifts the guard."""
         p = self._prob
+        if self._sizes is not None:
+            raise NotImplementedError("a ragged batch has no dense (B, N, M) plan")
         B, N, M = p.X.shape[0], p.X.shape[1], p.Y.shape[1]
         if max_entries is not None and B * N * M > max_entries:
             raise ValueError(
@@ -252,3 +264,8 @@ class SinkhornResult:
             )
         P = p.dense_plan(self._f, self._g, self.eps)
         return self._unb(P)
+
+
+def _split(t, sizes):
+    """A concatenated ``(1, sum sizes, ...)`` tensor as a list per problem."""
+    return list(torch.split(t[0], list(sizes)))

@@ -22,15 +22,11 @@ the balanced case) are computed by streaming kernels in the backward pass.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from flashsinkhorn import _loop, backends, distributed
-from flashsinkhorn._hessian import (
-    HvpTerm,
-    differentiable_grads,
-    no_second_order_in_weights,
-    plan_from_potentials,
-)
 from flashsinkhorn._inputs import (
     check_eps,
     check_label_range,
@@ -41,139 +37,13 @@ from flashsinkhorn._inputs import (
 )
 from flashsinkhorn.operands import COSTS, cost_features
 from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend
-from flashsinkhorn.problem import Problem
-from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
+from flashsinkhorn.reference import parse_rho
 from flashsinkhorn.result import SinkhornResult, certificate
 from flashsinkhorn.streaming import StreamingProblem
+from flashsinkhorn.value import OTValue, finite_value_or_raise, ot_value, ot_value_grads
+from flashsinkhorn.varlen import VarlenProblem, prepare_varlen, segment_ids, split
 
 __all__ = ["solve", "SinkhornResult"]
-
-
-# ----------------------------------------------------------------------------------------
-# differentiable value (envelope theorem, streaming backward)
-# ----------------------------------------------------------------------------------------
-
-
-def _ot_value(prob, a, b, f, g, eps, rx, ry):
-    """The dual value (B,) of the potentials (f, g) (no graph)."""
-    total = prob.total
-    if rx is None and ry is None:
-        return total(a * f) + total(b * g, "y")
-    _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
-    rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
-    duals = total(dual_point_terms(f, a, rx)) + total(dual_point_terms(g, b, ry), "y")
-    return duals - eps * (total(rows) - total(a) * total(b, "y"))
-
-
-def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
-    """``gout``-weighted gradients ``(gX, gY, ga, gb)`` of the value (None where ``need``,
-    four bools, is False): envelope theorem, two streaming passes."""
-    gX = gY = ga = gb = None
-    go = gout[:, None]
-    need_x, need_y, need_a, need_b = need
-    # P @ Y and row sums; P^T @ X and column sums (streaming)
-    _, lse2x, Ybar = prob.sm_x(g, eps, 1.0, v=prob.Y if need_x else None, want_lse=True)
-    rows = prob.a * torch.exp((f - prob.cx) / eps + LN2 * lse2x)
-    _, lse2y, Xbar = prob.sm_y(f, eps, 1.0, v=prob.X if need_y else None, want_lse=True)
-    cols = prob.b * torch.exp((g - prob.cy) / eps + LN2 * lse2y)
-    if need_x:
-        gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
-    if need_y:
-        gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
-    bsum = prob.total(prob.b, "y")[..., None]
-    asum = prob.total(prob.a)[..., None]
-    if need_a:
-        base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
-        ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
-    if need_b:
-        base = g if ry is None else ry * (1.0 - torch.exp(-g / ry))
-        gb = (base - eps * (cols / prob.b.clamp_min(1e-38) - asum)) * go
-    return gX, gY, ga, gb
-
-
-class _OTValue(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, X, Y, a, b, f, g, prob, eps, rx, ry):
-        with torch.no_grad():
-            value = _ot_value(prob, a, b, f, g, eps, rx, ry)
-        ctx.prob, ctx.eps, ctx.rx, ctx.ry = prob, eps, rx, ry
-        ctx.save_for_backward(X, Y, f, g)
-        return value
-
-    @staticmethod
-    def backward(ctx, gout):
-        X, Y, f, g = ctx.saved_tensors
-        need = ctx.needs_input_grad[:4]
-        # create_graph=True: the gradient in x, y gets a graph whose backward is the HVP
-        second = torch.is_grad_enabled() and (need[0] or need[1])
-        if second:
-            _check_second_order(ctx.prob, need)
-        with torch.no_grad():
-            unit = torch.ones_like(gout) if second else gout
-            # sharded: the passes are the same on all ranks (any rank needing one runs it)
-            grads = _ot_value_grads(
-                ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit, ctx.prob.any_rank(need)
-            )
-        grads = tuple(gr if n else None for gr, n in zip(grads, need))
-        if second:
-            gX, gY = _differentiable_value_grads(X, Y, grads[0], grads[1], ctx, f, g)
-            go = gout[:, None, None]
-            grads = (gX * go if need[0] else None, gY * go if need[1] else None, None, None)
-        return (*grads, None, None, None, None, None, None)
-
-
-def _check_second_order(prob, need):
-
-    if type(prob).total is not Problem.total:  # sharded
-        raise RuntimeError(
-            "solve(..., process_group=...).value: double backward (create_graph=True) is not "
-            "implemented for sharded problems"
-        )
-    if prob.cost == "dot" or prob.labels is not None:
-        raise RuntimeError(
-            "solve(...).value: double backward (create_graph=True) is implemented for "
-            "cost='sqeuclidean' and 'cosine' without label_cost; got cost="
-            f"{prob.cost!r}{' with label_cost' if prob.labels is not None else ''}"
-        )
-    no_second_order_in_weights(need[2] or need[3], "solve(...).value")
-
-
-def _differentiable_value_grads(X, Y, gX, gY, ctx, f, g):
-    """The value's gradients (gX, gY) attached to (X, Y), with the streaming HVP of each
-    problem of the batch as their derivative (flashsinkhorn._hessian)."""
-
-    prob = ctx.prob
-    precision = "ieee" if prob.precision == "ieee" else "tf32x3"
-    terms = []
-    for k in range(X.shape[0]):
-        # sqeuclidean s|x - y|^2: c2 = 2s; cosine s(1 - <X, Y>) = (s/2)|X - Y|^2: c2 = s
-        plan, ix, iy = plan_from_potentials(
-            prob.X[k],
-            prob.Y[k],
-            prob.a[k],
-            prob.b[k],
-            f[k],
-            g[k],
-            scale=prob.c2 / 2,
-            eps=ctx.eps,
-            rho_x=ctx.rx,
-            rho_y=ctx.ry,
-            backend=prob.kernel_family,
-            precision=precision,
-        )
-        terms.append(HvpTerm("xy", k, plan, prob.c2 / 2, ix, iy))
-    zeros = torch.zeros
-    gX = zeros(X.shape, dtype=f.dtype, device=X.device) if gX is None else gX
-    gY = zeros(Y.shape, dtype=f.dtype, device=Y.device) if gY is None else gY
-    return differentiable_grads(X, Y, gX, gY, terms)
-
-
-def _feature_grad(X, rows, Ybar, prob):
-    """sum_j P_ij d/dX_i C_ij = rows_i * (d cx_i / dX_i - c2 * Ybar_i)."""
-    if prob.cost == "dot":
-        return -prob.c2 * rows[..., None] * Ybar
-    # sqeuclidean and cosine (on the sphere): cx = (c2 / 2) |X|^2
-    return prob.c2 * rows[..., None] * (X - Ybar)
 
 
 # ----------------------------------------------------------------------------------------
@@ -360,12 +230,12 @@ def _value_problem(args, polished):
     "flashsinkhorn::ot_value", mutates_args=(), schema=f"({_PROBLEM}, {_VALUE}) -> Tensor"
 )
 def _ot_value_op(*args):
-    """solve's differentiable value (B,) (:class:`_OTValue` as a custom op); ``X, Y, a, b``
+    """solve's differentiable value (B,) (:class:`OTValue` as a custom op); ``X, Y, a, b``
     are the differentiable inputs."""
     f, g, polished, eps, rx, ry = args[_NP:]
     prob = _value_problem(args[:_NP], polished)
     with torch.no_grad():
-        value = _ot_value(prob, prob.a, prob.b, f, g, eps, rx, ry)
+        value = ot_value(prob, prob.a, prob.b, f, g, eps, rx, ry)
     return value.to(torch.promote_types(prob.a.dtype, f.dtype))
 
 
@@ -387,7 +257,7 @@ def _ot_value_backward_op(gout, *args):
     (f, g, polished, eps, rx, ry), need = args[_NP:-4], args[-4:]
     prob = _value_problem(args[:_NP], polished)
     with torch.no_grad():
-        grads = _ot_value_grads(prob, f, g, eps, rx, ry, gout, need)
+        grads = ot_value_grads(prob, f, g, eps, rx, ry, gout, need)
     return tuple(gr.to(t.dtype) if n else t.new_empty(0) for gr, t, n in zip(grads, args[:4], need))
 
 
@@ -450,6 +320,7 @@ def solve(
     verbose: bool = False,
     reach=None,
     process_group=None,
+    cu_seqlens=None,
 ) -> SinkhornResult:
     """Entropic OT between weighted point clouds by streaming Sinkhorn.
 
@@ -486,6 +357,11 @@ def solve(
             x, y, a, b are this rank's shards of the global clouds (concatenated in rank
             order); the result is the global coupling (:mod:`flashsinkhorn.distributed`).
             None (default): one process.
+        cu_seqlens: a ragged batch (:mod:`flashsinkhorn.varlen`): x (sum N_k, D), y (sum
+            M_k, D) concatenated, ``cu_seqlens=(cu_x, cu_y)`` their (B + 1,) offsets; or x,
+            y (and a, b) lists of clouds. One launch per pass for all problems; the
+            result's potentials, marginals and barycentric map are lists, value and
+            marginal_error (B,).
 
     Returns:
         :class:`SinkhornResult` (``value``, ``potentials``, ``plan``, ``lazy_plan``,
@@ -514,6 +390,11 @@ def solve(
         eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
     backends.check_backend(backend)
+    if cu_seqlens is not None or isinstance(x, (list, tuple)):
+        args = dict(eps=eps, rx=rx, ry=ry, max_iter=max_iter, check_every=check_every, tol=tol)
+        args.update(schedule=schedule, eps_scaling=eps_scaling, diameter=diameter, cost=cost)
+        args.update(cost_scale=cost_scale, precision=precision, label_cost=label_cost)
+        return _solve_varlen(x, y, a, b, cu_seqlens, backend, warn, verbose, **args)
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
@@ -546,7 +427,7 @@ def solve(
         marginals = out.marginals
         prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
         # the differentiable value: graph to x, y (through the features) and a, b
-        value = _OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+        value = OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
         finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
         f=f if batched else f[0],
@@ -599,17 +480,6 @@ def _in_open_interval(v, lo, hi):
         return lo < float(v) < hi
     except (TypeError, ValueError):
         return False
-
-
-def finite_value_or_raise(prob, value, eps):
-    """Finite potentials whose unbalanced dual value overflows (the plan's mass is inf in
-    float32 when eps is below the cost's resolution) are not a result: raise."""
-    bad = not bool(torch.isfinite(value.detach()).all())
-    if prob.any_rank((bad,))[0]:
-        raise FloatingPointError(
-            f"the dual value of the potentials is not finite at eps={eps:.3g} (the plan's "
-            "mass overflows): increase eps, rescale the points or pass float64 inputs"
-        )
 
 
 def _positive_int(v, name):
@@ -715,7 +585,7 @@ def _solve_sharded(x, y, a, b, share, backend, warn, verbose, **kw):
     _loop.report(out, tol, eps, warn)
     prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
     f, g, err = out.f, out.g, out.err
-    value = _OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+    value = OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
     finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
         f=f if batched else f[0],
@@ -733,4 +603,80 @@ def _solve_sharded(x, y, a, b, share, backend, warn, verbose, **kw):
         _g=g,
         _marginals=out.marginals,
         _certify=certify,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# a ragged batch (flashsinkhorn.varlen: one launch per pass over every problem)
+# ----------------------------------------------------------------------------------------
+
+
+def _solve_varlen(x, y, a, b, cu_seqlens, backend, warn, verbose, **kw):
+    """:func:`solve` of a ragged batch: lists of clouds or concatenated points."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("a ragged solve does not run under torch.compile")
+    if kw["label_cost"] is not None:
+        raise ValueError("label_cost is not supported for ragged batches")
+    eps, rx, ry = kw["eps"], kw["rx"], kw["ry"]
+    x3, y3, a2, b2, cu_x, cu_y, sx, sy = prepare_varlen(x, y, a, b, cu_seqlens)
+    check_values(x3, y3, a2, b2)
+    if rx is None and ry is None:
+        ma = torch.zeros(len(sx), dtype=a2.dtype, device=a2.device)
+        ma = ma.index_add(0, segment_ids(sx, a2.device), a2[0])
+        mb = torch.zeros_like(ma).index_add(0, segment_ids(sy, b2.device), b2[0])
+        check_masses(ma[None], mb[None], rx, ry)
+    X, Y, cx, cy, c2, center = cost_features(x3, y3, kw["cost"], kw["cost_scale"])
+    family = "auto" if backend in ("auto", "dense", "streaming") else backend
+    check_precision(kw["precision"], resolve_backend(family, x3.device))
+    make = partial(VarlenProblem, cu_x=cu_x, cu_y=cu_y, sizes_x=sx, sizes_y=sy)
+    prob = make(
+        X=X.detach(),
+        Y=Y.detach(),
+        a=a2.detach(),
+        b=b2.detach(),
+        cx=cx.detach(),
+        cy=cy.detach(),
+        c2=c2,
+        cost=kw["cost"],
+        cost_scale=kw["cost_scale"],
+        precision=kw["precision"],
+        backend=family,
+        center=center,
+    )
+    _loop.say(verbose, f"backend varlen ({len(sx)} ragged problems)")
+    uniform = [
+        torch.cat([torch.full((n,), 1.0 / n, dtype=torch.float64) for n in sizes])[None].to(
+            x3.device
+        )
+        for sizes in (sx, sy)
+    ]
+    a64 = uniform[0] if a is None else None
+    b64 = uniform[1] if b is None else None
+    certify = certifier(
+        float64_problem(x3, y3, prob, make=make, a64=a64, b64=b64), prob, eps, rx, ry
+    )
+    loop = (eps, rx, ry, kw["max_iter"], kw["tol"], kw["schedule"], kw["check_every"])
+    sched = _schedule(prob, *loop, kw["eps_scaling"], kw["diameter"])
+    out = _run_and_certify(prob, certify, sched, verbose)
+    _loop.report(out, kw["tol"], eps, warn)
+    prob = out.prob
+    value = OTValue.apply(X, Y, a2, b2, out.f, out.g, prob, eps, rx, ry)
+    finite_value_or_raise(prob, value, eps)
+    return SinkhornResult(
+        f=split(out.f, sx),
+        g=split(out.g, sy),
+        value=value,
+        marginal_error=out.err,
+        n_iter=out.n_iter,
+        converged=out.converged,
+        eps=eps,
+        precision=prob.precision,
+        backend=prob.kind,
+        _prob=prob,
+        _batched=True,
+        _f=out.f,
+        _g=out.g,
+        _marginals=out.marginals,
+        _certify=certify,
+        _sizes=(sx, sy),
     )

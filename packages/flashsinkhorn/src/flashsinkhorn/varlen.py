@@ -327,6 +327,9 @@ class VarlenProblem(Problem):
         out = torch.full((self.batch,), float("-inf"), dtype=t.dtype, device=t.device)
         return out.scatter_reduce_(0, seg, t.reshape(-1), reduce="amax")
 
+    def expand(self, t, side="x"):
+        return t[self._seg[side]][None]
+
     # -- the passes -------------------------------------------------------------------------
 
     def _pass(self, side, pot, eps, damping, v, want_lse):
