@@ -162,7 +162,7 @@ class DenseProblem(Problem):
         """The update of a self problem: the row pass around the current potential."""
         return self.sm_x(f, eps, damping, guess=f)[0]
 
-    def sample_rows(self, g, eps, seed):
+    def sample_rows(self, g, eps, seed, guess=None):
         """One column per row: the streaming torch path's draw on the features (the same
         hash and indices as the streaming backend; a one-off pass, the stored matrix is not
         needed)."""

@@ -131,11 +131,12 @@ def _sinkhorn_forward(
         gy = torch.sub(y, Tx, out=Tx).mul_((b * _grad_factor(G_ab, ry, e))[..., None])
     F_aa = G_bb = None
     if debias:
-        F_aa, _, Txx = pxx.sm_x(f_aa, e, kx, v=x if need_grad_x else None)
+        # the loop's potentials as the passes' guesses (the shift kernels: exact anyway)
+        F_aa, _, Txx = pxx.sm_x(f_aa, e, kx, v=x if need_grad_x else None, guess=f_aa)
         if need_grad_x:
             gx.add_(Txx.sub_(x).mul_((a * _grad_factor(F_aa, rx, e))[..., None]))
         del Txx
-        G_bb, _, Tyy = pyy.sm_x(g_bb, e, ky, v=y if need_grad_y else None)
+        G_bb, _, Tyy = pyy.sm_x(g_bb, e, ky, v=y if need_grad_y else None, guess=g_bb)
         if need_grad_y:
             gy.add_(Tyy.sub_(y).mul_((b * _grad_factor(G_bb, ry, e))[..., None]))
         del Tyy

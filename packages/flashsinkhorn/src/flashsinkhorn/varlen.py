@@ -408,7 +408,7 @@ class VarlenProblem(Problem):
     def dense_plan(self, f, g, eps, columns=None):
         raise NotImplementedError("a ragged batch has no (B, N, M) plan; use lazy products")
 
-    def sample_rows(self, g, eps, seed):
+    def sample_rows(self, g, eps, seed, guess=None):
         raise NotImplementedError("plan sampling of ragged batches is not implemented")
 
 
