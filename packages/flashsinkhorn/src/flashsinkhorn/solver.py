@@ -39,7 +39,6 @@ from flashsinkhorn.operands import COSTS, cost_features
 from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import parse_rho
 from flashsinkhorn.result import SinkhornResult, certificate
-from flashsinkhorn.streaming import StreamingProblem
 from flashsinkhorn.value import OTValue, finite_value_or_raise, ot_value, ot_value_grads
 from flashsinkhorn.varlen import VarlenProblem, prepare_varlen, segment_ids, split
 
@@ -143,8 +142,9 @@ def _(*args):
 
 def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b64=None):
     """A thunk building ``prob`` again in float64 from the points ``x3, y3`` (B, N, D)
-    (the features recomputed in float64: cosine normalizes in float64), on the torch
-    backend: the certificate's problem. ``features`` / ``make``: the sharded problem's.
+    (the features recomputed in float64: cosine normalizes in float64), dense while it fits
+    ``backend="auto"``'s rule, else on the blockwise torch path: the certificate's problem.
+    ``features`` / ``make``: the sharded (or ragged) problem's.
     ``a64``, ``b64``: the weights in float64 when they are not ``prob``'s (the default
     uniform weights are exactly 1/N, not their float32 rounding)."""
 
@@ -159,21 +159,11 @@ def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b
             lab = (lx, ly, W.to(d), s)
         a = prob.a.to(d) if a64 is None else a64
         b = prob.b.to(d) if b64 is None else b64
-        return (make or StreamingProblem)(
-            X=X,
-            Y=Y,
-            a=a,
-            b=b,
-            cx=cx,
-            cy=cy,
-            c2=c2,
-            cost=prob.cost,
-            cost_scale=prob.cost_scale,
-            labels=lab,
-            precision="ieee",
-            backend="torch",
-            center=c,
-        )
+        fields = dict(X=X, Y=Y, a=a, b=b, cx=cx, cy=cy, c2=c2, cost=prob.cost)
+        fields.update(cost_scale=prob.cost_scale, labels=lab, precision="ieee", center=c)
+        if make is None:  # dense while it fits (exp2 passes), else the torch stream
+            return backends.build("auto", **fields)[0]
+        return make(backend="torch", **fields)
 
     return build
 
