@@ -113,9 +113,16 @@ def shuffled_regression(
             v0 = torch.randn(p, q, generator=g, dtype=torch.float64).to(device, dtype)
             lz = lanczos_min_eig(hvp, v0, k=k)
             lam_min, lam_max = lz.eigenvalue, float(lz.ritz_values[-1])
-            hist.append(dict(iteration=it, phase="adam", loss=float(val),
-                             grad_norm=float(grad.norm()), lambda_min=lam_min,
-                             lambda_max=lam_max))  # fmt: skip
+            hist.append(
+                dict(
+                    iteration=it,
+                    phase="adam",
+                    loss=float(val),
+                    grad_norm=float(grad.norm()),
+                    lambda_min=lam_min,
+                    lambda_max=lam_max,
+                )
+            )
             if verbose:
                 print(f"adam {it:4d} loss {float(val):.6f} lambda_min {lam_min:+.3e}")
             if lam_min > saddle_tol * abs(lam_max) and it > 0:
@@ -125,8 +132,14 @@ def shuffled_regression(
         loss = fun(Wp)
         loss.backward()
         if it % check_every != 0:
-            hist.append(dict(iteration=it, phase="adam", loss=float(loss.detach()),
-                             grad_norm=float(Wp.grad.norm())))  # fmt: skip
+            hist.append(
+                dict(
+                    iteration=it,
+                    phase="adam",
+                    loss=float(loss.detach()),
+                    grad_norm=float(Wp.grad.norm()),
+                )
+            )
         opt.step()
     W = Wp.detach()
     start = it
@@ -137,22 +150,38 @@ def shuffled_regression(
         _, _, hv = _grad_and_hvp(fun, Wc)
         v0 = torch.randn(p, q, generator=g, dtype=torch.float64).to(device, dtype)
         lz = lanczos_min_eig(hv, v0, k=k)
-        hist.append(dict(iteration=start + i, phase="newton", loss=val, grad_norm=gn,
-                         lambda_min=lz.eigenvalue,
-                         lambda_max=float(lz.ritz_values[-1])))  # fmt: skip
+        hist.append(
+            dict(
+                iteration=start + i,
+                phase="newton",
+                loss=val,
+                grad_norm=gn,
+                lambda_min=lz.eigenvalue,
+                lambda_max=float(lz.ritz_values[-1]),
+            )
+        )
         if verbose:
             print(f"newton {start + i:4d} loss {val:.10f} |g| {gn:.3e}")
 
     res = newton_cg(fun, W, max_iter=newton_iters, gtol=gtol, callback=cb)
-    hist.append(dict(iteration=start + res.iterations, phase="newton", loss=res.fun,
-                     grad_norm=res.grad_norm))  # fmt: skip
+    hist.append(
+        dict(
+            iteration=start + res.iterations, phase="newton", loss=res.fun, grad_norm=res.grad_norm
+        )
+    )
     W = res.x
     pred_err = float((X @ W - X @ W_true).norm() / (X @ W_true).norm())
     with torch.no_grad():
         loss_true = float(fun(W_true))
-    return dict(history=hist, W=W, W_true=W_true, rel_pred_error=pred_err, switch_iter=switch,
-                loss_at_truth=loss_true,
-                newton=res)  # fmt: skip
+    return dict(
+        history=hist,
+        W=W,
+        W_true=W_true,
+        rel_pred_error=pred_err,
+        switch_iter=switch,
+        loss_at_truth=loss_true,
+        newton=res,
+    )
 
 
 __all__ = ["shuffled_regression", "make_problem"]
@@ -166,17 +195,30 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     t0 = time.time()
-    r = shuffled_regression(n=args.n, p=3, q=2, eps=args.eps, seed=args.seed, backend="torch",
-                            sinkhorn_iter=600, max_adam=300, newton_iters=20)  # fmt: skip
+    r = shuffled_regression(
+        n=args.n,
+        p=3,
+        q=2,
+        eps=args.eps,
+        seed=args.seed,
+        backend="torch",
+        sinkhorn_iter=600,
+        max_adam=300,
+        newton_iters=20,
+    )
     h = r["history"]
     for e in h:
         lam = f"{e['lambda_min']:+.3e}" if "lambda_min" in e else ""
-        print(f"{e['phase']:6s} {e['iteration']:4d} loss {e['loss']:.8f} "
-              f"|g| {e['grad_norm']:.2e} {lam}")  # fmt: skip
+        print(
+            f"{e['phase']:6s} {e['iteration']:4d} loss {e['loss']:.8f} "
+            f"|g| {e['grad_norm']:.2e} {lam}"
+        )
     dt = time.time() - t0
-    print(f"switch to Newton at Adam iteration {r['switch_iter']}; final loss "
-          f"{r['newton'].fun:.8f} (loss at the true W: {r['loss_at_truth']:.8f}); "
-          f"relative prediction error {r['rel_pred_error']:.3f}; {dt:.1f} s")  # fmt: skip
+    print(
+        f"switch to Newton at Adam iteration {r['switch_iter']}; final loss "
+        f"{r['newton'].fun:.8f} (loss at the true W: {r['loss_at_truth']:.8f}); "
+        f"relative prediction error {r['rel_pred_error']:.3f}; {dt:.1f} s"
+    )
     try:
         import matplotlib
 
@@ -188,13 +230,14 @@ def main():
     fig, axs = plt.subplots(1, 3, figsize=(12, 3.4))
     for phase, c in (("adam", "tab:blue"), ("newton", "tab:red")):
         pts = [e for e in h if e["phase"] == phase]
-        axs[0].plot([e["iteration"] for e in pts], [e["loss"] for e in pts], ".-", c=c,
-                    label=phase)  # fmt: skip
-        axs[1].semilogy([e["iteration"] for e in pts], [e["grad_norm"] for e in pts], ".-",
-                        c=c, label=phase)  # fmt: skip
+        axs[0].plot([e["iteration"] for e in pts], [e["loss"] for e in pts], ".-", c=c, label=phase)
+        axs[1].semilogy(
+            [e["iteration"] for e in pts], [e["grad_norm"] for e in pts], ".-", c=c, label=phase
+        )
         lp = [e for e in pts if "lambda_min" in e]
-        axs[2].plot([e["iteration"] for e in lp], [e["lambda_min"] for e in lp], "o-", c=c,
-                    label=phase)  # fmt: skip
+        axs[2].plot(
+            [e["iteration"] for e in lp], [e["lambda_min"] for e in lp], "o-", c=c, label=phase
+        )
     axs[0].axhline(r["loss_at_truth"], ls=":", c="k", label="loss at W*")
     axs[2].axhline(0, ls=":", c="k")
     axs[2].set_yscale("symlog", linthresh=1e-2)
@@ -202,8 +245,10 @@ def main():
         ax.set_title(t)
         ax.set_xlabel("iteration")
         ax.legend()
-    fig.suptitle(f"shuffled regression, n={args.n}, eps={args.eps}: Adam until no negative "
-                 "curvature, then Newton-CG")  # fmt: skip
+    fig.suptitle(
+        f"shuffled regression, n={args.n}, eps={args.eps}: Adam until no negative "
+        "curvature, then Newton-CG"
+    )
     fig.tight_layout()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "flashsinkhorn-shuffled-regression.png")

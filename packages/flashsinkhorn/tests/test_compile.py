@@ -120,8 +120,7 @@ def test_compiled_solve_keeps_the_centre_through_a_polish():
     # floor (1e-6 stalled at 1.16e-6 on one CPU and passed on another: the floor moves with
     # the machine's float summation order)
     def run(x, y, a, b):
-        return fs.solve(x, y, a, b, eps=0.05, max_iter=300, tol=1e-5, warn=False,
-                        backend="triton")  # fmt: skip
+        return fs.solve(x, y, a, b, eps=0.05, max_iter=300, tol=1e-5, warn=False, backend="triton")
 
     eager = run(x, y, a, b)
     assert eager.precision == "tf32x3" and bool(eager.converged)  # the polish ran

@@ -281,8 +281,9 @@ def test_tf32_value_close_to_float64_on_gpu(d):
     n = 6000
     x, y = _uniform_gpu(n, n, d, seed=7)
     w = torch.full((n,), 1.0 / n, device="cuda", dtype=torch.float64)
-    ref = float(samples_loss_ref(w, x.double(), w, y.double(), blur=0.05, scaling=0.5,
-                                 debias=False))  # fmt: skip
+    ref = float(
+        samples_loss_ref(w, x.double(), w, y.double(), blur=0.05, scaling=0.5, debias=False)
+    )
     val = float(fs.SamplesLoss(blur=0.05, scaling=0.5, debias=False, precision="tf32")(x, y))
     assert abs(val - ref) / abs(ref) < 3e-6
 

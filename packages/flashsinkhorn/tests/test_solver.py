@@ -316,11 +316,11 @@ def test_triton_loop_with_guesses_matches_float64(monkeypatch, schedule, eps_sca
     monkeypatch.setattr(sm, "_triton_pass", spy)
     monkeypatch.setattr(sm, "symmetric_sums_triton", spy_sums)
     x, y, a, b = clouds(45, 38, 3, seed=3)
-    kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule,
-              rho=2.0)  # fmt: skip
+    kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule, rho=2.0)
     r64 = fs.solve(x, y, a, b, backend="torch", **kw)
-    r = fs.solve(x.float(), y.float(), a.float(), b.float(), backend="triton",
-                 precision="ieee", **kw)  # fmt: skip
+    r = fs.solve(
+        x.float(), y.float(), a.float(), b.float(), backend="triton", precision="ieee", **kw
+    )
     if schedule == "alternating":
         expect = [False] * (0 if eps_scaling else 2) + [True] * (60 if eps_scaling else 58)
         sym_loop = 0
@@ -371,8 +371,16 @@ def test_float32_floor_stops_unconverged_instead_of_claiming_tol():
         r = fs.solve(x, y, a, b, eps=2e-3, tol=1e-7, eps_scaling=0.5, max_iter=5000)
     assert not r.converged and r.n_iter < 5000
     assert abs(float(r.marginal_error) - truth_l1(r, x, y, a, b, 2e-3)) < 1e-9
-    r64 = fs.solve(x.double(), y.double(), a.double(), b.double(), eps=2e-3, tol=1e-7,
-                   eps_scaling=0.5, max_iter=5000)  # fmt: skip
+    r64 = fs.solve(
+        x.double(),
+        y.double(),
+        a.double(),
+        b.double(),
+        eps=2e-3,
+        tol=1e-7,
+        eps_scaling=0.5,
+        max_iter=5000,
+    )
     assert r64.converged and truth_l1(r64, x, y, a, b, 2e-3) < 1e-7
 
 
@@ -434,12 +442,21 @@ def test_weights_and_points_as_array_likes():
 
 @pytest.mark.parametrize(
     "kw,match",
-    [(dict(max_iter=0), "max_iter"), (dict(max_iter=2.7), "max_iter"),
-     (dict(check_every=0), "check_every"), (dict(tol=-1.0), "tol"), (dict(tol="a"), "tol"),
-     (dict(eps_scaling=1.5), "eps_scaling"), (dict(diameter=-1.0), "diameter"),
-     (dict(rho=(1.0, 2.0, 3.0)), "rho"), (dict(rho="x"), "rho"), (dict(schedule="x"), "schedule"),
-     (dict(precision="fp8"), "precision"), (dict(backend="cuda"), "backend")],
-)  # fmt: skip
+    [
+        (dict(max_iter=0), "max_iter"),
+        (dict(max_iter=2.7), "max_iter"),
+        (dict(check_every=0), "check_every"),
+        (dict(tol=-1.0), "tol"),
+        (dict(tol="a"), "tol"),
+        (dict(eps_scaling=1.5), "eps_scaling"),
+        (dict(diameter=-1.0), "diameter"),
+        (dict(rho=(1.0, 2.0, 3.0)), "rho"),
+        (dict(rho="x"), "rho"),
+        (dict(schedule="x"), "schedule"),
+        (dict(precision="fp8"), "precision"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
 def test_bad_arguments_name_themselves(kw, match):
     x, y, a, b = clouds(5, 4, 2)
     with pytest.raises(ValueError, match=match):
@@ -468,8 +485,9 @@ def test_bf16_under_the_interpreter_raises():
     X, Y = x[None], y[None]
     z = torch.zeros(1, 8)
     with pytest.raises(ValueError, match="bf16"):
-        fs.softmin(X, Y, z, z, torch.zeros(1, 10), z, eps=0.1, c2=2.0, precision="bf16",
-                   backend="triton")  # fmt: skip
+        fs.softmin(
+            X, Y, z, z, torch.zeros(1, 10), z, eps=0.1, c2=2.0, precision="bf16", backend="triton"
+        )
     # the torch backend computes in float32 whatever precision says: allowed
     fs.solve(x, y, a, b, eps=0.1, precision="bf16", backend="torch")
 

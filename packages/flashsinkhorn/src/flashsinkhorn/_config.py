@@ -34,8 +34,13 @@ FIXED = (64, 64, 4, 2)
 # Autotune space of the iteration passes (running-max and shift kernels, no V), Hopper
 # (H200) sized. D <= 128 is one tl.dot per tile (K = BLOCK_D); larger D loops over 64-wide
 # feature chunks and needs 128 x 128 tiles to stay tensor-core bound.
-TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4),
-                (256, 64, 8, 3)]  # fmt: skip
+TUNE_SMALL_D = [
+    (128, 64, 4, 3),
+    (128, 128, 8, 3),
+    (128, 64, 8, 4),
+    (64, 128, 4, 4),
+    (256, 64, 8, 3),
+]
 TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
 
 # The plan application (the pass with V: once per solve, not autotuned: no compile storm).

@@ -55,16 +55,46 @@ if HAS_TRITON:
 
     @triton.jit
     def _exponent(
-        X, Y, G, LY, LT, fi, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
-        HAS_F: tl.constexpr, HAS_LABELS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        X,
+        Y,
+        G,
+        LY,
+        LT,
+        fi,
+        lx,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        D,
+        sxm,
+        sym,
+        slt,
+        HAS_F: tl.constexpr,
+        HAS_LABELS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """``[F_i +] G_j + 2<x_i, y_j> [- L[lx_i, ly_j]]`` for one (BLOCK_M, BLOCK_N) tile."""
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         s = _tile_dot(
-            X, Y, offs_m, offs_n, mask_m, mask_n, sxm, sym, D, s, tl.cdiv(D, BLOCK_D),
-            False, BLOCK_D, PRECISION,
-        )  # fmt: skip
+            X,
+            Y,
+            offs_m,
+            offs_n,
+            mask_m,
+            mask_n,
+            sxm,
+            sym,
+            D,
+            s,
+            tl.cdiv(D, BLOCK_D),
+            False,
+            BLOCK_D,
+            PRECISION,
+        )
         gj = tl.load(G + offs_n, mask=mask_n, other=0.0)
         t = 2.0 * s + gj[None, :]
         if HAS_F:
@@ -74,8 +104,9 @@ if HAS_TRITON:
         return t
 
     @triton.jit
-    def _acc_product(acc, p, W, offs_n, mask_n, sw, offs_k, mask_k, VEC: tl.constexpr,
-                     PRECISION: tl.constexpr):  # fmt: skip
+    def _acc_product(
+        acc, p, W, offs_n, mask_n, sw, offs_k, mask_k, VEC: tl.constexpr, PRECISION: tl.constexpr
+    ):
         """``acc + p @ W[offs_n]`` with W a vector (VEC: acc (BLOCK_M,)) or a matrix."""
         if VEC:
             wv = tl.load(W + offs_n * sw, mask=mask_n, other=0.0)
@@ -168,9 +199,28 @@ if HAS_TRITON:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < m
             t = _exponent(
-                X, Y, G, LY, LT, fi, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
-                True, HAS_LABELS, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-            )  # fmt: skip
+                X,
+                Y,
+                G,
+                LY,
+                LT,
+                fi,
+                lx,
+                offs_m,
+                offs_n,
+                mask_m,
+                mask_n,
+                D,
+                sxm,
+                sym,
+                slt,
+                True,
+                HAS_LABELS,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                PRECISION,
+            )
             p = tl.exp2(t * scale)
             p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
             acc1 = _acc_product(acc1, p, W, offs_n, mask_n, swm, offs_k1, mk1, W_VEC, PRECISION)
@@ -178,9 +228,21 @@ if HAS_TRITON:
                 # Q_ij = <A_i, B_j>: the second streamed dot product
                 q = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 q = _tile_dot(
-                    A, B, offs_m, offs_n, mask_m, mask_n, sam, sbm, E, q,
-                    tl.cdiv(E, BLOCK_E), False, BLOCK_E, PRECISION,
-                )  # fmt: skip
+                    A,
+                    B,
+                    offs_m,
+                    offs_n,
+                    mask_m,
+                    mask_n,
+                    sam,
+                    sbm,
+                    E,
+                    q,
+                    tl.cdiv(E, BLOCK_E),
+                    False,
+                    BLOCK_E,
+                    PRECISION,
+                )
                 acc2 = _acc_product(
                     acc2, p * q, U, offs_n, mask_n, sum_, offs_k2, mk2, U_VEC, PRECISION
                 )

@@ -151,18 +151,17 @@ def softmin_ref(x, y, g, logb, cx, cy, *, eps, c2, damping=1.0, v=None, labels=N
     return out, lse2, vbar
 
 
-def symmetric_update_ref(x, y, f, g, loga, logb, cx, cy, *, eps, c2, damping_x=1.0,
-                         damping_y=1.0, labels=None):  # fmt: skip
+def symmetric_update_ref(
+    x, y, f, g, loga, logb, cx, cy, *, eps, c2, damping_x=1.0, damping_y=1.0, labels=None
+):
     """Dense float64 reference of :func:`flashsinkhorn.symmetric_update`: ``(f_new, g_new)``,
     each the c-transform of the other side's old potential (two :func:`softmin_ref`)."""
     lab_t = None
     if labels is not None:
         lx, ly, W, w_scale = labels
         lab_t = (ly, lx, W.transpose(-1, -2), w_scale)
-    f_new = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=c2, damping=damping_x,
-                        labels=labels)[0]  # fmt: skip
-    g_new = softmin_ref(y, x, f, loga, cy, cx, eps=eps, c2=c2, damping=damping_y,
-                        labels=lab_t)[0]  # fmt: skip
+    f_new = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=c2, damping=damping_x, labels=labels)[0]
+    g_new = softmin_ref(y, x, f, loga, cy, cx, eps=eps, c2=c2, damping=damping_y, labels=lab_t)[0]
     return f_new, g_new
 
 

@@ -165,9 +165,15 @@ def _build(a, x, b, y, backend, precision, comm=None, layout=None):
         cu_x, cu_y, sx, sy = layout
         family = "auto" if backend in ("auto", "dense", "streaming", "varlen") else backend
         prob = VarlenProblem(
-            cu_x=cu_x, cu_y=cu_y, sizes_x=sx, sizes_y=sy, backend=family, precision=precision,
-            center=c, **fields,
-        )  # fmt: skip
+            cu_x=cu_x,
+            cu_y=cu_y,
+            sizes_x=sx,
+            sizes_y=sy,
+            backend=family,
+            precision=precision,
+            center=c,
+            **fields,
+        )
         return prob, f"{len(sx)} ragged problems"
     if comm is None:
         return backends.build(backend, precision=precision, center=c, **fields)

@@ -146,13 +146,27 @@ def hvp(
     if debias and potentials is not None:
         raise ValueError("potentials= is only supported with debias=False")
     loop_precision = _resolve_loop_precision(loop_precision, precision, reach, debias)
-    skw = dict(max_iter=max_iter, tol=tol, eps_schedule=eps_schedule, backend=backend,
-               precision=precision, loop_precision=loop_precision,
-               exact_tail=exact_tail)  # fmt: skip
+    skw = dict(
+        max_iter=max_iter,
+        tol=tol,
+        eps_schedule=eps_schedule,
+        backend=backend,
+        precision=precision,
+        loop_precision=loop_precision,
+        exact_tail=exact_tail,
+    )
     need_x, need_y = wrt in ("x", "xy"), wrt in ("y", "xy")
     plan = solve_potentials(x, y, a, b, eps=eps, reach=reach, potentials=potentials, **skw)
-    hx, hy, info = hvp_plan(plan, vx, vy, need_x=need_x, need_y=need_y, cg_tol=cg_tol,
-                             cg_max_iter=cg_max_iter, tikhonov=tikhonov)  # fmt: skip
+    hx, hy, info = hvp_plan(
+        plan,
+        vx,
+        vy,
+        need_x=need_x,
+        need_y=need_y,
+        cg_tol=cg_tol,
+        cg_max_iter=cg_max_iter,
+        tikhonov=tikhonov,
+    )
     cgs, sks = [info], [plan.info]
     if debias:
         rx, ry = split_reach(reach)
@@ -160,8 +174,9 @@ def hvp(
             if not need or vv is None:
                 continue
             sp = solve_potentials(pts, pts, w, w, eps=eps, reach=rr, symmetric=True, **skw)
-            h1, h2, inf = hvp_plan(sp, vv, vv, cg_tol=cg_tol, cg_max_iter=cg_max_iter,
-                                    tikhonov=tikhonov)  # fmt: skip
+            h1, h2, inf = hvp_plan(
+                sp, vv, vv, cg_tol=cg_tol, cg_max_iter=cg_max_iter, tikhonov=tikhonov
+            )
             if pts is x:
                 hx = hx - 0.5 * (h1 + h2)
             else:
@@ -216,9 +231,19 @@ def implicit_grad(
     gradient, and the gauge component of (grad_f, grad_g) is dropped. Gradients w.r.t. the
     weights are defined up to an additive constant when the total masses are fixed.
     """
-    plan = solve_potentials(x, y, a, b, eps=eps, reach=reach, potentials=potentials,
-                            max_iter=max_iter, tol=tol, backend=backend,
-                            precision=precision)  # fmt: skip
+    plan = solve_potentials(
+        x,
+        y,
+        a,
+        b,
+        eps=eps,
+        reach=reach,
+        potentials=potentials,
+        max_iter=max_iter,
+        tol=tol,
+        backend=backend,
+        precision=precision,
+    )
     dt = plan.x.dtype
     n, m = plan.x.shape[0], plan.y.shape[0]
     gf = torch.zeros(n, dtype=dt, device=x.device) if grad_f is None else grad_f.to(dt)
@@ -264,8 +289,9 @@ def inverse_hvp(
     near a minimizer (and has a d-dimensional null space from translations in the
     balanced case): use ``damping > 0`` elsewhere.
     """
-    plan = solve_potentials(x, y, a, b, eps=eps, reach=reach, max_iter=max_iter,
-                            backend=backend, precision=precision)  # fmt: skip
+    plan = solve_potentials(
+        x, y, a, b, eps=eps, reach=reach, max_iter=max_iter, backend=backend, precision=precision
+    )
     dt = plan.x.dtype
 
     def matvec(z):
@@ -393,7 +419,7 @@ def ot_loss(
                 eps_schedule=eps_schedule,
                 backend=backend,
                 precision=precision,
-            ),  # fmt: skip
+            ),
             "cg_tol": cg_tol,
             "cg_max_iter": cg_max_iter,
         }
