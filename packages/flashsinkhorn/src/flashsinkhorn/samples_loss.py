@@ -552,7 +552,7 @@ def sinkhorn_divergence(
         return _divergence_varlen(a, x, b, y, cu_seqlens, backend, warn_tol, info, **kw)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
-    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_data=not compiling)
     # clear errors for a bad backend or bf16 under the interpreter, before any work
     family = "auto" if backend in ("auto", "dense", "streaming") else backend
     check_precision(precision, resolve_backend(family, x3.device))

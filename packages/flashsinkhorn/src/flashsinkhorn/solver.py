@@ -387,7 +387,7 @@ def solve(
         return _solve_varlen(x, y, a, b, cu_seqlens, backend, warn, verbose, **args)
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
-    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_data=not compiling)
     if not compiling:
         check_masses(a2, b2, rx, ry)
         if cost == "cosine":
