@@ -18,6 +18,7 @@ passes are launch-bound at these sizes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -30,7 +31,16 @@ from flashsinkhorn.sampling import softmax_sample
 
 __all__ = ["DenseProblem", "dense_bytes"]
 
-_FLT_MAX = 3.4028234663852886e38
+# the range in which a row's sum of exp2 around a guess is exact: [SHIFT_LO = 2^-60,
+# FLT_MAX) as in the streaming kernels (below, terms flushed to zero could matter; above,
+# an overflow), in log2 units
+_LOG2_LO, _LOG2_HI = math.log2(_config.SHIFT_LO), 128.0
+
+
+def _in_range(log2_sums) -> bool:
+    """All log2 sums (NaN fails) within ``[_LOG2_LO, _LOG2_HI)``: one host read."""
+    lo, hi = torch.aminmax(log2_sums)
+    return bool((lo >= _LOG2_LO) & (hi < _LOG2_HI))
 
 
 def dense_bytes(B: int, N: int, M: int, dtype: torch.dtype) -> int:
@@ -96,17 +106,18 @@ class DenseProblem(Problem):
             shift = guess * (LOG2E / eps)
             E = self._exp_scores(h2, shift, eps) if cols else self._exp_scores(shift, h2, eps)
             s = E.sum(dim)
-            lse = torch.log2(s) - shift
+            ls = torch.log2(s)
             vbar = None
             if v is not None:
                 Et = E.transpose(-1, -2) if cols else E
                 vbar = torch.bmm(Et, v.to(E.dtype)) / s[..., None]
-            ok = (s >= _config.SHIFT_LO) & (s <= _FLT_MAX)
-            if not bool(ok.all()):  # a free read on the CPU
+            if not _in_range(ls):  # one free read on the CPU
+                ok = (ls >= _LOG2_LO) & (ls < _LOG2_HI)
                 lse_s, vbar_s = self._safe_lse2(h2, eps, v, cols)
-                lse = torch.where(ok, lse, lse_s)
+                ls = torch.where(ok, ls, lse_s + shift)
                 if v is not None:
                     vbar = torch.where(ok[..., None], vbar, vbar_s)
+            lse = ls.sub_(shift)
         else:
             lse, vbar = self._safe_lse2(h2, eps, v, cols)
         # -C includes -cx: lse is of the full scores
@@ -143,20 +154,31 @@ class DenseProblem(Problem):
         if not self._one_exp:
             return super().sym_update(f, g, eps, damping_x, damping_y)
         f, g = self._cast(f, g)
-        loga, logb = self._cast(self.loga, self.logb)
-        # the plan of the old potentials: P_ij = exp(-C_ij / eps + u_i + v_j)
-        P = self._exp_scores(LOG2E * (loga + f / eps), LOG2E * (logb + g / eps), eps)
-        rsum, csum = P.sum(-1), P.sum(-2)
-        # softmin(g)_i = f_i - eps (ln rowsum_i - ln a_i)
-        ft = damping_x * (f - eps * (torch.log(rsum) - loga))
-        gt = damping_y * (g - eps * (torch.log(csum) - logb))
-        bad_r = ~((rsum >= _config.SHIFT_LO) & (rsum <= _FLT_MAX))
-        bad_c = ~((csum >= _config.SHIFT_LO) & (csum <= _FLT_MAX))
-        if bool(bad_r.any()):  # out of range: those rows again, exactly (a free CPU read)
+        loga2, logb2 = self._log2_weights()
+        # the plan of the old potentials: P_ij = exp2(-C_ij log2e / eps + u_i + v_j)
+        k = LOG2E / eps
+        P = self._exp_scores(torch.add(loga2, f, alpha=k), torch.add(logb2, g, alpha=k), eps)
+        # softmin(g)_i = f_i - eps ln2 (log2 rowsum_i - log2 a_i); few ops: at n = 300 a
+        # symmetric update is about 15 tensor operations of ~10 us each
+        lr, lc = torch.log2(P.sum(-1)), torch.log2(P.sum(-2))
+        ok = _in_range(torch.stack((lr.amin(), lr.amax(), lc.amin(), lc.amax())))
+        ft = torch.add(f, lr.sub(loga2), alpha=-eps * LN2)
+        gt = torch.add(g, lc.sub(logb2), alpha=-eps * LN2)
+        ft = ft if damping_x == 1.0 else ft.mul_(damping_x)
+        gt = gt if damping_y == 1.0 else gt.mul_(damping_y)
+        if not ok:  # out of range: those rows / columns again, exactly (a free CPU read)
+            bad_r = ~((lr >= _LOG2_LO) & (lr < _LOG2_HI))
+            bad_c = ~((lc >= _LOG2_LO) & (lc < _LOG2_HI))
             ft = torch.where(bad_r, self.sm_x(g, eps, damping_x)[0], ft)
-        if bool(bad_c.any()):
             gt = torch.where(bad_c, self.sm_y(f, eps, damping_y)[0], gt)
         return ft, gt
+
+    def _log2_weights(self):
+        """``log2e * log a``, ``log2e * log b`` in the matrix's dtype, made once."""
+        w = getattr(self, "_logw2", None)
+        if w is None:
+            w = self._logw2 = self._cast(LOG2E * self.loga, LOG2E * self.logb)
+        return w
 
     def self_update(self, f, eps, damping):
         """The update of a self problem: the row pass around the current potential."""
