@@ -66,3 +66,18 @@ def test_one_read_per_check_with_a_tolerance(monkeypatch):
     assert out.n_iter == 40 and out.estimate is not None
     assert reads.count("__float__") == 2 * 4  # (estimate, max |f|) at the 4 checks
     assert len(reads) == 8
+
+
+@pytest.mark.gpu
+def test_lagged_stopping_on_cuda():
+    """On CUDA the estimate is read behind an event: the loop stops at most _LAG checks
+    after the CPU loop on the same problem, with the same certificate."""
+    import flashsinkhorn as fs
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.rand(2000, 8, generator=g), torch.rand(1800, 8, generator=g) + 0.2
+    kw = dict(eps=0.05, tol=1e-5, check_every=10, backend="dense")
+    cpu = fs.solve(x, y, **kw)
+    gpu = fs.solve(x.cuda(), y.cuda(), **kw)
+    assert bool(cpu.converged) and bool(gpu.converged)
+    assert cpu.n_iter - 10 <= gpu.n_iter <= cpu.n_iter + (_loop._LAG + 1) * 10

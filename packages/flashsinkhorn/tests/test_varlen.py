@@ -152,3 +152,38 @@ def test_solve_on_a_ragged_batch_equals_one_solve_per_problem(backend, rho):
     assert r.marginal_error.shape == (4,) and float(r.marginal_error.max()) < 1e-6
     with pytest.raises(NotImplementedError, match="ragged"):
         r.dense_plan()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,tol", [("ieee", 2e-5), ("tf32", 2e-3)])
+def test_kernel_on_cuda(precision, tol):
+    """The compiled kernel (64 x 64 tiles) on odd sizes, with V, against float64."""
+    g = torch.Generator().manual_seed(7)
+    sx, sy = (1, 130, 64, 65, 500), (300, 7, 129, 64, 1)
+    N, M, D = sum(sx), sum(sy), 70
+    x, y = torch.rand(N, D, generator=g) / 8, torch.rand(M, D, generator=g) / 8
+    gg = 0.01 * torch.randn(M, generator=g)
+    logb = torch.log(torch.rand(M, generator=g) + 0.1)
+    cx, cy, v = (x * x).sum(1), (y * y).sum(1), torch.randn(M, 33, generator=g)
+    cux, cuy = offsets(sx, "cpu"), offsets(sy, "cpu")
+    ref = softmin_varlen_ref(x, y, gg, logb, cx, cy, cux, cuy, eps=0.05, c2=2.0, v=v)
+    c = [t.cuda() for t in (x, y, gg, logb, cx, cy, cux, cuy)]
+    out = softmin_varlen(*c, sx, eps=0.05, c2=2.0, v=v.cuda(), precision=precision)
+    for o, r in zip(out, ref):
+        assert float((o.double().cpu() - r).abs().max() / r.abs().max()) < tol
+
+
+@pytest.mark.gpu
+def test_samples_loss_ragged_on_cuda():
+    xs, ys = _ragged((500, 4000, 1, 1700), (900, 3, 3000, 17), 3, seed=8)
+    xs, ys = [x.cuda() for x in xs], [y.cuda() for y in ys]
+    xg = [x.clone().requires_grad_() for x in xs]
+    kw = dict(blur=0.05, diameter=2.0, precision="ieee")
+    v = fs.SamplesLoss(**kw)(xg, ys)
+    v.sum().backward()
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        xr = x.clone().requires_grad_()
+        r = fs.SamplesLoss(**kw)(xr, y)
+        r.backward()
+        assert abs(float(v[k]) - float(r)) < 1e-5 * max(1.0, abs(float(r)))
+        assert float((xg[k].grad - xr.grad).abs().max()) < 1e-5
