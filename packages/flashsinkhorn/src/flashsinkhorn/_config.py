@@ -106,3 +106,10 @@ def plan_apply_config(dv: int) -> tuple[int, int, int, int]:
     if no_autotune():
         return FIXED
     return PLAN_APPLY_WIDE if dv > 64 else PLAN_APPLY
+
+# The multiscale backend (_multiscale_tiles, _multiscale_pass): points per tile (the
+# block of its kernels, rows and columns), tiles per node of the tree that finds the tile
+# pairs to compute, and the most nodes at the top of that tree (all their pairs examined).
+MULTISCALE_TILE = 64
+MULTISCALE_GROUP = 8
+MULTISCALE_TOP = 256
