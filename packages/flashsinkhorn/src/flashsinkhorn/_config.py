@@ -107,6 +107,7 @@ def plan_apply_config(dv: int) -> tuple[int, int, int, int]:
         return FIXED
     return PLAN_APPLY_WIDE if dv > 64 else PLAN_APPLY
 
+
 # The multiscale backend (_multiscale_tiles, _multiscale_pass): points per tile (the
 # block of its kernels, rows and columns), tiles per node of the tree that finds the tile
 # pairs to compute, and the most nodes at the top of that tree (all their pairs examined).

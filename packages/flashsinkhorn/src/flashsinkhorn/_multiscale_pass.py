@@ -58,50 +58,50 @@ def softmin_pass(
 
 
 def _softmin_pass_torch(xr, yc, ptr, nbr, bias_pad, scale, v_pad):
+    """Chunks of row tiles; each chunk gathers its kept column tiles into a row of width
+    ``W`` tiles (W the most any of its row tiles keeps; shorter rows padded with an empty
+    tile of bias -inf), so the LogSumExp and the softmax average are dense ops on
+    (rows, T, W T) blocks, with no scatter."""
     T = _config.MULTISCALE_TILE
     K, L, d = xr.shape[0] // T, yc.shape[0] // T, xr.shape[1]
     dt, dev = bias_pad.dtype, bias_pad.device
     X = xr.to(dt).view(K, T, d)
-    Y = yc.to(dt).view(L, T, d)
-    bias = bias_pad.view(L, T)
-    V = None if v_pad is None else v_pad.to(dt).view(L, T, -1)
-    lse = torch.full((K, T), float("-inf"), dtype=dt, device=dev)
-    vbar = None if V is None else torch.zeros(K, T, V.shape[-1], dtype=dt, device=dev)
-    counts = (ptr[1:] - ptr[:-1]).tolist()
-    per = max(1, _CHUNK_ELEMS // (T * T))  # pairs per chunk
+    # one more column tile, empty (bias -inf), for the padding of the gathered rows
+    Y = torch.cat([yc.to(dt), yc.new_zeros(T, d, dtype=dt)]).view(L + 1, T, d)
+    bias = torch.cat([bias_pad, bias_pad.new_full((T,), float("-inf"))]).view(L + 1, T)
+    V = None
+    if v_pad is not None:
+        V = torch.cat([v_pad.to(dt), v_pad.new_zeros(T, v_pad.shape[1], dtype=dt)])
+        V = V.view(L + 1, T, -1)
+    lse = torch.empty(K, T, dtype=dt, device=dev)
+    vbar = None if V is None else torch.empty(K, T, V.shape[-1], dtype=dt, device=dev)
+    counts = ptr[1:] - ptr[:-1]
+    counts_h = counts.tolist()
     k0 = 0
-    ptr_h = ptr.tolist()
-    while k0 < K:  # chunks of whole row tiles, about `per` pairs each
-        k1, tot = k0, 0
-        while k1 < K and (tot == 0 or tot + counts[k1] <= per):
-            tot += counts[k1]
+    while k0 < K:  # chunks of whole row tiles, at most _CHUNK_ELEMS scores (or one tile)
+        k1, w = k0, 0
+        while k1 < K and (k1 == k0 or (k1 + 1 - k0) * max(w, counts_h[k1]) * T * T <= _CHUNK_ELEMS):
+            w = max(w, counts_h[k1])
             k1 += 1
-        p0, p1 = ptr_h[k0], ptr_h[k1]
-        if p1 > p0:
-            rl = torch.repeat_interleave(
-                torch.arange(k1 - k0, device=dev), ptr[k0 + 1 : k1 + 1] - ptr[k0:k1]
-            )
-            J = nbr[p0:p1]
-            # |x - y|^2 from coordinate differences, one coordinate at a time (the
-            # expansion |x|^2 + |y|^2 - 2 <x, y> would lose float32 digits to cancellation)
-            Xr, Yr = X[k0 + rl], Y[J]
-            d2 = torch.zeros(Xr.shape[0], T, T, dtype=dt, device=dev)
-            for k in range(d):
-                diff = Xr[:, :, None, k] - Yr[:, None, :, k]
-                d2.addcmul_(diff, diff)
-            S = bias[J][:, None, :] - scale * d2  # (P, T, T)
-            del d2, diff
-            m = S.amax(-1)  # (P, T)
-            M = torch.full((k1 - k0, T), float("-inf"), dtype=dt, device=dev)
-            M = M.scatter_reduce(0, rl[:, None].expand(-1, T), m, "amax")
-            Ms = torch.where(torch.isfinite(M), M, torch.zeros((), dtype=dt, device=dev))
-            e = torch.exp(S - Ms[rl][:, :, None])
-            sums = torch.zeros(k1 - k0, T, dtype=dt, device=dev).index_add_(0, rl, e.sum(-1))
-            lse[k0:k1] = Ms + torch.log(sums)
-            if V is not None:
-                acc = torch.zeros(k1 - k0, T, V.shape[-1], dtype=dt, device=dev)
-                acc.index_add_(0, rl, e @ V[J])
-                vbar[k0:k1] = acc / sums[..., None]
+        kc = k1 - k0
+        slot = torch.arange(max(w, 1), device=dev)
+        J = torch.full((kc, slot.numel()), L, dtype=torch.int64, device=dev)
+        if w:
+            ok = slot[None, :] < counts[k0:k1, None]
+            J[ok] = nbr[(ptr[k0:k1, None] + slot[None, :])[ok]]
+        Yg = Y[J].view(kc, -1, d)  # (kc, W T, d)
+        # |x - y|^2 from coordinate differences, one coordinate at a time (the expansion
+        # |x|^2 + |y|^2 - 2 <x, y> would lose float32 digits to cancellation)
+        d2 = torch.zeros(kc, T, Yg.shape[1], dtype=dt, device=dev)
+        for k in range(d):
+            diff = X[k0:k1, :, None, k] - Yg[:, None, :, k]
+            d2.addcmul_(diff, diff)
+        S = bias[J].view(kc, 1, -1) - scale * d2
+        del d2, diff
+        lse[k0:k1] = torch.logsumexp(S, -1)
+        if V is not None:
+            pi = torch.softmax(S, -1).nan_to_num_(0.0)
+            vbar[k0:k1] = pi @ V[J].view(kc, -1, V.shape[-1])
         k0 = k1
     return lse.view(-1), None if vbar is None else vbar.view(K * T, -1)
 

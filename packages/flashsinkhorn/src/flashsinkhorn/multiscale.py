@@ -49,7 +49,7 @@ MAX_DIM = 8
 # a keep set is recomputed at every new eps and after this many passes at one eps
 REFRESH = 4
 # the default finest cells: the smallest grid whose cells hold this many points on average
-CELL_POINTS = 8
+CELL_POINTS = 2
 
 
 class MultiscaleProblem:
@@ -59,7 +59,7 @@ class MultiscaleProblem:
     ``truncate``: a tile pair is skipped when its mass bound is below
     ``exp(-truncate^2 / 2)`` times its product mass (None: nothing is skipped).
     ``cluster_scale``: side of the finest cells of the ladder (None: the smallest grid whose
-    cells hold 8 points on average). ``backend``: "triton" (CUDA, or CPU under
+    cells hold 2 points on average). ``backend``: "triton" (CUDA, or CPU under
     ``TRITON_INTERPRET=1``) or "torch". Potentials are in the caller's point order.
     ``parts``: the sorted clouds of each problem when already built (the coarse levels).
     """
