@@ -60,7 +60,7 @@ from flashsinkhorn import distributed as D
 from flashsinkhorn.bench import _problem
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.reference import eps_schedule, max_diameter
-from flashsinkhorn.solver import Problem
+from flashsinkhorn.streaming import StreamingProblem
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "packages" / "flashsinkhorn" / "examples" / "dp_flow_matching.py"
@@ -104,8 +104,8 @@ def _plain_problem(x, y):
     a = torch.full((1, N), 1.0 / N, device=x.device)
     b = torch.full((1, M), 1.0 / M, device=x.device)
     c = common_center(x3, y3)
-    return Problem(x3, y3, a, b, centered_sqnorm(x3, c), centered_sqnorm(y3, c), 2.0,
-                   "sqeuclidean", 1.0, None, "tf32", "auto", c)  # fmt: skip
+    cx, cy = centered_sqnorm(x3, c), centered_sqnorm(y3, c)
+    return StreamingProblem(X=x3, Y=y3, a=a, b=b, cx=cx, cy=cy, c2=2.0, center=c)
 
 
 def _iterate(prob, k):

@@ -8,6 +8,7 @@ from _helpers import clouds, needs_interpreter
 import flashsinkhorn as fs
 from flashsinkhorn import solver
 from flashsinkhorn.operands import cost_features
+from flashsinkhorn.streaming import StreamingProblem
 
 TOL = dict(rtol=1e-6, atol=1e-7)  # the same kernels run: equal up to float32 rounding
 
@@ -144,7 +145,7 @@ def test_opcheck_custom_ops():
         (a, xg, b, y, 0.3, None, None, 0.5, True, "tf32", "auto", True, False, True, None, False),
     )
     X, Y, cx, cy, c2, center = cost_features(x, y, "sqeuclidean", 1.0)
-    prob = solver.Problem(X, Y, a, b, cx, cy, c2, "sqeuclidean", 1.0, None, "tf32", "torch", center)
+    prob = StreamingProblem(X=X, Y=Y, a=a, b=b, cx=cx, cy=cy, c2=c2, backend="torch", center=center)
     problem = solver._op_problem_args(prob)
     # eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter, warn, verbose
     loop = (0.2, None, None, 30, 1e-4, "alternating", 10, None, None, False, False)

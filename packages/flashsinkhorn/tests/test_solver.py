@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import flashsinkhorn as fs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.reference import cost_matrix_ref, sinkhorn_ref, softmin_ref
-from flashsinkhorn.solver import Problem
+from flashsinkhorn.streaming import StreamingProblem as Problem
 
 RHOS = [None, 0.5, (0.3, None)]
 
@@ -266,7 +266,8 @@ def test_problem_prepares_centered_operands_once(backend):
     b = torch.full((2, 33), 1 / 33)
     c = common_center(x, y)
     cx, cy = centered_sqnorm(x, c), centered_sqnorm(y, c)
-    p = Problem(x, y, a, b, cx, cy, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c)
+    kw = dict(c2=2.0, precision="ieee", backend=backend, center=c)
+    p = Problem(X=x, Y=y, a=a, b=b, cx=cx, cy=cy, **kw)
     torch.testing.assert_close(p.Xk, x - c[:, None], atol=0, rtol=0)
     torch.testing.assert_close(p.Yk, y - c[:, None], atol=0, rtol=0)
     g = 0.05 * torch.randn(2, 33, generator=gen)
@@ -281,10 +282,10 @@ def test_problem_prepares_centered_operands_once(backend):
     kw = dict(kw, precision="ieee", backend=backend)
     per_call = fs.softmin(x, y, g, p.logb, cx, cy, center=c, **kw)[0]
     torch.testing.assert_close(p.sm_x(g, 0.1, 0.9)[0], per_call, atol=1e-6, rtol=1e-6)
-    q = Problem(x, x, a, a, cx, cx, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c)
+    pk = dict(c2=2.0, precision="ieee", backend=backend, center=c)
+    q = Problem(X=x, Y=x, a=a, b=a, cx=cx, cy=cx, **pk)
     assert q.Xk is q.Yk
-    r = Problem(x, y, a, b, cx, cy, 2.0, "sqeuclidean", 1.0, None, "ieee", backend, c,
-                Xk=p.Xk, Yk=p.Yk)  # fmt: skip
+    r = Problem(X=x, Y=y, a=a, b=b, cx=cx, cy=cy, Xk=p.Xk, Yk=p.Yk, **pk)
     assert r.Xk is p.Xk and r.Yk is p.Yk
 
 

@@ -284,24 +284,29 @@ def test_loops_above_the_one_pass_size(monkeypatch, debias):
         assert abs(v["auto"] - r64) <= 2 * abs(v["triton"] - r64) + 1e-7
 
 
-def test_problem_with_its_own_passes_keeps_two(monkeypatch):
-    # a Problem subclass that redefines the passes (the sharded problem of
-    # flashsinkhorn.distributed) must not get the local one pass
-    from flashsinkhorn.solver import Problem
+def test_a_backend_without_a_one_pass_kernel_gets_two_passes():
+    # a backend that supplies only sm_x / sm_y (the sharded problem of
+    # flashsinkhorn.distributed, a new backend) gets the base class's two passes
+    from flashsinkhorn.problem import Problem
 
     calls = []
 
     class Own(Problem):
-        def sm_x(self, *a, **k):
+        def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False, guess=None):
             calls.append("x")
-            return super().sm_x(*a, **k)
+            kw = dict(eps=eps, c2=self.c2, damping=damping, backend="torch", guess=guess)
+            return fs.softmin(self.X, self.Y, g, self.logb, self.cx, self.cy, **kw)
+
+        def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
+            calls.append("y")
+            kw = dict(eps=eps, c2=self.c2, damping=damping, backend="torch", guess=guess)
+            return fs.softmin(self.Y, self.X, f, self.loga, self.cy, self.cx, **kw)
 
     p = _problem(1, 9, 7, 3)
     a, b = p["loga"].exp(), p["logb"].exp()
-    kw = dict(c2=2.0, cost="sqeuclidean", cost_scale=1.0, backend="torch")
-    prob = Own(p["x"], p["y"], a, b, p["cx"], p["cy"], **kw)
+    prob = Own(X=p["x"], Y=p["y"], a=a, b=b, cx=p["cx"], cy=p["cy"], c2=2.0)
     f, g = torch.zeros_like(a), torch.zeros_like(b)
     ft, gt = prob.sym_update(f, g, 0.1)
-    assert calls == ["x"]
+    assert calls == ["x", "y"]
     r_f, r_g = _ref(p, f, g, 0.1)
     assert _err(ft, r_f) < 1e-5 and _err(gt, r_g) < 1e-5

@@ -50,9 +50,11 @@ class CheckpointMixin:
         """Start from fp32 weights: set every parameter to the nearest narrow (bf16/fp16)
         value of its fp32 master and keep the rest in its correction.
 
-        ``masters``: one tensor per parameter, in ``param_groups`` order (FlashMuon's groups
-        reorder a model's parameters), or a dict {parameter: tensor}, each of the parameter's
-        shape (for FSDP2, DTensors sharded like the parameters, or their local shards). Call
+        ``masters``: a dict {parameter: tensor}, or one tensor per parameter in
+        ``param_groups`` order, each of the parameter's shape (for FSDP2, DTensors sharded
+        like the parameters, or their local shards). A list is refused where the optimizer
+        reordered the parameters it was given (FlashMuon's split into a Muon and an AdamW
+        group): a list in the model's order would fit other parameters of equal shape. Call
         it after building the optimizer, typically with the weights the model had before
         ``model.to(torch.bfloat16)``::
 
@@ -70,6 +72,13 @@ class CheckpointMixin:
         "Parity at 400 steps"). fp32 parameters are set to their master; with
         ``master_weight_bits=None`` only the narrow value is kept."""
         params = [p for group in self.param_groups for p in group["params"]]
+        if not isinstance(masters, dict) and self._reordered:
+            raise ValueError(
+                "load_master_weights: this optimizer's param_groups order is not the order its"
+                " parameters were given in (FlashMuon splits them into a Muon and an AdamW"
+                " group), so a list cannot be matched safely; pass a dict {parameter: fp32"
+                " tensor}, e.g. dict(zip(model.parameters(), masters))"
+            )
         if isinstance(masters, dict):
             missing = sum(1 for p in params if p not in masters)
             if missing:
@@ -138,18 +147,29 @@ class CheckpointMixin:
                     " max_exp_avg_sq, so loading it would silently drop that state"
                 )
             for i, (p, pid) in enumerate(zip(g_new["params"], g_old["params"])):
-                id_map[pid] = (p, g_new, f"parameter {i} of param group {gi}")
+                id_map[pid] = (p, g_new, f"parameter {i} of param group {gi}", g_new)
+            foreign = sorted(k for k in g_old if k in _KIND_KEYS and k not in g_new)
+            if foreign:
+                raise ValueError(
+                    f"state dict param group {gi} has {', '.join(map(repr, foreign))}, which"
+                    f" {type(self).__name__} does not take: a state dict of another optimizer"
+                    " kind (its states would be dropped)"
+                )
             merged = dict(g_new, **{k: v for k, v in g_old.items() if k != "params"})
             try:
                 self._check_group(merged)
             except ValueError as e:
                 raise ValueError(f"state dict param group {gi}: {e}") from None
+            for pid in g_old["params"]:
+                if pid in id_map:
+                    id_map[pid] = id_map[pid][:3] + (merged,)
         for pid, st_old in saved.items():
             if pid not in id_map:
                 raise ValueError(f"state dict has state for parameter id {pid!r}, not in any group")
-            p, _, where = id_map[pid]
+            p, _, where, merged = id_map[pid]
             if "max_exp_avg_sq" in st_old:
                 raise ValueError(f"{where}: max_exp_avg_sq (amsgrad) cannot be loaded")
+            self._check_state_kind(st_old, merged, where)
             self._check_state_shapes(p, st_old, where)
         for g_new, g_old in zip(self.param_groups, groups):
             for k, v in g_old.items():
@@ -162,8 +182,33 @@ class CheckpointMixin:
             t.zero_()
         self._plans.clear()
         for pid, st_old in saved.items():
-            p, group, _ = id_map[pid]
+            p, group = id_map[pid][:2]
             self._load_param_state(p, group, st_old)
+
+    def _check_state_kind(self, st_old, group, where) -> None:
+        """A parameter's saved state holds exactly this optimizer's states: none of another
+        kind (an SGD momentum_buffer into FlashAdamW would be dropped), none missing (a
+        Lion-shaped {exp_avg} into FlashAdamW would restart its variance at zero)."""
+        keys = [k for k in self._state_keys(group) if k is not None]
+        known = {"step", "seed", "correction"}
+        for k in keys + [self._m_key]:
+            known.update((k, k + "_codes", k + "_scale", k + "_scale_per_element"))
+        present = {k for k, v in st_old.items() if v is not None}
+        extra = sorted(present - known)
+        if extra:
+            raise ValueError(
+                f"{where}: state {', '.join(map(repr, extra))} is not a state of"
+                f" {type(self).__name__} (it keeps {', '.join(keys) or 'no state'}, step): a"
+                " state dict of another optimizer kind?"
+            )
+        if present - {"step", "seed", "correction"}:
+            missing = [k for k in keys if not present & {k, k + "_codes"}]
+            if missing:
+                raise ValueError(
+                    f"{where}: the state dict has no {', '.join(map(repr, missing))} for this"
+                    f" parameter, which {type(self).__name__} keeps: a state dict of another"
+                    " optimizer kind? (loading it would restart that state at zero)"
+                )
 
     def _check_state_shapes(self, p, st_old, where) -> None:
         """Every per-element state has the parameter's (local) number of elements."""
@@ -180,7 +225,13 @@ class CheckpointMixin:
     def _load_param_state(self, p, group, st_old) -> None:
         lp = local(p)
         st = self._init_state(p, group)
-        step = st_old.get("step", 0)
+        step = st_old.get("step")
+        if step is None:
+            # torch.optim.SGD (and Muon, Lion-shaped dicts) keep no step count; a momentum
+            # there means steps were taken: 0 would make the next step the first, which
+            # restarts SGD's momentum from the gradient (the count changes nothing else)
+            has_state = any(torch.is_tensor(v) for k, v in st_old.items() if k != "seed")
+            step = 1 if has_state else 0
         st["step"] = int(step.item()) if torch.is_tensor(step) else int(step)
         if "seed" in st_old:
             st["seed"] = int(st_old["seed"])
@@ -348,6 +399,12 @@ class CheckpointMixin:
         return keys
 
 
+# group keys that name an optimizer kind's hyperparameters: one of them in a saved group
+# that this optimizer's groups lack means a state dict of another kind
+_KIND_KEYS = frozenset(
+    {"betas", "eps", "momentum", "dampening", "nesterov", "ns_coefficients", "ns_steps"}
+    | {"adjust_lr_fn", "use_muon"}
+)
 # our group keys that torch.optim does not have
 _OURS = ("master_weight_bits", "quantize", "stochastic_rounding", "scale_dtype")
 

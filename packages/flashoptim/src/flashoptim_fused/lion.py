@@ -21,8 +21,11 @@ class FlashLion(FlashOptimizer):
     def _check_group(self, group) -> None:
         super()._check_group(group)
         b1, b2 = group["betas"]
-        if not 0.0 <= b1 <= 1.0 or not 0.0 <= b2 <= 1.0:
-            raise ValueError(f"betas must be in [0, 1]; got {group['betas']}")
+        # b1 = 1: the update is sign(m); b2 = 1 would freeze the momentum at its zero start
+        if not 0.0 <= b1 <= 1.0 or not 0.0 <= b2 < 1.0:
+            raise ValueError(
+                f"betas must be (b1, b2) with b1 in [0, 1] and b2 in [0, 1); got {group['betas']}"
+            )
 
     def _hp(self, group, p):
         b1, b2 = group["betas"]

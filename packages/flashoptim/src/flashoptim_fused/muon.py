@@ -213,8 +213,11 @@ class FlashMuon(FlashOptimizer):
         use = group.get("use_muon", self.defaults["use_muon"])
         if use is None:
             named = [it if isinstance(it, tuple) else (None, it) for it in items]
-            muon = [it for it, (n, p) in zip(items, named) if default_use_muon(n, p)]
-            adam = [it for it, (n, p) in zip(items, named) if not default_use_muon(n, p)]
+            flags = [default_use_muon(n, p) for n, p in named]
+            muon = [it for it, f in zip(items, flags) if f]
+            adam = [it for it, f in zip(items, flags) if not f]
+            if any(flags[i] and not flags[i - 1] for i in range(1, len(flags))):
+                self._reordered = True  # an AdamW parameter came before a Muon one
             halves = [(muon, True), (adam, False)] if items else [(items, True)]
             for part, flag in halves:
                 if part or not items:
@@ -380,7 +383,7 @@ def _validate(group: dict, d: dict) -> None:
     def get(k):
         return group.get(k, d[k])
 
-    if get("lr") < 0:
+    if not torch.is_tensor(get("lr")) and get("lr") < 0:  # (tensor lr: the base class's check)
         raise ValueError(f"lr must be >= 0; got {get('lr')}")
     if get("weight_decay") < 0:
         raise ValueError(f"weight_decay must be >= 0; got {get('weight_decay')}")

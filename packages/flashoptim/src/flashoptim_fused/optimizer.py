@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import _capturable, _compile, _plan, checkpoint
+from . import _capturable, _compile, _config, _plan, checkpoint
 from ._cpu import cpu_step
 from ._plan import local
 from .reference import ADAM, ECC_BITS, ECC_DTYPE, GROUP, mix32_ref
@@ -78,6 +78,9 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
     _m_key = "exp_avg"
     _v_key: str | None = "exp_avg_sq"
     _decoupled = True
+    # the param_groups order differs from the order the parameters were given in (FlashMuon's
+    # split): load_master_weights then refuses a list
+    _reordered = False
 
     def __init__(
         self,
@@ -166,6 +169,18 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if not hasattr(self, "_pindex"):
             self._pindex = {}
         gi = len(self.param_groups) - 1
+        seen: dict = {}
+        for i, p in enumerate(group["params"]):
+            if id(p) in seen:
+                # torch.optim warns and steps such a parameter twice per step; a fused step
+                # would apply one update with two gradients' worth of state: refused
+                self.param_groups.pop()
+                raise ValueError(
+                    f"param group {gi}: parameter {i} is parameter {seen[id(p)]} again (shape"
+                    f" {tuple(p.shape)}); list each parameter once (tied weights appear once"
+                    " in model.parameters())"
+                )
+            seen[id(p)] = i
         for i, p in enumerate(self.param_groups[-1]["params"]):
             self._pindex.setdefault(id(p), len(self._pindex))
             where = f"parameter {i} of param group {gi}"
@@ -177,12 +192,30 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
                 )
             if not _plan.dense(local(p)):
                 raise _plan.layout_error(local(p), where)
+            if local(p).device.type != "cuda" and not _config.interpret():
+                if self.backend == "triton" or self.capturable:
+                    what = "backend='triton'" if self.backend == "triton" else "capturable=True"
+                    raise ValueError(
+                        f"{where} is on {local(p).device.type}: {what} runs the Triton kernels,"
+                        " which need CUDA tensors, or TRITON_INTERPRET=1 in the environment"
+                        " before triton is imported (Triton's CPU interpreter, for tests);"
+                        " on CPU use backend='auto' or 'torch' (and capturable=False)"
+                    )
 
     def _check_group(self, group) -> None:
         """Hyperparameters of a param group (constructor defaults and group dicts alike)."""
         lr = group["lr"]
-        if not torch.is_tensor(lr) and not lr >= 0:
-            raise ValueError(f"lr must be >= 0; got {lr}")
+        if torch.is_tensor(lr):
+            if lr.numel() != 1 or not (lr.is_floating_point() or lr.dtype == torch.int64):
+                raise ValueError(
+                    "lr must be a float or a 1-element floating tensor (0-dim, float64 for a"
+                    f" capturable step); got a tensor of shape {tuple(lr.shape)} and dtype"
+                    f" {lr.dtype}"
+                )
+            if lr.device.type != "meta" and not float(lr) >= 0:
+                raise ValueError(f"lr must be >= 0; got {float(lr)}")
+        elif not isinstance(lr, (int, float)) or not lr >= 0:
+            raise ValueError(f"lr must be a float >= 0 or a 1-element tensor; got {lr!r}")
         wd = group.get("weight_decay", 0.0)
         if not wd >= 0:
             raise ValueError(f"weight_decay must be >= 0; got {wd}")

@@ -1,25 +1,38 @@
-"""solve()'s Sinkhorn loop: eps-scaling warm start, fixed-eps iterations, stopping test.
+"""The Sinkhorn loop: the only one in the package (``solve``, ``SamplesLoss`` and
+``second_order`` all run it on a :class:`flashsinkhorn.problem.Problem`).
+
+A :class:`Schedule`, decided on the host before the first launch, says what runs:
+
+- the annealing stages (GeomLoss's eps-scaling): a cold-start symmetric update at the first
+  temperature, then one symmetric averaged update per temperature; self problems (the
+  debiasing terms OT(a, a), OT(b, b)) ride along, one self update per stage;
+- then ``max_iter`` iterations at the final ``eps``, alternating (f then g) or symmetric
+  (averaged), with a stopping test when ``tol`` is given.
 
 The stopping test has two levels:
 
-- a cheap estimate every ``check_every`` iterations, from the update itself (the row
-  marginal of the plan before an update of f is ``a_i exp((f_i - f_new_i) / eps)``; a few
-  elementwise kernels, one host sync);
-- when the estimate passes ``tol``, the certificate (:func:`flashsinkhorn.result.certificate`):
-  the marginal error of the current potentials recomputed in float64 from the points.
-  Only the certificate can declare convergence.
+- an estimate every ``check_every`` iterations, from the update itself (the row marginal of
+  the plan before an update of f is ``a_i exp((f_i - f_new_i) / eps)``), computed on the
+  device; the host reads it with a lag (an event recorded after the estimate, read at a later
+  check unless more than ``_LAG`` are pending), so a check never drains the GPU queue and a
+  small problem costs its launches, not a synchronisation per check;
+- when an estimate passes ``tol``, the certificate (``certify``, the float64 measurement of
+  the current potentials, :func:`flashsinkhorn.result.certificate`). Only the certificate
+  declares convergence.
 
-If the certificate fails on a low-precision loop (tf32 or bf16 dot operands on the triton
-backend: they solve a problem whose cost is off by tf32's rounding, 2^-11 relative in the
-dot), the loop continues at "tf32x3" (about fp32 accuracy) from where it is. If it fails at
-full precision and stops improving, float32 cannot resolve the plan at this eps (its
-potentials carry rounding errors of about 2^-24 |f|, i.e. 2^-24 |f| / eps in every exponent):
-the loop stops, unconverged, and says so.
+If the certificate fails on a low-precision loop (tf32 or bf16 dot operands: they solve a
+problem whose cost is off by tf32's rounding, 2^-11 relative in the dot), the loop continues
+at "tf32x3" (about fp32 accuracy) from where it is. If it fails at full precision and stops
+improving, float32 cannot resolve the plan at this eps (its potentials carry rounding errors
+of about 2^-24 |f|, i.e. 2^-24 |f| / eps in every exponent): the loop stops, unconverged,
+and says so.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,34 +40,64 @@ from flashsinkhorn.reference import damping_factor, eps_schedule
 
 LOW_PRECISIONS = ("tf32", "bf16")
 POLISH_PRECISION = "tf32x3"
+# checks whose estimate may be in flight before the host waits for the oldest one
+_LAG = 2
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the loop runs. ``stages``: annealing temperatures (one symmetric averaged update
+    each, after a cold start at the first); ``eps``: the temperature of the ``max_iter``
+    iterations that follow; ``update``: "alternating" or "symmetric"; ``tol``: the L1
+    marginal error to reach (None: run every iteration); ``rho_x``, ``rho_y``: KL penalties
+    (None: balanced side)."""
+
+    eps: float
+    stages: tuple = ()
+    rho_x: float | None = None
+    rho_y: float | None = None
+    max_iter: int = 0
+    update: str = "alternating"
+    tol: float | None = None
+    check_every: int = 10
+
+
+@dataclass
+class Outcome:
+    """What the loop hands back: the potentials (``selves``: the self problems' potentials),
+    the float64 certificate ``err``, ``marginals`` (rows, cols) or None, counts, and the
+    problem of the last iterations (a tf32 loop that switched to tf32x3 returns that one)."""
+
+    f: torch.Tensor
+    g: torch.Tensor
+    prob: object
+    selves: list = field(default_factory=list)
+    err: torch.Tensor | None = None
+    marginals: tuple | None = None
+    n_iter: int = 0
+    converged: bool = False
+    stalled: bool = False
 
 
 def l1_err(prob, w, old, new, eps):
     """``sum_i w_i |exp((old_i - new_i) / eps) - 1|``: the L1 marginal error of the plan of
-    the old potential (zero weights do not count), summed over the problem's points."""
+    the old potential (zero weights do not count), per problem (B,)."""
     e = w * torch.expm1((old - new) / eps).abs()
     return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
 
 
-def eps_list(prob, eps, eps_scaling, diameter):
-    """The annealing temperatures before ``eps`` (None without eps-scaling)."""
+def annealing(prob, eps, eps_scaling, diameter):
+    """The annealing temperatures before ``eps`` (``()`` without eps-scaling). Without a
+    ``diameter`` it is measured (the bounding box of both clouds: one host read)."""
     if eps_scaling is None:
-        return None
+        return ()
     if diameter is None:
         X, Y = prob.X.detach(), prob.Y.detach()
         lo = torch.minimum(X.amin(dim=(0, 1)), Y.amin(dim=(0, 1)))
         hi = torch.maximum(X.amax(dim=(0, 1)), Y.amax(dim=(0, 1)))
         diameter = float((hi - lo).double().norm())
     d2 = max(float(prob.cost_scale) * diameter**2, eps)
-    return eps_schedule(d2, eps, eps_scaling)[:-1]
-
-
-class Outcome:
-    """What the loop hands back: potentials, float64 certificate, counts, the final problem."""
-
-    def __init__(self, f, g, err, marginals, n_iter, converged, stalled, prob):
-        self.f, self.g, self.err, self.marginals = f, g, err, marginals
-        self.n_iter, self.converged, self.stalled, self.prob = n_iter, converged, stalled, prob
+    return tuple(eps_schedule(d2, eps, eps_scaling)[:-1])
 
 
 def report(out: Outcome, tol, eps, warn, stacklevel=3):
@@ -79,66 +122,117 @@ def report(out: Outcome, tol, eps, warn, stacklevel=3):
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
 
 
-def _say(verbose, text):
+def say(verbose, text, who="flashsinkhorn.solve"):
     """``verbose``: False, True (print) or a callable taking the line (the sharded solve
     measures on every rank and prints on one)."""
     if callable(verbose):
-        verbose(f"flashsinkhorn.solve: {text}")
+        verbose(f"{who}: {text}")
     elif verbose:
-        print(f"flashsinkhorn.solve: {text}", flush=True)
+        print(f"{who}: {text}", flush=True)
 
 
-def run(prob, loop, stages, certify, verbose=False) -> Outcome:
-    """The loop. ``loop = (eps, rx, ry, max_iter, tol, schedule, check_every)``; ``stages``:
-    the eps-scaling temperatures before eps (or None); ``certify(f, g) -> (err, rows, cols)``
-    is the float64 measurement."""
-    eps, rx, ry, max_iter, tol, schedule, check_every = loop
-    B, N = prob.cx.shape
-    M = prob.cy.shape[1]
-    dt = torch.float64 if prob.X.dtype == torch.float64 else torch.float32
-    f = torch.zeros((B, N), dtype=dt, device=prob.X.device)
-    g = torch.zeros((B, M), dtype=dt, device=prob.X.device)
-    # eps-scaling warm start: one symmetric iteration per stage (GeomLoss)
-    if stages:  # each symmetric update: one pass for both potentials where it can
-        e0 = stages[0]
-        f, g = prob.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
-        for k, e in enumerate(stages):
-            ft, gt = prob.sym_update(f, g, e, damping_factor(e, rx), damping_factor(e, ry))
-            if verbose:
-                est = float((l1_err(prob, prob.a, f, ft, e) + l1_err(prob, prob.b, g, gt, e)).max())
-                _say(verbose, f"eps-scaling stage {k + 1}/{len(stages)}, eps {e:.4g}, "
-                              f"marginal error (estimate) {est:.3g}")  # fmt: skip
-            f, g = 0.5 * (f + ft), 0.5 * (g + gt)
-    check = tol is not None and tol > 0
+class _Estimates:
+    """The stopping test's estimates in flight: each is copied to the host behind an event
+    and read when it has arrived, or when more than ``_LAG`` are pending (CPU tensors are
+    read at once: there a read costs nothing)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.pending = deque()
+
+    def push(self, it, est):
+        if not self.cuda:
+            self.pending.append((it, est, None))
+            return
+        host = torch.empty(est.shape, dtype=est.dtype, pin_memory=True)
+        host.copy_(est, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((it, host, event))
+
+    def ready(self):
+        """The oldest estimate whose value is on the host now (or must be waited for):
+        ``(iteration, est (B,) on the CPU)``, or None."""
+        if not self.pending:
+            return None
+        it, est, event = self.pending[0]
+        if event is not None and len(self.pending) <= _LAG and not event.query():
+            return None
+        self.pending.popleft()
+        if event is not None:
+            event.synchronize()
+        return it, est
+
+    def clear(self):
+        self.pending.clear()
+
+
+def _anneal(prob, sched, selves, verbose, who):
+    """The annealing stages: returns ``(f, g, self potentials)``."""
+    rx, ry = sched.rho_x, sched.rho_y
+    f, g = prob.zeros_x(), prob.zeros_y()
+    sp = [s.zeros_x() for s in selves]
+    if not sched.stages:
+        return f, g, sp
+    e0 = sched.stages[0]
+    # the cold start: one symmetric update from zeros (one pass for both where it can)
+    f, g = prob.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
+    sp = [s.self_update(z, e0, damping_factor(e0, r)) for s, z, r in zip(selves, sp, (rx, ry))]
+    for k, e in enumerate(sched.stages):
+        kx, ky = damping_factor(e, rx), damping_factor(e, ry)
+        ft, gt = prob.sym_update(f, g, e, kx, ky)
+        st = [s.self_update(p, e, k_) for s, p, k_ in zip(selves, sp, (kx, ky))]
+        if verbose:
+            est = float((l1_err(prob, prob.a, f, ft, e) + l1_err(prob, prob.b, g, gt, e)).max())
+            say(
+                verbose,
+                f"eps-scaling stage {k + 1}/{len(sched.stages)}, eps {e:.4g}, "
+                f"marginal error (estimate) {est:.3g}",
+                who,
+            )
+        f, g = 0.5 * (f + ft), 0.5 * (g + gt)
+        sp = [0.5 * (p + t) for p, t in zip(sp, st)]
+    return f, g, sp
+
+
+def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flashsinkhorn.solve"):
+    """The loop on ``prob`` (and the self problems ``selves``, annealed alongside).
+    ``certify(f, g) -> (err, rows, cols)`` is the float64 measurement (None: no certificate,
+    the caller reports what it measures itself). Returns an :class:`Outcome`."""
+    eps, rx, ry = sched.eps, sched.rho_x, sched.rho_y
+    f, g, sp = _anneal(prob, sched, selves, verbose, who)
+    check = sched.tol is not None and sched.tol > 0 and certify is not None
+    tol = sched.tol
     cheap_tol = tol if check else None
     cert = None  # (err, rows, cols) of the current (f, g), or None when stale
     last_true = None
     # after a failed measurement at full precision, measure again at the latest after this
-    # many checks even if the estimate has not fallen (a stalled estimate must not run on)
-    recheck = 10 * check_every
-    next_cert = max_iter + 1
+    # many iterations even if the estimate has not fallen (a stalled estimate must not run on)
+    recheck = 10 * sched.check_every
+    next_cert = sched.max_iter + 1
     converged = stalled = False
     n_iter = 0
-    for it in range(1, max_iter + 1):
+    estimates = _Estimates(prob.cx.device)
+    kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
+    for it in range(1, sched.max_iter + 1):
         # the estimate (a few small elementwise kernels per side) only where it is read
-        measure = it % check_every == 0 and (check or bool(verbose))
+        measure = it % sched.check_every == 0 and (check or bool(verbose))
         # the current potentials as guesses of the updates ("shift" kernel), except the
-        # zeros the loop starts from without eps-scaling
-        gf, gg = (f, g) if (stages or it > 1) else (None, None)
-        if schedule == "alternating":
-            fn = prob.sm_x(g, eps, damping_factor(eps, rx), guess=gf)[0]
+        # zeros the loop starts from without annealing
+        warm = bool(sched.stages) or it > 1
+        if sched.update == "alternating":
+            fn = prob.sm_x(g, eps, kx, guess=f if warm else None)[0]
             if measure:
                 ea = l1_err(prob, prob.a, f, fn, eps)
-            gn = prob.sm_y(fn, eps, damping_factor(eps, ry), guess=gg)[0]
+            gn = prob.sm_y(fn, eps, ky, guess=g if warm else None)[0]
             if measure:
                 eb = l1_err(prob, prob.b, g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
-            kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
-            if gf is None:  # the cold start from zeros: running-max passes
-                ft, gt = prob.sm_x(g, eps, kx)[0], prob.sm_y(f, eps, ky)[0]
-            else:  # both from one pass where the backend has it
+            if warm:  # both from one pass where the backend has it
                 ft, gt = prob.sym_update(f, g, eps, kx, ky)
+            else:  # the cold start from zeros: running-max passes
+                ft, gt = prob.sm_x(g, eps, kx)[0], prob.sm_y(f, eps, ky)[0]
             if measure:
                 ea = l1_err(prob, prob.a, f, ft, eps)
                 eb = l1_err(prob, prob.b, g, gt, eps)
@@ -146,21 +240,30 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
         n_iter, cert = it, None
         if not measure:
             continue
-        est = float((ea + eb).max())  # the only host sync: every check_every iterations
-        _say(verbose, f"iteration {it}, eps {eps:.4g}, marginal error (estimate) {est:.3g}"
-                      f"{'' if prob.precision == 'tf32' else ', ' + prob.precision}")  # fmt: skip
+        estimates.push(it, (ea + eb).amax())
+        got = estimates.ready()
+        if got is None:
+            continue
+        it_e, est = got[0], float(got[1])
+        precision = "" if prob.precision == "tf32" else ", " + prob.precision
+        say(
+            verbose,
+            f"iteration {it_e}, eps {eps:.4g}, marginal error (estimate) {est:.3g}{precision}",
+            who,
+        )  # noqa: E501
         if not check or not (est < cheap_tol or it >= next_cert):  # NaN / inf: iterate on
             continue
-        _finite_or_raise(prob, f, g, eps)
+        finite_or_raise(prob, f, g, eps)
         cert = certify(f, g)
         true = float(cert[0].max())
-        _say(verbose, f"iteration {it}, marginal error (float64) {true:.3g}")
+        say(verbose, f"iteration {it}, marginal error (float64) {true:.3g}", who)
+        estimates.clear()  # the estimates in flight describe older potentials
         if true < tol:
             converged = True
             break
-        if prob.backend != "torch" and prob.precision in LOW_PRECISIONS:
+        if not prob.exact and prob.precision in LOW_PRECISIONS:
             # the low-precision cost is off by more than tol allows: continue exactly
-            _say(verbose, f"switching to precision {POLISH_PRECISION!r}")
+            say(verbose, f"switching to precision {POLISH_PRECISION!r}", who)
             prob = prob.with_precision(POLISH_PRECISION)
             continue
         if (last_true is not None and true > 0.5 * last_true) or est == 0.0:
@@ -169,22 +272,28 @@ def run(prob, loop, stages, certify, verbose=False) -> Outcome:
         last_true = true
         # ask the estimate for proportionally more before measuring again
         cheap_tol, next_cert = est * tol / true, it + recheck
-    _finite_or_raise(prob, f, g, eps)
+    out = Outcome(f=f, g=g, prob=prob, selves=sp, n_iter=n_iter, stalled=stalled)
+    if certify is None:
+        return out
+    finite_or_raise(prob, f, g, eps)
     if cert is None:
         cert = certify(f, g)
-        _say(verbose, f"final marginal error (float64) {float(cert[0].max()):.3g}")
-        # the last iterate may meet tol though no check ran on it (max_iter < check_every)
+        say(verbose, f"final marginal error (float64) {float(cert[0].max()):.3g}", who)
+        # the last iterate may meet tol though no check read it (max_iter < check_every,
+        # or an estimate still in flight)
         converged = check and float(cert[0].max()) < tol
-    return Outcome(f, g, cert[0], cert[1:], n_iter, converged, stalled, prob)
+    out.err, out.marginals, out.converged = cert[0], cert[1:], converged
+    return out
 
 
-def _finite_or_raise(prob, f, g, eps):
+def finite_or_raise(prob, f, g, eps):
+    """Non-finite potentials are not a result: raise (every rank together)."""
     bad = not bool(torch.isfinite(f).all() & torch.isfinite(g).all())
-    if prob.any_rank((bad,))[0]:  # every rank raises together
+    if prob.any_rank((bad,))[0]:
         raise FloatingPointError(
             f"Sinkhorn produced non-finite potentials at eps={eps:.3g}: increase eps, rescale "
             "the points or pass float64 inputs"
         )
 
 
-__all__ = ["run", "report", "eps_list", "l1_err", "Outcome"]
+__all__ = ["Schedule", "Outcome", "run", "report", "annealing", "l1_err", "say"]

@@ -42,9 +42,10 @@ import torch
 
 import flashsinkhorn as fs
 from flashsinkhorn import _harness as H
+from flashsinkhorn import _loop
 from flashsinkhorn.operands import centered_sqnorm, common_center, kernel_operands
 from flashsinkhorn.reference import eps_schedule, max_diameter
-from flashsinkhorn.solver import Problem
+from flashsinkhorn.streaming import StreamingProblem
 
 PROVIDERS = ["ours", "flash-sinkhorn", "geomloss"]
 MODES = ["fwd", "fwd_bwd", "iter", "hvp", "sample"]
@@ -75,8 +76,17 @@ EXTRA = [
     ("passes", 50000, 64, None),
     ("passes", 50000, 512, None),
 ]
-KINDS = ("iter", "loss", "loss_debias", "loss_batched", "loss_ref", "large", "hvp", "passes",
-         "sample")  # fmt: skip
+KINDS = (
+    "iter",
+    "loss",
+    "loss_debias",
+    "loss_batched",
+    "loss_ref",
+    "large",
+    "hvp",
+    "passes",
+    "sample",
+)
 
 
 # ----------------------------------------------------------------------------------------
@@ -154,20 +164,36 @@ def _ours_iterations(x, y, eps, k, precision):
     a = torch.full((B, N), 1.0 / N, device=x.device)
     b = torch.full((B, M), 1.0 / M, device=x.device)
     c = common_center(x, y)
-    prob = Problem(x, y, a, b, centered_sqnorm(x, c), centered_sqnorm(y, c), 2.0, "sqeuclidean",
-                   1.0, None, precision, "auto", c)  # fmt: skip
-    f, g = torch.zeros_like(a), torch.zeros_like(b)
-    for it in range(k):
-        if it == 0:  # the cold start from zeros: two running-max passes
-            ft, gt = prob.sm_x(g, eps)[0], prob.sm_y(f, eps)[0]
-        else:  # one pass for both potentials where the backend has it
-            ft, gt = prob.sym_update(f, g, eps)
-        f, g = 0.5 * (f + ft), 0.5 * (g + gt)
-    return f, g
+    prob = StreamingProblem(
+        X=x,
+        Y=y,
+        a=a,
+        b=b,
+        cx=centered_sqnorm(x, c),
+        cy=centered_sqnorm(y, c),
+        c2=2.0,
+        precision=precision,
+        center=c,
+    )
+    sched = _loop.Schedule(eps=eps, max_iter=k, update="symmetric")
+    out = _loop.run(prob, sched)
+    return out.f, out.g
 
 
-def case_iteration(R, n, d, device, providers, peers, warmup, reps, headline=None,
-                   precisions=("tf32", "bf16"), k1=2, k2=6):  # fmt: skip
+def case_iteration(
+    R,
+    n,
+    d,
+    device,
+    providers,
+    peers,
+    warmup,
+    reps,
+    headline=None,
+    precisions=("tf32", "bf16"),
+    k1=2,
+    k2=6,
+):
     eps = 0.01
     x, y = _problem(n, n, d, device)
     params = {"n": n, "m": n, "d": d, "eps": eps, "dtype": "float32"}
@@ -187,26 +213,50 @@ def case_iteration(R, n, d, device, providers, peers, warmup, reps, headline=Non
             a = torch.full((n,), 1.0 / n, device=device)
 
             def make(k, FS=FS, a=a):
-                L = FS("sinkhorn", use_epsilon_scaling=False, eps=eps, n_iters=k, debias=False,
-                       potentials=False, normalize=False, last_extrapolation=False,
-                       allow_tf32=True, half_cost=False)  # fmt: skip
+                L = FS(
+                    "sinkhorn",
+                    use_epsilon_scaling=False,
+                    eps=eps,
+                    n_iters=k,
+                    debias=False,
+                    potentials=False,
+                    normalize=False,
+                    last_extrapolation=False,
+                    allow_tf32=True,
+                    half_cost=False,
+                )
                 return lambda: L(a, x, a, y)
 
         try:
             t1 = H.time_fn(make(k1), device, warmup=warmup, reps=reps)
             t2 = H.time_fn(make(k2), device, warmup=warmup, reps=reps)
         except Exception as e:  # a failing peer must not end the suite
-            R.add("sinkhorn_iteration", label, "fwd", params, status="error",
-                  error=f"{type(e).__name__}: {e}"[:500])  # fmt: skip
+            R.add(
+                "sinkhorn_iteration",
+                label,
+                "fwd",
+                params,
+                status="error",
+                error=f"{type(e).__name__}: {e}"[:500],
+            )
             continue
         timing = {k: (t2[k] - t1[k]) / (k2 - k1) for k in ("time_ms", "time_ms_p20", "time_ms_p80")}
         timing["peak_mem_mib"] = t2["peak_mem_mib"]
         floor = _pass_floor_ms(n, n, d, prec)  # one pass serves both potentials
         per = timing["time_ms"]
-        R.add("sinkhorn_iteration", label, "fwd", params, timing=timing,
-              metrics={"floor_ms": floor, "frac_floor": floor / per if per > 0 else None,
-                       f"time_ms_{k2}_iters": t2["time_ms"]},
-              headline=headline if label == "ours" else None)  # fmt: skip
+        R.add(
+            "sinkhorn_iteration",
+            label,
+            "fwd",
+            params,
+            timing=timing,
+            metrics={
+                "floor_ms": floor,
+                "frac_floor": floor / per if per > 0 else None,
+                f"time_ms_{k2}_iters": t2["time_ms"],
+            },
+            headline=headline if label == "ours" else None,
+        )
 
 
 def _samples_loss_passes(x, y, blur, scaling, debias):
@@ -217,19 +267,46 @@ def _samples_loss_passes(x, y, blur, scaling, debias):
     return passes * (2 if debias else 1)
 
 
-def case_samples_loss(R, n, d, device, providers, peers, modes, warmup, reps, *, batch=None,
-                      debias=False, blur=0.05, scaling=0.5, precisions=("tf32",),
-                      reference=False, headline=None):  # fmt: skip
+def case_samples_loss(
+    R,
+    n,
+    d,
+    device,
+    providers,
+    peers,
+    modes,
+    warmup,
+    reps,
+    *,
+    batch=None,
+    debias=False,
+    blur=0.05,
+    scaling=0.5,
+    precisions=("tf32",),
+    reference=False,
+    headline=None,
+):
     x, y = _problem(n, n, d, device, batch=batch)
-    params = {"n": n, "m": n, "d": d, "blur": blur, "scaling": scaling, "debias": debias,
-              "batch": batch or 1, "dtype": "float32"}  # fmt: skip
+    params = {
+        "n": n,
+        "m": n,
+        "d": d,
+        "blur": blur,
+        "scaling": scaling,
+        "debias": debias,
+        "batch": batch or 1,
+        "dtype": "float32",
+    }
     passes = _samples_loss_passes(x, y, blur, scaling, debias)
     ref = None
     if reference and batch is None:
         with torch.no_grad():
             w = torch.full((n,), 1.0 / n, device=device, dtype=torch.float64)
-            ref = float(fs.samples_loss_ref(w, x.double(), w, y.double(), blur=blur,
-                                            scaling=scaling, debias=debias))  # fmt: skip
+            ref = float(
+                fs.samples_loss_ref(
+                    w, x.double(), w, y.double(), blur=blur, scaling=scaling, debias=debias
+                )
+            )
     cases = [("ours", p) for p in precisions if "ours" in providers]
     cases += [(p, "tf32") for p in PROVIDERS[1:] if p in providers]
     for mode in modes:
@@ -240,16 +317,28 @@ def case_samples_loss(R, n, d, device, providers, peers, modes, warmup, reps, *,
             if prov == "geomloss":
                 est = (8 if debias else 4) * n * n * 4 * (batch or 1)
                 if device.type == "cuda" and est > TENSORIZED_LIMIT:
-                    R.add("samples_loss", prov, mode, params, status="skipped",
-                          error=f"tensorized needs ~{est / 2**30:.0f} GiB")  # fmt: skip
+                    R.add(
+                        "samples_loss",
+                        prov,
+                        mode,
+                        params,
+                        status="skipped",
+                        error=f"tensorized needs ~{est / 2**30:.0f} GiB",
+                    )
                     continue
-                L = peers["geomloss"].SamplesLoss("sinkhorn", p=2, blur=blur, scaling=scaling,
-                                                  debias=debias, backend="tensorized")  # fmt: skip
+                L = peers["geomloss"].SamplesLoss(
+                    "sinkhorn", p=2, blur=blur, scaling=scaling, debias=debias, backend="tensorized"
+                )
             elif prov == "flash-sinkhorn":
                 L = peers["flash-sinkhorn"].SamplesLoss(
-                    "sinkhorn", p=2, blur=blur, scaling=scaling, debias=debias, half_cost=True,
+                    "sinkhorn",
+                    p=2,
+                    blur=blur,
+                    scaling=scaling,
+                    debias=debias,
+                    half_cost=True,
                     allow_tf32=True,
-                )  # fmt: skip
+                )
                 if batch is not None:  # flash-sinkhorn has no batch dimension: a loop
                     L0 = L
 
@@ -281,21 +370,32 @@ def case_samples_loss(R, n, d, device, providers, peers, modes, warmup, reps, *,
                     return {}
                 with torch.no_grad():
                     val = float(L(x, y))
-                return {ACCURACY_KEY: abs(val - ref) / max(abs(ref), 1e-30),
-                        "abs_err_vs_f64": abs(val - ref), "value": val}  # fmt: skip
+                return {
+                    ACCURACY_KEY: abs(val - ref) / max(abs(ref), 1e-30),
+                    "abs_err_vs_f64": abs(val - ref),
+                    "value": val,
+                }
 
             floor = passes * _pass_floor_ms(n, n, d, prec if prov == "ours" else "tf32", batch or 1)
-            R.run("samples_loss", label, mode, params, make, warmup=warmup, reps=reps,
-                  floor_ms=floor, accuracy=accuracy,
-                  headline=headline if label == "ours" else None)  # fmt: skip
+            R.run(
+                "samples_loss",
+                label,
+                mode,
+                params,
+                make,
+                warmup=warmup,
+                reps=reps,
+                floor_ms=floor,
+                accuracy=accuracy,
+                headline=headline if label == "ours" else None,
+            )
 
 
 def case_hvp(R, n, d, device, providers, peers, warmup, reps, headline=None):
     """``flashsinkhorn.hvp`` with its defaults (100 iterations, loop_precision "auto")."""
     eps, n_sinkhorn = 0.01, 100
     x, y, v = hvp_problem(n, n, d, device)
-    params = {"n": n, "m": n, "d": d, "eps": eps, "sinkhorn_iters": n_sinkhorn,
-              "dtype": "float32"}  # fmt: skip
+    params = {"n": n, "m": n, "d": d, "eps": eps, "sinkhorn_iters": n_sinkhorn, "dtype": "float32"}
     info = {}
 
     def make_ours():
@@ -307,8 +407,17 @@ def case_hvp(R, n, d, device, providers, peers, warmup, reps, headline=None):
         return fn
 
     if "ours" in providers:
-        R.run("hvp", "ours", "hvp", params, make_ours, warmup=warmup, reps=reps,
-              metrics=lambda: {"cg_iters": info.get("cg_iters")}, headline=headline)  # fmt: skip
+        R.run(
+            "hvp",
+            "ours",
+            "hvp",
+            params,
+            make_ours,
+            warmup=warmup,
+            reps=reps,
+            metrics=lambda: {"cg_iters": info.get("cg_iters")},
+            headline=headline,
+        )
     if "flash-sinkhorn" in providers:
         if _skip_missing(R, "hvp", "hvp", params, "flash-sinkhorn", peers, device):
             return
@@ -329,24 +438,40 @@ def case_sample(R, n, d, device, warmup, reps, headline=None, k1=2, k2=6):
     params = {"n": n, "m": n, "d": d, "eps": eps, "dtype": "float32"}
     try:
         r = fs.solve(x, y, eps=eps, tol=1e-3, max_iter=2000, warn=False)
-        t1 = H.time_fn(lambda: _ours_iterations(x, y, eps, k1, "tf32"), device, warmup=warmup,
-                       reps=reps)  # fmt: skip
-        t2 = H.time_fn(lambda: _ours_iterations(x, y, eps, k2, "tf32"), device, warmup=warmup,
-                       reps=reps)  # fmt: skip
+        t1 = H.time_fn(
+            lambda: _ours_iterations(x, y, eps, k1, "tf32"), device, warmup=warmup, reps=reps
+        )
+        t2 = H.time_fn(
+            lambda: _ours_iterations(x, y, eps, k2, "tf32"), device, warmup=warmup, reps=reps
+        )
         it = {k: (t2[k] - t1[k]) / (k2 - k1) for k in ("time_ms", "time_ms_p20", "time_ms_p80")}
         seed = iter(range(1 << 30))  # a new seed per call: nothing cached between draws
-        ts = H.time_fn(lambda: fs.sample_plan(r, seed=next(seed)), device, warmup=warmup,
-                       reps=reps)  # fmt: skip
+        ts = H.time_fn(lambda: fs.sample_plan(r, seed=next(seed)), device, warmup=warmup, reps=reps)
     except Exception as e:  # a failing case must not end the suite
-        R.add("plan_sample", "ours", "sample", params, status="error",
-              error=f"{type(e).__name__}: {e}"[:500])  # fmt: skip
+        R.add(
+            "plan_sample",
+            "ours",
+            "sample",
+            params,
+            status="error",
+            error=f"{type(e).__name__}: {e}"[:500],
+        )
         return
     R.add("plan_sample", "ours-sinkhorn-iteration", "sample", params, timing=it)
     per = it["time_ms"]
-    R.add("plan_sample", "ours", "sample", params, timing=ts, headline=headline,
-          metrics={"ratio_to_one_iteration": ts["time_ms"] / per if per > 0 else None,
-                   "solve_iterations": r.n_iter,
-                   "floor_ms": _pass_floor_ms(n, n, d, "tf32")})  # fmt: skip
+    R.add(
+        "plan_sample",
+        "ours",
+        "sample",
+        params,
+        timing=ts,
+        headline=headline,
+        metrics={
+            "ratio_to_one_iteration": ts["time_ms"] / per if per > 0 else None,
+            "solve_iterations": r.n_iter,
+            "floor_ms": _pass_floor_ms(n, n, d, "tf32"),
+        },
+    )
 
 
 def case_passes(R, n, d, device, warmup, reps):
@@ -367,17 +492,27 @@ def case_passes(R, n, d, device, warmup, reps):
     passes = {
         "ours": lambda: fs.softmin(xk, yk, g, logb, cx, cy, guess=guess, **sm),
         "ours-running-max": lambda: fs.softmin(xk, yk, g, logb, cx, cy, **sm),
-        "ours-bf16": lambda: fs.softmin(xb, yb, g, logb, cx, cy, guess=guess, precision="bf16",
-                                        **sm),
+        "ours-bf16": lambda: fs.softmin(
+            xb, yb, g, logb, cx, cy, guess=guess, precision="bf16", **sm
+        ),
         "ours-with-V": lambda: fs.softmin(xk, yk, g, logb, cx, cy, v=y, **sm),
         "ours-self-plain": lambda: fs.softmin(xk, xk, g, logb, cx, cx, guess=guess, **sm),
-        "ours-self-symmetric": lambda: fs.self_softmin(xk, logb, g, cx, eps=eps, c2=2.0,
-                                                       check=False),
-    }  # fmt: skip
+        "ours-self-symmetric": lambda: fs.self_softmin(
+            xk, logb, g, cx, eps=eps, c2=2.0, check=False
+        ),
+    }
     for name, fn in passes.items():
         floor = _pass_floor_ms(n, n, d, "bf16" if "bf16" in name else "tf32")
-        R.run("softmin_pass", name, "fwd", params, lambda fn=fn: fn, warmup=warmup, reps=reps,
-              floor_ms=floor)  # fmt: skip
+        R.run(
+            "softmin_pass",
+            name,
+            "fwd",
+            params,
+            lambda fn=fn: fn,
+            warmup=warmup,
+            reps=reps,
+            floor_ms=floor,
+        )
 
 
 def run_case(R, case, device, providers, peers, modes, warmup, reps):
@@ -388,22 +523,45 @@ def run_case(R, case, device, providers, peers, modes, warmup, reps):
         precisions = ("tf32", "bf16") if d <= 128 else ("tf32",)
         case_iteration(R, n, d, device, P, peers, w or 1, reps or 2, headline, precisions)
     elif kind == "loss":
-        case_samples_loss(R, n, d, device, P, peers, loss_modes, w or 1, reps or 2,
-                          headline=headline)  # fmt: skip
+        case_samples_loss(
+            R, n, d, device, P, peers, loss_modes, w or 1, reps or 2, headline=headline
+        )
     elif kind == "loss_debias":
-        case_samples_loss(R, n, d, device, P, peers, loss_modes, w or 1, reps or 2, debias=True,
-                          headline=headline)  # fmt: skip
+        case_samples_loss(
+            R, n, d, device, P, peers, loss_modes, w or 1, reps or 2, debias=True, headline=headline
+        )
     elif kind == "loss_batched":
-        case_samples_loss(R, n, d, device, P, peers, loss_modes, w or 1, reps or 3, batch=64,
-                          headline=headline)  # fmt: skip
+        case_samples_loss(
+            R, n, d, device, P, peers, loss_modes, w or 1, reps or 3, batch=64, headline=headline
+        )
     elif kind == "loss_ref":
-        case_samples_loss(R, n, d, device, P, peers, loss_modes[:1], w or 1, reps or 3,
-                          reference=True, headline=headline)  # fmt: skip
+        case_samples_loss(
+            R,
+            n,
+            d,
+            device,
+            P,
+            peers,
+            loss_modes[:1],
+            w or 1,
+            reps or 3,
+            reference=True,
+            headline=headline,
+        )
     elif kind == "large":  # one warm-up call: the timed call must not include autotuning
         case_samples_loss(R, n, d, device, P & {"ours"}, peers, ["fwd_bwd"], w or 1, reps or 1)
     elif kind == "hvp" and "hvp" in modes:
-        case_hvp(R, n, d, device, P - {"flash-sinkhorn"} if headline else P, peers, w or 1,
-                 reps or 3, headline)  # fmt: skip
+        case_hvp(
+            R,
+            n,
+            d,
+            device,
+            P - {"flash-sinkhorn"} if headline else P,
+            peers,
+            w or 1,
+            reps or 3,
+            headline,
+        )
     elif kind == "passes":
         case_passes(R, n, d, device, w or 2, reps or 5)
     elif kind == "sample" and "sample" in modes:
@@ -419,15 +577,18 @@ def select_cases(only: str | None):
     for spec in only.split(","):
         parts = spec.strip().split(":")
         if parts[0] not in KINDS or len(parts) > 3:
-            raise ValueError(f"--only: unknown case {spec!r}; KIND[:D] or KIND:N:D with KIND "
-                             f"one of {', '.join(KINDS)}")  # fmt: skip
+            raise ValueError(
+                f"--only: unknown case {spec!r}; KIND[:D] or KIND:N:D with KIND "
+                f"one of {', '.join(KINDS)}"
+            )
         try:
             nums = [int(v) for v in parts[1:]]
         except ValueError:
             raise ValueError(f"--only: N and D must be integers; got {spec!r}") from None
         n, d = ([None, None] + nums)[-2:]  # KIND:D gives D, KIND:N:D both
-        matches = [c for c in SUITE + EXTRA
-                   if c[0] == parts[0] and n in (None, c[1]) and d in (None, c[2])]  # fmt: skip
+        matches = [
+            c for c in SUITE + EXTRA if c[0] == parts[0] and n in (None, c[1]) and d in (None, c[2])
+        ]
         if not matches and d is not None:  # a size outside the list: run it as asked
             matches = [(parts[0], n or (10000 if parts[0] == "loss_ref" else 50000), d, None)]
         picked += [c for c in matches if c not in picked]
@@ -448,9 +609,13 @@ def main(argv=None):
     ap.add_argument("--scaling", type=float, default=0.5)
     ap.add_argument("--debias", action="store_true")
     ap.add_argument("--precision", nargs="+", default=["tf32"], help="tf32 ieee tf32x3 bf16")
-    ap.add_argument("--only", metavar="CASE[,CASE]",
-                    help="GPU suite: run only these cases, KIND, KIND:D or KIND:N:D (KIND: "
-                         + " ".join(KINDS) + "), e.g. iter:1024,large")  # fmt: skip
+    ap.add_argument(
+        "--only",
+        metavar="CASE[,CASE]",
+        help="GPU suite: run only these cases, KIND, KIND:D or KIND:N:D (KIND: "
+        + " ".join(KINDS)
+        + "), e.g. iter:1024,large",
+    )
     ap.add_argument(
         "--budget",
         type=float,
@@ -470,12 +635,23 @@ def main(argv=None):
     if args.smoke or (device.type != "cuda" and not custom):  # tiny CPU run
         reps = args.reps or 3
         for d in args.d or [3]:
-            case_samples_loss(R, (args.n or [200])[0], d, device, providers, peers,
-                              [m for m in modes if m in ("fwd", "fwd_bwd")], 1, reps,
-                              reference=True, blur=0.1)  # fmt: skip
+            case_samples_loss(
+                R,
+                (args.n or [200])[0],
+                d,
+                device,
+                providers,
+                peers,
+                [m for m in modes if m in ("fwd", "fwd_bwd")],
+                1,
+                reps,
+                reference=True,
+                blur=0.1,
+            )
         if "iter" in modes:
-            case_iteration(R, 256, 8, device, providers & {"ours"}, peers, 1, reps,
-                           precisions=("tf32",))  # fmt: skip
+            case_iteration(
+                R, 256, 8, device, providers & {"ours"}, peers, 1, reps, precisions=("tf32",)
+            )
         if "sample" in modes and "ours" in providers:
             case_sample(R, 256, 8, device, 1, reps)
     elif custom:
@@ -483,16 +659,28 @@ def main(argv=None):
         for n in args.n or [10000]:
             for d in args.d or [64]:
                 if "iter" in modes:
-                    case_iteration(R, n, d, device, providers, peers, w, reps,
-                                   precisions=tuple(args.precision))  # fmt: skip
+                    case_iteration(
+                        R, n, d, device, providers, peers, w, reps, precisions=tuple(args.precision)
+                    )
                 lm = [m for m in modes if m in ("fwd", "fwd_bwd")]
                 if lm:
                     case_samples_loss(
-                        R, n, d, device, providers, peers, lm, w, reps, batch=args.batch,
-                        debias=args.debias, blur=args.blur, scaling=args.scaling,
+                        R,
+                        n,
+                        d,
+                        device,
+                        providers,
+                        peers,
+                        lm,
+                        w,
+                        reps,
+                        batch=args.batch,
+                        debias=args.debias,
+                        blur=args.blur,
+                        scaling=args.scaling,
                         precisions=tuple(args.precision),
                         reference=n <= 10000 and args.batch is None,
-                    )  # fmt: skip
+                    )
                 if "hvp" in modes:
                     case_hvp(R, n, d, device, providers, peers, w, args.reps or 3)
     else:

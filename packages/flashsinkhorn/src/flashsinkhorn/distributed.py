@@ -43,10 +43,11 @@ from flashsinkhorn import _config
 from flashsinkhorn._inputs import prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, cost_features
 from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend, softmin
+from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2
 from flashsinkhorn.result import SinkhornResult
 from flashsinkhorn.sampling import softmax_sample
-from flashsinkhorn.solver import Problem
+from flashsinkhorn.streaming import StreamingProblem
 
 try:
     import torch.distributed as dist
@@ -65,11 +66,15 @@ EXCHANGES = ("auto", "stream", "gather")
 
 def _check_group(group):
     if dist is None or not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("process_group needs an initialized torch.distributed "
-                           "(torch.distributed.init_process_group)")  # fmt: skip
+        raise RuntimeError(
+            "process_group needs an initialized torch.distributed "
+            "(torch.distributed.init_process_group)"
+        )
     if group is None or not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. "
-                        f"torch.distributed.group.WORLD); got {type(group).__name__}")  # fmt: skip
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup (e.g. "
+            f"torch.distributed.group.WORLD); got {type(group).__name__}"
+        )
     return group
 
 
@@ -97,16 +102,17 @@ def _collective_errors(group):
         yield
     except (ValueError, TypeError) as e:
         err = e
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32,
-                        device=_comm_device(group))  # fmt: skip
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=_comm_device(group))
     flags[dist.get_rank(group)] = err is not None
     dist.all_reduce(flags, group=group)
     if err is not None:
         raise err
     if bool(flags.any()):
         bad = flags.nonzero().flatten().tolist()
-        raise ValueError(f"flashsinkhorn: the inputs on rank(s) {bad} of the process group are "
-                         "invalid (see the error raised there)")  # fmt: skip
+        raise ValueError(
+            f"flashsinkhorn: the inputs on rank(s) {bad} of the process group are "
+            "invalid (see the error raised there)"
+        )
 
 
 def _code(v):
@@ -147,8 +153,13 @@ class _Comm:
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}; got {exchange!r}")
         device = x3.device
-        meta = {"batch": x3.shape[0], "dimension D": x3.shape[2], "dtype": str(x3.dtype),
-                "device type": device.type, **agree}  # fmt: skip
+        meta = {
+            "batch": x3.shape[0],
+            "dimension D": x3.shape[2],
+            "dtype": str(x3.dtype),
+            "device type": device.type,
+            **agree,
+        }
         local = [x3.shape[1], y3.shape[1]] + [_code(v) for v in meta.values()]
         t = torch.tensor(local, dtype=torch.float64, device=_comm_device(group))
         world = dist.get_world_size(group)
@@ -158,8 +169,10 @@ class _Comm:
         for k, name in enumerate(meta):
             col = allv[:, 2 + k]
             if not bool((col == col[0]).all()):
-                raise ValueError(f"process_group: {name} differs across ranks (this rank: "
-                                 f"{meta[name]!r}); every rank must pass the same")  # fmt: skip
+                raise ValueError(
+                    f"process_group: {name} differs across ranks (this rank: "
+                    f"{meta[name]!r}); every rank must pass the same"
+                )
         sizes = {"x": [int(v) for v in allv[:, 0]], "y": [int(v) for v in allv[:, 1]]}
         chunk = int(chunk_bytes or _config.SHARD_CHUNK_BYTES)
         if exchange == "auto":
@@ -224,15 +237,18 @@ class _Comm:
 
     def check_v(self, v):
         """A pass with V: its width and dtype must agree (they size the exchanged chunks)."""
-        code = torch.tensor([v.shape[-1], _code(str(v.dtype))], dtype=torch.float64,
-                            device=_comm_device(self.group))  # fmt: skip
+        code = torch.tensor(
+            [v.shape[-1], _code(str(v.dtype))], dtype=torch.float64, device=_comm_device(self.group)
+        )
         lo, hi = code.clone(), code.clone()
         if self.world > 1:
             dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
         if not torch.equal(lo, hi):
-            raise ValueError(f"a plan operation's V differs in width or dtype across ranks "
-                             f"(this rank: {tuple(v.shape)} {v.dtype})")  # fmt: skip
+            raise ValueError(
+                f"a plan operation's V differs in width or dtype across ranks "
+                f"(this rank: {tuple(v.shape)} {v.dtype})"
+            )
 
     # the column stream ----------------------------------------------------------------
 
@@ -255,8 +271,11 @@ class _Comm:
             row_bytes += B * v.shape[2] * v.element_size()
         rows = max(1, self.chunk_bytes // row_bytes)
         sizes, offs = self.sizes[key], self.offsets[key]
-        steps = [(s, i0, min(i0 + rows, sizes[s])) for s in range(self.world)
-                 for i0 in range(0, sizes[s], rows)]  # fmt: skip
+        steps = [
+            (s, i0, min(i0 + rows, sizes[s]))
+            for s in range(self.world)
+            for i0 in range(0, sizes[s], rows)
+        ]
         pending = self._post(steps[0], ops, h, v)
         for k, (s, i0, _) in enumerate(steps):
             bufs, works = pending
@@ -274,17 +293,24 @@ class _Comm:
             bufs = [t[:, i0:i1].contiguous() if t is not None else None for t in (ops, h, v)]
         else:
             n = i1 - i0
-            bufs = [ops.new_empty((ops.shape[0], n, ops.shape[2])), h.new_empty((h.shape[0], n)),
-                    None if v is None else v.new_empty((v.shape[0], n, v.shape[2]))]  # fmt: skip
+            bufs = [
+                ops.new_empty((ops.shape[0], n, ops.shape[2])),
+                h.new_empty((h.shape[0], n)),
+                None if v is None else v.new_empty((v.shape[0], n, v.shape[2])),
+            ]
         works = []
         if self.world > 1:
             src = dist.get_global_rank(self.group, s)
-            works = [dist.broadcast(t, src=src, group=self.group, async_op=True)
-                     for t in bufs if t is not None]  # fmt: skip
+            works = [
+                dist.broadcast(t, src=src, group=self.group, async_op=True)
+                for t in bufs
+                if t is not None
+            ]
         return bufs, works
 
-    def problem(self, *args, keys=("x", "y"), **kwargs):
-        return ShardedProblem(*args, comm=self, keys=keys, **kwargs)
+    def problem(self, keys=("x", "y"), **kwargs):
+        """A :class:`ShardedProblem` of this call (keyword arguments of the problem)."""
+        return ShardedProblem(comm=self, keys=keys, **kwargs)
 
 
 def _merge(lse, vbar, lse_c, vbar_c):
@@ -309,15 +335,20 @@ def _merge(lse, vbar, lse_c, vbar_c):
 # ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class ShardedProblem(Problem):
+@dataclass(kw_only=True)
+class ShardedProblem(StreamingProblem):
     """A :class:`flashsinkhorn.solver.Problem` of this rank's shards (X, a, cx: its rows of
     x; Y, b, cy: its rows of y) whose passes run over the global clouds and whose sums are
     global. ``keys`` name the row and column clouds in ``comm`` (``("x", "x")`` for the
     debiasing term OT(a, a))."""
 
-    comm: _Comm = field(default=None, kw_only=True, repr=False)
-    keys: tuple = field(default=("x", "y"), kw_only=True)
+    kind = "sharded"
+
+    comm: _Comm = field(default=None, repr=False)
+    keys: tuple = ("x", "y")
+
+    # two sharded passes (the one-pass kernels see one rank's columns only)
+    sym_update = Problem.sym_update
 
     def total(self, t):
         return self.comm.total(t)
@@ -339,9 +370,21 @@ class ShardedProblem(Problem):
         def consume(_, cols_c, h_c, v_c):
             z = torch.zeros_like(h_c)
             _, lse_c, vbar_c = softmin(
-                rows, cols_c, h_c, z, rcx, z, eps=eps, c2=self.c2, damping=damping, v=v_c,
-                precision=self.precision, backend=self.backend, want_lse=True, guess=guess,
-            )  # fmt: skip
+                rows,
+                cols_c,
+                h_c,
+                z,
+                rcx,
+                z,
+                eps=eps,
+                c2=self.c2,
+                damping=damping,
+                v=v_c,
+                precision=self.precision,
+                backend=self.backend,
+                want_lse=True,
+                guess=guess,
+            )
             acc["lse"], acc["vbar"] = _merge(acc["lse"], acc["vbar"], lse_c, vbar_c)
 
         self.comm.for_each_chunk(col_key, cols, h, v, consume)
@@ -350,23 +393,49 @@ class ShardedProblem(Problem):
         return out, (lse if want_lse else None), acc["vbar"]
 
     def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        return self._pass(self.Xk, self.cx, self.keys[1], self.Yk, g, self.logb, self.cy, eps,
-                          damping, v, want_lse, guess)  # fmt: skip
+        return self._pass(
+            self.Xk,
+            self.cx,
+            self.keys[1],
+            self.Yk,
+            g,
+            self.logb,
+            self.cy,
+            eps,
+            damping,
+            v,
+            want_lse,
+            guess,
+        )
 
     def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        return self._pass(self.Yk, self.cy, self.keys[0], self.Xk, f, self.loga, self.cx, eps,
-                          damping, v, want_lse, guess)  # fmt: skip
+        return self._pass(
+            self.Yk,
+            self.cy,
+            self.keys[0],
+            self.Xk,
+            f,
+            self.loga,
+            self.cx,
+            eps,
+            damping,
+            v,
+            want_lse,
+            guess,
+        )
 
-    def self_update(self, f, eps, damping):
-        """The debiasing update (rows and columns the same cloud): a plain sharded pass."""
-        return self.sm_x(f, eps, damping, guess=f)[0]
+    # the debiasing update (rows and columns the same cloud): a plain sharded pass
+    self_update = Problem.self_update
 
     def dense_plan(self, f, g, eps):
         """This rank's rows of the dense plan (B, N_r, M): tests and small problems only."""
-        cols = dict(Y=self.comm.gather(self.keys[1], self.Y), g=self.comm.gather(self.keys[1], g),
-                    b=self.comm.gather(self.keys[1], self.b),
-                    cy=self.comm.gather(self.keys[1], self.cy))  # fmt: skip
-        return Problem.dense_plan(self, f, g, eps, columns=cols)
+        cols = dict(
+            Y=self.comm.gather(self.keys[1], self.Y),
+            g=self.comm.gather(self.keys[1], g),
+            b=self.comm.gather(self.keys[1], self.b),
+            cy=self.comm.gather(self.keys[1], self.cy),
+        )
+        return StreamingProblem.dense_plan(self, f, g, eps, columns=cols)
 
     def sample_rows(self, g, eps, seed):
         """:func:`flashsinkhorn.sample_plan` for this rank's rows: global column indices."""
@@ -377,10 +446,20 @@ class ShardedProblem(Problem):
         def consume(col0, cols_c, h_c, _):
             z = torch.zeros_like(h_c)
             j, score = softmax_sample(
-                self.Xk, cols_c, h_c, z, z, eps=eps, c2=self.c2, seed=seed,
-                precision=self.precision, backend=self.backend, row_offset=row0,
-                col_offset=col0, return_score=True,
-            )  # fmt: skip
+                self.Xk,
+                cols_c,
+                h_c,
+                z,
+                z,
+                eps=eps,
+                c2=self.c2,
+                seed=seed,
+                precision=self.precision,
+                backend=self.backend,
+                row_offset=row0,
+                col_offset=col0,
+                return_score=True,
+            )
             if not acc:
                 acc.update(j=j, score=score)
             else:  # the larger perturbed score wins; ties keep the earlier (smaller) column
@@ -408,6 +487,24 @@ def _features(comm, x3, y3, cost, cost_scale):
     return X, Y, k * centered_sqnorm(Xd, c), k * centered_sqnorm(Yd, c), c2, c
 
 
+def _problem(comm, X, Y, a, b, cx, cy, c2, cost, cost_scale, precision, backend, center):
+    """The sharded problem of this rank's features (detached)."""
+    return comm.problem(
+        X=X.detach(),
+        Y=Y.detach(),
+        a=a.detach(),
+        b=b.detach(),
+        cx=cx.detach(),
+        cy=cy.detach(),
+        c2=c2,
+        cost=cost,
+        cost_scale=cost_scale,
+        precision=precision,
+        backend=backend,
+        center=center,
+    )
+
+
 def _global_weights(comm, a2, b2, a, b):
     """Default weights are uniform over the GLOBAL clouds (prepare_inputs made 1/n_r)."""
     if a is None:
@@ -417,10 +514,31 @@ def _global_weights(comm, a2, b2, a, b):
     return a2, b2
 
 
-def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclidean",
-          cost_scale=1.0, max_iter=1000, tol=1e-5, schedule="alternating", eps_scaling=None,
-          diameter=None, check_every=10, label_cost=None, precision="tf32", backend="auto",
-          warn=True, verbose=False, exchange="auto", chunk_bytes=None):  # fmt: skip
+def solve(
+    x,
+    y,
+    a=None,
+    b=None,
+    *,
+    process_group,
+    eps,
+    rho=None,
+    cost="sqeuclidean",
+    cost_scale=1.0,
+    max_iter=1000,
+    tol=1e-5,
+    schedule="alternating",
+    eps_scaling=None,
+    diameter=None,
+    check_every=10,
+    label_cost=None,
+    precision="tf32",
+    backend="auto",
+    warn=True,
+    verbose=False,
+    exchange="auto",
+    chunk_bytes=None,
+):
     """:func:`flashsinkhorn.solve` over a process group (see the module docstring); x, y, a,
     b are this rank's shards. ``exchange`` ("auto", "stream", "gather") and ``chunk_bytes``
     override the exchange choice (tests and benchmarks)."""
@@ -430,11 +548,27 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
     if torch.compiler.is_compiling():
         raise NotImplementedError("solve(process_group=...) does not run under torch.compile")
     if _alone(group, exchange, chunk_bytes):
-        return S.solve(x, y, a, b, eps=eps, rho=rho, cost=cost, cost_scale=cost_scale,
-                       max_iter=max_iter, tol=tol, schedule=schedule, eps_scaling=eps_scaling,
-                       diameter=diameter, check_every=check_every, label_cost=label_cost,
-                       precision=precision, backend=backend, warn=warn,
-                       verbose=verbose)  # fmt: skip
+        return S.solve(
+            x,
+            y,
+            a,
+            b,
+            eps=eps,
+            rho=rho,
+            cost=cost,
+            cost_scale=cost_scale,
+            max_iter=max_iter,
+            tol=tol,
+            schedule=schedule,
+            eps_scaling=eps_scaling,
+            diameter=diameter,
+            check_every=check_every,
+            label_cost=label_cost,
+            precision=precision,
+            backend=backend,
+            warn=warn,
+            verbose=verbose,
+        )
     with _collective_errors(group):
         eps, rx, ry, max_iter, check_every, tol = S._check_args(
             eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
@@ -443,56 +577,103 @@ def solve(x, y, a=None, b=None, *, process_group, eps, rho=None, cost="sqeuclide
             raise ValueError("label_cost is not supported with process_group")
         x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
         _check_device(group, x3)
-    agree = dict(eps=eps, rho=(rx, ry), cost=cost, cost_scale=cost_scale, max_iter=max_iter,
-                 tol=tol, schedule=schedule, eps_scaling=eps_scaling, diameter=diameter,
-                 check_every=check_every, precision=precision, backend=backend,
-                 verbose=bool(verbose),
-                 batched=batched, weights=(a is None, b is None), exchange=exchange,
-                 chunk_bytes=chunk_bytes,
-                 requires_grad=tuple(t.requires_grad for t in (x3, y3, a2, b2)))  # fmt: skip
+    agree = dict(
+        eps=eps,
+        rho=(rx, ry),
+        cost=cost,
+        cost_scale=cost_scale,
+        max_iter=max_iter,
+        tol=tol,
+        schedule=schedule,
+        eps_scaling=eps_scaling,
+        diameter=diameter,
+        check_every=check_every,
+        precision=precision,
+        backend=backend,
+        verbose=bool(verbose),
+        batched=batched,
+        weights=(a is None, b is None),
+        exchange=exchange,
+        chunk_bytes=chunk_bytes,
+        requires_grad=tuple(t.requires_grad for t in (x3, y3, a2, b2)),
+    )
     comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
     a2, b2 = _global_weights(comm, a2, b2, a, b)
     if rx is None and ry is None:
         ma, mb = comm.total(a2), comm.total(b2)
         if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
-            raise ValueError("balanced OT needs a.sum() == b.sum() over all ranks; got "
-                             f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights "
-                             "or pass rho= for unbalanced OT")  # fmt: skip
+            raise ValueError(
+                "balanced OT needs a.sum() == b.sum() over all ranks; got "
+                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights "
+                "or pass rho= for unbalanced OT"
+            )
     # as the single-process solve: "auto" stays "auto" (the sm_90 kernel per pass where it
     # applies); it was resolved to "triton" here, so sharded passes never took it
     be = problem_backend(backend, x3.device, x3.dtype)
     check_precision(precision, resolve_backend(backend, x3.device))
     X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
-    prob = comm.problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(),
-                        cy.detach(), c2, cost, cost_scale, None, precision, be, center)  # fmt: skip
+    prob = _problem(comm, X, Y, a2, b2, cx, cy, c2, cost, cost_scale, precision, be, center)
     if eps_scaling is not None and diameter is None:
         diameter = comm.diameter(prob.X, prob.Y)
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
     # the float64 certificate on the sharded problem rebuilt in float64 (global sums)
-    exact = [None if w is not None else torch.full(t.shape[:2], 1.0 / sum(comm.sizes[k]),
-                                                    dtype=torch.float64, device=t.device)
-             for w, t, k in ((a, x3, "x"), (b, y3, "y"))]  # fmt: skip
-    build64 = S.float64_problem(x3, y3, prob, features=lambda *t: _features(comm, *t),
-                                make=comm.problem, a64=exact[0], b64=exact[1])  # fmt: skip
+    exact = [
+        None
+        if w is not None
+        else torch.full(t.shape[:2], 1.0 / sum(comm.sizes[k]), dtype=torch.float64, device=t.device)
+        for w, t, k in ((a, x3, "x"), (b, y3, "y"))
+    ]
+    build64 = S.float64_problem(
+        x3,
+        y3,
+        prob,
+        features=lambda *t: _features(comm, *t),
+        make=comm.problem,
+        a64=exact[0],
+        b64=exact[1],
+    )
     certify = S.certifier(build64, prob, eps, rx, ry)
     # every rank measures (collectives), rank 0 prints
     say = (lambda line: print(line, flush=True) if comm.rank == 0 else None) if verbose else False
-    out = S._run_and_certify(prob, certify, loop, eps_scaling, diameter, say)
+    sched = S._schedule(prob, *loop, eps_scaling, diameter)
+    out = S._run_and_certify(prob, certify, sched, say)
     S._loop.report(out, tol, eps, warn)
     prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
     f, g, err = out.f, out.g, out.err
     value = S._OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
     S.finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
-        f=f if batched else f[0], g=g if batched else g[0], value=value if batched else value[0],
-        marginal_error=err if batched else err[0], n_iter=out.n_iter, converged=out.converged,
-        eps=eps, precision=prob.precision, _prob=prob, _batched=batched, _f=f, _g=g,
-        _marginals=out.marginals, _certify=certify,
-    )  # fmt: skip
+        f=f if batched else f[0],
+        g=g if batched else g[0],
+        value=value if batched else value[0],
+        marginal_error=err if batched else err[0],
+        n_iter=out.n_iter,
+        converged=out.converged,
+        eps=eps,
+        precision=prob.precision,
+        _prob=prob,
+        _batched=batched,
+        _f=f,
+        _g=g,
+        _marginals=out.marginals,
+        _certify=certify,
+    )
 
 
-def problem(x, y, a=None, b=None, *, process_group, cost="sqeuclidean", cost_scale=1.0,
-            precision="tf32", backend="auto", exchange="auto", chunk_bytes=None):  # fmt: skip
+def problem(
+    x,
+    y,
+    a=None,
+    b=None,
+    *,
+    process_group,
+    cost="sqeuclidean",
+    cost_scale=1.0,
+    precision="tf32",
+    backend="auto",
+    exchange="auto",
+    chunk_bytes=None,
+):
     """The sharded problem of this rank's shards: the building block of the sharded solve
     (its ``sm_x(g, eps, ...)`` / ``sm_y(f, eps, ...)`` are the Sinkhorn half-updates over
     all ranks, ``total`` the global sum). For benchmarks and custom loops; x, y (N_r, D)
@@ -503,14 +684,19 @@ def problem(x, y, a=None, b=None, *, process_group, cost="sqeuclidean", cost_sca
         _check_device(group, x3)
         be = problem_backend(backend, x3.device, x3.dtype)  # as solve
         check_precision(precision, resolve_backend(backend, x3.device))
-    agree = dict(cost=cost, cost_scale=cost_scale, precision=precision, backend=backend,
-                 weights=(a is None, b is None), exchange=exchange,
-                 chunk_bytes=chunk_bytes)  # fmt: skip
+    agree = dict(
+        cost=cost,
+        cost_scale=cost_scale,
+        precision=precision,
+        backend=backend,
+        weights=(a is None, b is None),
+        exchange=exchange,
+        chunk_bytes=chunk_bytes,
+    )
     comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
     a2, b2 = _global_weights(comm, a2, b2, a, b)
     X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
-    return comm.problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(),
-                        cy.detach(), c2, cost, cost_scale, None, precision, be, center)  # fmt: skip
+    return _problem(comm, X, Y, a2, b2, cx, cy, c2, cost, cost_scale, precision, be, center)
 
 
 def _check_device(group, x3):
@@ -518,13 +704,31 @@ def _check_device(group, x3):
     if x3.device.type == "cuda" and backend == "gloo":
         raise ValueError("a gloo process group takes CPU tensors; use NCCL for CUDA tensors")
     if x3.device.type != "cuda" and backend == "nccl":
-        raise ValueError(f"an NCCL process group takes CUDA tensors; got {x3.device} (use gloo "
-                         "on CPU)")  # fmt: skip
+        raise ValueError(
+            f"an NCCL process group takes CUDA tensors; got {x3.device} (use gloo on CPU)"
+        )
 
 
-def sinkhorn_divergence(a, x, b, y, *, process_group, blur, reach, diameter, scaling, debias,
-                        potentials, precision, backend, warn_tol, info, exchange="auto",
-                        chunk_bytes=None):  # fmt: skip
+def sinkhorn_divergence(
+    a,
+    x,
+    b,
+    y,
+    *,
+    process_group,
+    blur,
+    reach,
+    diameter,
+    scaling,
+    debias,
+    potentials,
+    precision,
+    backend,
+    warn_tol,
+    info,
+    exchange="auto",
+    chunk_bytes=None,
+):
     """:func:`flashsinkhorn.sinkhorn_divergence` over a process group: a, x, b, y are this
     rank's shards; the value (and marginal error) is global, the gradients go to this
     rank's points, ``potentials=True`` returns this rank's potentials."""
@@ -532,32 +736,60 @@ def sinkhorn_divergence(a, x, b, y, *, process_group, blur, reach, diameter, sca
 
     group = _check_group(process_group)
     if torch.compiler.is_compiling():
-        raise NotImplementedError("SamplesLoss(process_group=...) does not run under "
-                                  "torch.compile")  # fmt: skip
+        raise NotImplementedError("SamplesLoss(process_group=...) does not run under torch.compile")
     if _alone(group, exchange, chunk_bytes):
-        return L.sinkhorn_divergence(a, x, b, y, blur=blur, reach=reach, diameter=diameter,
-                                     scaling=scaling, debias=debias, potentials=potentials,
-                                     precision=precision, backend=backend, warn_tol=warn_tol,
-                                     info=info)  # fmt: skip
+        return L.sinkhorn_divergence(
+            a,
+            x,
+            b,
+            y,
+            blur=blur,
+            reach=reach,
+            diameter=diameter,
+            scaling=scaling,
+            debias=debias,
+            potentials=potentials,
+            precision=precision,
+            backend=backend,
+            warn_tol=warn_tol,
+            info=info,
+        )
     with _collective_errors(group):
-        blur, reach, scaling, diameter = L._check_loss_args(blur, reach, scaling, diameter,
-                                                            precision)  # fmt: skip
+        blur, reach, scaling, diameter = L._check_loss_args(
+            blur, reach, scaling, diameter, precision
+        )
         x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
         _check_device(group, x3)
-    agree = dict(blur=float(blur), reach=reach, diameter=diameter, scaling=float(scaling),
-                 debias=bool(debias), potentials=bool(potentials), precision=precision,
-                 backend=backend, batched=batched, weights=(a is None, b is None),
-                 exchange=exchange, chunk_bytes=chunk_bytes)  # fmt: skip
+    agree = dict(
+        blur=float(blur),
+        reach=reach,
+        diameter=diameter,
+        scaling=float(scaling),
+        debias=bool(debias),
+        potentials=bool(potentials),
+        precision=precision,
+        backend=backend,
+        batched=batched,
+        weights=(a is None, b is None),
+        exchange=exchange,
+        chunk_bytes=chunk_bytes,
+    )
     comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
     a2, b2 = _global_weights(comm, a2, b2, a, b)
-    opts = dict(blur=float(blur), reach=None if reach is None else float(reach),
-                diameter=diameter, scaling=float(scaling), debias=bool(debias),
-                precision=precision, backend=backend, comm=comm)  # fmt: skip
+    opts = dict(
+        blur=float(blur),
+        reach=None if reach is None else float(reach),
+        diameter=diameter,
+        scaling=float(scaling),
+        debias=bool(debias),
+        precision=precision,
+        backend=backend,
+        comm=comm,
+    )
     info = {} if info is None else info
     if potentials:
         with torch.no_grad():
-            out = L._sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False,
-                                      **opts)  # fmt: skip
+            out = L._sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
         F, G = out["f_ba"], out["g_ab"]
         if debias:
             F, G = F - out["f_aa"], G - out["g_bb"]

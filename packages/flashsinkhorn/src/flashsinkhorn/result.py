@@ -28,8 +28,9 @@ PLAN_MAX_ENTRIES = 1 << 26
 
 def certificate(prob64, f, g, eps, rx, ry):
     """Float64 truth of the potentials ``(f (B, N), g (B, M))`` on ``prob64``, the problem
-    rebuilt in float64 from the user's points (``solver.float64_problem``; the blockwise
-    torch path, or its sharded twin).
+    rebuilt in float64 from the user's points (``solver.float64_problem``; any backend
+    computing in float64: it needs ``sm_x`` / ``sm_y`` with ``want_lse``, ``total``, ``peak``
+    and ``cost_bound``).
 
     Returns ``(err (B,), rows (B, N), cols (B, M))``: ``rows = P 1`` and ``cols = P^T 1``
     of the plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)`` and the L1 fixed-point
@@ -71,11 +72,7 @@ def certificate(prob64, f, g, eps, rx, ry):
 def _resolution(p, f, g, eps):
     """``64 * 2^-52 * (|f| + |g| + |C|)_max / eps`` per problem (B,): the float64 rounding
     of the certificate's exponents (maxima over all points: ``p.peak``)."""
-    xn, yn = p.Xk.norm(dim=-1), p.Yk.norm(dim=-1)
-    mag = (p.peak(f.abs()) + p.peak(g.abs()) + p.peak(p.cx.abs()) + p.peak(p.cy.abs())
-           + abs(p.c2) * p.peak(xn) * p.peak(yn))  # fmt: skip
-    if p.labels is not None:
-        mag = mag + abs(p.labels[3]) * float(p.labels[2].abs().max())
+    mag = p.peak(f.abs()) + p.peak(g.abs()) + p.cost_bound()
     return 64 * 2.0**-52 * mag / eps
 
 
@@ -215,8 +212,9 @@ class SinkhornResult:
             V = torch.as_tensor(V, dtype=p.X.dtype, device=p.X.device)
         Vb, squeeze = self._batch(V)
         if Vb.dim() != 3 or Vb.shape[1] != n or Vb.shape[0] != p.X.shape[0]:
-            raise ValueError(f"{name} must have {n} rows ({n},), ({n}, K) or batched; "
-                             f"got {tuple(V.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name} must have {n} rows ({n},), ({n}, K) or batched; got {tuple(V.shape)}"
+            )
         if side == "x":
             _, lse2, vbar = p.sm_x(self._g, self.eps, 1.0, v=Vb.to(p.Y.dtype), want_lse=True)
             w = p.a * torch.exp((self._f - p.cx) / self.eps + LN2 * lse2)

@@ -27,11 +27,12 @@ import warnings
 
 import torch
 
+from flashsinkhorn import _loop
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
-from flashsinkhorn.solver import Problem
+from flashsinkhorn.streaming import StreamingProblem
 
 __all__ = ["SamplesLoss", "sinkhorn_divergence"]
 
@@ -76,41 +77,22 @@ def _sinkhorn_forward(
     hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
     # the centered kernel operands x - c, y - c are made once here and shared by all three
     # problems (no per-pass centering, nothing between the kernel's loads and its dot)
-    P = Problem if comm is None else comm.problem
-    pxy = P(x, y, a, b, hx, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c)
+    make = StreamingProblem if comm is None else comm.problem
+    common = dict(c2=1.0, cost="sqeuclidean", cost_scale=0.5, precision=precision, backend=be)
+    pxy = make(X=x, Y=y, a=a, b=b, cx=hx, cy=hy, center=c, **common)
+    selves = ()
     if debias:
-        kx, ky = ({}, {}) if comm is None else (dict(keys=("x", "x")), dict(keys=("y", "y")))
-        pxx = P(x, x, a, a, hx, hx, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                Xk=pxy.Xk, Yk=pxy.Xk, **kx)  # fmt: skip
-        pyy = P(y, y, b, b, hy, hy, 1.0, "sqeuclidean", 0.5, None, precision, be, c,
-                Xk=pxy.Yk, Yk=pxy.Yk, **ky)  # fmt: skip
-
-    def self_upd(p, f, e, dmp):
-        # OT(a, a) / OT(b, b): symmetric tiles computed once (triton), same result; the
-        # operand is already centered (and cast for bf16)
-        return p.self_update(f, e, dmp)
-
-    zb = torch.zeros_like(hy)
-    za = torch.zeros_like(hx)
-    e = eps_list[0]
-    dmp = damping_factor(e, rho)
-    f_ba, g_ab = pxy.sym_update(za, zb, e, dmp, dmp)  # one pass for both where it can
+        kx, ky = ({}, {}) if comm is None else ({"keys": ("x", "x")}, {"keys": ("y", "y")})
+        pxx = make(X=x, Y=x, a=a, b=a, cx=hx, cy=hx, center=c, Xk=pxy.Xk, Yk=pxy.Xk, **common, **kx)
+        pyy = make(X=y, Y=y, a=b, b=b, cx=hy, cy=hy, center=c, Xk=pxy.Yk, Yk=pxy.Yk, **common, **ky)
+        selves = (pxx, pyy)
+    # GeomLoss's loop: one symmetric averaged update per temperature, the self problems
+    # alongside (the one loop of flashsinkhorn._loop, stages only)
+    sched = _loop.Schedule(eps=eps_list[-1], stages=tuple(eps_list), rho_x=rho, rho_y=rho)
+    run = _loop.run(pxy, sched, selves=selves, verbose=verbose, who="flashsinkhorn.SamplesLoss")
+    f_ba, g_ab = run.f, run.g
     if debias:
-        f_aa = self_upd(pxx, za, e, dmp)
-        g_bb = self_upd(pyy, zb, e, dmp)
-    for k, e in enumerate(eps_list):
-        dmp = damping_factor(e, rho)
-        ft_ba, gt_ab = pxy.sym_update(f_ba, g_ab, e, dmp, dmp)
-        if debias:
-            ft_aa = self_upd(pxx, f_aa, e, dmp)
-            gt_bb = self_upd(pyy, g_bb, e, dmp)
-        if verbose:
-            est = float((_l1(pxy, a, f_ba, ft_ba, e) + _l1(pxy, b, g_ab, gt_ab, e)).max())
-            print(f"flashsinkhorn.SamplesLoss: eps {e:.4g} ({k + 1}/"
-                  f"{len(eps_list)}), marginal error {est:.3g}", flush=True)  # fmt: skip
-        f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
-        if debias:
-            f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
+        f_aa, g_bb = run.selves
     # last extrapolation (at the last eps): potentials and the softmax averages for grads
     e = eps_list[-1]
     dmp = damping_factor(e, rho)
@@ -126,10 +108,14 @@ def _sinkhorn_forward(
     G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
     # L1 marginal error of the last loop plan, from what the last step already computed
-    out["marginal_error"] = _l1(pxy, a, f_ba, F_ba, e) + _l1(pxy, b, g_ab, G_ab, e)
+    err = _loop.l1_err(pxy, a, f_ba, F_ba, e) + _loop.l1_err(pxy, b, g_ab, G_ab, e)
+    out["marginal_error"] = err
     if verbose:
-        print(f"flashsinkhorn.SamplesLoss: final marginal error (loop plan) "
-              f"{float(out['marginal_error'].max()):.3g}", flush=True)  # fmt: skip
+        print(
+            f"flashsinkhorn.SamplesLoss: final marginal error (loop plan) "
+            f"{float(out['marginal_error'].max()):.3g}",
+            flush=True,
+        )
     gx = gy = None
     if need_grad_x:
         gx = torch.sub(x, Ty, out=Ty).mul_((a * wfac(F_ba))[..., None])
@@ -167,13 +153,6 @@ def _sinkhorn_forward(
         )
     out.update(value=value, gx=gx, gy=gy, ga=ga, gb=gb)
     return out
-
-
-def _l1(prob, w, old, new, eps):
-    """L1 marginal error of the plan of the old potential (zero weights do not count),
-    summed over the problem's points."""
-    e = w * torch.expm1((old - new) / eps).abs()
-    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
 
 
 def _loss_grads(needs, ga, gx, gb, gy, gout):
@@ -218,8 +197,17 @@ class _SinkhornLoss(torch.autograd.Function):
             )
         ctx.save_for_backward(out["ga"], out["gx"], out["gb"], out["gy"], x, y)
         # what a double backward needs: the final potentials (and the self ones)
-        ctx.second = (a.detach(), b.detach(), out["f_ba"], out["g_ab"], out.get("f_aa"),
-                      out.get("g_bb"), out["eps"], out["rho"], opts)  # fmt: skip
+        ctx.second = (
+            a.detach(),
+            b.detach(),
+            out["f_ba"],
+            out["g_ab"],
+            out.get("f_aa"),
+            out.get("g_bb"),
+            out["eps"],
+            out["rho"],
+            opts,
+        )
         info["marginal_error"] = out["marginal_error"]
         return out["value"].to(x.dtype)
 
@@ -230,8 +218,14 @@ class _SinkhornLoss(torch.autograd.Function):
         if torch.is_grad_enabled() and (need[1] or need[3]):  # create_graph=True
             gX, gY = _differentiable_grads(ctx, need, x, y, gx, gy)
             go = gout[:, None, None]
-            return (None, gX * go if need[1] else None, None, gY * go if need[3] else None,
-                    None, None)  # fmt: skip
+            return (
+                None,
+                gX * go if need[1] else None,
+                None,
+                gY * go if need[3] else None,
+                None,
+                None,
+            )
         grads = _loss_grads(need, ga, gx, gb, gy, gout)
         return (*grads, None, None)
 
@@ -296,8 +290,24 @@ def _compute_dtype(x):
     "bool need_grad_x, bool need_grad_y, bool warn, float? warn_tol, bool verbose) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-def _divergence_op(a, x, b, y, blur, reach, diameter, scaling, debias, precision, backend,
-                   need_grad_x, need_grad_y, warn, warn_tol, verbose):  # fmt: skip
+def _divergence_op(
+    a,
+    x,
+    b,
+    y,
+    blur,
+    reach,
+    diameter,
+    scaling,
+    debias,
+    precision,
+    backend,
+    need_grad_x,
+    need_grad_y,
+    warn,
+    warn_tol,
+    verbose,
+):
     """:func:`sinkhorn_divergence`'s forward on batched inputs (a (B, N), x (B, N, D), ...).
 
     Returns ``(value (B,)`` in x's dtype, then in the compute dtype (float64 for float64
@@ -309,8 +319,16 @@ def _divergence_op(a, x, b, y, blur, reach, diameter, scaling, debias, precision
     check_values(x, y, a, b)
     if reach is None:
         check_masses(a, b, None, None, "reach")
-    opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias,
-                precision=precision, backend=backend, verbose=verbose)  # fmt: skip
+    opts = dict(
+        blur=blur,
+        reach=reach,
+        diameter=diameter,
+        scaling=scaling,
+        debias=debias,
+        precision=precision,
+        backend=backend,
+        verbose=verbose,
+    )
     with torch.no_grad():
         out = _sinkhorn_forward(
             a, x, b, y, need_grad_x=need_grad_x, need_grad_y=need_grad_y, **opts
@@ -327,14 +345,36 @@ def _divergence_op(a, x, b, y, blur, reach, diameter, scaling, debias, precision
     gy = out["gy"].to(cdt) if need_grad_y else empty.clone()
     # copies: outputs must not alias each other (balanced, no debias: ga is F)
     return (
-        value, out["ga"].to(cdt), gx, out["gb"].to(cdt), gy,
-        out["marginal_error"].to(cdt), F.to(cdt, copy=True), G.to(cdt, copy=True),
-    )  # fmt: skip
+        value,
+        out["ga"].to(cdt),
+        gx,
+        out["gb"].to(cdt),
+        gy,
+        out["marginal_error"].to(cdt),
+        F.to(cdt, copy=True),
+        G.to(cdt, copy=True),
+    )
 
 
 @_divergence_op.register_fake
-def _(a, x, b, y, blur, reach, diameter, scaling, debias, precision, backend, need_grad_x,
-      need_grad_y, warn, warn_tol, verbose):  # fmt: skip
+def _(
+    a,
+    x,
+    b,
+    y,
+    blur,
+    reach,
+    diameter,
+    scaling,
+    debias,
+    precision,
+    backend,
+    need_grad_x,
+    need_grad_y,
+    warn,
+    warn_tol,
+    verbose,
+):
     (B, N, D), M = x.shape, y.shape[1]
     cdt = _compute_dtype(x)
     return (
@@ -420,10 +460,22 @@ def sinkhorn_divergence(
         from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
 
         return distributed.sinkhorn_divergence(
-            a, x, b, y, process_group=process_group, blur=blur, reach=reach,
-            diameter=diameter, scaling=scaling, debias=debias, potentials=potentials,
-            precision=precision, backend=backend, warn_tol=warn_tol, info=info,
-        )  # fmt: skip
+            a,
+            x,
+            b,
+            y,
+            process_group=process_group,
+            blur=blur,
+            reach=reach,
+            diameter=diameter,
+            scaling=scaling,
+            debias=debias,
+            potentials=potentials,
+            precision=precision,
+            backend=backend,
+            warn_tol=warn_tol,
+            info=info,
+        )
     blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
@@ -432,16 +484,31 @@ def sinkhorn_divergence(
     check_precision(precision, resolve_backend(backend, x3.device))
     if reach is None and not compiling:
         check_masses(a2, b2, None, None, "reach")  # GeomLoss would return a number: we say why not
-    opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=bool(debias),
-                precision=precision, backend=backend, verbose=bool(verbose))  # fmt: skip
+    opts = dict(
+        blur=blur,
+        reach=reach,
+        diameter=diameter,
+        scaling=scaling,
+        debias=bool(debias),
+        precision=precision,
+        backend=backend,
+        verbose=bool(verbose),
+    )
     info = {} if info is None else info
     if compiling:
         grad = torch.is_grad_enabled() and not potentials
         need_x, need_y = grad and x3.requires_grad, grad and y3.requires_grad
         value, *_, err, F, G = _divergence_op(
-            a2, x3, b2, y3, **opts, need_grad_x=need_x, need_grad_y=need_y,
-            warn=not potentials, warn_tol=warn_tol,
-        )  # fmt: skip
+            a2,
+            x3,
+            b2,
+            y3,
+            **opts,
+            need_grad_x=need_x,
+            need_grad_y=need_y,
+            warn=not potentials,
+            warn_tol=warn_tol,
+        )
         if not potentials:
             info["marginal_error"] = err
     elif potentials:

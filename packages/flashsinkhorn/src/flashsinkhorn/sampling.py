@@ -59,7 +59,7 @@ if HAS_TRITON:
 
     from flashsinkhorn._softmin_triton import _load_rows, _row_stationary_dot, _tile_scores
 
-__all__ = ["softmax_sample", "softmax_sample_ref", "sample_plan"]
+__all__ = ["softmax_sample", "softmax_sample_ref", "sample_plan", "sample_from_scores"]
 
 _M32 = 0xFFFFFFFF
 _MIX1, _MIX2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -175,6 +175,21 @@ def _sample_torch(x, y, g, logb, cy, eps, c2, labels, rk, ck):
         val = LOG2E * S + _log2_noise(rk[:, i0:i1], ck).to(dt)
         best[:, i0:i1], arg[:, i0:i1] = val.max(-1)
     return best, arg
+
+
+def sample_from_scores(scores2, seed):
+    """The draw of :func:`softmax_sample` from dense scores ``scores2`` (B, N, M) in log2
+    units (any per-row constant added: the argmax ignores it), with the same hash: the
+    dense backend's plan sampling. Row blocks bound the int64 hash temporaries."""
+    B, N, M = scores2.shape
+    rk, ck = _keys(B, N, M, seed, 0, 0, scores2.device)
+    out = torch.empty((B, N), dtype=torch.int64, device=scores2.device)
+    rows = max(1, _block_rows(N, M) // 4)
+    for i0 in range(0, N, rows):
+        i1 = min(N, i0 + rows)
+        noise = _log2_noise(rk[:, i0:i1], ck).to(scores2.dtype)
+        out[:, i0:i1] = (scores2[:, i0:i1] + noise).argmax(-1)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -415,13 +430,6 @@ def sample_plan(result, *, seed: int = 0) -> torch.Tensor:
     ``(x_i, y[sample_plan(r)[i]])`` (sharded: :func:`flashsinkhorn.distributed.gather_rows`).
     One streaming pass (the row pass with a running argmax), no N x M matrix.
     """
-    from flashsinkhorn.distributed import ShardedProblem  # noqa: PLC0415 (import cycle)
-
-    p = result._prob
-    if isinstance(p, ShardedProblem):
-        idx = p.sample_rows(result._g, result.eps, seed)
-    else:
-        idx = softmax_sample(p.Xk, p.Yk, result._g, p.logb, p.cy, eps=result.eps, c2=p.c2,
-                             seed=seed, labels=p.labels, precision=p.precision,
-                             backend=p.backend)  # fmt: skip
+    # every backend supplies the draw (the sharded problem streams the other ranks' columns)
+    idx = result._prob.sample_rows(result._g, result.eps, seed)
     return result._unb(idx)

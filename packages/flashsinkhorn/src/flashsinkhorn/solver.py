@@ -22,8 +22,6 @@ the balanced case) are computed by streaming kernels in the backward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-
 import torch
 
 from flashsinkhorn import _loop
@@ -35,162 +33,14 @@ from flashsinkhorn._inputs import (
     label_tuple,
     prepare_inputs,
 )
-from flashsinkhorn.operands import COSTS, cost_features, kernel_operands
-from flashsinkhorn.primitives import (
-    check_precision,
-    problem_backend,
-    resolve_backend,
-    self_softmin,
-    softmin,
-    symmetric_update,
-)
+from flashsinkhorn.operands import COSTS, cost_features
+from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend
+from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
 from flashsinkhorn.result import SinkhornResult, certificate
+from flashsinkhorn.streaming import StreamingProblem
 
-__all__ = ["solve", "SinkhornResult", "Problem"]
-
-
-# ----------------------------------------------------------------------------------------
-# the problem: features, additive cost terms, weights
-# ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Problem:
-    """A batched OT problem in the kernel's form ``C = cx_i + cy_j - c2 <X_i, Y_j> (+ W)``."""
-
-    X: torch.Tensor  # (B, N, D) features (normalized for cosine)
-    Y: torch.Tensor  # (B, M, D)
-    a: torch.Tensor  # (B, N)
-    b: torch.Tensor  # (B, M)
-    cx: torch.Tensor  # (B, N)
-    cy: torch.Tensor  # (B, M)
-    c2: float
-    cost: str
-    cost_scale: float
-    labels: tuple | None = None  # (lx, ly, W, scale)
-    precision: str = "tf32"
-    backend: str = "auto"
-    center: torch.Tensor | None = None  # (B, D): dot products use <X - c, Y - c>
-    # kernel operands (X - c, Y - c, cast for the backend), prepared ONCE per problem; pass
-    # another Problem's to share them (e.g. the debiasing problems, the autograd copy)
-    Xk: torch.Tensor | None = field(default=None, repr=False)
-    Yk: torch.Tensor | None = field(default=None, repr=False)
-    loga: torch.Tensor = field(init=False)
-    logb: torch.Tensor = field(init=False)
-
-    def __post_init__(self):
-        self.loga = torch.log(self.a)
-        self.logb = torch.log(self.b)
-        if self.Xk is None or self.Yk is None:
-            self.Xk, self.Yk = kernel_operands(
-                self.X, self.Y, self.center, self.precision, self.backend
-            )
-
-    def with_precision(self, precision):
-        """The same problem at another dot precision (its own kernel operands)."""
-        return replace(self, precision=precision, Xk=None, Yk=None)
-
-    # sums over the problem's points and flags every rank must agree on: overridden by the
-    # sharded problem (flashsinkhorn.distributed), whose points are spread over ranks
-    def total(self, t):
-        """``t.sum(-1)`` over the problem's points (B,)."""
-        return t.sum(-1)
-
-    def peak(self, t):
-        """``t.amax(-1)`` over the problem's points (B,)."""
-        return t.amax(-1)
-
-    def any_rank(self, flags):
-        """The flags OR-ed over the ranks that share the problem (here: one)."""
-        return tuple(flags)
-
-    def self_update(self, f, eps, damping):
-        """The debiasing update of a self-transport problem (x against itself): the
-        symmetric kernel, each tile pair computed once (same result as ``sm_x``)."""
-        return self_softmin(self.Xk, self.loga, f, self.cx, eps=eps, c2=self.c2,
-                            damping=damping, precision=self.precision, center=None,
-                            backend=self.backend)  # fmt: skip
-
-    def dense_plan(self, f, g, eps, columns=None):
-        """Dense plan (B, N, M) (tests, small problems). ``columns``: the column side's
-        ``Y, g, b, cy`` if not this problem's (the sharded problem gathers them)."""
-        c = columns or dict(Y=self.Y, g=g, b=self.b, cy=self.cy)
-        X, Y = self.X.detach(), c["Y"].detach()
-        if self.center is not None:
-            X, Y = X - self.center[:, None, :], Y - self.center[:, None, :]
-        C = self.cx[..., :, None] + c["cy"][..., None, :] - self.c2 * (X @ Y.transpose(-1, -2))
-        if self.labels is not None:
-            lx, ly, W, s = self.labels
-            C = C + s * W.to(C.dtype)[lx.long()[..., :, None], ly.long()[..., None, :]]
-        return (
-            self.a[..., :, None]
-            * c["b"][..., None, :]
-            * torch.exp((f[..., :, None] + c["g"][..., None, :] - C) / eps)
-        )
-
-    @property
-    def labels_t(self):
-        if self.labels is None:
-            return None
-        lx, ly, W, s = self.labels
-        return (ly, lx, W.t(), s)
-
-    def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        """f-side update: ``damping * softmin_j`` over the columns (rows = x); ``guess``:
-        the current f (it selects the shift kernel, see :func:`flashsinkhorn.softmin`)."""
-        return softmin(
-            self.Xk,
-            self.Yk,
-            g,
-            self.logb,
-            self.cx,
-            self.cy,
-            eps=eps,
-            c2=self.c2,
-            damping=damping,
-            v=v,
-            labels=self.labels,
-            precision=self.precision,
-            backend=self.backend,
-            want_lse=want_lse,
-            guess=guess,
-        )
-
-    def sym_update(self, f, g, eps, damping_x=1.0, damping_y=1.0):
-        """Both updates of a symmetric iteration from the old ``(f, g)``: one streaming
-        pass where the backend has it (:func:`flashsinkhorn.symmetric_update`). A subclass
-        that redefines the passes (a problem sharded over ranks) gets its own two passes,
-        unless it redefines this too."""
-        cls = type(self)
-        if cls.sm_x is not Problem.sm_x or cls.sm_y is not Problem.sm_y:
-            ft = self.sm_x(g, eps, damping_x, guess=f)[0]
-            return ft, self.sm_y(f, eps, damping_y, guess=g)[0]
-        return symmetric_update(
-            self.Xk, self.Yk, f, g, self.loga, self.logb, self.cx, self.cy, eps=eps,
-            c2=self.c2, damping_x=damping_x, damping_y=damping_y, labels=self.labels,
-            precision=self.precision, backend=self.backend,
-        )  # fmt: skip
-
-    def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        """g-side update (rows = y); ``guess``: the current g."""
-        return softmin(
-            self.Yk,
-            self.Xk,
-            f,
-            self.loga,
-            self.cy,
-            self.cx,
-            eps=eps,
-            c2=self.c2,
-            damping=damping,
-            v=v,
-            labels=self.labels_t,
-            precision=self.precision,
-            backend=self.backend,
-            want_lse=want_lse,
-            guess=guess,
-        )
+__all__ = ["solve", "SinkhornResult"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -255,8 +105,9 @@ class _OTValue(torch.autograd.Function):
         with torch.no_grad():
             unit = torch.ones_like(gout) if second else gout
             # sharded: the passes are the same on all ranks (any rank needing one runs it)
-            grads = _ot_value_grads(ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit,
-                                    ctx.prob.any_rank(need))  # fmt: skip
+            grads = _ot_value_grads(
+                ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit, ctx.prob.any_rank(need)
+            )
         grads = tuple(gr if n else None for gr, n in zip(grads, need))
         if second:
             gX, gY = _differentiable_value_grads(X, Y, grads[0], grads[1], ctx, f, g)
@@ -268,7 +119,7 @@ class _OTValue(torch.autograd.Function):
 def _check_second_order(prob, need):
     from flashsinkhorn.second_order._autograd import no_second_order_in_weights
 
-    if type(prob).total is not Problem.total:
+    if type(prob).total is not Problem.total:  # sharded
         raise RuntimeError(
             "solve(..., process_group=...).value: double backward (create_graph=True) is not "
             "implemented for sharded problems"
@@ -297,9 +148,19 @@ def _differentiable_value_grads(X, Y, gX, gY, ctx, f, g):
     for k in range(X.shape[0]):
         # sqeuclidean s|x - y|^2: c2 = 2s; cosine s(1 - <X, Y>) = (s/2)|X - Y|^2: c2 = s
         plan, ix, iy = plan_from_potentials(
-            prob.X[k], prob.Y[k], prob.a[k], prob.b[k], f[k], g[k], scale=prob.c2 / 2,
-            eps=ctx.eps, rho_x=ctx.rx, rho_y=ctx.ry, backend=prob.backend, precision=precision,
-        )  # fmt: skip
+            prob.X[k],
+            prob.Y[k],
+            prob.a[k],
+            prob.b[k],
+            f[k],
+            g[k],
+            scale=prob.c2 / 2,
+            eps=ctx.eps,
+            rho_x=ctx.rx,
+            rho_y=ctx.ry,
+            backend=prob.backend,
+            precision=precision,
+        )
         terms.append(HvpTerm("xy", k, plan, prob.c2 / 2, ix, iy))
     zeros = torch.zeros
     gX = zeros(X.shape, dtype=f.dtype, device=X.device) if gX is None else gX
@@ -335,22 +196,39 @@ _PROBLEM = (
 _NP = 17  # how many
 
 
-def _op_problem_args(prob: Problem, X=None, Y=None, a=None, b=None):
+def _op_problem_args(prob: StreamingProblem, X=None, Y=None, a=None, b=None):
     """A Problem as the ops' leading arguments; ``X, Y, a, b`` replace the problem's
     (detached) ones where given (the value op takes them with their graph)."""
     lx, ly, W, label_scale = prob.labels if prob.labels is not None else (None,) * 3 + (1.0,)
     X, Y = prob.X if X is None else X, prob.Y if Y is None else Y
     a, b = prob.a if a is None else a, prob.b if b is None else b
-    return (X, Y, a, b, prob.Xk, prob.Yk, prob.cx, prob.cy, lx, ly, W, prob.center,
-            label_scale, prob.c2, prob.cost, prob.precision, prob.backend)  # fmt: skip
+    return (
+        *(X, Y, a, b, prob.Xk, prob.Yk, prob.cx, prob.cy, lx, ly, W, prob.center),
+        *(label_scale, prob.c2, prob.cost, prob.precision, prob.backend),
+    )
 
 
 def _op_problem(args, cost_scale=1.0):
     """The Problem of the ops' leading arguments (inverse of :func:`_op_problem_args`)."""
     X, Y, a, b, Xk, Yk, cx, cy, lx, ly, W, center, label_scale, c2, cost, precision, backend = args
     labels = None if W is None else (lx, ly, W, label_scale)
-    return Problem(X, Y, a, b, cx, cy, c2, cost, cost_scale, labels, precision, backend,
-                   center, Xk=Xk, Yk=Yk)  # fmt: skip
+    return StreamingProblem(
+        X=X,
+        Y=Y,
+        a=a,
+        b=b,
+        cx=cx,
+        cy=cy,
+        c2=c2,
+        cost=cost,
+        cost_scale=cost_scale,
+        labels=labels,
+        precision=precision,
+        backend=backend,
+        center=center,
+        Xk=Xk,
+        Yk=Yk,
+    )
 
 
 def _potential_dtype(X, backend):
@@ -379,9 +257,11 @@ def _potentials_op(*args):
         lx, ly, W, _ = prob.labels
         check_label_range("labels_x", lx, W, W.shape[0])
         check_label_range("labels_y", ly, W, W.shape[1])
-    loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
+    sched = _schedule(
+        prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter
+    )
     certify = certifier(float64_problem(x_in, y_in, prob), prob, eps, rx, ry)
-    out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
+    out = _run_and_certify(prob, certify, sched, verbose)
     _loop.report(out, tol, eps, warn)
     dev = prob.X.device
     n_iter = torch.tensor(out.n_iter, dtype=torch.int64, device=dev)
@@ -412,16 +292,30 @@ def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b
 
     def build():
         d = torch.float64
-        X, Y, cx, cy, c2, c = features(x3.detach().to(d), y3.detach().to(d), prob.cost,
-                                       prob.cost_scale)  # fmt: skip
+        X, Y, cx, cy, c2, c = features(
+            x3.detach().to(d), y3.detach().to(d), prob.cost, prob.cost_scale
+        )
         lab = None
         if prob.labels is not None:
             lx, ly, W, s = prob.labels
             lab = (lx, ly, W.to(d), s)
         a = prob.a.to(d) if a64 is None else a64
         b = prob.b.to(d) if b64 is None else b64
-        return (make or Problem)(X, Y, a, b, cx, cy, c2, prob.cost, prob.cost_scale, lab,
-                                 "ieee", "torch", c)  # fmt: skip
+        return (make or StreamingProblem)(
+            X=X,
+            Y=Y,
+            a=a,
+            b=b,
+            cx=cx,
+            cy=cy,
+            c2=c2,
+            cost=prob.cost,
+            cost_scale=prob.cost_scale,
+            labels=lab,
+            precision="ieee",
+            backend="torch",
+            center=c,
+        )
 
     return build
 
@@ -440,14 +334,27 @@ def certifier(build64, prob, eps, rx, ry):
     return certify
 
 
-def _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose):
+def _schedule(prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter):
+    """solve's :class:`flashsinkhorn._loop.Schedule` (the annealing stages measure the
+    diameter when none is given)."""
+    return _loop.Schedule(
+        eps=eps,
+        stages=_loop.annealing(prob, eps, eps_scaling, diameter),
+        rho_x=rx,
+        rho_y=ry,
+        max_iter=max_iter,
+        update=schedule,
+        tol=tol,
+        check_every=check_every,
+    )
+
+
+def _run_and_certify(prob, certify, sched, verbose):
     """The loop (no graph) and the float64 certificate of its potentials (what
     ``marginal_error`` and ``converged`` report), potentials in the returned dtype."""
-    eps = loop[0]
     dt = _potential_dtype(prob.X, prob.backend)
-    stages = _loop.eps_list(prob, eps, eps_scaling, diameter)
     with torch.no_grad():
-        out = _loop.run(prob, loop, stages, certify, verbose)
+        out = _loop.run(prob, sched, certify, verbose=verbose)
     out.f, out.g = out.f.to(dt), out.g.to(dt)
     return out
 
@@ -524,9 +431,10 @@ def _solve_compiled(prob, x3, y3, X, Y, a, b, loop, eps_scaling, diameter, warn,
     Returns ``(f, g, err, n_iter, converged, value)`` (n_iter, converged: 0-dim tensors)."""
     eps, rx, ry, max_iter, tol, schedule, check_every = loop
     f, g, err, n_iter, converged, polished = _potentials_op(
-        *_op_problem_args(prob), x3.detach(), y3.detach(), prob.cost_scale, eps, rx, ry,
-        max_iter, tol, schedule, check_every, eps_scaling, diameter, warn, verbose,
-    )  # fmt: skip
+        *_op_problem_args(prob),
+        *(x3.detach(), y3.detach(), prob.cost_scale, eps, rx, ry, max_iter, tol, schedule),
+        *(check_every, eps_scaling, diameter, warn, verbose),
+    )
     value = _ot_value_op(*_op_problem_args(prob, X, Y, a, b), f, g, polished, eps, rx, ry)
     return f, g, err, n_iter, converged, value
 
@@ -609,12 +517,27 @@ def solve(
         from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
 
         return distributed.solve(
-            x, y, a, b, process_group=process_group, eps=eps, rho=rho, cost=cost,
-            cost_scale=cost_scale, max_iter=max_iter, tol=tol, schedule=schedule,
-            eps_scaling=eps_scaling, diameter=diameter, check_every=check_every,
-            label_cost=label_cost, precision=precision, backend=backend, warn=warn,
+            x,
+            y,
+            a,
+            b,
+            process_group=process_group,
+            eps=eps,
+            rho=rho,
+            cost=cost,
+            cost_scale=cost_scale,
+            max_iter=max_iter,
+            tol=tol,
+            schedule=schedule,
+            eps_scaling=eps_scaling,
+            diameter=diameter,
+            check_every=check_every,
+            label_cost=label_cost,
+            precision=precision,
+            backend=backend,
+            warn=warn,
             verbose=verbose,
-        )  # fmt: skip
+        )
     eps, rx, ry, max_iter, check_every, tol = _check_args(
         eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
@@ -630,25 +553,36 @@ def solve(
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
-    prob = Problem(X.detach(), Y.detach(), a2.detach(), b2.detach(), cx.detach(), cy.detach(),
-                   c2, cost, cost_scale, labels, precision, be, center)  # fmt: skip
+    prob = StreamingProblem(
+        X=X.detach(),
+        Y=Y.detach(),
+        a=a2.detach(),
+        b=b2.detach(),
+        cx=cx.detach(),
+        cy=cy.detach(),
+        c2=c2,
+        cost=cost,
+        cost_scale=cost_scale,
+        labels=labels,
+        precision=precision,
+        backend=be,
+        center=center,
+    )
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
-    exact = [None if w is not None else torch.full(t.shape[:2], 1.0 / t.shape[1],
-                                                    dtype=torch.float64, device=t.device)
-             for w, t in ((a, x3), (b, y3))]  # fmt: skip
-    certify = certifier(float64_problem(x3, y3, prob, a64=exact[0], b64=exact[1]), prob, eps,
-                        rx, ry)  # fmt: skip
+    exact = [_uniform64(t) if w is None else None for w, t in ((a, x3), (b, y3))]
+    build64 = float64_problem(x3, y3, prob, a64=exact[0], b64=exact[1])
+    certify = certifier(build64, prob, eps, rx, ry)
     marginals = None
     if compiling:
         f, g, err, n_iter, converged, value = _solve_compiled(
             prob, x3, y3, X, Y, a2, b2, loop, eps_scaling, diameter, warn, verbose
         )
     else:
-        out = _run_and_certify(prob, certify, loop, eps_scaling, diameter, verbose)
+        sched = _schedule(prob, *loop, eps_scaling, diameter)
+        out = _run_and_certify(prob, certify, sched, verbose)
         _loop.report(out, tol, eps, warn)
-        f, g, err, n_iter, converged, marginals = (
-            out.f, out.g, out.err, out.n_iter, out.converged, out.marginals
-        )  # fmt: skip
+        f, g, err, n_iter, converged = out.f, out.g, out.err, out.n_iter, out.converged
+        marginals = out.marginals
         prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
         # the differentiable value: graph to x, y (through the features) and a, b
         value = _OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
@@ -669,6 +603,12 @@ def solve(
         _marginals=marginals,
         _certify=certify,
     )
+
+
+def _uniform64(t):
+    """The default weights 1/N of the clouds ``t`` (B, N, D) in float64 (exactly 1/N, not
+    their float32 rounding: the certificate measures against them)."""
+    return torch.full(t.shape[:2], 1.0 / t.shape[1], dtype=torch.float64, device=t.device)
 
 
 def _check_args(eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter):
