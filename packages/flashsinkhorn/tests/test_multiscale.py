@@ -161,7 +161,16 @@ def test_pair_bound_never_below_the_exponents(seed, kind, n, m, d, amp, s):
 
 def _problem(x, y, a, b, s, backend, truncate=5.0):
     return MultiscaleProblem(
-        x[None], y[None], a[None], b[None], cost_scale=s, truncate=truncate, backend=backend
+        X=x[None],
+        Y=y[None],
+        a=a[None],
+        b=b[None],
+        cx=a.new_zeros(1, a.shape[0]),
+        cy=b.new_zeros(1, b.shape[0]),
+        c2=2 * s,
+        cost_scale=s,
+        truncate=truncate,
+        backend=backend,
     )
 
 

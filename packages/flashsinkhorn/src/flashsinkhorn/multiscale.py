@@ -26,6 +26,8 @@ coarse plan's barycentric map).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -39,6 +41,7 @@ from flashsinkhorn._multiscale_tiles import (
     log_tau,
     sort_clouds,
 )
+from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2, damping_factor
 
 __all__ = ["MultiscaleProblem", "MAX_DIM"]
@@ -52,57 +55,59 @@ REFRESH = 4
 CELL_POINTS = 2
 
 
-class MultiscaleProblem:
-    """A batch of problems ``x (B, N, D)``, ``y (B, M, D)``, weights ``a (B, N)``,
-    ``b (B, M)`` with cost ``cost_scale |x - y|^2``, for the Sinkhorn loop.
+@dataclass(kw_only=True)
+class MultiscaleProblem(Problem):
+    """A :class:`flashsinkhorn.problem.Problem` whose passes skip negligible tile pairs.
+
+    The cost is ``(c2 / 2) |X - Y|^2`` on the features (``cost="sqeuclidean"``: the points,
+    ``c2 = 2 cost_scale``; ``"cosine"``: the unit rows, ``c2 = cost_scale``), computed from
+    coordinate differences: ``cx``, ``cy`` are zero here (the streaming primitives'
+    convention for ``lse2`` with ``cx = 0``), ``center`` is not used.
 
     ``truncate``: a tile pair is skipped when its mass bound is below
     ``exp(-truncate^2 / 2)`` times its product mass (None: nothing is skipped).
     ``cluster_scale``: side of the finest cells of the ladder (None: the smallest grid whose
     cells hold 2 points on average). ``backend``: "triton" (CUDA, or CPU under
-    ``TRITON_INTERPRET=1``) or "torch". Potentials are in the caller's point order.
-    ``parts``: the sorted clouds of each problem when already built (the coarse levels).
+    ``TRITON_INTERPRET=1``) or "torch". ``parts``: the sorted clouds of each problem when
+    already built (coarse levels, self problems).
     """
 
-    def __init__(
-        self,
-        x,
-        y,
-        a,
-        b,
-        *,
-        cost_scale,
-        truncate=5.0,
-        cluster_scale=None,
-        backend="torch",
-        parts=None,
-    ):
-        if x.shape[-1] > MAX_DIM:
+    kind: ClassVar[str] = "multiscale"
+    exact: ClassVar[bool] = True
+
+    backend: str = "torch"
+    truncate: float | None = 5.0
+    cluster_scale: float | None = None
+    parts: list | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.cost not in ("sqeuclidean", "cosine") or self.labels is not None:
+            raise ValueError(
+                "backend='multiscale' computes costs that are squared distances of the "
+                f"features (cost 'sqeuclidean' or 'cosine', no label_cost); got cost="
+                f"{self.cost!r}{' with label_cost' if self.labels is not None else ''}"
+            )
+        if self.X.shape[-1] > MAX_DIM:
             raise ValueError(
                 f"backend='multiscale' takes points of at most {MAX_DIM} coordinates; got "
-                f"D={x.shape[-1]}: use backend='auto'"
+                f"D={self.X.shape[-1]}: use backend='auto'"
             )
-        self.X, self.Y, self.a, self.b = x, y, a, b
-        self.is_self = y is x and b is a
-        B, N, M = x.shape[0], x.shape[1], y.shape[1]
-        self.cx = x.new_zeros(B, N)
-        self.cy = y.new_zeros(B, M)
-        self.cost, self.cost_scale, self.c2 = "sqeuclidean", float(cost_scale), 2.0 * cost_scale
-        self.labels, self.center = None, None
-        self.precision = "ieee"  # the passes form exact float32 differences: nothing to polish
-        self.backend = backend
-        self.truncate, self.log_tau = truncate, log_tau(truncate)
-        self.cluster_scale = cluster_scale
-        if parts is None:
-            parts = []
-            for k in range(B):
+        x, y, a, b = self.X.detach(), self.Y.detach(), self.a, self.b
+        self.is_self = self.Y is self.X and self.b is self.a
+        self.cx = torch.zeros_like(self.cx)
+        self.cy = torch.zeros_like(self.cy)
+        self.scale = 0.5 * float(self.c2)  # the cost is scale |X - Y|^2
+        self.log_tau = log_tau(self.truncate)
+        if self.parts is None:
+            self.parts = []
+            for k in range(x.shape[0]):
                 if self.is_self:
                     xc = sort_clouds(x[k], x[k], a[k], a[k])[0]
-                    parts.append((xc, xc))
+                    self.parts.append((xc, xc))
                 else:
-                    parts.append(sort_clouds(x[k], y[k], a[k], b[k]))
-        self.parts = parts
-        self._keeps = [None] * B  # per problem: [eps, passes since computed, KeepSet]
+                    self.parts.append(sort_clouds(x[k], y[k], a[k], b[k]))
+        self._keeps = [None] * len(self.parts)  # per problem: [eps, passes, KeepSet]
         self._levels = {}  # coarse problems by their cell shifts
 
     # -- what the loop needs besides the passes --------------------------------------------
@@ -111,22 +116,38 @@ class MultiscaleProblem:
         """The passes have one precision (exact float32 differences): this problem."""
         return self
 
-    def total(self, t):
-        return t.sum(-1)
+    def self_problem(self, side):
+        """The problem of one cloud against itself (debiasing), sharing its sorted cloud."""
+        X, w = (self.X, self.a) if side == "x" else (self.Y, self.b)
+        c = self.cx if side == "x" else self.cy
+        i = 0 if side == "x" else 1
+        return MultiscaleProblem(
+            X=X,
+            Y=X,
+            a=w,
+            b=w,
+            cx=c,
+            cy=c,
+            c2=self.c2,
+            cost=self.cost,
+            cost_scale=self.cost_scale,
+            precision=self.precision,
+            backend=self.backend,
+            truncate=self.truncate,
+            cluster_scale=self.cluster_scale,
+            parts=[(p[i], p[i]) for p in self.parts],
+        )
 
-    def peak(self, t):
-        return t.amax(-1)
+    def cost_bound(self):
+        """``(B,)`` bound on the cost: ``scale`` times the squared diagonal of each
+        problem's bounding cube."""
+        sides = [p[0].side ** 2 * p[0].d for p in self.parts]
+        return self.scale * torch.tensor(sides, dtype=torch.float64, device=self.X.device)
 
-    def any_rank(self, flags):
-        return tuple(flags)
-
-    @property
-    def loga(self):
-        return torch.log(self.a)
-
-    @property
-    def logb(self):
-        return torch.log(self.b)
+    def dense_cost(self, columns=None):
+        """The cost matrix (B, N, M) (tests, small problems)."""
+        Y = self.Y if columns is None else columns["Y"]
+        return self.scale * torch.cdist(self.X.detach(), Y.detach()) ** 2
 
     # -- the passes -------------------------------------------------------------------------
 
@@ -147,7 +168,7 @@ class MultiscaleProblem:
             fx = fit_potential(xc, xc.w_pad.new_zeros(xc.npad))
             gy = fit_potential(yc, yc.w_pad.new_zeros(yc.npad))
             lt = -math.inf
-        ks = keep_set(xc, fx, yc, gy, eps, self.cost_scale, lt)
+        ks = keep_set(xc, fx, yc, gy, eps, self.scale, lt)
         self._keeps[k] = [eps, 1, ks]
         return ks
 
@@ -166,7 +187,7 @@ class MultiscaleProblem:
         bias = torch.log(cc.w_pad.to(ps.dtype)) + ps / eps
         vs = None if v is None else cc.sorted_values(v)
         lse, vbar = passes.softmin_pass(
-            rc, cc, ptr, nbr, bias, self.cost_scale / eps, vs, backend=self.backend
+            rc, cc, ptr, nbr, bias, self.scale / eps, vs, backend=self.backend
         )
         lse = rc.user_values(lse)
         out = (-damping * eps) * lse
@@ -224,7 +245,7 @@ class MultiscaleProblem:
         finest = [self._finest_shift(k) for k in range(len(self.parts))]
         out = []
         for i, e in enumerate(eps_list):
-            width = math.sqrt(e / (2.0 * self.cost_scale))
+            width = math.sqrt(e / (2.0 * self.scale))
             key = []
             for k, (xc, _) in enumerate(self.parts):
                 top = xc.bits  # one cell
@@ -263,13 +284,18 @@ class MultiscaleProblem:
             else:
                 Y, Bw = _stack([p[1] for p in parts])
             self._levels[key] = MultiscaleProblem(
-                X,
-                Y,
-                A,
-                Bw,
+                X=X,
+                Y=Y,
+                a=A,
+                b=Bw,
+                cx=A.new_zeros(A.shape),
+                cy=Bw.new_zeros(Bw.shape),
+                c2=self.c2,
+                cost=self.cost,
                 cost_scale=self.cost_scale,
-                truncate=self.truncate,
+                precision=self.precision,
                 backend=self.backend,
+                truncate=self.truncate,
                 parts=parts,
             )
         return self._levels[key]
@@ -313,9 +339,9 @@ class MultiscaleProblem:
         xc, yc = self.parts[k]
         fs, gs = xc.sorted_values(f.to(d)), yc.sorted_values(g.to(d))
         fx, gy = fit_potential(xc, fs), fit_potential(yc, gs)
-        ks = keep_set(xc, fx, yc, gy, eps, self.cost_scale, self.log_tau)
+        ks = keep_set(xc, fx, yc, gy, eps, self.scale, self.log_tau)
         pts = (xc.pts_pad.to(d), yc.pts_pad.to(d))
-        sc = self.cost_scale / eps
+        sc = self.scale / eps
         be = self.backend
         wx, wy = xc.w_pad.to(d), yc.w_pad.to(d)
         lse_r, _ = passes.softmin_pass(
@@ -334,7 +360,7 @@ class MultiscaleProblem:
         # float64's rounding of the exponents (as the dense certificate): every exponent
         # and every bound is known to delta, so the skipped rates grow by e^delta too
         span2 = xc.side**2 * xc.d
-        mag = float(fs.abs().max() + gs.abs().max()) + self.cost_scale * span2
+        mag = float(fs.abs().max() + gs.abs().max()) + self.scale * span2
         delta = 64 * 2.0**-52 * mag / eps
         T = xc.pts_pad.shape[0] // xc.K
         ex = passes.interval_error(
@@ -381,7 +407,7 @@ def _count_cells(cloud: SortedCloud, shift: int) -> int:
 def _prolong_side(P, Q, F, T, damping, side):
     """One side of :meth:`MultiscaleProblem.prolong`: for every point of Q's clouds on
     ``side`` (0: x), its coarse cell in P and the expansion of F there."""
-    s = P.cost_scale
+    s = P.scale
     n = (Q.X if side == 0 else Q.Y).shape[1]
     out = []
     for k in range(len(P.parts)):
