@@ -391,32 +391,34 @@ def _fit_len(t, n):
 
 
 def _stack(clouds: list[SortedCloud]):
-    """Points (B, n_max, D) and weights (B, n_max) of sorted clouds, in their sorted order;
+    """Points (B, n_max, D) and weights (B, n_max) of clouds in their caller's order;
     shorter ones padded with zero-weight copies of their last point."""
     n = max(c.n for c in clouds)
-    pts = [torch.cat([c.pts, c.pts[-1:].expand(n - c.n, -1)]) for c in clouds]
-    ws = [torch.cat([c.w, c.w.new_zeros(n - c.n)]) for c in clouds]
+    pts, ws = [], []
+    for c in clouds:
+        p, w = c.user_values(c.pts_pad), c.user_values(c.w_pad)
+        pts.append(torch.cat([p, p[-1:].expand(n - c.n, -1)]))
+        ws.append(torch.cat([w, w.new_zeros(n - c.n)]))
     return torch.stack(pts), torch.stack(ws)
 
 
 def _count_cells(cloud: SortedCloud, shift: int) -> int:
-    keys = cloud.codes >> (cloud.d * shift)
-    return int((keys[1:] != keys[:-1]).sum()) + 1
+    return int(torch.unique(cloud.codes >> (cloud.d * shift)).numel())
 
 
 def _prolong_side(P, Q, F, T, damping, side):
     """One side of :meth:`MultiscaleProblem.prolong`: for every point of Q's clouds on
-    ``side`` (0: x), its coarse cell in P and the expansion of F there."""
+    ``side`` (0: x), its coarse cell in P and the expansion of F there (all in the
+    levels' caller orders)."""
     s = P.scale
     n = (Q.X if side == 0 else Q.Y).shape[1]
+    PX, QX = (P.X, Q.X) if side == 0 else (P.Y, Q.Y)
     out = []
     for k in range(len(P.parts)):
         pc, qc = P.parts[k][side], Q.parts[k][side]
         idx = cell_index(qc, pc) if pc is not qc else torch.arange(qc.n, device=F.device)
-        c = pc.pts[idx].to(F.dtype)
+        c = PX[k][idx].to(F.dtype)
         grad = (2 * s * damping) * (c - T[k][idx])
-        v = F[k][idx] + (grad * (qc.pts.to(F.dtype) - c)).sum(-1)
-        user = torch.empty_like(v)
-        user[qc.order] = v
-        out.append(_fit_len(user, n))
+        v = F[k][idx] + (grad * (QX[k][: qc.n].to(F.dtype) - c)).sum(-1)
+        out.append(_fit_len(v, n))
     return torch.stack(out)
