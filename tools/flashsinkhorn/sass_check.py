@@ -57,7 +57,7 @@ TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8
 PLAN_APPLY = (128, 64, 8, 3)  # with V, DV <= 64
 PLAN_APPLY_WIDE = (64, 64, 8, 3)  # with V, DV > 64 (256-wide output chunks)
 SELF_TUNE = [(128, 8, 2), (128, 8, 3), (64, 4, 3)]  # (BLOCK, warps, stages)
-SAMPLE_TUNE = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+SAMPLE_TUNE = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 3), (128, 128, 8, 2)]
 
 # kernel name -> role (old names first: the shift kernel was MODE 8 of the variant kernel)
 ROLES = {
@@ -68,6 +68,8 @@ ROLES = {
     "_row_lse_kernel": "second-order-row-lse",
     "_row_apply_kernel": "second-order-row-apply",
     "_softmax_sample_kernel": "sample",
+    "_sample_blocks_kernel": "sample",
+    "_sample_pick_kernel": "sample-pick",
     "_keys_kernel": "sample-keys",
 }
 # constexprs that only selected a mode of a deleted kernel (dropped before comparing)
@@ -183,12 +185,17 @@ def _configs_for(role, constexprs, num_warps, num_stages):
             return [(f"{bm}x{bn}/{w}w/{st}s", dict(BLOCK_M=bm, BLOCK_N=bn), w, st)]
         space = TUNE_SMALL_D if constexprs["NUM_D"] == 1 else TUNE_LARGE_D
         extra = {}
-        if role == "sample":  # the capture ran with TRITON_INTERPRET=1: the GPU's fast log2
+        if role == "sample" and "FAST_LOG2" in constexprs:  # the per-score kernel (<= #30)
             space, extra = SAMPLE_TUNE, dict(FAST_LOG2=True)
+        elif role == "sample":
+            space = SAMPLE_TUNE
         return [(f"{bm}x{bn}/{w}w/{st}s", dict(BLOCK_M=bm, BLOCK_N=bn, **extra), w, st)
                 for bm, bn, w, st in space]  # fmt: skip
     if role == "sample-keys":  # launched at Triton's defaults
         return [("1024/4w/3s", {}, 4, 3)]
+    if role == "sample-pick":  # the GPU's rows and feature chunk (the capture's: the
+        # interpreter's)
+        return [("8 rows/16 features/4w", dict(ROWS=8, BLOCK_D=16), 4, 3)]
     if role == "self-symmetric":
         return [(f"{b}/{w}w/{st}s", dict(BLOCK=b), w, st) for b, w, st in SELF_TUNE]
     # second order: the GPU's fixed 64 x 64 tiles, 4 warps, 2 stages

@@ -291,9 +291,10 @@ def _triton_tool(name):
 _CHILD = r"""
 import json, os, re, subprocess, sys, tempfile
 import torch
+import triton
 from dataclasses import replace
 from flashsinkhorn import _softmin_hopper as H
-tool = os.path.join(os.path.dirname(H.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 res = []
 for D, dt, over, mode in json.loads(sys.argv[1]):
     dtype = getattr(torch, dt)

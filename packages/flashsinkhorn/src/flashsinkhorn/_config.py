@@ -83,10 +83,12 @@ ONE_PASS_MIN_SCORES = 1 << 22
 SYM_TUNE_SMALL_D = [(128, 64, 8, 3), (128, 64, 8, 2)]
 SYM_LARGE_D = (64, 64, 8, 3)
 
-# The plan-sampling pass (flashsinkhorn.sampling): its running best and argmax per tile slot
-# double the accumulator registers, so 32 scores per thread (128 x 64 at 8 warps, 64 x 64 at
-# 4): the 64-per-thread tiles of TUNE_SMALL_D spill there (static sm_90 compile, triton 3.6).
-SAMPLE_TUNE = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+# Plan sampling (flashsinkhorn.sampling): the first level draws a block of SAMPLE_BLOCK
+# global columns per row (a tile of the pass is a block), the second a column inside it.
+# The Triton pass's tiles are (BLOCK_M, SAMPLE_BLOCK); its autotune space (BLOCK_M, _,
+# warps, stages) (the BLOCK_N entry is replaced by SAMPLE_BLOCK).
+SAMPLE_BLOCK = 128
+SAMPLE_TUNE = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 3), (128, 128, 8, 2)]
 
 # Sharded passes (flashsinkhorn.distributed): the column operands of the other ranks stream
 # past this rank's rows in chunks of at most this many bytes (kernel operands, the column

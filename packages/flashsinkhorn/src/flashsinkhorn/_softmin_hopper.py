@@ -50,23 +50,25 @@ from dataclasses import dataclass, replace
 
 import torch
 
-try:  # Gluon ships inside triton (3.6 on the GPU host, 3.9 in CI); the API moved between them
-    import triton
+from flashsinkhorn._gluon_ring import (
+    HAS_GLUON,
+    elem_bytes,
+    one_chunk_width,
+    operand_reason,
+    tma_ready,
+)
+from flashsinkhorn._gluon_ring import compile_gluon_sm90 as compile_gluon_sm90
+
+if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier,
-        tma,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # triton 3.6: tma.async_copy_global_to_shared; 3.9: tma.async_load (the old name raises)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    HAS_GLUON = True
-except Exception:  # pragma: no cover - triton missing or without the Hopper Gluon API
-    HAS_GLUON = False
+    from flashsinkhorn._gluon_ring import issue_tile, load_chunk, load_x, release_tile
 
 __all__ = [
     "HopperConfig",
@@ -74,6 +76,7 @@ __all__ = [
     "default_config",
     "fit_stages",
     "softmin_hopper",
+    "softmin_rows_hopper",
     "unsupported_reason",
     "compile_for_sm90",
     "smem_bytes",
@@ -85,7 +88,6 @@ BLOCK_M = 64  # rows per consumer warpgroup (one wgmma M = 64 per warpgroup)
 CONSUMER_REGS = 232  # per-thread registers of the consumer partitions (setmaxnreg)
 PRODUCER_REGS = 24  # of the TMA producer warp
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KiB)
-MAX_D = 4096
 # the fixed shift aims every row sum at 2^SHIFT_CENTER (as the Triton "shift" variant)
 SHIFT_CENTER = 32.0
 SAFE_LO = 2.0**-60  # below: flushed terms (< 2^-126 each, at most M of them) may matter
@@ -116,13 +118,9 @@ class HopperConfig:
         return 2 * BLOCK_M
 
 
-def _elem_bytes(dtype: torch.dtype) -> int:
-    return 2 if dtype == torch.bfloat16 else 4
-
-
 def smem_bytes(cfg: HopperConfig, D: int, dtype: torch.dtype) -> int:
     """Shared memory of the operand buffers (the compiler adds barriers and alignment)."""
-    e = _elem_bytes(dtype)
+    e = elem_bytes(dtype)
     nk = -(-D // cfg.block_k)
     x_chunks = 2 * nk if cfg.x_resident else cfg.stages * 2
     return (x_chunks * BLOCK_M + cfg.stages * cfg.block_n) * cfg.block_k * e
@@ -134,9 +132,8 @@ def default_config(D: int, dtype: torch.dtype) -> HopperConfig:
     tiles, 4 stages, x resident (d = 64: 1.224 ms tf32, 0.975 bf16); several chunks with x
     resident: 128-wide tiles, ping-pong (d = 512 bf16: 4.12 ms); x streamed: 256-wide tiles,
     ping-pong (d = 512 tf32: 6.92 ms against 8.60 at 128)."""
-    e = _elem_bytes(dtype)
-    atom = 16 if D * e <= 128 else 128 // e  # whole 128-byte swizzle rows beyond 128 bytes
-    one_chunk = -(-D // atom) * atom
+    e = elem_bytes(dtype)
+    one_chunk = one_chunk_width(D)
     if one_chunk * e <= 512:  # d <= 128 fp32, d <= 256 bf16: one chunk per tile, x resident
         return fit_stages(HopperConfig(block_k=one_chunk, stages=4), D, dtype)
     bk = 128 // e  # one 128-byte swizzle row per chunk row
@@ -156,7 +153,7 @@ def fit_stages(cfg: HopperConfig, D: int, dtype: torch.dtype) -> HopperConfig:
 
 
 def _check_config(cfg: HopperConfig, D: int, dtype: torch.dtype) -> None:
-    e = _elem_bytes(dtype)
+    e = elem_bytes(dtype)
     nk = -(-D // cfg.block_k)
     if cfg.block_n not in (128, 256):
         raise ValueError(f"config.block_n must be 128 or 256; got {cfg.block_n}")
@@ -193,31 +190,13 @@ def unsupported_reason(
 ) -> str | None:
     """Why :func:`softmin_hopper` cannot run these operands (None: it can). Cheap (no
     launch, no sync); the dispatcher may call it before trying the kernel."""
-    if not HAS_GLUON:
-        return "triton with the Hopper Gluon API (triton.experimental.gluon) is not installed"
     if v is not None:
         return "the V average (plan application) is not implemented in the Hopper kernel"
     if labels is not None:
         return "the label cost is not implemented in the Hopper kernel"
     if center is not None:
         return "center= is not implemented in the Hopper kernel (pass centered operands)"
-    if precision not in ("tf32", "bf16"):
-        return f"precision {precision!r} is not implemented in the Hopper kernel (tf32, bf16)"
-    want = torch.bfloat16 if precision == "bf16" else torch.float32
-    if x.dtype != want or y.dtype != want:
-        return f"precision {precision!r} needs {want} operands; got {x.dtype} and {y.dtype}"
-    if x.dim() != 3 or y.dim() != 3 or x.shape[0] != y.shape[0] or x.shape[2] != y.shape[2]:
-        return f"x must be (B, N, D) and y (B, M, D); got {tuple(x.shape)} and {tuple(y.shape)}"
-    D = x.shape[2]
-    if (D * _elem_bytes(want)) % 16 or D > MAX_D:
-        return f"D = {D}: TMA needs 16-byte rows ({16 // _elem_bytes(want)} | D), D <= {MAX_D}"
-    if x.shape[1] == 0 or y.shape[1] == 0:
-        return "empty point cloud"
-    if x.device.type != "cuda" or y.device != x.device:
-        return "the Hopper kernel needs both operands on one CUDA device"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        return "the Hopper kernel needs an sm_90 GPU (H100 / H200)"
-    return None
+    return operand_reason(x, y, precision)
 
 
 if HAS_GLUON:
@@ -232,126 +211,6 @@ if HAS_GLUON:
     # (NUM_K, STAGES, NUM_WG, X_RESIDENT, PIPE, PINGPONG, ONLINE, HAS_LSE, COUNT, FALLBACK)
     # The main launch is warp-specialized with NUM_WG = 2 consumers; the FALLBACK launch has
     # one warpgroup that issues its own loads (NUM_WG = 1, no PIPE, no PINGPONG).
-
-    @gluon.constexpr_function
-    def _stage_bytes(y_bytes, x_bytes, num_wg, x_resident):
-        """Bytes one ring stage receives: the y chunk, plus the x chunks when streamed."""
-        return y_bytes if x_resident else y_bytes + num_wg * x_bytes
-
-    @gluon.constexpr_function
-    def _turn_after(num_k, stages):
-        """Chunks a ping-pong consumer issues before the other may start the same tile: the
-        whole tile when its chunks fit the ring, else stages - 1 (the other consumer must
-        start releasing this tile's stages before the ring runs dry, or both wait; checked
-        by tools/flashsinkhorn/hopper_protocol_sim.py)."""
-        return max(1, min(num_k, stages - 1))
-
-    @gluon.jit
-    def _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                    SPEC: gl.constexpr):  # fmt: skip
-        """TMA loads of ring chunk ``t`` (column tile t // NUM_K, feature chunk t % NUM_K)
-        into stage t % STAGES; completion is signalled on that stage's ready barrier."""
-        NUM_K: gl.constexpr = SPEC[0]
-        STAGES: gl.constexpr = SPEC[1]
-        NUM_WG: gl.constexpr = SPEC[2]
-        X_RESIDENT: gl.constexpr = SPEC[3]
-        BN: gl.constexpr = y_desc.block_type.shape[0]
-        BK: gl.constexpr = y_desc.block_type.shape[1]
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        s = t % STAGES
-        j = t // NUM_K
-        k = t % NUM_K
-        bar = ready.index(s)
-        nbytes: gl.constexpr = _stage_bytes(
-            y_desc.block_type.nbytes, x_desc.block_type.nbytes, NUM_WG, X_RESIDENT
-        )
-        mbarrier.expect(bar, nbytes)
-        _tma_load(y_desc, [yrow0 + j * BN, k * BK], bar, y_smem.index(s))
-        if not X_RESIDENT:
-            for w in gl.static_range(NUM_WG):
-                _tma_load(x_desc, [xrow0 + w * BM, k * BK], bar, x_smem.index(s * NUM_WG + w))
-
-    @gluon.jit
-    def _load_x(x_desc, x_smem, x_bar, xrow0, SPEC: gl.constexpr):
-        """The CTA's rows of x, every feature chunk, once (X_RESIDENT)."""
-        NUM_K: gl.constexpr = SPEC[0]
-        NUM_WG: gl.constexpr = SPEC[2]
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        mbarrier.expect(x_bar, NUM_WG * NUM_K * x_desc.block_type.nbytes)
-        for w in gl.static_range(NUM_WG):
-            for k in gl.static_range(NUM_K):
-                _tma_load(x_desc, [xrow0 + w * BM, k * BK], x_bar, x_smem.index(w * NUM_K + k))
-
-    @gluon.jit
-    def _release(t, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
-                 SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
-        """Chunk ``t``'s wgmma has retired: its stage may be refilled. The fallback launch
-        (INLINE_LOADS) issues the refill itself (chunk t + STAGES); the warp-specialized
-        consumers tell the producer through the stage's empty barrier (one arrival per
-        consumer warpgroup)."""
-        STAGES: gl.constexpr = SPEC[1]
-        if INLINE_LOADS:
-            if t + STAGES < total:
-                _load_chunk(t + STAGES, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                            SPEC)  # fmt: skip
-        else:
-            mbarrier.arrive(empty.index(t % STAGES), count=1)
-
-    @gluon.jit
-    def _issue_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, turn, xrow0,
-                    yrow0, SPEC: gl.constexpr, WG: gl.constexpr, MMA: gl.constexpr,
-                    INLINE_LOADS: gl.constexpr, EARLY_RELEASE: gl.constexpr):  # fmt: skip
-        """Issue the async wgmma of column tile ``j`` for this warpgroup's 64 rows, chunk
-        by chunk as the chunks land. EARLY_RELEASE: after each chunk, wait until at most
-        one wgmma is in flight and release the previous chunk's stage (a GEMM main loop);
-        otherwise every chunk stays in flight (the caller waits and releases them).
-        PINGPONG: the two consumers take turns to start a tile (the other may start once
-        TURN_AFTER chunks are issued), so that one's wgmma run while the other does its
-        exps. Returns the in-flight accumulator (BLOCK_M, BN)."""
-        NUM_K: gl.constexpr = SPEC[0]
-        STAGES: gl.constexpr = SPEC[1]
-        NUM_WG: gl.constexpr = SPEC[2]
-        X_RESIDENT: gl.constexpr = SPEC[3]
-        PINGPONG: gl.constexpr = SPEC[5]
-        BN: gl.constexpr = y_desc.block_type.shape[0]
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        TURN_AFTER: gl.constexpr = _turn_after(NUM_K, STAGES)
-        if PINGPONG:
-            # consumer 0 goes first (its first wait passes on the barrier's initial phase)
-            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
-        acc = gl.zeros([BM, BN], gl.float32, MMA)
-        for k in gl.static_range(NUM_K):
-            t = j * NUM_K + k
-            s = t % STAGES
-            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-            if X_RESIDENT:
-                a = x_smem.index(WG * NUM_K + k)
-            else:
-                a = x_smem.index(s * NUM_WG + WG)
-            b = y_smem.index(s).permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
-            if PINGPONG and k == TURN_AFTER - 1:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-            if EARLY_RELEASE and k > 0:
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                _release(t - 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
-                         yrow0, SPEC, INLINE_LOADS)  # fmt: skip
-        return acc
-
-    @gluon.jit
-    def _release_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
-                      SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr,
-                      EARLY_RELEASE: gl.constexpr):  # fmt: skip
-        """Release the stages of tile ``j`` still held after its final wgmma wait."""
-        NUM_K: gl.constexpr = SPEC[0]
-        if EARLY_RELEASE:
-            _release(j * NUM_K + NUM_K - 1, total, x_desc, y_desc, x_smem, y_smem, ready,
-                     empty, xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
-        else:
-            for k in gl.static_range(NUM_K):
-                _release(j * NUM_K + k, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
-                         xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
 
     @gluon.jit
     def _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE: gl.constexpr):
@@ -414,28 +273,28 @@ if HAS_GLUON:
             mbarrier.wait(x_bar, 0)
 
         if PIPE:
-            acc = _issue_tile(0, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
+            acc = issue_tile(0, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                               INLINE_LOADS, False)  # fmt: skip
             S = warpgroup_mma_wait(0, deps=(acc,))
-            _release_tile(0, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
+            release_tile(0, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
             bias = gl.load(bias_row + cols)
             for j in range(n_tiles - 1):
                 # tile j + 1 goes to the tensor cores, then tile j's exps run meanwhile
-                acc = _issue_tile(j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
+                acc = issue_tile(j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                                   INLINE_LOADS, False)  # fmt: skip
                 bias_next = gl.load(bias_row + (j + 1) * BN + cols)
                 l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
                 S = warpgroup_mma_wait(0, deps=(acc,))
-                _release_tile(j + 1, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
+                release_tile(j + 1, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
                 bias = bias_next
             l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
         else:
             for j in range(n_tiles):
-                acc = _issue_tile(j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
+                acc = issue_tile(j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
                                   INLINE_LOADS, EARLY)  # fmt: skip
                 bias = gl.load(bias_row + j * BN + cols)
                 S = warpgroup_mma_wait(0, deps=(acc,))
-                _release_tile(j, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, EARLY)
+                release_tile(j, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, EARLY)
                 l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
 
         # epilogue: lse2, out, and (shift mode) which rows the fallback launch must redo
@@ -468,12 +327,12 @@ if HAS_GLUON:
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         if SPEC[3]:  # X_RESIDENT
-            _load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
+            load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
         for t in range(n_tiles * NUM_K):
             s = t % STAGES
             # mbarriers start in the completed state of phase "-1": the first round passes
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
+            load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
 
     @gluon.jit
     def _softmin_sm90_kernel(
@@ -532,13 +391,13 @@ if HAS_GLUON:
                 )  # fmt: skip
             else:
                 # one warpgroup: x and the first STAGES chunks now, each refill as soon as
-                # the wgmma that read the stage has retired (in _release)
+                # the wgmma that read the stage has retired (in release)
                 if X_RESIDENT:
-                    _load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
+                    load_x(x_desc, x_smem, x_bar, xrow0, SPEC)
                 total = n_tiles * NUM_K
                 for t in gl.static_range(STAGES):
                     if t < total:
-                        _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
+                        load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
                 _consumer(args, SPEC, 0, True)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(i))
@@ -562,7 +421,7 @@ def _descriptors(x2, y2, cfg: HopperConfig):
 
 
 def _spec(cfg: HopperConfig, D: int, online, has_lse, count, fallback_pass):
-    """The kernel's SPEC constexpr tuple (see the comment above _stage_bytes): the main
+    """The kernel's SPEC constexpr tuple (see the comment above stage_bytes): the main
     launch has two consumers, the fallback launch one warpgroup without pipe or turns."""
     nk = -(-D // cfg.block_k)
     num_wg = 1 if fallback_pass else 2
@@ -581,12 +440,6 @@ def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_t
         N, M, Mpad, n_tiles, float(dot_scale), float(eps_ln2), float(damping),
         SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), num_warps=4,
     )  # fmt: skip
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned base (TMA descriptors need both)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def softmin_hopper(
@@ -635,8 +488,8 @@ def softmin_hopper(
     _check_config(cfg, D, x.dtype)
     dev = x.device
     f32 = torch.float32
-    x2 = _tma_ready(x).view(B * N, D)
-    y2 = _tma_ready(y).view(B * M, D)
+    x2 = tma_ready(x).view(B * N, D)
+    y2 = tma_ready(y).view(B * M, D)
     n_tiles = -(-M // cfg.block_n)
     Mpad = n_tiles * cfg.block_n
     # fused column bias (log2 units), padded with -inf to whole tiles: the padding columns
@@ -662,6 +515,34 @@ def softmin_hopper(
                     M, Mpad, n_tiles, D, dot_scale, eps_ln2, damping, cfg, online=True,
                     has_lse=want_lse, count=False, fallback_pass=True)  # fmt: skip
     return out, (lse if want_lse else None)
+
+
+def softmin_rows_hopper(x, y, g, logb, cx, cy, *, eps, c2, damping, precision, flags, out):
+    """Recompute, in place in ``out`` (B, N), the rows of a pass whose ``flags`` (B, N) are
+    nonzero: the fallback launch alone (one warpgroup per 64 rows with the online max; row
+    blocks without a flagged row exit after reading their flags, no host sync). Operands
+    as :func:`softmin_hopper`; the one passes' exact recomputation of the rows and columns
+    whose sums left the safe range (``primitives.symmetric_update``, the self update)."""
+    reason = unsupported_reason(x, y, precision)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    B, N, D = x.shape
+    M = y.shape[1]
+    cfg = default_config(D, x.dtype)
+    f32 = torch.float32
+    n_tiles = -(-M // cfg.block_n)
+    Mpad = n_tiles * cfg.block_n
+    bias = torch.full((B, Mpad), float("-inf"), device=x.device, dtype=f32)
+    torch.sub(g.to(f32), cy.to(f32), out=bias[:, :M]).mul_(LOG2E / eps)
+    bias[:, :M].add_(logb.to(f32), alpha=LOG2E)
+    cx = cx.to(f32).contiguous()
+    flags = flags.to(torch.int8).contiguous()
+    x2, y2 = tma_ready(x).view(B * N, D), tma_ready(y).view(B * M, D)
+    with torch.cuda.device(x.device):
+        _launch((-(-N // BLOCK_M), B), x2, y2, bias, cx, cx, out, out, flags, out, N, M, Mpad,
+                n_tiles, D, c2 * LOG2E / eps, eps * LN2, damping, cfg, online=True,
+                has_lse=False, count=False, fallback_pass=True)  # fmt: skip
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -696,22 +577,3 @@ def compile_for_sm90(
     args = (x_desc, y_desc, f, f, f, f, f, i8, i32, rows, rows, rows, 2, 1.0, 1.0, 1.0)
     kwargs = dict(SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), num_warps=4)
     return compile_gluon_sm90(_softmin_sm90_kernel, args, kwargs)
-
-
-def compile_gluon_sm90(fn, args, kwargs):
-    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90 as a launch with ``args`` /
-    ``kwargs`` would specialize it (CPU tensors: only dtypes and alignment matter)."""
-    if not HAS_GLUON:
-        raise NotImplementedError("triton with the Hopper Gluon API is not installed")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=target, options=options.__dict__)

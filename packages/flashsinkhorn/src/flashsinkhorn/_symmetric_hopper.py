@@ -32,15 +32,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashsinkhorn._softmin_hopper import (
+from flashsinkhorn._gluon_ring import (
     HAS_GLUON,
-    LOG2E,
-    SMEM_LIMIT,
-    _elem_bytes,
-    _tma_ready,
     compile_gluon_sm90,
-    unsupported_reason,
+    elem_bytes,
+    one_chunk_width,
+    tma_ready,
 )
+from flashsinkhorn._softmin_hopper import LOG2E, SMEM_LIMIT, unsupported_reason
 from flashsinkhorn._symmetric_triton import column_chunk
 
 if HAS_GLUON:
@@ -53,7 +52,7 @@ if HAS_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashsinkhorn._softmin_hopper import _tma_load, _turn_after
+    from flashsinkhorn._gluon_ring import tma_load, turn_after
 
 __all__ = [
     "SymmetricConfig",
@@ -61,6 +60,7 @@ __all__ = [
     "symmetric_sums_hopper",
     "unsupported_reason",
     "compile_symmetric_for_sm90",
+    "self_sums_hopper",
 ]
 
 ROWS = 128  # rows of x per CTA (the wgmma N, shared by the two consumers)
@@ -86,16 +86,15 @@ def smem_bytes(cfg: SymmetricConfig, D: int, dtype: torch.dtype) -> int:
     """Shared memory of the operand buffers (the compiler adds barriers and alignment)."""
     nk = -(-D // cfg.block_k)
     x_chunks = nk if cfg.x_resident else cfg.stages
-    return (x_chunks * ROWS + cfg.stages * COLS) * cfg.block_k * _elem_bytes(dtype)
+    return (x_chunks * ROWS + cfg.stages * COLS) * cfg.block_k * elem_bytes(dtype)
 
 
 def default_symmetric_config(D: int, dtype: torch.dtype) -> SymmetricConfig:
     """The softmin pass's regimes (``_softmin_hopper.default_config``, measured there) with
     128 rows of x per CTA: one feature chunk per tile, 4 stages, x resident; several chunks:
     128-byte chunk rows, ping-pong turns, x resident while 4 stages fit beside it."""
-    e = _elem_bytes(dtype)
-    atom = 16 if D * e <= 128 else 128 // e
-    one_chunk = -(-D // atom) * atom
+    e = elem_bytes(dtype)
+    one_chunk = one_chunk_width(D)
     if one_chunk * e <= 512:
         return _fit(SymmetricConfig(block_k=one_chunk, stages=4), D, dtype)
     cfg = SymmetricConfig(block_k=128 // e, stages=8, pingpong=True, x_resident=True)
@@ -111,7 +110,7 @@ def _fit(cfg, D, dtype):
 
 
 def _check_config(cfg: SymmetricConfig, D: int, dtype: torch.dtype) -> None:
-    row = cfg.block_k * _elem_bytes(dtype)
+    row = cfg.block_k * elem_bytes(dtype)
     nk = -(-D // cfg.block_k)
     if cfg.block_k % 16 or row < 32 or cfg.block_k > 256 or (row > 128 and row % 128):
         raise ValueError(
@@ -133,7 +132,7 @@ if HAS_GLUON:
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
-    # SPEC: (NUM_K, STAGES, X_RESIDENT, PIPE, PINGPONG), one constexpr tuple
+    # SPEC: (NUM_K, STAGES, X_RESIDENT, PIPE, PINGPONG, SELF), one constexpr tuple
 
     @gluon.constexpr_function
     def _stage_bytes(y_bytes, x_bytes, x_resident):
@@ -159,9 +158,9 @@ if HAS_GLUON:
         )
         mbarrier.expect(bar, nbytes)
         for w in gl.static_range(2):
-            _tma_load(y_desc, [yrow0 + (2 * j + w) * BOXM, k * BK], bar, y_smem.index(2 * s + w))
+            tma_load(y_desc, [yrow0 + (2 * j + w) * BOXM, k * BK], bar, y_smem.index(2 * s + w))
         if not X_RESIDENT:
-            _tma_load(x_desc, [xrow0, k * BK], bar, x_smem.index(s))
+            tma_load(x_desc, [xrow0, k * BK], bar, x_smem.index(s))
 
     @gluon.jit
     def _issue_tile(j, x_smem, y_smem, ready, empty, turn, SPEC: gl.constexpr,
@@ -175,7 +174,7 @@ if HAS_GLUON:
         STAGES: gl.constexpr = SPEC[1]
         X_RESIDENT: gl.constexpr = SPEC[2]
         PINGPONG: gl.constexpr = SPEC[4]
-        TURN_AFTER: gl.constexpr = _turn_after(NUM_K, STAGES)
+        TURN_AFTER: gl.constexpr = turn_after(NUM_K, STAGES)
         if PINGPONG:
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         acc = gl.zeros([BOXM, XR], gl.float32, MMA)
@@ -221,6 +220,17 @@ if HAS_GLUON:
         return racc, gl.sum(p, 1)
 
     @gluon.jit
+    def _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, j, SELF: gl.constexpr):
+        """A tile's column sums: this CTA's partial sums of the chunk (no atomics), or
+        (SELF, the debiasing terms: x against itself, tiles J >= I of row block I) added
+        to those columns' row sums, except on the diagonal tile (its rows' sums have
+        them)."""
+        if SELF:
+            gl.atomic_add(rsum_ptr + b * N + cols, csum, mask=(cols < c1) & (j > 0))
+        else:
+            gl.store(part_row + cols, csum, mask=cols < c1)
+
+    @gluon.jit
     def _consumer(args, SPEC: gl.constexpr, WG: gl.constexpr):
         """One consumer's pass over the chunk's tiles (its 64-column half of each), then
         its partial row sums."""
@@ -229,6 +239,7 @@ if HAS_GLUON:
          dot_scale) = args  # fmt: skip
         X_RESIDENT: gl.constexpr = SPEC[2]
         PIPE: gl.constexpr = SPEC[3]
+        SELF: gl.constexpr = SPEC[5]
         EARLY: gl.constexpr = not PIPE
         BOXM: gl.constexpr = y_desc.block_type.shape[0]
         XR: gl.constexpr = x_desc.block_type.shape[0]
@@ -265,13 +276,13 @@ if HAS_GLUON:
                 cb = gl.load(cb_row + cols, mask=cols < c1, other=float("-inf"))
                 racc, csum = _tile_sums(T, rbp, racc)
                 cols = yc + j * (2 * BOXM)
-                gl.store(part_row + cols, csum, mask=cols < c1)
+                _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, j, SELF)
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j + 1, empty, SPEC, False)
                 T = S * dot_scale + gl.expand_dims(cb, 1)
             racc, csum = _tile_sums(T, rbp, racc)
             cols = yc + (n_tiles - 1) * (2 * BOXM)
-            gl.store(part_row + cols, csum, mask=cols < c1)
+            _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, n_tiles - 1, SELF)
         else:
             for j in range(n_tiles):
                 acc = _issue_tile(j, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA, EARLY,
@@ -281,13 +292,16 @@ if HAS_GLUON:
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 _release_tile(j, empty, SPEC, EARLY)
                 racc, csum = _tile_sums(S * dot_scale + gl.expand_dims(cb, 1), rbp, racc)
-                gl.store(part_row + cols, csum, mask=cols < c1)
+                _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, j, SELF)
 
         # this consumer's row sums over the chunk, added to its own slice of (2, B, N)
         rs = gl.convert_layout(gl.sum(gl.sum(racc, 1), 0), XROW)  # lanes, then warps
-        out = rsum_ptr + (WG * gl.num_programs(1) + b) * N + xr
-        old = gl.load(out, mask=xr < N, other=0.0)
-        gl.store(out, old + rs, mask=xr < N)
+        if SELF:  # other CTAs add these rows' column sums
+            gl.atomic_add(rsum_ptr + b * N + xr, rs, mask=xr < N)
+        else:
+            out = rsum_ptr + (WG * gl.num_programs(1) + b) * N + xr
+            old = gl.load(out, mask=xr < N, other=0.0)
+            gl.store(out, old + rs, mask=xr < N)
 
     @gluon.jit
     def _producer(args, SPEC: gl.constexpr, WG: gl.constexpr):
@@ -302,7 +316,7 @@ if HAS_GLUON:
             BK: gl.constexpr = x_desc.block_type.shape[1]
             mbarrier.expect(x_bar, NUM_K * x_desc.block_type.nbytes)
             for k in gl.static_range(NUM_K):
-                _tma_load(x_desc, [xrow0, k * BK], x_bar, x_smem.index(k))
+                tma_load(x_desc, [xrow0, k * BK], x_bar, x_smem.index(k))
         for t in range(n_tiles * NUM_K):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -319,6 +333,9 @@ if HAS_GLUON:
         XR: gl.constexpr = x_desc.block_type.shape[0]
         b = gl.program_id(1).to(gl.int64)
         row0 = gl.program_id(0) * XR
+        if SPEC[5]:  # SELF: row block I against the column tiles J >= I of the same cloud
+            c0 = row0
+            n_tiles = (N - row0 + XR - 1) // XR
         xrow0 = (b * N + row0).to(gl.int32)
         yrow0 = (b * M + c0).to(gl.int32)
         if X_RESIDENT:
@@ -370,9 +387,9 @@ def _descriptors(x2, y2, cfg: SymmetricConfig):
     return x_desc, y_desc
 
 
-def _spec(cfg: SymmetricConfig, D: int):
+def _spec(cfg: SymmetricConfig, D: int, self_pass: bool = False):
     nk = -(-D // cfg.block_k)
-    return (nk, cfg.stages, cfg.x_resident, nk == 1, cfg.pingpong)
+    return (nk, cfg.stages, cfg.x_resident, nk == 1, cfg.pingpong, self_pass)
 
 
 def symmetric_sums_hopper(x, y, rb, cb, *, eps, c2, precision, config=None, chunk=None):
@@ -390,7 +407,7 @@ def symmetric_sums_hopper(x, y, rb, cb, *, eps, c2, precision, config=None, chun
     cfg = config or default_symmetric_config(D, x.dtype)
     _check_config(cfg, D, x.dtype)
     dev, f32 = x.device, torch.float32
-    x_desc, y_desc = _descriptors(_tma_ready(x).view(B * N, D), _tma_ready(y).view(B * M, D), cfg)
+    x_desc, y_desc = _descriptors(tma_ready(x).view(B * N, D), tma_ready(y).view(B * M, D), cfg)
     NB = -(-N // ROWS)
     W = chunk or column_chunk(NB, B, M, COLS)
     if W % COLS:
@@ -414,7 +431,38 @@ def symmetric_sums_hopper(x, y, rb, cb, *, eps, c2, precision, config=None, chun
     return rsum.sum(0), csum
 
 
-def compile_symmetric_for_sm90(D: int, dtype=torch.float32, config=None):
+def self_sums_hopper(x, rb, *, eps, c2, precision, config=None):
+    """Row sums ``R (B, N)`` of ``exp2(c2 log2e / eps <x_i, x_j> + rb_i + rb_j)`` on sm_90:
+    the debiasing (self-transport) update's one pass. The plan of x against itself is
+    symmetric: row block I streams only the column tiles J >= I (one CTA per row block,
+    the longest first) and each tile J > I gives the rows of I their sums and, from the
+    same exps, the rows of J theirs (fp32 atomics; the diagonal tile gives its rows only):
+    N^2 / 2 scores instead of N^2. Arguments as :func:`symmetric_sums_hopper`."""
+    reason = unsupported_reason(x, x, precision)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite positive number; got {eps}")
+    B, N, D = x.shape
+    cfg = config or default_symmetric_config(D, x.dtype)
+    _check_config(cfg, D, x.dtype)
+    dev, f32 = x.device, torch.float32
+    x2 = tma_ready(x).view(B * N, D)
+    x_desc, y_desc = _descriptors(x2, x2, cfg)
+    NB = -(-N // ROWS)
+    NP = NB * ROWS
+    rbp = torch.full((B, NP), float("-inf"), device=dev, dtype=f32)
+    rbp[:, :N] = rb
+    rsum = torch.zeros((B, N), device=dev, dtype=f32)
+    with torch.cuda.device(dev):
+        _symmetric_sm90_kernel[(NB, B)](
+            x_desc, y_desc, rbp, rbp[:, :N].contiguous(), rsum, rsum, N, NP, N, 0, N, COLS, NB,
+            NB, float(c2 * LOG2E / eps), SPEC=_spec(cfg, D, True), num_warps=4,
+        )  # fmt: skip
+    return rsum
+
+
+def compile_symmetric_for_sm90(D: int, dtype=torch.float32, config=None, self_pass=False):
     """The kernel compiled for sm_90 without a GPU (``.asm``, ``.metadata``): CPU tests and
     the check script read its resources and SASS."""
     if not HAS_GLUON:
@@ -426,4 +474,5 @@ def compile_symmetric_for_sm90(D: int, dtype=torch.float32, config=None):
                                   torch.zeros(rows, D, dtype=dtype), cfg)  # fmt: skip
     f = torch.zeros(rows, dtype=torch.float32)
     args = (x_desc, y_desc, f, f, f, f, rows, rows, rows, 0, rows, rows, 2, 2, 1.0)
-    return compile_gluon_sm90(_symmetric_sm90_kernel, args, dict(SPEC=_spec(cfg, D), num_warps=4))
+    kwargs = dict(SPEC=_spec(cfg, D, self_pass), num_warps=4)
+    return compile_gluon_sm90(_symmetric_sm90_kernel, args, kwargs)

@@ -46,7 +46,7 @@ from flashsinkhorn.primitives import check_precision, problem_backend, resolve_b
 from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2
 from flashsinkhorn.result import SinkhornResult
-from flashsinkhorn.sampling import softmax_sample
+from flashsinkhorn.sampling import BLOCK, DrawMerger, row_keys, sample_chunk
 from flashsinkhorn.streaming import StreamingProblem
 
 try:
@@ -437,15 +437,21 @@ class ShardedProblem(StreamingProblem):
         )
         return StreamingProblem.dense_plan(self, f, g, eps, columns=cols)
 
-    def sample_rows(self, g, eps, seed):
-        """:func:`flashsinkhorn.sample_plan` for this rank's rows: global column indices."""
+    def sample_rows(self, g, eps, seed, guess=None):
+        """:func:`flashsinkhorn.sample_plan` for this rank's rows: global column indices.
+        The column chunks' draws are merged in column order (blocks cut by a chunk boundary
+        assembled first): the same draws as one process. ``guess`` (the whole row's) is not
+        a chunk's: unused."""
         h = (g - self.cy) + eps * self.logb
         row0 = self.comm.offsets[self.keys[0]][self.comm.rank]
-        acc = {}
+        M = sum(self.comm.sizes[self.keys[1]])
+        B, n = self.Xk.shape[0], self.Xk.shape[1]
+        merger = DrawMerger(row_keys(B, n, seed, row0, self.Xk.device), seed)
 
         def consume(col0, cols_c, h_c, _):
             z = torch.zeros_like(h_c)
-            j, score = softmax_sample(
+            c1 = col0 + h_c.shape[1]
+            draw = sample_chunk(
                 self.Xk,
                 cols_c,
                 h_c,
@@ -458,17 +464,13 @@ class ShardedProblem(StreamingProblem):
                 backend=self.backend,
                 row_offset=row0,
                 col_offset=col0,
-                return_score=True,
+                first_complete=col0 % BLOCK == 0,
+                last_complete=c1 % BLOCK == 0 or c1 == M,
             )
-            if not acc:
-                acc.update(j=j, score=score)
-            else:  # the larger perturbed score wins; ties keep the earlier (smaller) column
-                better = score > acc["score"]
-                acc["j"] = torch.where(better, j, acc["j"])
-                acc["score"] = torch.where(better, score, acc["score"])
+            merger.add(draw)
 
         self.comm.for_each_chunk(self.keys[1], self.Yk, h, None, consume)
-        return acc["j"]
+        return merger.result()[0]
 
 
 # ----------------------------------------------------------------------------------------

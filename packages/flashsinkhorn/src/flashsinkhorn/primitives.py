@@ -17,9 +17,10 @@ Backends:
   ``TRITON_INTERPRET=1`` was set before Python started: CI runs them that way);
 - ``"torch"``: a blockwise pure-torch path (row blocks against all columns), any device and
   dtype (float64 included), same math;
-- ``"auto"``: the Triton kernels on CUDA, and on sm_90 GPUs (H100 / H200) the Gluon kernel
-  of ``_softmin_hopper`` for the iteration passes it supports (no ``v``, labels or
-  ``center``; tf32 / bf16; at least ``_config.SM90_MIN_SCORES`` scores); torch otherwise.
+- ``"auto"``: the Triton kernels on CUDA, and on sm_90 GPUs (H100 / H200) the Gluon kernels
+  for the passes they support (no labels or ``center``; tf32 / bf16; at least
+  ``_config.SM90_MIN_SCORES`` scores): ``_softmin_hopper`` for the iteration passes,
+  ``_plan_hopper`` for the passes with ``v``; torch otherwise.
 
 Precision of the dot product (triton backend): ``"tf32"`` (default), ``"ieee"`` (full fp32),
 ``"tf32x3"``, or ``"bf16"`` (operands in bfloat16, fp32 accumulation); everything else is
@@ -29,10 +30,11 @@ fp32. The float64 references are in :mod:`flashsinkhorn.reference`.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
-from flashsinkhorn import _config, _softmin_hopper, _symmetric_hopper
+from flashsinkhorn import _config, _plan_hopper, _softmin_hopper, _symmetric_hopper
 from flashsinkhorn._softmin_triton import (
     HAS_TRITON,
     self_softmin_triton,
@@ -126,7 +128,38 @@ def sm90_pass_reason(x, y, precision, v=None, labels=None, center=None) -> str |
     B, N, _ = x.shape
     if B * N * y.shape[1] < _config.SM90_MIN_SCORES:
         return f"fewer than {_config.SM90_MIN_SCORES} scores (_config.SM90_MIN_SCORES)"
+    if v is not None and labels is None and center is None:
+        return _plan_hopper.plan_reason(x, y, v, precision)
     return _softmin_hopper.unsupported_reason(x, y, precision, v=v, labels=labels, center=center)
+
+
+# sm_90 kernels that raised on this host (a compile error of its triton, say): the kernel
+# and the error, then the portable kernel for the rest of the process (sm90_call)
+SM90_FAILED: dict[str, str] = {}
+
+
+def sm90_call(kernel: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (an sm_90 Gluon launcher), or None where the caller runs the
+    portable kernel instead: the launcher declines the inputs (``NotImplementedError``), or
+    ``kernel`` (a name with the compile-time mode, e.g. ``"plan d=64 dv=64 float32"``)
+    raised once before in this process. Any other exception (a Gluon compile error on this
+    host's triton) is recorded in :data:`SM90_FAILED`, warned about once and answered with
+    None: the result then comes from the Triton kernel, which the GPU tests compare with."""
+    if kernel in SM90_FAILED:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure of the optional kernel
+        SM90_FAILED[kernel] = f"{type(e).__name__}: {str(e)[:2000]}"
+        warnings.warn(
+            f"flashsinkhorn: the sm_90 kernel '{kernel}' failed ({type(e).__name__}: "
+            f"{str(e)[:300]}); the portable Triton kernel runs instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def _triton_pass(
@@ -135,24 +168,34 @@ def _triton_pass(
 ):  # fmt: skip
     """The one place where the kernel of a softmin pass on the Triton backend is chosen.
 
-    ``backend="auto"`` on an sm_90 GPU: the Gluon kernel of ``_softmin_hopper`` for the
-    passes it supports (:func:`sm90_pass_reason`), the Triton kernel if it declines
-    (``NotImplementedError``). Otherwise the portable kernels of ``_softmin_triton``: the
-    shift kernel when ``guess`` is given and there is no ``v`` (the Sinkhorn loops'
-    passes), the running-max kernel otherwise (cold start, plan application).
+    ``backend="auto"`` on an sm_90 GPU: the Gluon kernels for the passes they support
+    (:func:`sm90_pass_reason`), ``_plan_hopper`` with ``v`` and ``_softmin_hopper``
+    without, the Triton kernel if they decline or fail (:func:`sm90_call`). Otherwise the
+    portable kernels of ``_softmin_triton``: the shift kernel when ``guess`` is given and
+    there is no ``v`` (the Sinkhorn loops' passes), the running-max kernel otherwise (cold
+    start, plan application).
     """
-    if backend == "auto" and v is None and labels is None and center is None and x.is_cuda:
+    if backend == "auto" and labels is None and center is None and x.is_cuda:
         kdt = torch.bfloat16 if precision == "bf16" else torch.float32
         xk, yk = x.to(kdt), y.to(kdt)
         if sm90_pass_reason(xk, yk, precision) is None:
-            try:
-                out, lse2 = _softmin_hopper.softmin_hopper(
-                    xk, yk, g, logb, cx, cy, eps=eps, c2=c2, damping=damping,
-                    precision=precision, want_lse=want_lse, guess=guess,
+            D, mode = x.shape[2], f"{kdt}".replace("torch.", "")
+            if v is not None:
+                res = sm90_call(
+                    f"plan d={D} dv={v.shape[2]} {mode}", _plan_hopper.plan_hopper, xk, yk, v,
+                    g, logb, cx, cy, eps=eps, c2=c2, damping=damping, precision=precision,
+                    want_lse=want_lse, guess=guess,
                 )  # fmt: skip
-                return out, lse2, None
-            except NotImplementedError:
-                pass
+                if res is not None:
+                    return res
+            else:
+                res = sm90_call(
+                    f"softmin d={D} {mode}", _softmin_hopper.softmin_hopper, xk, yk, g, logb,
+                    cx, cy, eps=eps, c2=c2, damping=damping, precision=precision,
+                    want_lse=want_lse, guess=guess,
+                )  # fmt: skip
+                if res is not None:
+                    return res[0], res[1], None
     return softmin_triton(
         x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
         guess,
@@ -251,7 +294,8 @@ def softmin(
             being updated). On the triton backend without ``v`` it selects the shift
             kernel, which uses it as a fixed per-row shift instead of a running max; the
             result is exact whatever the guess (rows it does not fit are recomputed with
-            the running max in the same kernel). Ignored otherwise.
+            the running max in the same kernel). With ``v`` on sm_90 (``backend="auto"``) the
+            Gluon plan application uses it the same way. Ignored otherwise.
 
     Returns:
         ``(out, lse2_or_None, vbar_or_None)``; ``out = damping * softmin_j(...)`` (B, N).
@@ -293,9 +337,11 @@ def plan_apply(
     row_sums (B, N))`` where ``row_sums = P @ 1``.
     """
     logb = torch.log(b)
+    # f is the c-transform of g where (f, g) solve the problem: the sm_90 kernel's shift
+    # (exact whatever f: rows it does not fit are recomputed)
     _, lse2, vbar = softmin(
         x, y, g, logb, cx, cy, eps=eps, c2=c2, v=v, labels=labels, precision=precision,
-        backend=backend, want_lse=True,
+        backend=backend, want_lse=True, guess=f,
     )  # fmt: skip
     dt = vbar.dtype
     # log row sum = log a_i + (f_i - cx_i)/eps + ln2 * lse2_i
@@ -336,10 +382,11 @@ def self_softmin(
     if backend == "auto" and center is None and be == "triton":
         xk = x.to(kdt)
         if sm90_pass_reason(xk, xk, precision) is None:
-            # sm_90: the plain Gluon pass in shift mode (the current potential as guess:
-            # no host sync) is predicted faster than the Triton symmetric kernel at every
-            # measured size (one pass 1.22 ms at 50k, d = 64, H200 call 1, against 2.21 ms
-            # for the Triton symmetric kernel in run 3)
+            # sm_90: the symmetric Gluon kernel (each tile pair once, rows and columns from
+            # one exp: N^2 / 2 scores); if it fails, the plain Gluon pass in shift mode
+            ft = _self_update_sm90(xk, loga, f, cx, eps, c2, damping, precision)
+            if ft is not None:
+                return ft
             return softmin(
                 xk, xk, f, loga, cx, cx, eps=eps, c2=c2, damping=damping,
                 precision=precision, backend=backend, guess=f,
@@ -355,6 +402,30 @@ def self_softmin(
             backend=backend, center=center,
         )[0]  # fmt: skip
     return self_softmin_triton(x, A, cx, eps, c2, damping, precision, center)
+
+
+def _self_update_sm90(xk, loga, f, cx, eps, c2, damping, precision):
+    """The self-transport update on the sm_90 symmetric kernel (``self_sums_hopper``), or
+    None if it failed. The math of :func:`symmetric_update` with y = x: row sums of
+    ``exp2(q_ij + rb_i + rb_j)`` with the shift ``sigma`` putting a mean weight's sum at
+    2^SHIFT_CENTER; rows whose sum left the safe range recomputed exactly."""
+    f32 = torch.float32
+    loga, f, cx = loga.to(f32), f.to(f32), cx.to(f32)
+    N = xk.shape[1]
+    mean_w = torch.logsumexp(loga, -1) - math.log(N)
+    sigma = torch.nan_to_num(_config.SHIFT_CENTER - LOG2E * mean_w, 0.0, 0.0, 0.0)
+    half = (0.5 * sigma)[:, None]
+    rb = (loga + (f - cx) / eps) * LOG2E + half
+    rsum = sm90_call(
+        f"self d={xk.shape[2]} {precision}", _symmetric_hopper.self_sums_hopper, xk, rb,
+        eps=eps, c2=c2, precision=precision,
+    )  # fmt: skip
+    if rsum is None:
+        return None
+    ft = damping * (cx - (eps * LN2) * (torch.log2(rsum) - rb - half))
+    bad = ((rsum >= _config.SHIFT_LO) & (rsum <= _FLT_MAX)).logical_not_()
+    _recompute_rows(xk, xk, f, loga, cx, cx, eps, c2, damping, precision, bad, ft, True)
+    return ft
 
 
 def one_pass_reason(x, y, labels, backend) -> str | None:
@@ -452,13 +523,14 @@ def symmetric_update(
     cb = (logb + (g - cy) / eps) * LOG2E + half
     rsum = None
     if backend == "auto" and _symmetric_hopper.unsupported_reason(xk, yk, precision) is None:
-        try:  # the sm_90 Gluon kernel (CUDA, tf32 / bf16, 16-byte rows)
-            rsum, csum = _symmetric_hopper.symmetric_sums_hopper(
-                xk, yk, rb, cb, eps=eps, c2=c2, precision=precision
-            )
+        # the sm_90 Gluon kernel (CUDA, tf32 / bf16, 16-byte rows)
+        res = sm90_call(
+            f"symmetric d={x.shape[2]} {precision}", _symmetric_hopper.symmetric_sums_hopper,
+            xk, yk, rb, cb, eps=eps, c2=c2, precision=precision,
+        )  # fmt: skip
+        if res is not None:
+            rsum, csum = res
             stats["kernel"] = "one pass (sm_90 Gluon)"
-        except NotImplementedError:
-            rsum = None
     if rsum is None:
         rsum, csum = symmetric_sums_triton(xk, yk, rb, cb, eps=eps, c2=c2, precision=precision)
         stats["kernel"] = "one pass (Triton)"
@@ -468,9 +540,25 @@ def symmetric_update(
     bad_r = ((rsum >= _config.SHIFT_LO) & (rsum <= _FLT_MAX)).logical_not_()
     bad_c = ((csum >= _config.SHIFT_LO) & (csum <= _FLT_MAX)).logical_not_()
     stats["rows_recomputed"], stats["cols_recomputed"] = bad_r.sum(), bad_c.sum()
-    sweep = x.device.type != "cpu"  # on CPU (the interpreter) a host check is free
-    if sweep or bool(bad_r.any()):
-        softmin_rows_triton(xk, yk, g, logb, cx, cy, eps, c2, damping_x, precision, bad_r, ft)
-    if sweep or bool(bad_c.any()):
-        softmin_rows_triton(yk, xk, f, loga, cy, cx, eps, c2, damping_y, precision, bad_c, gt)
+    gluon = stats["kernel"] == "one pass (sm_90 Gluon)"
+    _recompute_rows(xk, yk, g, logb, cx, cy, eps, c2, damping_x, precision, bad_r, ft, gluon)
+    _recompute_rows(yk, xk, f, loga, cy, cx, eps, c2, damping_y, precision, bad_c, gt, gluon)
     return ft, gt
+
+
+def _recompute_rows(xk, yk, g, logb, cx, cy, eps, c2, damping, precision, bad, out, gluon):
+    """The rows of a one pass whose sums left the safe range, recomputed in place in
+    ``out`` with the running max: on sm_90 the Gluon pass's fallback launch (``gluon``),
+    else the Triton kernel. On CUDA always launched (blocks without a flagged row exit at
+    once: no host sync); on CPU (the interpreter) only when a row is flagged."""
+    if xk.device.type == "cpu" and not bool(bad.any()):
+        return
+    if gluon:
+        res = sm90_call(
+            f"softmin rows d={xk.shape[2]} {precision}", _softmin_hopper.softmin_rows_hopper,
+            xk, yk, g, logb, cx, cy, eps=eps, c2=c2, damping=damping, precision=precision,
+            flags=bad, out=out,
+        )  # fmt: skip
+        if res is not None:
+            return
+    softmin_rows_triton(xk, yk, g, logb, cx, cy, eps, c2, damping, precision, bad, out)

@@ -18,7 +18,9 @@ a device, a layout) is a subclass that implements them:
 - ``sym_update(f, g, eps, damping_x, damping_y) -> (f_new, g_new)``: both updates of a
   symmetric iteration from the old potentials (one pass where the backend can);
 - ``self_update(f, eps, damping)``: the update of a self problem (x against itself);
-- ``sample_rows(g, eps, seed)``: one column index per row, drawn from its row of the plan;
+- ``sample_rows(g, eps, seed, guess=None)``: one column index per row, drawn from its row
+  of the plan; ``guess`` an estimate of the rows' ``-eps`` LogSumExp of the scores (without
+  ``cx``) a backend may use (``f - cx`` of a solved problem);
 - ``total(t)`` / ``peak(t)``: a row vector (shaped like ``cx`` or ``cy``) reduced to one value
   per problem, ``(B,)``; ``any_rank(flags)``: flags OR-ed over the ranks sharing the problem;
 - ``with_precision(p)``; ``self_problem(side)`` (the debiasing problems); ``cost_bound()``;
@@ -126,7 +128,7 @@ class Problem:
         """The update of a self problem (rows and columns the same cloud)."""
         return self.sm_x(f, eps, damping, guess=f)[0]
 
-    def sample_rows(self, g, eps, seed):
+    def sample_rows(self, g, eps, seed, guess=None):
         raise NotImplementedError(f"{type(self).__name__} does not implement sample_rows")
 
     def with_precision(self, precision: str) -> Problem:

@@ -216,10 +216,15 @@ class SinkhornResult:
                 f"{name} must have {n} rows ({n},), ({n}, K) or batched; got {tuple(V.shape)}"
             )
         if side == "x":
-            _, lse2, vbar = p.sm_x(self._g, self.eps, 1.0, v=Vb.to(p.Y.dtype), want_lse=True)
+            # the potentials as guesses of the passes' results (the sm_90 kernel's shift)
+            _, lse2, vbar = p.sm_x(
+                self._g, self.eps, 1.0, v=Vb.to(p.Y.dtype), want_lse=True, guess=self._f
+            )
             w = p.a * torch.exp((self._f - p.cx) / self.eps + LN2 * lse2)
         else:
-            _, lse2, vbar = p.sm_y(self._f, self.eps, 1.0, v=Vb.to(p.X.dtype), want_lse=True)
+            _, lse2, vbar = p.sm_y(
+                self._f, self.eps, 1.0, v=Vb.to(p.X.dtype), want_lse=True, guess=self._g
+            )
             w = p.b * torch.exp((self._g - p.cy) / self.eps + LN2 * lse2)
         out = vbar * w[..., None]
         return self._unb(out[..., 0] if squeeze else out)
@@ -235,7 +240,7 @@ class SinkhornResult:
     def barycentric_map(self) -> torch.Tensor:
         """``T(x_i) = (P Y)_i / (P 1)_i``, shape like x (in feature space for cosine)."""
         p = self._prob
-        _, _, ybar = p.sm_x(self._g, self.eps, 1.0, v=p.Y)
+        _, _, ybar = p.sm_x(self._g, self.eps, 1.0, v=p.Y, guess=self._f)
         return self._unb(ybar)
 
     def dense_plan(self, max_entries: int | None = PLAN_MAX_ENTRIES) -> torch.Tensor:

@@ -122,11 +122,12 @@ def _sinkhorn_forward(
     if need_grad_y:
         gy = torch.sub(y, Tx, out=Tx).mul_((b * wfac(G_ab))[..., None])
     if debias:
-        F_aa, _, Txx = pxx.sm_x(f_aa, e, dmp, v=x if need_grad_x else None)
+        # the loop's potentials as the passes' guesses (the shift kernels: exact anyway)
+        F_aa, _, Txx = pxx.sm_x(f_aa, e, dmp, v=x if need_grad_x else None, guess=f_aa)
         if need_grad_x:
             gx.add_(Txx.sub_(x).mul_((a * wfac(F_aa))[..., None]))
         del Txx
-        G_bb, _, Tyy = pyy.sm_x(g_bb, e, dmp, v=y if need_grad_y else None)
+        G_bb, _, Tyy = pyy.sm_x(g_bb, e, dmp, v=y if need_grad_y else None, guess=g_bb)
         if need_grad_y:
             gy.add_(Tyy.sub_(y).mul_((b * wfac(G_bb))[..., None]))
         del Tyy

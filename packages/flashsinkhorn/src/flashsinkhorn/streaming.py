@@ -139,8 +139,10 @@ class StreamingProblem(Problem):
             backend=self.backend,
         )
 
-    def sample_rows(self, g, eps, seed):
-        """One column per row (Gumbel-max inside the streaming pass)."""
+    def sample_rows(self, g, eps, seed, guess=None):
+        """One column per row (:func:`flashsinkhorn.softmax_sample`: a Gumbel-max over
+        blocks of columns in the streaming pass, then inside the winning block); ``guess``
+        the sm_90 pass's fixed shift."""
         return softmax_sample(
             self.Xk,
             self.Yk,
@@ -153,6 +155,7 @@ class StreamingProblem(Problem):
             labels=self.labels,
             precision=self.precision,
             backend=self.backend,
+            guess=guess,
         )
 
     def cost_bound(self):
