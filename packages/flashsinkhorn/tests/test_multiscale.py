@@ -10,7 +10,7 @@ from _helpers import BACKENDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashsinkhorn import _config
+from flashsinkhorn import _config, _loop
 from flashsinkhorn._multiscale_tiles import fit_potential, morton_codes, pair_bound, sort_clouds
 from flashsinkhorn.multiscale import MultiscaleProblem
 from flashsinkhorn.reference import damping_factor
@@ -336,3 +336,42 @@ def test_ladder_levels_cells_and_prolongation():
     err = float(P.certificate(fp, gp, eps, None, None)[0])
     zero = float(P.certificate(0 * fp, 0 * gp, eps, None, None)[0])
     assert math.isfinite(err) and err < 0.3 * zero
+
+
+# ----------------------------------------------------------------------------------------
+# the one loop on the ladder
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rho", [None, 0.5])
+def test_loop_on_the_ladder_reaches_the_dense_solution(rho):
+    """The one loop (annealing on the cell ladder, then alternating iterations to a float64
+    certified tolerance) on a batch of two problems: the potentials are certified below tol
+    and the dual value is the dense float64 one."""
+    gen = torch.Generator().manual_seed(7)
+    n, m, s, eps, tol = 300, 260, 0.5, 4e-3, 1e-6
+    xs = torch.stack([cloud("uniform", n, 2, gen), cloud("clustered", n, 2, gen) * 0.3])
+    ys = torch.stack([cloud("sphere", m, 2, gen) * 0.4 + 0.5, cloud("uniform", m, 2, gen)])
+    a = torch.stack([weights(n, gen), weights(n, gen, zeros=True)])
+    b = torch.stack([weights(m, gen), weights(m, gen)])
+    P = MultiscaleProblem(
+        X=xs, Y=ys, a=a, b=b, cx=a * 0, cy=b * 0, c2=2 * s, cost_scale=s, backend="torch"
+    )
+    stages = _loop.annealing(P, eps, 0.5, None)
+    levels = P.stage_levels((*stages, eps))
+    assert len(set(levels)) > 2  # the annealing visits coarse levels
+    sched = _loop.Schedule(
+        eps=eps, stages=stages, rho_x=rho, rho_y=rho, max_iter=1500, tol=tol, check_every=10
+    )
+    out = _loop.run(P, sched, P.float64_certifier(eps, rho, rho))
+    assert out.converged and bool((out.err < tol).all())
+    for k in range(2):
+        f, g = sinkhorn_dense(xs[k], ys[k], a[k], b[k], eps, s, 1500, rx=rho, ry=rho)
+        truth = dense_truth(xs[k], ys[k], a[k], b[k], out.f[k], out.g[k], eps, s, rho, rho)
+        assert truth <= float(out.err[k])
+        if rho is None:  # the dual value <a, f> + <b, g>
+            v, v_ref = (
+                (a[k] * out.f[k]).sum() + (b[k] * out.g[k]).sum(),
+                (a[k] * f).sum() + (b[k] * g).sum(),
+            )
+            assert abs(float(v - v_ref)) <= 10 * tol * eps + 1e-12

@@ -316,17 +316,28 @@ class MultiscaleProblem(Problem):
 
     # -- the certificate --------------------------------------------------------------------
 
-    def certificate(self, f, g, eps, rx, ry):
+    def float64_certifier(self, eps, rho_x, rho_y, a64=None, b64=None):
+        """The loop's certificate: :meth:`certificate` (the dense float64 pass of the other
+        backends would cost O(n m))."""
+
+        def certify(f, g):
+            return self.certificate(f, g, eps, rho_x, rho_y, a64=a64, b64=b64)
+
+        return certify
+
+    def certificate(self, f, g, eps, rx, ry, a64=None, b64=None):
         """Float64 upper bound of the L1 marginal error of ``(f (B, N), g (B, M))``:
         ``(err (B,), rows (B, N), cols (B, M))``, rows and cols the marginals over the
         computed pairs (lower bounds of the true ones). Balanced: ``err >= |P 1 - a|_1 +
         |P^T 1 - b|_1``; unbalanced: the same residual of the optimality conditions as the
-        dense certificate (:func:`flashsinkhorn.result.certificate`)."""
+        dense certificate (:func:`flashsinkhorn.result.certificate`). ``a64``, ``b64``: the
+        exact float64 weights when they are not the problem's (uniform 1/N)."""
         B = len(self.parts)
         errs, rows, cols = [], [], []
         kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
         for k in range(B):
-            e, r, c = self._certify_one(k, f[k], g[k], eps, kx, ky)
+            w = (None if a64 is None else a64[k], None if b64 is None else b64[k])
+            e, r, c = self._certify_one(k, f[k], g[k], eps, kx, ky, w)
             errs.append(e)
             rows.append(_fit_len(r, self.X.shape[1]))
             cols.append(_fit_len(c, self.Y.shape[1]))
@@ -334,7 +345,7 @@ class MultiscaleProblem(Problem):
         err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
         return err, torch.stack(rows), torch.stack(cols)
 
-    def _certify_one(self, k, f, g, eps, kx, ky):
+    def _certify_one(self, k, f, g, eps, kx, ky, w64):
         d = torch.float64
         xc, yc = self.parts[k]
         fs, gs = xc.sorted_values(f.to(d)), yc.sorted_values(g.to(d))
@@ -343,7 +354,10 @@ class MultiscaleProblem(Problem):
         pts = (xc.pts_pad.to(d), yc.pts_pad.to(d))
         sc = self.scale / eps
         be = self.backend
-        wx, wy = xc.w_pad.to(d), yc.w_pad.to(d)
+        wx, wy = (
+            c.w_pad.to(d) if w is None else _weights_pad(c, w[: c.n].to(d))
+            for c, w in ((xc, w64[0]), (yc, w64[1]))
+        )
         lse_r, _ = passes.softmin_pass(
             xc, yc, ks.row_ptr, ks.cols, torch.log(wy) + gs / eps, sc, backend=be, pts=pts
         )
@@ -380,6 +394,13 @@ class MultiscaleProblem(Problem):
         rows = xc.user_values(wx * torch.exp(fs / eps + lse_r))
         cols = yc.user_values(wy * torch.exp(gs / eps + lse_c))
         return err, rows, cols
+
+
+def _weights_pad(cloud, w):
+    """Weights of the caller's order in the cloud's tile order, zero on the padding."""
+    v = cloud.sorted_values(w).clone()
+    v[cloud.n :] = 0
+    return v
 
 
 def _fit_len(t, n):
