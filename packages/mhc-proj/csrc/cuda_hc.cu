@@ -82,11 +82,11 @@ struct PostFwd {
 template <typename E, int N, int V>
 struct PreBwd {
   static void run(const void* gout, const void* gy, const void* gx, const void* x,
-                  const float* maps, const float* hres, const float* coef, void* g_x, int64_t T,
-                  int64_t C, cudaStream_t s) {
+                  const float* maps, const float* hres, const float* coef, const float* inv_r,
+                  void* g_x, int64_t T, int64_t C, cudaStream_t s) {
     hc_pre_bwd_kernel<E, N, V><<<blocks_for(T * (C / V), kElemThreads), kElemThreads, 0, s>>>(
         static_cast<const E*>(gout), static_cast<const E*>(gy), static_cast<const E*>(gx),
-        static_cast<const E*>(x), maps, hres, coef, static_cast<E*>(g_x), T, C);
+        static_cast<const E*>(x), maps, hres, coef, inv_r, static_cast<E*>(g_x), T, C);
   }
 };
 
@@ -181,13 +181,14 @@ void register_hc(py::module_& m) {
       "dL/dH_pre, then dL/dlogits, dL/dh, per-token dL/dalpha and the inv_r coefficient");
   m.def(
       "hc_pre_bwd",
-      [](u gout, u gy, u gx, u x, u maps, u hres, u coef, u g_x, int64_t T, int n, int64_t C,
-         int dtype, u stream) {
+      [](u gout, u gy, u gx, u x, u maps, u hres, u coef, u inv_r, u g_x, int64_t T, int n,
+         int64_t C, int dtype, u stream) {
         if (T == 0 || C == 0) return;
         dispatch<PreBwd>(dtype, n, vec_ok(dtype, C, {gout, gy, gx, x, g_x}),
                          ptr<const void>(gout), ptr<const void>(gy), ptr<const void>(gx),
                          ptr<const void>(x), ptr<const float>(maps), ptr<const float>(hres),
-                         ptr<const float>(coef), ptr<void>(g_x), T, C, as_stream(stream));
+                         ptr<const float>(coef), ptr<const float>(inv_r), ptr<void>(g_x), T, C,
+                         as_stream(stream));
         check_launch("hc_pre_bwd");
       },
       "the stream's gradient g_x for T tokens");

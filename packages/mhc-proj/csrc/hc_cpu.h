@@ -5,6 +5,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -37,7 +38,15 @@ void pre_fwd(const E* x, const float* mix, int parts, const float* alpha, const 
       const float q = host_to_float(xr[e]);
       ss += q * q;
     }
-    const float r = mhc::hc_inv_rms(ss, n * C, rms_eps);
+    float r = mhc::hc_inv_rms(ss, n * C, rms_eps);
+    if (!(ss <= FLT_MAX)) {  // overflowed (or a non-finite entry: stays so)
+      float s2 = 0.0f;
+      for (int64_t e = 0; e < n * C; ++e) {
+        const float q = host_to_float(xr[e]) * mhc::kRmsScale;
+        s2 += q * q;
+      }
+      r = mhc::hc_inv_rms_scaled(s2, n * C, rms_eps);
+    }
     inv_r[t] = r;
     for (int m = 0; m < M; ++m) {
       float h = mix[t * parts * M + m];
@@ -110,7 +119,10 @@ void pre_bwd_reduce(const E* gy, const E* x, const float* maps, const float* g_m
       g_hpre[k] += g_maps[t * 2 * n + k];  // H_pre used outside the layer too
     }
     const float r = inv_r[t];
-    float ga[3] = {0.0f, 0.0f, 0.0f}, g_inv_r = 0.0f;
+    // parts of dL/dalpha (dl_m / dalpha = h_m inv_r) and of dL/dinv_r times inv_r (dl_m /
+    // dinv_r = alpha h_m), both from the normalised h_m inv_r: finite for a stream near
+    // FLT_MAX, where h_m alone is ~1e37 (hc_kernels.cuh, the same order)
+    float ga[3] = {0.0f, 0.0f, 0.0f}, g_inv_r_r = 0.0f;
     for (int m = 0; m < M; ++m) {
       float h = mix[t * parts * M + m];
       if (parts == 2) h += mix[t * parts * M + M + m];
@@ -120,25 +132,30 @@ void pre_bwd_reduce(const E* gy, const E* x, const float* maps, const float* g_m
       const int g = mhc::hc_group(m, n);
       g_logit[t * M + m] = gl;
       g_mix[t * M + m] = gl * alpha[g] * r;
-      ga[g] += gl * h;
-      g_inv_r += alpha[g] * (gl * h);
+      const float part = gl * (h * r);
+      ga[g] += part;
+      g_inv_r_r += alpha[g] * part;
     }
-    for (int g = 0; g < 3; ++g) g_alpha[t * 3 + g] = ga[g] * r;
-    coef[t] = -g_inv_r * r * r * r / float(n * C);
+    for (int g = 0; g < 3; ++g) g_alpha[t * 3 + g] = ga[g];
+    // dL/dx gets coef * (inv_r x): inv_r^3 x as inv_r^2 (inv_r x), so that a stream near
+    // FLT_MAX (inv_r ~1e-38: inv_r^2 underflows) keeps the term
+    coef[t] = -g_inv_r_r * r / float(n * C);
   }
 }
 
 template <typename E>
 void pre_bwd(const E* gout, const E* gy, const E* gx, const E* x, const float* maps,
-             const float* hres, const float* coef, E* g_x, int64_t T, int n, int64_t C) {
+             const float* hres, const float* coef, const float* inv_r, E* g_x, int64_t T, int n,
+             int64_t C) {
   for (int64_t t = 0; t < T; ++t) {
     const float* hr = hres + t * n * n;
+    const float r = inv_r[t];
     for (int k = 0; k < n; ++k) {
       const float hp = maps[t * 2 * n + k];
       for (int64_t c = 0; c < C; ++c) {
         float acc = hp * host_to_float(gy[t * C + c]);
         for (int i = 0; i < n; ++i) acc += hr[i * n + k] * host_to_float(gout[(t * n + i) * C + c]);
-        acc += coef[t] * host_to_float(x[(t * n + k) * C + c]);
+        acc += coef[t] * (r * host_to_float(x[(t * n + k) * C + c]));
         g_x[(t * n + k) * C + c] = host_from_float<E>(acc + host_to_float(gx[(t * n + k) * C + c]));
       }
     }
@@ -203,14 +220,14 @@ inline void register_hc(py::module_& m) {
                         float(post_mult));
     });
   });
-  m.def("hc_pre_bwd", [](u gout, u gy, u gx, u x, u maps, u hres, u coef, u g_x, int64_t T,
-                         int n, int64_t C, int dtype) {
+  m.def("hc_pre_bwd", [](u gout, u gy, u gx, u x, u maps, u hres, u coef, u inv_r, u g_x,
+                         int64_t T, int n, int64_t C, int dtype) {
     py::gil_scoped_release nogil;
     by_dtype(dtype, n, [&](auto e) {
       using E = decltype(e);
       pre_bwd<E>(ptr<const E>(gout), ptr<const E>(gy), ptr<const E>(gx), ptr<const E>(x),
                  ptr<const float>(maps), ptr<const float>(hres), ptr<const float>(coef),
-                 ptr<E>(g_x), T, n, C);
+                 ptr<const float>(inv_r), ptr<E>(g_x), T, n, C);
     });
   });
 }

@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <cstring>
 
@@ -164,7 +165,7 @@ struct PreBwdReduceArgs {
   float* g_logit;      // (T, M): dL/dl (its column sums are dL/dbias)
   float* g_mix;        // (T, M): dL/dh, the GEMM's output gradient
   float* g_alpha;      // (T, 3): per-token parts of dL/dalpha
-  float* coef;         // (T,): dL/dx gets coef * x from inv_r
+  float* coef;         // (T,): dL/dx gets coef * (inv_r x) from inv_r
   int64_t T, C;
   float pre_eps, post_mult;
 };
@@ -202,7 +203,21 @@ __global__ void __launch_bounds__(kRowThreads) hc_pre_fwd_kernel(PreFwdArgs a) {
     for (int e = 0; e < V; ++e) ss[0] = fmaf(q[e], q[e], ss[0]);
   }
   block_sum<1>(ss, scratch, red);
-  const float inv_r = mhc::hc_inv_rms(red[0], N * C, a.rms_eps);
+  float inv_r = mhc::hc_inv_rms(red[0], N * C, a.rms_eps);
+  if (!(red[0] <= FLT_MAX)) {  // overflowed (block-uniform: red is shared); rare
+    float s2[1] = {0.0f};
+    for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
+      float q[V];
+      load_v<E, V, !STAGE>(src + v * V, q);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float z = q[e] * mhc::kRmsScale;
+        s2[0] = fmaf(z, z, s2[0]);
+      }
+    }
+    block_sum<1>(s2, scratch, red);
+    inv_r = mhc::hc_inv_rms_scaled(red[0], N * C, a.rms_eps);
+  }
   if (threadIdx.x == 0) a.inv_r[t] = inv_r;
   if (threadIdx.x < M) {
     const int m = threadIdx.x;
@@ -311,20 +326,24 @@ __global__ void __launch_bounds__(kRowThreads) hc_pre_bwd_reduce_kernel(PreBwdRe
     const float alpha = a.alpha[mhc::hc_group(m, N)];
     a.g_logit[t * M + m] = gl;
     a.g_mix[t * M + m] = gl * alpha * inv_r;
-    part[m] = gl * mix;  // dl_m / dalpha = h_m inv_r; dl_m / dinv_r = alpha h_m
+    // dl_m / dalpha = h_m inv_r; dl_m / dinv_r = alpha h_m: both parts from the normalised
+    // h_m inv_r (finite for a stream near FLT_MAX, where h_m alone is ~1e37)
+    part[m] = gl * (mix * inv_r);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    float ga[3] = {0.0f, 0.0f, 0.0f}, g_inv_r = 0.0f;
+    float ga[3] = {0.0f, 0.0f, 0.0f}, g_inv_r_r = 0.0f;  // dL/dinv_r * inv_r
     for (int m = 0; m < M; ++m) {
       const int g = mhc::hc_group(m, N);
       ga[g] += part[m];
-      g_inv_r = fmaf(a.alpha[g], part[m], g_inv_r);
+      g_inv_r_r = fmaf(a.alpha[g], part[m], g_inv_r_r);
     }
 #pragma unroll
-    for (int g = 0; g < 3; ++g) a.g_alpha[t * 3 + g] = ga[g] * inv_r;
-    // inv_r = (S / (n C) + eps)^(-1/2): d inv_r / dx = -inv_r^3 x / (n C)
-    a.coef[t] = -g_inv_r * inv_r * inv_r * inv_r / float(N * C);
+    for (int g = 0; g < 3; ++g) a.g_alpha[t * 3 + g] = ga[g];
+    // inv_r = (S / (n C) + eps)^(-1/2): d inv_r / dx = -inv_r^3 x / (n C). dL/dx gets
+    // coef * (inv_r x): inv_r^3 x as inv_r^2 (inv_r x), so that a stream near FLT_MAX
+    // (inv_r ~1e-38: inv_r^2 underflows) keeps the term
+    a.coef[t] = -g_inv_r_r * inv_r / float(N * C);
   }
 }
 
@@ -361,15 +380,15 @@ __global__ void __launch_bounds__(kElemThreads)
   }
 }
 
-// g_x[k] = H_pre[k] g_y + sum_i H_res[i][k] g_out[i] + coef x[k] + gx[k], gx = g_mix phi^T
-// (the GEMM's share, computed by cuBLAS before this kernel).
+// g_x[k] = H_pre[k] g_y + sum_i H_res[i][k] g_out[i] + coef (inv_r x[k]) + gx[k],
+// gx = g_mix phi^T (the GEMM's share, computed by cuBLAS before this kernel).
 template <typename E, int N, int V>
 __global__ void __launch_bounds__(kElemThreads)
     hc_pre_bwd_kernel(const E* __restrict__ gout, const E* __restrict__ gy,
                       const E* __restrict__ gx, const E* __restrict__ x,
                       const float* __restrict__ maps, const float* __restrict__ hres,
-                      const float* __restrict__ coef, E* __restrict__ g_x, int64_t T,
-                      int64_t C) {
+                      const float* __restrict__ coef, const float* __restrict__ inv_r,
+                      E* __restrict__ g_x, int64_t T, int64_t C) {
   const int64_t slots = C / V;
   const int64_t s = blockIdx.x * int64_t(kElemThreads) + threadIdx.x;
   if (s >= T * slots) return;
@@ -378,7 +397,7 @@ __global__ void __launch_bounds__(kElemThreads)
   load_v<E, V>(gy + t * C + c, gyv);
 #pragma unroll
   for (int i = 0; i < N; ++i) load_v<E, V>(gout + (t * N + i) * C + c, g[i]);
-  const float cf = __ldg(coef + t);
+  const float cf = __ldg(coef + t), r = __ldg(inv_r + t);
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     const float hp = __ldg(maps + t * 2 * N + k);
@@ -393,7 +412,7 @@ __global__ void __launch_bounds__(kElemThreads)
       float acc = hp * gyv[e];
 #pragma unroll
       for (int i = 0; i < N; ++i) acc = fmaf(h[i], g[i][e], acc);
-      acc = fmaf(cf, xv[e], acc);
+      acc = fmaf(cf, r * xv[e], acc);
       o[e] = acc + gxv[e];
     }
     store_v<E, V>(g_x + (t * N + k) * C + c, o);

@@ -31,6 +31,14 @@ MHC_HD float hc_dsigmoid(float s) { return s * (1.0f - s); }
 MHC_HD float hc_inv_rms(float sumsq, int64_t count, float eps) {
   return 1.0f / sqrtf(sumsq / float(count) + eps);
 }
+// A finite stream whose sum of squares overflows float32 (|x| above ~1e19) gets a second
+// pass over (x * kRmsScale)^2: with kRmsScale = 2^-75 a square of FLT_MAX scaled is ~8e31,
+// so sums of millions of them stay finite, and entries small enough to vanish in the scaled
+// squares are below 1e-30 of the sum. inv_r from the scaled sum (eps scaled alike).
+constexpr float kRmsScale = 2.6469779601696886e-23f;  // 2^-75
+MHC_HD float hc_inv_rms_scaled(float scaled_sumsq, int64_t count, float eps) {
+  return kRmsScale / sqrtf(scaled_sumsq / float(count) + eps * kRmsScale * kRmsScale);
+}
 
 // Output m of the maps: writes H_pre / H_post into maps[0..2n) or the residual logit into
 // lres[0..n^2), and returns the logit. mix: the GEMM output (already summed over parts).

@@ -93,3 +93,17 @@ def test_cuda_module_smoke():
     assert cuda.device_count() == torch.cuda.device_count()
     x = torch.randn(12345, device="cuda")
     assert torch.equal(_backend.smoke(x), x)
+
+
+def test_build_info_says_what_was_built():
+    """#29: the build states in one line what it compiled (CMake prints it; the package
+    keeps it): the CPU module always, the CUDA module with its architectures exactly when
+    mhc_proj._cuda exists."""
+    import mhc_proj
+
+    info = mhc_proj.build_info()
+    if info.startswith("not recorded"):
+        pytest.skip("a source tree without _build_info.txt (not installed by CMakeLists.txt)")
+    found = importlib.util.find_spec("mhc_proj._cuda") is not None
+    assert info.startswith("CPU module")
+    assert ("CUDA module for" in info) == found

@@ -127,18 +127,22 @@ def default_plan_config(D: int, DV: int, dtype: torch.dtype) -> PlanConfig:
     """The configuration used when none is passed. Not measured yet (the GPU script
     ``tools/flashsinkhorn/gpu_hopper.sh`` times the alternatives): the softmin pass's
     regimes (one feature chunk per tile with x resident; 128-byte chunks with ping-pong
-    beyond), output chunks of at most 128 columns at 128-wide tiles (registers: the
-    score accumulator, the weights and O live together) and 256 at 64-wide tiles."""
+    beyond); with one chunk per tile 128-wide tiles and output chunks of at most 64
+    columns, or 64-wide tiles and 128 (registers: two score tiles, the weights and O live
+    together); with several, 64-wide tiles and 256 (one score tile at a time)."""
     e = elem_bytes(dtype)
     one_chunk = one_chunk_width(D)
     dv = max(16, 1 << (int(DV) - 1).bit_length())  # TMA boxes: powers of two
     if one_chunk * e <= 512:
-        bn = 128 if dv <= 128 else 64
-        cfg = PlanConfig(
-            block_n=bn, block_k=one_chunk, stages=4, block_dv=min(dv, 256 // (bn // 64))
-        )
-        if plan_smem_bytes(replace(cfg, stages=2), D, dtype) <= SMEM_LIMIT - 8192:
-            return _fit(cfg, D, dtype)
+        # registers with one chunk per tile (two score tiles live, the weights, O): 64 x 128
+        # tiles with O up to 64 wide, 64 x 64 tiles with O up to 128 wide (d = 128 bf16
+        # with a 128 x 128 tile and a 128-wide O spilled 88 B in the static compile)
+        bn = 128 if dv <= 64 else 64
+        cfg = PlanConfig(block_n=bn, block_k=one_chunk, stages=4, block_dv=min(dv, 128))
+        for v_stages in (2, 1):
+            cfg = replace(cfg, v_stages=v_stages)
+            if plan_smem_bytes(replace(cfg, stages=2), D, dtype) <= SMEM_LIMIT - 8192:
+                return _fit(cfg, D, dtype)
     bk = 128 // e
     cfg = PlanConfig(block_n=64, block_k=bk, stages=6, block_dv=min(dv, 256), pingpong=True)
     if plan_smem_bytes(replace(cfg, stages=3), D, dtype) > SMEM_LIMIT - 8192:

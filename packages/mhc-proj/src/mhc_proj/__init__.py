@@ -6,9 +6,11 @@
 - :class:`mhc_proj.nn.HyperConnection` / :func:`hyper_connection` — the mHC layer around
   a sublayer, with fused pre / post kernels around the projection.
 - :mod:`mhc_proj.reference` — float64 torch oracles.
+- :mod:`mhc_proj.torch`, :class:`MHCProjectionN4` / :class:`MHCProjectionN8` — the API of
+  the mHC paper's own ``mhc_proj`` 0.1.0 package, as thin aliases.
 """
 
-from mhc_proj._backend import cuda_available, cuda_built
+from mhc_proj._backend import build_info, cuda_available, cuda_built
 from mhc_proj.birkhoff import BirkhoffProjection, ProjectionInfo, birkhoff_project
 from mhc_proj.layer import HCMaps, hyper_connection
 from mhc_proj.nn import HyperConnection
@@ -20,6 +22,7 @@ from mhc_proj.reference import (
     sinkhorn_project_ref,
 )
 from mhc_proj.sinkhorn import sinkhorn_project
+from mhc_proj.torch import MHCProjectionN4, MHCProjectionN8
 
 __version__ = "0.1.0"
 
@@ -27,10 +30,13 @@ __all__ = [
     "BirkhoffProjection",
     "HCMaps",
     "HyperConnection",
+    "MHCProjectionN4",
+    "MHCProjectionN8",
     "ProjectionInfo",
     "birkhoff_project",
     "birkhoff_project_ref",
     "birkhoff_vjp_ref",
+    "build_info",
     "cuda_available",
     "cuda_built",
     "hyper_connection",

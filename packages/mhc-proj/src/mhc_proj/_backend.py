@@ -7,6 +7,7 @@ tensor, and the stream is read from the caller's current stream at each launch.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -37,6 +38,17 @@ def cuda_built() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def build_info() -> str:
+    """What the build compiled, one line (written by CMakeLists.txt at build time), e.g.
+    "CPU module + CUDA module for 90 (from CUDAARCHS)" or "CPU module only (nvcc found, no
+    GPU visible; ...)"; "not recorded" for a source tree without that file."""
+    path = Path(__file__).with_name("_build_info.txt")
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return "not recorded (no _build_info.txt: not built by CMakeLists.txt)"
 
 
 def cuda_available() -> bool:

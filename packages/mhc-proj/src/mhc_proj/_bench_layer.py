@@ -152,7 +152,7 @@ def _kernel_state(tokens, n, c, device):
     phi = torch.randn(n * c, m, device=device, generator=g) * 0.02
     alpha = torch.ones(3, device=device)
     bias = torch.zeros(m, device=device)
-    args = (0, 20, 1e-6, 4e-6, 30, 1e-6, 0.0, 2.0)
+    args = (0, 20, 1e-6, 1e-6, 0.0, 2.0, False)  # layer.LayerOptions
     y, maps, h_res, _token, mix, inv_r, lres = hc._pre_forward(x, phi, alpha, bias, *args)
     rnd = lambda *sz: torch.randn(*sz, device=device, generator=g).to(bf)  # noqa: E731
     st = dict(x=x, phi=phi, alpha=alpha, bias=bias, args=args, y=y, maps=maps, h_res=h_res,
@@ -181,15 +181,15 @@ def _kernel_fn(kernel, st, n, c):
         g_x = st.setdefault("g_x", torch.empty_like(x))  # kept alive: the launch has its pointer
         ptrs = (st["g_out"].data_ptr(), st["g_y"].data_ptr(), st["gx"].data_ptr(), x.data_ptr(),
                 st["maps"].data_ptr(), st["h_res"].data_ptr(), st["coef"].data_ptr(),
-                g_x.data_ptr(), tokens, n, c, 2)  # fmt: skip
+                st["inv_r"].data_ptr(), g_x.data_ptr(), tokens, n, c, 2)  # fmt: skip
         return lambda: hc._launch("hc_pre_bwd", *ptrs, stream_of=x)
     if kernel == "pre_stage":
         return lambda: hc._pre_forward(x, st["phi"], st["alpha"], st["bias"], *st["args"])
     a = st["args"]
     return lambda: hc._pre_backward(
         st["g_y"], st["g_maps"], st["g_hres"], st["g_out"], x, st["phi"], st["alpha"],
-        st["maps"], st["h_res"], st["mix"], st["inv_r"], st["lres"], a[0], a[1], a[2], a[6],
-        a[7], True,
+        st["maps"], st["h_res"], st["mix"], st["inv_r"], st["lres"], a[0], a[1], a[2], a[4],
+        a[5], a[6], True,
     )  # fmt: skip
 
 

@@ -51,17 +51,28 @@ def integer(name: str, value: object, lo: int, hi: int) -> int:
 
 
 def positive(name: str, value: object, allow_zero: bool = False, hi: float = math.inf) -> float:
-    """``value`` as a finite float > 0 (>= 0 with allow_zero), at most hi."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    """``value`` as a finite float > 0 (>= 0 with allow_zero), at most hi. Comparisons only
+    (no math.isfinite): under torch.compile(dynamic=True) a float argument is a SymFloat,
+    and math.isfinite of one is a torch op returning a bool, which dynamo cannot trace."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat)):
         raise ValueError(f"{name} must be a finite real number; got {value!r}")
-    v = float(value)
-    if math.isfinite(v) and (v >= 0 if allow_zero else v > 0) and v <= hi:
-        return v
+    # NaN fails every comparison; +inf fails v < inf
+    if (value >= 0 if allow_zero else value > 0) and value <= hi and value < math.inf:
+        return value if isinstance(value, torch.SymFloat) else float(value)
     if hi < math.inf:
         expected = f"in {'0 <=' if allow_zero else '0 <'} {name} <= {hi:g}"
     else:
         expected = f"finite and {'>=' if allow_zero else '>'} 0"
-    raise ValueError(f"{name} must be {expected}; got {v}")
+    raise ValueError(f"{name} must be {expected}; got {float(value)!r}")
+
+
+def finite(name: str, value: object) -> float:
+    """``value`` as a finite float (any sign)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat)):
+        raise ValueError(f"{name} must be a finite real number; got {value!r}")
+    if -math.inf < value < math.inf:
+        return value if isinstance(value, torch.SymFloat) else float(value)
+    raise ValueError(f"{name} must be a finite real number; got {float(value)!r}")
 
 
 def flag(name: str, value: object) -> bool:

@@ -38,11 +38,17 @@ SINKHORN_ITERS, SINKHORN_EPS = 20, 1e-6
 SINKHORN_CUDA_MAX_ITERS = 64
 SINKHORN_MAX_ITERS = 10_000
 
-# Supported matrix sizes (the compiled kernels are instantiated for these).
-N_MIN, N_MAX = 2, 8
+# Supported matrix sizes: the compiled kernels are instantiated for n = 2..N_MAX_KERNEL;
+# n up to N_MAX runs torch ops (the projection: the float64 Newton solve of
+# mhc_proj.reference; the layer: its maps and mix in torch ops). 16 is the top of the range
+# other mHC implementations state (Liger-Kernel's LigerMHC: hc in 2..16).
+N_MIN, N_MAX_KERNEL, N_MAX = 2, 8, 16
 
 # The hyper-connection layer (mhc_proj.nn.HyperConnection, Liger-Kernel's LigerMHC defaults):
 # the RMS epsilon of inv_r, the additive epsilon of H_pre, the multiplier of H_post; the
 # initial alphas (the mHC paper's gating-factor init, 0.01) and the std of phi's init.
 HC_RMS_EPS, HC_PRE_EPS, HC_POST_MULT = 1e-6, 0.0, 2.0
 HC_ALPHA_INIT, HC_PHI_STD = 0.01, 0.02
+# formulation="deepseek" (DeepSeek-V4's config and TileKernels' defaults): hc_eps, added to
+# H_pre (and, for Sinkhorn, its eps too: the same 1e-6 as SINKHORN_EPS).
+DEEPSEEK_HC_EPS = 1e-6

@@ -28,12 +28,13 @@ from mhc_proj._config import (
     MAX_ITER_F32,
     MAX_ITER_F64,
     MAX_ITER_LIMIT,
+    N_MAX_KERNEL,
     PIVOT_MIN,
     RANGE_TOL_F64,
     TOL_F32,
     TOL_F64,
 )
-from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref  # noqa: F401
+from mhc_proj.reference import birkhoff_project_ref, birkhoff_vjp_ref, marginal_error  # noqa: F401
 
 __all__ = ["birkhoff_project", "BirkhoffProjection", "ProjectionInfo"]
 
@@ -46,11 +47,14 @@ class ProjectionInfo(NamedTuple):
     """Per-matrix solver report, each of shape ``logits.shape[:-2]``.
 
     ``iterations``: Newton iterations used (fp32 stage plus float64 re-solve), int32.
-    ``converged``: the T computed in the compute dtype (float64 for float64 logits, else
-    float32) meets the tolerance, its marginal error summed in double from the stored values
-    (the returned T itself unless out_dtype rounds it further). ``fallback``: re-solved in
-    float64. ``infeasible``: the finite entries (-inf entries are structural zeros) admit no
-    doubly stochastic matrix; T is NaN there.
+    ``converged``: the returned T meets the tolerance, its marginal error summed in double
+    from its stored values. The kernels certify T in the compute dtype (float64 for float64
+    logits, else float32); where the returned dtype rounds it further (bfloat16 / float16,
+    or float32 from float64 logits) the rounded T is checked again, so converged is False
+    wherever the rounding alone breaks the tolerance (a bf16 T is off by ~1e-2).
+    ``fallback``: re-solved in float64. ``infeasible``: the finite entries (-inf entries
+    are structural zeros, exactly 0 in T) admit no doubly stochastic matrix (no perfect
+    matching); T is NaN there, and converged False.
     """
 
     iterations: torch.Tensor
@@ -77,6 +81,8 @@ def _fwd(
     range_tol (float64 inputs): raise each matrix's tol to range_tol * n * its logit range."""
     n = x.shape[-1]
     b = x.numel() // (n * n)
+    if n > N_MAX_KERNEL:
+        return _fwd_torch(x, tol, max_iter, info)
     if x.data_ptr() % 16:  # _backend.aligned: the CUDA kernels use 16-byte loads
         x = x.clone()
     out = torch.empty_like(x)
@@ -102,10 +108,34 @@ def _fwd(
     return out
 
 
+def _fwd_torch(x: torch.Tensor, tol: float, max_iter: int, info: torch.Tensor | None):
+    """n > N_MAX_KERNEL (no compiled kernel): the float64 Newton solve of
+    :func:`mhc_proj.reference.birkhoff_project_ref` (structural zeros and masks included),
+    to min(tol, 1e-13), T returned in x's dtype. The info words describe that T: converged
+    from its own marginal error, fallback set (a float64 solve), infeasible where a finite
+    input has no doubly stochastic matrix on its support."""
+    t64, iters = birkhoff_project_ref(
+        x, tol=min(tol, TOL_F64), max_iter=max(max_iter, MAX_ITER_F64), return_iterations=True
+    )
+    out = t64.to(x.dtype)
+    if info is not None:
+        n = x.shape[-1]
+        flat = out.reshape(-1, n, n)
+        nan_in = (torch.isnan(x) | (x == float("inf"))).reshape(-1, n * n).any(1)
+        nan_out = torch.isnan(flat).reshape(-1, n * n).any(1)
+        word = iters.reshape(-1).clamp_max(0xFFFF) | _INFO_FALLBACK
+        word = word | torch.where(marginal_error(flat) <= tol, _INFO_CONVERGED, 0)
+        word = word | torch.where(nan_out & ~nan_in, _INFO_INFEASIBLE, 0)
+        info.copy_(word.reshape(info.shape).to(torch.int32))
+    return out
+
+
 def _bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """dA for contiguous ``t`` and ``grad`` of the same shape (..., n, n) and dtype."""
     n = t.shape[-1]
     b = t.numel() // (n * n)
+    if n > N_MAX_KERNEL:
+        return birkhoff_vjp_torch(t, grad)
     if t.data_ptr() % 16:
         t = t.clone()
     if grad.data_ptr() % 16:
@@ -367,8 +397,9 @@ def birkhoff_project(
     structural zeros (T is exactly 0 there); NaN and +inf entries give a NaN matrix.
 
     Args:
-        logits: (..., n, n), n in 2..8, any leading dims and strides. float32, bfloat16
-            and float16 are computed in float32; float64 is computed in float64.
+        logits: (..., n, n), n in 2..16 (compiled kernels up to 8; beyond, the float64
+            torch solve of :mod:`mhc_proj.reference`), any leading dims and strides.
+            float32, bfloat16 and float16 are computed in float32; float64 in float64.
         tol: stopping tolerance on the L1 marginal error per matrix (default 4e-6 for
             float32; for float64 1e-13, or 16 n 2^-52 times the matrix's logit range where
             that is larger: the double rounding floor); ``info.converged`` certifies it on
@@ -379,7 +410,8 @@ def birkhoff_project(
             caps every stage).
         return_info: also return a :class:`ProjectionInfo`.
         out_dtype: the dtype of T (default: the dtype of ``logits``); e.g. torch.float32 to
-            keep H_res in float32 for bfloat16 logits.
+            keep H_res in float32 for bfloat16 logits (a bf16 T has marginal errors up to
+            ~1e-2: bf16 keeps 8 significant bits).
 
     Returns:
         T of shape (..., n, n) in ``out_dtype``; differentiable (implicit backward, only T
@@ -402,22 +434,29 @@ def birkhoff_project(
             t = _project_apply(logits, *opts, False)
             return t if t.dtype == out_dtype else t.to(out_dtype)
         t, info = _project_apply(logits, *opts, True)
-        return (t if t.dtype == out_dtype else t.to(out_dtype)), _info(info)
+        out = t if t.dtype == out_dtype else t.to(out_dtype)
+        return out, _info(info, out, tol, dtype)
     shape = logits.shape
     n = shape[-1]
     x = logits.to(dtype).reshape(-1, n, n).contiguous()
     t, info = _fwd_op(x, tol, max_iter, fb_max_iter, range_tol, return_info)
-    t = t.reshape(shape).to(out_dtype)
+    out = t.reshape(shape).to(out_dtype)
     if not return_info:
-        return t
-    return t, _info(info.reshape(shape[:-2]))
+        return out
+    return out, _info(info.reshape(shape[:-2]), out, tol, dtype)
 
 
-def _info(info: torch.Tensor) -> ProjectionInfo:
+def _info(info: torch.Tensor, out: torch.Tensor, tol: float, dtype: torch.dtype) -> ProjectionInfo:
+    """The report of the returned T ``out``. The kernels certify T in the compute dtype; an
+    out_dtype that rounds it (bfloat16 / float16 for any input, float32 for float64 input)
+    is certified again on its own entries (a bf16 T is off by ~1e-2: converged False)."""
     # .bitwise_and(c).bool() is (info & c) != 0 with one op fewer (~2 us each on the CPU)
+    converged = info.bitwise_and(_INFO_CONVERGED).bool()
+    if torch.finfo(out.dtype).eps > torch.finfo(dtype).eps:  # rounded from the compute dtype
+        converged = converged & (marginal_error(out) <= tol)
     return ProjectionInfo(
         iterations=info.bitwise_and(0xFFFF),
-        converged=info.bitwise_and(_INFO_CONVERGED).bool(),
+        converged=converged,
         fallback=info.bitwise_and(_INFO_FALLBACK).bool(),
         infeasible=info.bitwise_and(_INFO_INFEASIBLE).bool(),
     )

@@ -24,6 +24,7 @@ import torch
 
 from mhc_proj import _backend, _checks
 from mhc_proj._config import (
+    N_MAX_KERNEL,
     SINKHORN_CUDA_MAX_ITERS,
     SINKHORN_EPS,
     SINKHORN_ITERS,
@@ -34,19 +35,47 @@ from mhc_proj.reference import sinkhorn_project_ref
 __all__ = ["sinkhorn_project", "sinkhorn_fwd", "sinkhorn_bwd"]
 
 
-def _use_cuda_kernel(x: torch.Tensor, iters: int) -> bool:
-    return (
-        x.is_cuda
-        and x.shape[-1] == 4
-        and x.dtype == torch.float32
-        and iters <= SINKHORN_CUDA_MAX_ITERS
-    )
+def _use_kernel(x: torch.Tensor, iters: int, eps: float) -> bool:
+    """The compiled kernels: CPU n <= 8; CUDA n = 4 float32, iters <= 64. eps = 0 runs the
+    log-domain iteration in torch ops instead (see ``_log_states``)."""
+    if eps == 0:
+        return False
+    if not x.is_cuda:
+        return x.shape[-1] <= N_MAX_KERNEL
+    return x.shape[-1] == 4 and x.dtype == torch.float32 and iters <= SINKHORN_CUDA_MAX_ITERS
+
+
+# eps = 0: the normalizations divide by sums of exp(a) that underflow to 0 in float32 for a
+# column whose logits sit ~100 below its rows' maxima (0/0: NaN; at N(0, 100^2) logits 947
+# of 4096 matrices, #29). With eps = 0 every step is an exact rescaling, so the iteration is
+# the same in log space, L <- L - logsumexp(L) along rows / columns, where nothing
+# underflows: finite for every finite input.
+def _log_states(x: torch.Tensor, iters: int) -> list[torch.Tensor]:
+    """log P after the row softmax and after each of the 2 iters - 1 normalizations."""
+    states = [torch.log_softmax(x, dim=-1)]
+    for k in range(2 * iters - 1):
+        dim = -2 if k % 2 == 0 else -1
+        states.append(states[-1] - torch.logsumexp(states[-1], dim=dim, keepdim=True))
+    return states
+
+
+def _sinkhorn_log_bwd(x: torch.Tensor, g: torch.Tensor, iters: int) -> torch.Tensor:
+    """The exact VJP of the eps = 0 iteration (torch ops, differentiable): through
+    L' = L - logsumexp_d(L), dL = dL' - softmax_d(L) sum_d(dL')."""
+    states = _log_states(x, iters)
+    d = g * torch.exp(states[-1])
+    for k in range(2 * iters - 2, -1, -1):
+        dim = -2 if k % 2 == 0 else -1
+        d = d - torch.softmax(states[k], dim=dim) * d.sum(dim, keepdim=True)
+    return d - torch.softmax(x, dim=-1) * d.sum(-1, keepdim=True)
 
 
 def _sinkhorn_bwd_torch(x: torch.Tensor, g: torch.Tensor, iters: int, eps: float):
     """The same exact backward in plain torch ops (CUDA cases without a kernel; and any
     differentiated backward or torch.func transform, since it is differentiable): autograd
     is not available inside a custom op's implementation, so the step VJPs are explicit."""
+    if eps == 0:
+        return _sinkhorn_log_bwd(x, g, iters)
     sm = torch.softmax(x, dim=-1)
     p = sm + eps
     states = []
@@ -68,7 +97,9 @@ def sinkhorn_fwd(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     b, n = x.shape[0], x.shape[-1]
     if b == 0:
         return torch.empty_like(x)
-    if x.is_cuda and not _use_cuda_kernel(x, iters):
+    if not _use_kernel(x, iters, eps):
+        if eps == 0:
+            return torch.exp(_log_states(x, iters)[-1])
         return sinkhorn_project_ref(x, iters, eps)
     x = _backend.aligned(x)
     out = torch.empty_like(x)
@@ -87,7 +118,7 @@ def sinkhorn_bwd(x: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) ->
     b, n = x.shape[0], x.shape[-1]
     if b == 0:
         return torch.empty_like(x)
-    if x.is_cuda and not _use_cuda_kernel(x, iters):
+    if not _use_kernel(x, iters, eps):
         return _sinkhorn_bwd_torch(x, grad, iters, eps)
     x, grad = _backend.aligned(x), _backend.aligned(grad)
     out = torch.empty_like(x)
@@ -187,14 +218,16 @@ def sinkhorn_project(
     *,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Sinkhorn-``iters`` projection of (..., n, n) ``logits`` (n in 2..8).
+    """Sinkhorn-``iters`` projection of (..., n, n) ``logits`` (n in 2..16; kernels up to
+    8 on the CPU, n = 4 float32 on CUDA; torch ops otherwise).
 
     float32/bfloat16/float16 computed in float32, float64 in float64; returned in
     ``out_dtype`` (default: the dtype of ``logits``). ``iters``: an int in 1..10000;
-    ``eps``: in [0, 1]. -inf entries get weight 0 in the softmax (P0 = eps there); NaN or
-    +inf entries, or a row of -inf, give a NaN matrix. Differentiable (exact backward of the
-    truncated iteration; saves the logits), twice differentiable, composable with
-    torch.func.
+    ``eps``: in [0, 1]; ``eps = 0`` runs the same iteration in log space (torch ops: finite
+    for every finite input, where the sums of exp(a) underflow in float32). -inf entries get
+    weight 0 in the softmax (P0 = eps there); NaN or +inf entries, or a row of -inf, give a
+    NaN matrix. Differentiable (exact backward of the truncated iteration; saves the
+    logits), twice differentiable, composable with torch.func.
     """
     _checks.logits(logits)
     iters = _checks.integer("iters", iters, 1, SINKHORN_MAX_ITERS)
