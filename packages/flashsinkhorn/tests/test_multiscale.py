@@ -375,3 +375,41 @@ def test_loop_on_the_ladder_reaches_the_dense_solution(rho):
                 (a[k] * f).sum() + (b[k] * g).sum(),
             )
             assert abs(float(v - v_ref)) <= 10 * tol * eps + 1e-12
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: the Triton passes in float32 and float64 against the float64 torch path
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["uniform", "sphere", "clustered"])
+def test_gpu_passes_and_certificate(kind):
+    gen = torch.Generator().manual_seed(8)
+    n, m, s, eps = 8000, 6000, 0.5, 1e-4
+    x, y = cloud(kind, n, 3, gen), cloud(kind, m, 3, gen) * 1.02
+    a, b = weights(n, gen, zeros=True), weights(m, gen)
+    dev = torch.device("cuda")
+    P64 = _problem(x, y, a, b, s, "torch")  # the float64 oracle (same tiles, same keep sets)
+    P32 = _problem(*(t.float().to(dev) for t in (x, y, a, b)), s, "triton")
+    f = torch.zeros(1, n, dtype=D64)
+    g = torch.zeros(1, m, dtype=D64)
+    # a few symmetric iterations on the oracle from its ladder's coarse start
+    for e in (3e-3, 1e-3, 3e-4, 1e-4):
+        ft, gt = P64.sym_update(f, g, e)
+        f, g = 0.5 * (f + ft), 0.5 * (g + gt)
+    ref_f, _, ref_v = P64.sm_x(g, eps, v=y[None], guess=f)
+    ref_g = P64.sm_y(f, eps, guess=g)[0]
+    got_f, _, got_v = P32.sm_x(
+        g.float().to(dev), eps, v=y[None].float().to(dev), guess=f.float().to(dev)
+    )
+    got_g = P32.sm_y(f.float().to(dev), eps, guess=g.float().to(dev))[0]
+    # float32: potentials of magnitude |f| carry 2^-24 |f| of rounding; exponents / eps
+    tol_f = 8 * 2.0**-24 * (float(ref_f.abs().max()) + float(g.abs().max()) + 3 * s)
+    assert (got_f.cpu().double() - ref_f).abs().max() <= tol_f
+    assert (got_g.cpu().double() - ref_g).abs().max() <= tol_f
+    assert (got_v.cpu().double() - ref_v).abs().max() <= 1e-4
+    # the certificate on the GPU (the float64 Triton pass) against the CPU's
+    err_gpu = float(P32.certificate(f.float().to(dev), g.float().to(dev), eps, None, None)[0])
+    err_cpu = float(P64.certificate(f.float().double(), g.float().double(), eps, None, None)[0])
+    assert abs(err_gpu - err_cpu) <= 1e-9 * err_cpu + 1e-12
