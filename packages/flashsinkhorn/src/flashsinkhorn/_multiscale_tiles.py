@@ -367,6 +367,7 @@ class KeepSet:
         self.row_ptr = _ptr(rows, K, dev)
         self.by_col = torch.sort(cols * K + rows).indices  # stable order for the col pass
         self.col_ptr = _ptr(cols[self.by_col], L, dev)
+        self.rows_by_col = rows[self.by_col]
         self.rate_row, self.rate_col = rate_row, rate_col
 
     @property

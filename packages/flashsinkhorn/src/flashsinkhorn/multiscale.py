@@ -183,7 +183,7 @@ class MultiscaleProblem(Problem):
         if side == 0:
             ptr, nbr = ks.row_ptr, ks.cols
         else:
-            ptr, nbr = ks.col_ptr, ks.rows[ks.by_col]
+            ptr, nbr = ks.col_ptr, ks.rows_by_col
         bias = torch.log(cc.w_pad.to(ps.dtype)) + ps / eps
         vs = None if v is None else cc.sorted_values(v)
         lse, vbar = passes.softmin_pass(
@@ -230,6 +230,12 @@ class MultiscaleProblem(Problem):
     def self_update(self, f, eps, damping):
         """The debiasing update of a self-transport problem (x against itself)."""
         return self.sm_x(f, eps, damping, guess=f)[0]
+
+    def sample_rows(self, g, eps, seed, guess=None):
+        raise NotImplementedError(
+            "sample_plan is not implemented on backend='multiscale' (its passes skip tile "
+            "pairs); solve with backend='auto' to sample the plan"
+        )
 
     def pairs(self):
         """Tile pairs of each problem's current keep set (None where none was built)."""
@@ -365,7 +371,7 @@ class MultiscaleProblem(Problem):
             yc,
             xc,
             ks.col_ptr,
-            ks.rows[ks.by_col],
+            ks.rows_by_col,
             torch.log(wx) + fs / eps,
             sc,
             backend=be,
