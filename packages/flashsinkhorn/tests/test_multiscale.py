@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _helpers import BACKENDS
+from _helpers import BACKENDS, needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -272,6 +272,22 @@ def test_certificate_with_heavy_truncation_stays_above_the_truth():
         f32, g32 = f.float().double(), g.float().double()
         err = float(P.certificate(f32[None].float(), g32[None].float(), eps, None, None)[0])
         assert err >= dense_truth(x, y, a, b, f32, g32, eps, s)
+
+
+@needs_interpreter
+def test_certificate_float64_triton_pass_is_the_torch_one():
+    """The certificate's float64 Triton pass (scale read in float64, base-e exp) against the
+    torch path: the same bound to float64 rounding."""
+    gen = torch.Generator().manual_seed(9)
+    n, m, s, eps = 400, 300, 0.5, 1e-3
+    x, y = cloud("uniform", n, 3, gen), cloud("uniform", m, 3, gen)
+    a, b = weights(n, gen), weights(m, gen)
+    f, g = sinkhorn_dense(x, y, a, b, eps, s, 10)
+    errs = [
+        float(_problem(x, y, a, b, s, be).certificate(f[None], g[None], eps, None, None)[0])
+        for be in ("torch", "triton")
+    ]
+    assert abs(errs[0] - errs[1]) <= 1e-12 * errs[0]
 
 
 @settings(max_examples=25, deadline=None)

@@ -40,7 +40,7 @@ if HAS_TRITON:
         LSE,
         V,
         VBAR,
-        scale,
+        SCALE,
         DV,
         D: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -51,6 +51,9 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         rows = pid.to(tl.int64) * BLOCK + offs
+        # scale = s / eps from memory in the pass's dtype (a float argument would be fp32:
+        # the float64 certificate's exponents must not be rounded to float32)
+        scale = tl.load(SCALE)
         p0 = tl.load(PTR + pid)
         p1 = tl.load(PTR + pid + 1)
         m_i = tl.full((BLOCK,), float("-inf"), dtype=BIAS.dtype.element_ty)
@@ -108,7 +111,7 @@ def softmin_pass_triton(xr, yc, ptr, nbr, bias_pad, scale, v_pad=None):
     X = xr.to(dt).contiguous()
     Y = yc.to(dt).contiguous()
     bias = (bias_pad * LOG2E if base2 else bias_pad).contiguous()
-    sc = float(scale) * (LOG2E if base2 else 1.0)
+    sc = torch.full((1,), float(scale) * (LOG2E if base2 else 1.0), dtype=dt, device=xr.device)
     lse = torch.empty(K * T, dtype=dt, device=xr.device)
     ptr_c = ptr.to(torch.int64).contiguous()
     nbr_c = nbr.to(torch.int32).contiguous()
@@ -129,7 +132,7 @@ def softmin_pass_triton(xr, yc, ptr, nbr, bias_pad, scale, v_pad=None):
         LSE=lse,
         V=V,
         VBAR=vbar,
-        scale=sc,
+        SCALE=sc,
         DV=DV,
         D=D,
         BLOCK=T,
