@@ -4,7 +4,7 @@
 #   tools/mhc-proj/gpu_layer.sh OUTDIR          (from the repository root; .whl/ carried)
 #
 # 1. installs Liger-Kernel's wheel from .whl/ into .site/ (pure Python, the peer);
-# 2. builds mhc-proj for sm_90 only (CUDAARCHS=90, all cores) into .gpu-build/, while a
+# 2. builds mhc-proj for sm_90 only (CUDAARCHS=90, all cores) into build/gpu-site/, while a
 #    warm-up process compiles LigerMHC's Triton kernels into triton's disk cache (its first
 #    call took about two minutes on the H200: compile and autotune);
 # 3. the GPU tests of the layer: under torch.autocast("cuda") against the explicit-bf16
@@ -15,10 +15,10 @@
 # 5. the layer benchmark: ours (exact and Sinkhorn-20) vs LigerMHC, fwd and fwd+bwd, 32K
 #    tokens, C = 7168, n = 4, bf16 stream, identity sublayer, in the same process.
 # Writes OUTDIR/summary.json (steps, test counts, the example's table, the bench rows),
-# summary.md (printed last), build.txt, tests.txt, gpt/ (JSON, PNG, log), bench-layer.json
-# and bench.txt. Expected total on an H100: about 7 minutes (build ~2.5, tests ~1.5,
-# example ~2, bench ~1.5; not yet run on a GPU). Limits (seconds): LIMIT_BUILD 300, LIMIT_TESTS 150, LIMIT_GPT 240,
-# LIMIT_BENCH 200.
+# summary.md (printed last), build.txt, build-check.txt, tests.txt (65 GPU tests), gpt/
+# (JSON, PNG), gpt.txt, bench-layer.json and bench.txt. Expected total on an H100: about
+# 7 minutes (build ~2.5, tests ~1.5, example ~2, bench ~1.5; not yet run on a GPU).
+# Limits (seconds): LIMIT_BUILD 300, LIMIT_TESTS 150, LIMIT_GPT 240, LIMIT_BENCH 200.
 set -uo pipefail
 out="${1:?usage: tools/mhc-proj/gpu_layer.sh OUTDIR}"
 mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -39,7 +39,7 @@ step() {  # step NAME LIMIT_S LOGFILE CMD...
   return $rc
 }
 
-site="$root/.site"; build="$root/.gpu-build"
+site="$root/.site"; build="$root/build/gpu-site"  # both git-ignored
 # the compile caches tools/gpu_run.sh carries in .gpu-cache/ (Triton kernels: Liger's), if any
 cache_root="${GPU_CACHE_ROOT:-/tmp/gpu-compile-cache}"; mkdir -p "$cache_root"
 if compgen -G "$root/.gpu-cache/gpu-cache.tar.xz.*" >/dev/null; then
@@ -76,9 +76,11 @@ wait "$warm" 2>/dev/null
 xdist=""; python3 -c "import xdist" 2>/dev/null && xdist="-n 8"
 tests=(packages/mhc-proj/tests/test_layer_training.py packages/mhc-proj/tests/test_layer_deepseek.py
        packages/mhc-proj/tests/test_torch_api.py packages/mhc-proj/tests/test_hyper_connection.py
-       packages/mhc-proj/tests/test_fuzz.py packages/mhc-proj/tests/test_build.py)
-step tests "${LIMIT_TESTS:-150}" "$out/tests.txt" env MHC_PROJ_EXPECT_CUDA=1 python3 -m pytest \
-  -c pyproject.toml --rootdir . -p no:cacheprovider -q -m gpu $xdist "${tests[@]}" \
+       packages/mhc-proj/tests/test_fuzz.py)
+step build-check 60 "$out/build-check.txt" env MHC_PROJ_EXPECT_CUDA=1 python3 -m pytest \
+  -c pyproject.toml --rootdir . -p no:cacheprovider -q packages/mhc-proj/tests/test_build.py
+step tests "${LIMIT_TESTS:-150}" "$out/tests.txt" python3 -m pytest -c pyproject.toml \
+  --rootdir . -p no:cacheprovider -q -m gpu $xdist "${tests[@]}" \
   -k "not test_fuzz_birkhoff and not test_fuzz_sinkhorn"
 
 step gpt "${LIMIT_GPT:-240}" "$out/gpt.txt" python3 packages/mhc-proj/examples/gpt_mhc.py \

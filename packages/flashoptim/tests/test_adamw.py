@@ -21,13 +21,14 @@ def test_matches_torch_without_quantization(Flash, Torch, dtype):
 def _drift(make, noisy: bool, dev: str, dtype=torch.float32, steps: int = 1000) -> float:
     """Mean distance the weights move in ``steps`` AdamW steps of lr 1e-5 (no decay) on a
     gradient 1 (``noisy``: 1 + 0.5 N(0, 1), the same draws for every optimizer)."""
-    p = torch.zeros(256, device=dev, dtype=dtype, requires_grad=True)
+    # rows of 32: 8-bit states (a 1-D tensor would keep fp32 states, grid.py)
+    p = torch.zeros(8, 32, device=dev, dtype=dtype, requires_grad=True)
     opt = make([p])
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        g = torch.ones(256)
+        g = torch.ones(8, 32)
         if noisy:
-            g = g + 0.5 * torch.randn(256, generator=gen)
+            g = g + 0.5 * torch.randn(8, 32, generator=gen)
         p.grad = g.to(device=dev, dtype=dtype)
         opt.step()
     w = fo.master_weight(p, opt) if isinstance(opt, fo.FlashOptimizer) else p.detach()

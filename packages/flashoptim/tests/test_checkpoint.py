@@ -8,6 +8,10 @@ import torch
 from _checks import INTERP, small_grads, small_params
 
 import flashoptim_fused as fo
+from flashoptim_fused import reference
+
+dm, dv = reference.dequantize_momentum_ref, reference.dequantize_variance_ref
+qm, qv = reference.quantize_momentum_ref, reference.quantize_variance_ref
 
 
 def _model(seed=0):
@@ -86,13 +90,14 @@ def test_load_torch_adamw_checkpoint():
     m_f.load_state_dict(m_t.state_dict())
     o_f = fo.FlashAdamW(m_f.parameters(), lr=1e-2)
     o_f.load_state_dict(sd)
-    p_t, p_f = next(iter(m_t.parameters())), next(iter(m_f.parameters()))
-    assert o_f.state[p_f]["exp_avg"].dtype == torch.int8
+    # Linear(32, 4).weight: rows of 32 (quantized); the first layer's rows of 16 keep fp32
+    # states (grid.py), loaded as they are
+    p_t, p_f = m_t[2].weight, m_f[2].weight
+    assert o_f.state[p_f]["exp_avg_codes"].dtype == torch.int8
     assert o_f.state[p_f]["step"] == 5
-    from flashoptim_fused import reference
-
+    assert torch.equal(o_f.state[m_f[0].weight]["exp_avg"], o_t.state[m_t[0].weight]["exp_avg"])
     m = reference.dequantize_momentum_ref(
-        o_f.state[p_f]["exp_avg"].view(-1), o_f.state[p_f]["exp_avg_scale"]
+        o_f.state[p_f]["exp_avg_codes"].view(-1), o_f.state[p_f]["exp_avg_scale"]
     ).view(p_t.shape)
     ref = o_t.state[p_t]["exp_avg"].double()
     assert (m - ref).abs().max() <= ref.abs().max() / 60  # within the companded resolution
@@ -101,6 +106,77 @@ def test_load_torch_adamw_checkpoint():
     _train(m_f, o_f, range(5, 10))
     for a, b in zip(m_t.parameters(), m_f.parameters()):
         torch.testing.assert_close(a, b, rtol=0.05, atol=2e-3)
+
+
+def _v020(sd, opt, per_element: bool) -> dict:
+    """``sd`` as flashoptim-fused 0.2.0 saved it: scales on a flat grid of 32 over each
+    tensor (1-D), every tensor quantized, codes of 1-D tensors too; or (``per_element``)
+    its sharded export, each group scale repeated per element."""
+    out = {"state": {}, "param_groups": sd["param_groups"]}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, st in sd["state"].items():
+        new = {k: v for k, v in st.items() if k in ("step", "seed", "correction")}
+        for key, q in (("exp_avg", qm), ("exp_avg_sq", qv)):
+            vals = torch.empty_like(params[i], dtype=torch.float64)
+            if key in st:  # fp32 now (rows under 32): 0.2.0 kept codes
+                vals.copy_(st[key])
+            else:
+                row = reference.state_row(params[i], True)
+                dq = dm if key == "exp_avg" else dv
+                vals.view(-1).copy_(dq(st[key + "_codes"].view(-1), st[key + "_scale"], row))
+            if reference.state_row(params[i], True) is None and key not in st:
+                codes, scales = st[key + "_codes"], st[key + "_scale"].view(-1)  # same groups
+            else:
+                codes, scales = q(vals.view(-1), torch.bfloat16)
+            new[key + "_codes"] = codes.view(vals.shape)
+            if per_element:
+                n = vals.numel()
+                new[key + "_scale_per_element"] = scales.repeat_interleave(32)[:n].view(vals.shape)
+            else:
+                new[key + "_scale"] = scales
+        out["state"][i] = new
+    return out
+
+
+@pytest.mark.parametrize("per_element", [False, True], ids=["flat", "sharded_export"])
+def test_loads_0_2_0_state_dicts(per_element):
+    """0.2.0's layouts still load: rows of a multiple of 32 had the same groups then, so
+    their codes and scales load bit for bit (``flat``); 1-D tensors and other rows are
+    decoded (fp32 states now) or quantized again on the rows' grid; per-element scales
+    (0.2.0's DTensor export) are decoded and quantized again."""
+    shapes = ((4, 64), (3, 40), (50,))
+    ps = small_params(dtype=torch.bfloat16, sizes=shapes)
+    opt = fo.FlashAdamW(ps, lr=1e-2)
+    for s in range(3):
+        for p, g in zip(ps, small_grads(ps, s)):
+            p.grad = g.bfloat16()
+        opt.step()
+    old = _v020(opt.state_dict(), opt, per_element)
+    qs = [p.detach().clone().requires_grad_() for p in ps]
+    opt2 = fo.FlashAdamW(qs, lr=1e-2)
+    opt2.load_state_dict(old)
+    for i, (p, q) in enumerate(zip(ps, qs)):
+        a, b = opt.state[p], opt2.state[q]
+        assert a.keys() == b.keys() and b["step"] == 3
+        assert torch.equal(a["correction"], b["correction"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in a:  # 1-D: fp32 from 0.2.0's codes, within their resolution
+                assert b[key].dtype == torch.float32
+                assert (b[key] - a[key]).abs().max() <= a[key].abs().max() / 50
+            elif i == 0 and not per_element:  # the same groups: bit for bit
+                assert torch.equal(a[key + "_codes"], b[key + "_codes"])
+                assert torch.equal(a[key + "_scale"], b[key + "_scale"])
+            else:  # quantized again on this grid: the same values to the codes' resolution
+                row = reference.state_row(p, True)
+                dq = dm if key == "exp_avg" else dv
+                va = dq(a[key + "_codes"].view(-1), a[key + "_scale"], row)
+                vb = dq(b[key + "_codes"].view(-1), b[key + "_scale"], row)
+                assert (va - vb).abs().max() <= va.abs().max() / 30, (i, key)
+    for s in range(3, 5):  # and it steps
+        for p, g in zip(qs, small_grads(qs, s)):
+            p.grad = g.bfloat16()
+        opt2.step()
+    assert all(opt2.state[q]["step"] == 5 for q in qs)
 
 
 def test_export_fp32_master_weights():
@@ -240,12 +316,16 @@ def test_torch_round_trip(Flash, Torch, kw):
             assert (w - r.detach()).abs().max() < tol
             assert (fo.master_weight(q, back) - w).abs().max() < tol
     native = opt.state_dict()
-    assert all(k != opt._m_key for st in native["state"].values() for k in st)
+    # quantized parameters (rows of >= 32, grid.py) keep codes under <state>_codes only;
+    # the others (rows under 32) keep fp32 states under torch's names
+    quant = [i for i, st in native["state"].items() if opt._m_key + "_codes" in st]
+    assert quant and all(opt._m_key not in native["state"][i] for i in quant)
     t = Torch([p.detach().clone().requires_grad_() for p in ps], lr=1e-2, **kw)
     t.load_state_dict(native)
-    for p in t.param_groups[0]["params"]:
+    for i, p in enumerate(t.param_groups[0]["params"]):
         p.grad = torch.ones_like(p)
-        assert opt._m_key not in t.state[p]  # no codes taken for moments
+        if i in quant:
+            assert opt._m_key not in t.state[p]  # no codes taken for moments
     if Torch is torch.optim.AdamW:  # (torch's SGD starts a fresh momentum_buffer)
         with pytest.raises(KeyError):
             t.step()

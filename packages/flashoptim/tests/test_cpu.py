@@ -13,6 +13,7 @@ from _checks import (
     assert_step_matches_reference,
     grad,
     group_of,
+    shape_of,
     snapshot,
     state_view,
 )
@@ -98,11 +99,14 @@ def test_cpu_path_optimizers_match_float64_reference(Opt, kw):
     """Every step of every optimizer on the CPU path against ``step_ref``, odd sizes, randn
     and mixed-magnitude gradients."""
     gen = torch.Generator().manual_seed(3)
-    ps = [(torch.randn(n, generator=gen) * 0.1).bfloat16().requires_grad_() for n in (1, 33, 1000)]
+    ps = [
+        (torch.randn(shape_of(n), generator=gen) * 0.1).bfloat16().requires_grad_()
+        for n in (1, 33, 1000)
+    ]
     opt = Opt(ps, lr=1e-2, backend="torch", **kw)
     for s in range(5):
         for p in ps:
-            p.grad = grad("mixed" if s % 2 else "randn", p.numel(), p.dtype, gen)
+            p.grad = grad("mixed" if s % 2 else "randn", p.numel(), p.dtype, gen).view(p.shape)
         before = snapshot(opt, ps)
         opt.step()
         assert_matches_reference(opt, ps, before)
@@ -115,11 +119,13 @@ def test_cpu_path_optimizers_match_float64_reference(Opt, kw):
 )
 def test_cpu_path_options_match_float64_reference(dtype, okw):
     gen = torch.Generator().manual_seed(4)
-    ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype).requires_grad_() for n in (7, 300)]
+    ps = [
+        (torch.randn(shape_of(n), generator=gen) * 0.1).to(dtype).requires_grad_() for n in (7, 300)
+    ]
     opt = fo.FlashAdamW(ps, lr=1e-2, backend="torch", **okw)
     for s in range(4):
         for p in ps:
-            p.grad = grad("mixed" if s % 2 else "randn", p.numel(), dtype, gen)
+            p.grad = grad("mixed" if s % 2 else "randn", p.numel(), dtype, gen).view(p.shape)
         before = snapshot(opt, ps)
         opt.step()
         assert_matches_reference(opt, ps, before)
@@ -133,12 +139,15 @@ def test_cpu_path_matches_float64_reference_at_gpu_sizes(Opt, kw):
     at the old weight's magnitude (1.33 / 1.53 times a bound of |new weight| + lr; the H200
     run of 2026-12-02 failed the same way, SGD Nesterov too)."""
     torch.manual_seed(0)
-    ps = [(torch.randn(n) * 0.1).bfloat16().requires_grad_() for n in (2**20 + 16, 4112, 48)]
+    shapes = ((1025, 1024), (257, 48), (48,))  # test_step_kernel.GPU_SHAPES' first three
+    ps = [(torch.randn(s) * 0.1).bfloat16().requires_grad_() for s in shapes]
     opt = Opt(ps, lr=1e-2, backend="torch", **kw)
     gen = torch.Generator().manual_seed(1)
     for s in range(2):
         for p in ps:
-            p.grad = grad("mixed" if s == 1 else "randn", p.numel(), torch.bfloat16, gen)
+            p.grad = grad("mixed" if s == 1 else "randn", p.numel(), torch.bfloat16, gen).view(
+                p.shape
+            )
         before = snapshot(opt, ps)
         opt.step()
         assert_matches_reference(opt, ps, before)
@@ -195,11 +204,14 @@ def test_cpu_path_rounding_stream_base_matches_reference(monkeypatch):
     the H200 run of 2026-12-02, test_gpu_rounding_stream_base_not_a_multiple_of_8)."""
     monkeypatch.setattr(_plan, "global_index_base", lambda p: 12345 + p.numel())
     gen = torch.Generator().manual_seed(6)
-    ps = [(torch.randn(n, generator=gen) * 0.1).bfloat16().requires_grad_() for n in (33, 2049)]
+    ps = [
+        (torch.randn(shape_of(n), generator=gen) * 0.1).bfloat16().requires_grad_()
+        for n in (33, 2049)
+    ]
     opt = fo.FlashAdamW(ps, lr=1e-2, backend="torch")
     for s in range(2):
         for p in ps:
-            p.grad = grad("mixed" if s else "randn", p.numel(), torch.bfloat16, gen)
+            p.grad = grad("mixed" if s else "randn", p.numel(), torch.bfloat16, gen).view(p.shape)
         before = snapshot(opt, ps)
         opt.step()
         assert_matches_reference(opt, ps, before)

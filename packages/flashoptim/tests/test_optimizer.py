@@ -184,7 +184,7 @@ def test_load_state_dict_hooks_errors_and_validation():
     opt.register_load_state_dict_post_hook(lambda o: seen.append("post"))
     opt.load_state_dict(sd)
     assert seen == ["pre", "post"]
-    other = fo.FlashAdamW(small_params(sizes=((7, 5), (32,), (300,))), lr=1e-2)
+    other = fo.FlashAdamW(small_params(sizes=((7, 5), (32,), (300,), (3, 40))), lr=1e-2)
     with pytest.raises(ValueError, match="parameter 1 of param group 0: state 'exp_avg"):
         other.load_state_dict(sd)
     bad = dict(sd, param_groups=[dict(sd["param_groups"][0], weight_decay=-1.0)])

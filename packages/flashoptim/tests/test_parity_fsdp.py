@@ -28,7 +28,7 @@ def test_parity_fsdp_smoke(tmp_path):
     assert runs["flash_adamw"]["save_at"] == 2
     res = r["resume"]
     assert res["state_check"]["ok"], res["state_check"]
-    assert res["state_check"]["exact_arrays"] + res["state_check"]["regrouped_arrays"] > 0
+    assert res["state_check"]["exact_arrays"] > 0  # every array bit for bit after 2 -> 1
     assert len(res["losses_after_resume"]) == 2
     # world size 1 reduces the gradients in another order: rounding, not a different run
     assert res["max_abs_loss_diff_vs_uninterrupted"] < 1e-2

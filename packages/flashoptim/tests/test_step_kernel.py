@@ -28,6 +28,7 @@ from _checks import (
     grad,
     needs_interp,
     needs_kernel,
+    shape_of,
     snapshot,
 )
 
@@ -48,7 +49,7 @@ def _pair(Opt, kw, sizes, dtype, kinds, steps=3, dev=DEV, bad=None, **okw):
     """The CPU path and the kernel, same parameters and gradients, ``steps`` steps; ``bad``:
     {step: (tensor, index, value)} puts a non-finite gradient element there."""
     gen = torch.Generator().manual_seed(0)
-    ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
+    ps = [(torch.randn(shape_of(n), generator=gen) * 0.1).to(dtype) for n in sizes]
     out = []
     for backend, d in (("torch", "cpu"), ("triton", dev)):
         qs = [p.clone().to(d).requires_grad_() for p in ps]
@@ -60,7 +61,7 @@ def _pair(Opt, kw, sizes, dtype, kinds, steps=3, dev=DEV, bad=None, **okw):
             gs[t][i] = v
         for opt, qs in out:
             for q, g in zip(qs, gs):
-                q.grad = g.to(q.device).clone()
+                q.grad = g.to(q.device).clone().view(q.shape)
             opt.step()
     return out
 
@@ -113,13 +114,14 @@ def test_kernel_matches_float64_reference(Opt, kw):
     """Every step of the kernel against ``reference.step_ref`` from the same stored state."""
     gen = torch.Generator().manual_seed(7)
     ps = [
-        (torch.randn(n, generator=gen) * 0.1).bfloat16().to(DEV).requires_grad_()
+        (torch.randn(shape_of(n), generator=gen) * 0.1).bfloat16().to(DEV).requires_grad_()
         for n in (33, 2049, CHUNK + 5)
     ]
     opt = Opt(ps, lr=1e-2, backend="triton", **kw)
     for s in range(4):
         for p in ps:
-            p.grad = grad("randn" if s % 2 else "mixed", p.numel(), p.dtype, gen).to(DEV)
+            g = grad("randn" if s % 2 else "mixed", p.numel(), p.dtype, gen)
+            p.grad = g.to(DEV).view(p.shape)
         before = snapshot(opt, ps)
         opt.step()
         assert_matches_reference(opt, ps, before, ties=not INTERP)
@@ -134,13 +136,14 @@ def test_kernel_matches_float64_reference(Opt, kw):
 def test_kernel_matches_float64_reference_options(dtype, okw):
     gen = torch.Generator().manual_seed(8)
     ps = [
-        (torch.randn(n, generator=gen) * 0.1).to(dtype).to(DEV).requires_grad_()
+        (torch.randn(shape_of(n), generator=gen) * 0.1).to(dtype).to(DEV).requires_grad_()
         for n in (7, 300, CHUNK + 33)
     ]
     opt = fo.FlashAdamW(ps, lr=1e-2, backend="triton", check_finite=False, **okw)
     for s in range(3):
         for p in ps:
-            p.grad = grad("mixed" if s == 1 else "randn", p.numel(), dtype, gen).to(DEV)
+            g = grad("mixed" if s == 1 else "randn", p.numel(), dtype, gen)
+            p.grad = g.to(DEV).view(p.shape)
         before = snapshot(opt, ps)
         opt.step()
         assert_matches_reference(opt, ps, before, ties=not INTERP)
@@ -158,35 +161,40 @@ def _prepass_finds_every_nonfinite(dtype, dev):
     nothing; the largest finite values do not; a finite step after a skipped one runs (the
     device flag still holds the old step's epoch)."""
     sizes = (1, 33, CHUNK + 5)
-    ps = [torch.randn(n, device=dev).to(dtype).requires_grad_() for n in sizes]
+    ps = [torch.randn(shape_of(n), device=dev).to(dtype).requires_grad_() for n in sizes]
     opt = fo.FlashAdamW(ps, backend="triton")
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
     big = torch.finfo(dtype).max
     for p in ps:
-        p.grad[0] = big
-        p.grad[-1] = -big
+        p.grad.view(-1)[0] = big
+        p.grad.view(-1)[-1] = -big
     opt.step()
     assert opt.skipped_steps == 0 and opt.state[ps[0]]["step"] == 2
     places = [(0, 0), (1, 0), (1, 32), (2, 0), (2, CHUNK - 1), (2, CHUNK), (2, CHUNK + 4)]
     for value in (float("inf"), float("-inf"), float("nan")):
         for t, i in places:
             snap = [p.detach().clone() for p in ps]
-            st = [opt.state[p]["exp_avg"].clone() for p in ps]
-            old = ps[t].grad[i].item()
-            ps[t].grad[i] = value
+            st = [_tensors(opt.state[p]) for p in ps]
+            old = ps[t].grad.view(-1)[i].item()
+            ps[t].grad.view(-1)[i] = value
             opt.step()
-            ps[t].grad[i] = old
+            ps[t].grad.view(-1)[i] = old
             assert opt.skipped_steps == 1, (value, t, i)
             assert all(torch.equal(a, p) for a, p in zip(snap, ps))
-            assert all(torch.equal(a, opt.state[p]["exp_avg"]) for a, p in zip(st, ps))
+            for a, p in zip(st, ps):  # codes, scales, fp32 states, corrections
+                assert all(torch.equal(v, opt.state[p][k]) for k, v in a.items())
             assert opt.state[ps[0]]["step"] == 2
             opt.skipped_steps = 0
     snap = [p.detach().clone() for p in ps]
     opt.step()
     assert opt.skipped_steps == 0 and opt.state[ps[0]]["step"] == 3
     assert not all(torch.equal(a, p) for a, p in zip(snap, ps))
+
+
+def _tensors(st: dict) -> dict:
+    return {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
 
 
 @needs_kernel
@@ -210,19 +218,23 @@ def test_epoch_wraps():
 
 @needs_kernel
 def test_raise_mode_writes_nothing():
-    ps = [torch.randn(n, device=DEV).bfloat16().requires_grad_() for n in (40, CHUNK + 3)]
+    ps = [torch.randn(shape_of(n), device=DEV).bfloat16() for n in (40, CHUNK + 3)]
+    ps = [p.requires_grad_() for p in ps]
     opt = fo.FlashAdamW(ps, backend="triton", on_nonfinite="raise")
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
     opt.step()
     snap = [p.detach().clone() for p in ps]
-    ps[1].grad[CHUNK + 2] = float("nan")
+    st = [_tensors(opt.state[p]) for p in ps]
+    ps[1].grad.view(-1)[CHUNK + 2] = float("nan")
     with pytest.raises(fo.NonFiniteGradError):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(snap, ps))
+    for a, p in zip(st, ps):
+        assert all(torch.equal(v, opt.state[p][k]) for k, v in a.items())
     assert opt.state[ps[1]]["step"] == 2 and opt.skipped_steps == 0
-    ps[1].grad[CHUNK + 2] = 0.0
+    ps[1].grad.view(-1)[CHUNK + 2] = 0.0
     opt.step()
     assert opt.state[ps[1]]["step"] == 3
 
@@ -360,18 +372,20 @@ def test_index64_equals_cpu_path(monkeypatch, Opt, kw):
 #
 # The GPU suite is compile-bound: every distinct mode (optimizer, options, numel % 16 == 0
 # or not, finiteness check on or off, ...) is one more compile. The tests share modes where
-# they can: GPU_SIZES are all multiples of 16 (the usual case: one vectorized bucket), the
-# odd sizes run in the edge-gradient, pre-pass, unaligned and 2**31 tests.
+# they can: GPU_SHAPES' rows are all multiples of 16 (the usual case: vectorized buckets),
+# the odd sizes run in the edge-gradient, pre-pass, unaligned and 2**31 tests. Their three
+# buckets: rows of a multiple of 32 (the flat grid of 32), rows of 48 (one table entry per
+# row, groups of 32 and 16: grid.py), a 1-D tensor (fp32 states).
 
-GPU_SIZES = (2**20 + 16, 4112, 48, 3 * CHUNK)
+GPU_SHAPES = ((1025, 1024), (257, 48), (48,), (3, CHUNK))
 
 
-def _gpu_steps(Opt, kw, sizes, steps=3, dev="cuda", **okw):
+def _gpu_steps(Opt, kw, shapes, steps=3, dev="cuda", **okw):
     """Kernel on CUDA vs the CPU path, one step at a time from identical inputs (ties) and
     against the float64 reference; the CPU side then takes the kernel's state."""
     torch.manual_seed(0)
     dtype = okw.pop("dtype", torch.bfloat16)
-    ps = [(torch.randn(n) * 0.1).to(dtype) for n in sizes]
+    ps = [(torch.randn(s) * 0.1).to(dtype) for s in shapes]
     qa = [p.clone().requires_grad_() for p in ps]
     qb = [p.clone().to(dev).requires_grad_() for p in ps]
     a = Opt(qa, lr=1e-2, backend="torch", **kw, **okw)
@@ -379,7 +393,7 @@ def _gpu_steps(Opt, kw, sizes, steps=3, dev="cuda", **okw):
     gen = torch.Generator().manual_seed(1)
     for s in range(steps):
         for p, q in zip(qa, qb):
-            g = grad("mixed" if s == 1 else "randn", p.numel(), dtype, gen)
+            g = grad("mixed" if s == 1 else "randn", p.numel(), dtype, gen).view(p.shape)
             p.grad, q.grad = g.clone(), g.to(dev)
         before = snapshot(b, qb)
         a.step()
@@ -397,14 +411,14 @@ def test_gpu_steps_helper_on_the_interpreter(Opt, kw):
     reference check copies its inputs to the CPU, so this is the code the GPU tests run
     (with CUDA inputs it mixed CUDA and CPU scales: by count the 16 failures of the H200
     run of 2026-12-02 01:45, whose tracebacks were not captured)."""
-    _gpu_steps(Opt, kw, (4112, 48, CHUNK + 16), dev="cpu")
+    _gpu_steps(Opt, kw, ((257, 16), (3, 48), (48,), (2, CHUNK // 2 + 16)), dev="cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("Opt,kw", OPTS, ids=OPT_IDS)
 def test_gpu_kernel_vs_cpu_path_and_reference(monkeypatch, Opt, kw):
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
-    _gpu_steps(Opt, kw, GPU_SIZES)
+    _gpu_steps(Opt, kw, GPU_SHAPES)
 
 
 @pytest.mark.gpu
@@ -415,7 +429,7 @@ def test_gpu_kernel_vs_cpu_path_and_reference(monkeypatch, Opt, kw):
 )
 def test_gpu_kernel_options(monkeypatch, okw):
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
-    _gpu_steps(fo.FlashAdamW, {}, GPU_SIZES, check_finite=False, **dict(okw))
+    _gpu_steps(fo.FlashAdamW, {}, GPU_SHAPES, check_finite=False, **dict(okw))
 
 
 @pytest.mark.gpu
@@ -426,7 +440,7 @@ def test_gpu_edge_gradients(monkeypatch, Opt, kw):
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     sizes = (100_003, CHUNK + 1, 33)
     torch.manual_seed(0)
-    ps = [(torch.randn(n) * 0.1).bfloat16() for n in sizes]
+    ps = [(torch.randn(shape_of(n)) * 0.1).bfloat16() for n in sizes]
     qa = [p.clone().requires_grad_() for p in ps]
     qb = [p.clone().cuda().requires_grad_() for p in ps]
     a = Opt(qa, lr=1e-2, backend="torch", check_finite=False, **kw)
@@ -434,7 +448,7 @@ def test_gpu_edge_gradients(monkeypatch, Opt, kw):
     gen = torch.Generator().manual_seed(2)
     for kind in ("zero", "huge", "mixed", "huge"):
         for p, q in zip(qa, qb):
-            g = grad(kind, p.numel(), torch.bfloat16, gen)
+            g = grad(kind, p.numel(), torch.bfloat16, gen).view(p.shape)
             p.grad, q.grad = g.clone(), g.cuda()
         a.step()
         b.step()
@@ -454,7 +468,7 @@ def test_gpu_autotune_applies_the_step_once(monkeypatch):
     restored after): the first step is applied once, as the CPU path's."""
     monkeypatch.delenv("FLASHOPTIM_NO_AUTOTUNE", raising=False)
     n0 = len(K._step_kernel_tuned.cache)
-    _gpu_steps(fo.FlashAdamW, {}, GPU_SIZES, steps=2)
+    _gpu_steps(fo.FlashAdamW, {}, GPU_SHAPES, steps=2)
     assert len(K._step_kernel_tuned.cache) > n0  # it did tune
     print("autotuned config:", K._step_kernel_tuned.best_config)
 
@@ -464,8 +478,8 @@ def test_gpu_other_tuning_config(monkeypatch):
     """The other tuning config (8 warps) as the default config, against the CPU path."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     monkeypatch.setattr(_config, "DEFAULT_CONFIG", _config.CONFIGS[1])
-    _gpu_steps(fo.FlashAdamW, {}, GPU_SIZES, steps=2)
-    _gpu_steps(fo.FlashSGD, dict(momentum=0.9, weight_decay=0.01), GPU_SIZES, steps=2)
+    _gpu_steps(fo.FlashAdamW, {}, GPU_SHAPES, steps=2)
+    _gpu_steps(fo.FlashSGD, dict(momentum=0.9, weight_decay=0.01), GPU_SHAPES, steps=2)
 
 
 @pytest.mark.gpu
@@ -476,7 +490,7 @@ def test_gpu_unaligned_gradient_views(monkeypatch, Opt):
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     sizes = (64, 4096, 48, 1000)
     torch.manual_seed(1)
-    ps = [torch.randn(n).bfloat16() for n in sizes]
+    ps = [torch.randn(shape_of(n)).bfloat16() for n in sizes]
     qa = [p.clone().requires_grad_() for p in ps]
     qb = [p.clone().cuda().requires_grad_() for p in ps]
     a = Opt(qa, lr=1e-2, weight_decay=0.1, backend="torch")
@@ -486,7 +500,8 @@ def test_gpu_unaligned_gradient_views(monkeypatch, Opt):
         gbuf = buf.cuda()
         off = 1
         for p, q in zip(qa, qb):
-            p.grad, q.grad = buf[off : off + p.numel()], gbuf[off : off + q.numel()]
+            p.grad = buf[off : off + p.numel()].view(p.shape)
+            q.grad = gbuf[off : off + q.numel()].view(q.shape)
             off += p.numel() + 3
         a.step()
         b.step()
@@ -501,7 +516,7 @@ def test_gpu_rounding_stream_base_not_a_multiple_of_8(monkeypatch):
     GPU against the CPU path."""
     monkeypatch.setenv("FLASHOPTIM_NO_AUTOTUNE", "1")
     monkeypatch.setattr(_plan, "global_index_base", lambda p: 12345 + p.numel())
-    _gpu_steps(fo.FlashAdamW, {}, (100_003, 33), steps=2)
+    _gpu_steps(fo.FlashAdamW, {}, ((1, 100_003), (1, 33)), steps=2)
 
 
 def _window(opt, p, a, b) -> tuple:
@@ -510,14 +525,15 @@ def _window(opt, p, a, b) -> tuple:
     st = opt.state[p]
     g0, g1 = a // 32, (b + 31) // 32
     sv = dict(
-        m=st["exp_avg"][a:b],
-        ms=st["exp_avg_scale"][g0:g1],
-        v=st["exp_avg_sq"][a:b],
-        vs=st["exp_avg_sq_scale"][g0:g1],
-        c=st["correction"][a:b],
+        m=st["exp_avg_codes"].view(-1)[a:b],
+        ms=st["exp_avg_scale"].view(-1)[g0:g1],
+        v=st["exp_avg_sq_codes"].view(-1)[a:b],
+        vs=st["exp_avg_sq_scale"].view(-1)[g0:g1],
+        c=st["correction"].view(-1)[a:b],
     )
-    grd = p.grad[a:b].cpu().clone() if p.grad is not None else None
-    return p.detach()[a:b].cpu().clone(), grd, {k: v.cpu().clone() for k, v in sv.items()}
+    grd = p.grad.view(-1)[a:b].cpu().clone() if p.grad is not None else None
+    pw = p.detach().view(-1)[a:b].cpu().clone()
+    return pw, grd, {k: v.cpu().clone() for k, v in sv.items()}
 
 
 @pytest.mark.gpu
@@ -539,11 +555,12 @@ def _big_tensor_steps(n: int, boundary: int, dev: str) -> None:
     from flashoptim_fused import _cpu
 
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1)
+    # one row of n (8-bit states: its grid of 32 is the flat one; a 1-D tensor keeps fp32)
+    p = torch.nn.Parameter(torch.randn(1, n, device=dev, dtype=torch.bfloat16) * 0.1)
     opt = fo.FlashAdamW([p], lr=1e-2, weight_decay=0.1, backend="triton")
     windows = [(0, 4096), (boundary - 8192, boundary + 8192), (n - 4097 - 32 * 7, n)]
     for step in (1, 2):
-        p.grad = torch.randn(n, device=dev, dtype=torch.bfloat16)
+        p.grad = torch.randn(1, n, device=dev, dtype=torch.bfloat16)
         if step == 1:  # the first step's zero states, as the step creates them
             opt._init_state(p, opt.param_groups[0])
         before = [_window(opt, p, a, b) for a, b in windows]
@@ -565,7 +582,7 @@ def _big_tensor_steps(n: int, boundary: int, dev: str) -> None:
                 assert torch.allclose(cst[k].double(), st1[k].double(), rtol=2e-2), (a, k)
             ma, mb = reference.join_ref(cp, cst["c"], 8), reference.join_ref(p1, st1["c"], 8)
             assert _few(~torch.isclose(ma, mb, rtol=1e-4, atol=1e-5), 0.01), a
-    p.grad[boundary + 5] = float("nan")
+    p.grad.view(-1)[boundary + 5] = float("nan")
     snap = _window(opt, p, *windows[1])
     opt.step()
     assert opt.skipped_steps == 1 and opt.state[p]["step"] == 2
@@ -585,14 +602,15 @@ def test_huge_finite_gradient_keeps_weights_finite(backend):
     as inf and the update is 0. Weights match torch AdamW (fp32) while its v is finite."""
     dev = DEV if backend == "triton" else "cpu"
     for big in (2e19, 1e20, 1e30, 3.4e38):
-        p0 = torch.randn(40, generator=torch.Generator().manual_seed(0))
+        # one row of 40: 8-bit states, groups of 32 and 8 (a 1-D tensor keeps fp32 states)
+        p0 = torch.randn(1, 40, generator=torch.Generator().manual_seed(0))
         p = p0.clone().to(dev).requires_grad_()
         r = p0.clone().requires_grad_()
         opt = fo.FlashAdamW([p], lr=1e-2, backend=backend)
         ref = torch.optim.AdamW([r], lr=1e-2, foreach=False)
         for s in range(4):
-            g = torch.randn(40, generator=torch.Generator().manual_seed(s + 1))
-            g[3] = big
+            g = torch.randn(1, 40, generator=torch.Generator().manual_seed(s + 1))
+            g[0, 3] = big
             p.grad, r.grad = g.to(dev), g.clone()
             opt.step()
             ref.step()
@@ -602,7 +620,7 @@ def test_huge_finite_gradient_keeps_weights_finite(backend):
         if big <= 1e20:  # torch's v finite: the huge element and the other group of 32 follow
             # torch within a few 8-bit codes (the rest of its own group sits at codes ~0 of the
             # outlier's scale, as group quantization does)
-            d = (w - r.detach()).abs()
+            d = (w - r.detach()).abs().view(-1)
             assert d[3] < 2e-3 and d[32:].max() < 2e-3, big
 
 
@@ -624,17 +642,20 @@ def test_gpu_subnormal_bf16_momenta_quantize():
 
 def _check_subnormal_momenta(backend, dev, dtype):
     for Opt, kw in [(fo.FlashAdamW, {}), (fo.FlashSGD, dict(momentum=0.9)), (fo.FlashLion, {})]:
-        p = torch.randn(100, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
+        # one row of 100 (grid.py: rows of >= 32 are quantized; in one row its grid is the
+        # flat one, groups 32, 32, 32, 4)
+        p = torch.randn(1, 100, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
         p.requires_grad_()
         g = torch.randn(100, generator=torch.Generator().manual_seed(1)) * 1e-39
         g[:32] *= 1e-4  # a group of the smallest subnormals
         g = g.to(dtype).float()  # the values the optimizer sees
         opt = Opt([p], lr=1e-2, backend=backend, **kw)
-        p.grad = g.to(dev, dtype)
+        p.grad = g.to(dev, dtype).view(1, 100)
         opt.step()
         st = opt.state[p]
-        key = opt._m_key
-        got = reference.dequantize_momentum_ref(st[key].cpu(), st[key + "_scale"].cpu())
+        key = opt._m_key + "_codes"
+        scale = st[opt._m_key + "_scale"].cpu().reshape(-1)
+        got = reference.dequantize_momentum_ref(st[key].cpu().reshape(-1), scale)
         want = g.double() * (0.1 if Opt is fo.FlashAdamW else (1.0 if Opt is fo.FlashSGD else 0.01))
         for lo in range(0, 100, 32):
             a, b = got[lo : lo + 32], want[lo : lo + 32]
@@ -646,10 +667,10 @@ def test_momentum_beyond_bf16_range_stays_finite(backend):
     """A momentum group beyond the largest bf16 (3.39e38) had an inf scale (NaN decodes):
     it now codes 0 with the largest bf16 as its scale; the weights stay finite."""
     dev = DEV if backend == "triton" else "cpu"
-    p = torch.zeros(64, device=dev, requires_grad=True)
+    p = torch.zeros(2, 32, device=dev, requires_grad=True)  # rows of 32: quantized
     opt = fo.FlashSGD([p], lr=1e-3, momentum=0.9, backend=backend)
     for _ in range(2):
-        p.grad = torch.full((64,), 3.4e38, device=dev)
+        p.grad = torch.full((2, 32), 3.4e38, device=dev)
         opt.step()
         assert torch.isfinite(p.detach()).all()
         st = opt.state[p]

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ._plan import flat
+from .grid import pad_rows, row_index, row_len, unpad_rows
 from .reference import ADAM, BF16_MAX, GROUP, M32, M_BIT, MOM_SCALE_MIN, SGD, V_BIT, hash_ref
 
 C127 = 1.0 / 127.0  # rounded to fp32 where used
@@ -131,11 +132,13 @@ def split_t(th, pf, c, bits, sr, seed, step, idx_base, h=None) -> None:
     pf.copy_(pn)
 
 
-def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
+def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0, idx=None) -> None:
     """One in-place step on one local tensor in plain torch fp32 (the kernel's arithmetic).
 
     ``p``: parameter (fp32, bf16 or fp16), ``g`` its gradient, ``st`` the state dict with
-    ``m``/``ms``/``v``/``vs``/``c`` tensors as allocated by the optimizer.
+    ``m``/``ms``/``v``/``vs``/``c`` tensors as allocated by the optimizer. Groups of 32 run
+    over the flat tensor; ``idx``: the rounding stream's element indices (default
+    ``idx_base + arange``).
     """
     f32 = torch.float32
     n = p.numel()
@@ -150,7 +153,9 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     th = join_t(pf, st.get("c"), bits)
     h = None  # the step's hash bits per element: every stochastic rounding draws from them
     if sr and (bits or quant):
-        h = hash_ref(seed, step, torch.arange(n, dtype=torch.int64, device=p.device) + idx_base)
+        if idx is None:
+            idx = torch.arange(n, dtype=torch.int64, device=p.device) + idx_base
+        h = hash_ref(seed, step, idx)
 
     def dec_m():
         return decode_momentum_t(st["m"], st["ms"]) if quant else st["m"].reshape(-1)
@@ -225,6 +230,25 @@ def cpu_step(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
     split_t(th, pf, st.get("c"), bits, sr, seed, step, idx_base, h)
 
 
+def cpu_step_rows(kind, p, g, st, hp, step, seed, idx_base=0) -> None:
+    """``cpu_step`` on a parameter whose rows end inside a group (``grid.split``): every
+    per-element array is zero-padded per row to whole groups (what the kernel's per-row
+    table entries mask), stepped, and its real elements copied back; the group scales are
+    stepped in place. Padded elements are zero everywhere and move no group maximum."""
+    r = row_len(p)
+    pf = flat(p)
+    rows = pf.numel() // r
+    per_el = {k: v for k, v in st.items() if v is not None and k not in ("ms", "vs")}
+    padded = {k: pad_rows(flat(v), r) for k, v in per_el.items()}
+    scales = {k: st[k].view(-1) for k in ("ms", "vs") if st.get(k) is not None}
+    pp = pad_rows(pf, r)
+    idx = row_index(rows, r, idx_base, pf.device)
+    cpu_step(kind, pp, pad_rows(flat(g), r), dict(padded, **scales), hp, step, seed, idx=idx)
+    pf.copy_(unpad_rows(pp, r))
+    for k, v in per_el.items():
+        flat(v).copy_(unpad_rows(padded[k], r))
+
+
 def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 sqrt (the interpreter's numpy sqrt, IEEE ``sqrt.rn``): torch's
     CPU fp32 sqrt is not (one ulp off for ~16% of random inputs on an AVX-512 host); the
@@ -241,21 +265,36 @@ def muon_momentum_cpu(g, st: dict, hp: dict, u_out, step: int, seed: int, idx_ba
     """FlashMuon's pass 1 on one local tensor (``_muon_kernel._momentum_tile``): the momentum
     EMA ``m += (1 - mu)(g - m)`` stored in ``st`` (``m``, ``ms``; codes rounded with the
     step's hash when ``hp["sr"]``), and the direction ``u`` (Nesterov: ``m + (1 - mu)(g -
-    m)``, else ``m``) rounded to bf16 into the flat ``u_out``, all in memory order."""
+    m)``, else ``m``) rounded to bf16 into the flat ``u_out``, all in memory order. Rows that
+    end inside a group (``grid.split``) are padded per row, as in ``cpu_step_rows``."""
+    r = row_len(g)
+    if hp["quant"] and r % GROUP:
+        rows = g.numel() // r
+        m_pad = pad_rows(flat(st["m"]), r)
+        u_pad = torch.empty(m_pad.shape, dtype=u_out.dtype, device=u_out.device)
+        sp = dict(m=m_pad, ms=st["ms"])
+        idx = row_index(rows, r, idx_base, m_pad.device)
+        _muon_momentum_flat(pad_rows(flat(g), r), sp, hp, u_pad, step, seed, idx)
+        flat(st["m"]).copy_(unpad_rows(m_pad, r))
+        u_out.copy_(unpad_rows(u_pad, r))
+        return
+    idx = torch.arange(g.numel(), dtype=torch.int64, device=g.device) + idx_base
+    _muon_momentum_flat(flat(g), st, hp, u_out, step, seed, idx)
+
+
+def _muon_momentum_flat(g, st: dict, hp: dict, u_out, step: int, seed: int, idx) -> None:
     mc = flat(st["m"])
+    ms = st["ms"].view(-1) if hp["quant"] else None  # (rows, groups per row), flat
     gf = flat(g).to(torch.float32)
     if hp.get("maximize"):
         gf = -gf
-    m = decode_momentum_t(mc, st["ms"]) if hp["quant"] else mc
+    m = decode_momentum_t(mc, ms) if hp["quant"] else mc
     c = f32_c(1 - hp["mu"])
     m = m + (gf - m) * c
     u = m + (gf - m) * c if hp["nesterov"] else m
     if hp["quant"]:
-        h = None
-        if hp["sr"]:
-            idx = torch.arange(mc.numel(), dtype=torch.int64, device=mc.device) + idx_base
-            h = hash_ref(seed, step, idx)
-        encode_momentum_t(m, mc, st["ms"], hp["scale_dtype"] == torch.float32, h)
+        h = hash_ref(seed, step, idx) if hp["sr"] else None
+        encode_momentum_t(m, mc, ms, hp["scale_dtype"] == torch.float32, h)
     else:
         mc.copy_(m)
     u_out.copy_(_to_narrow_t(u, True))

@@ -16,7 +16,7 @@ import operator
 
 import torch
 
-from . import _config
+from . import _config, grid
 from . import _prepass_kernel as PK
 from . import _step_kernel as K
 from .reference import ADAM, GOLDEN, GROUP, M32
@@ -69,18 +69,48 @@ def layout_error(p: torch.Tensor, where: str) -> ValueError:
 
 
 def global_index_base(p: torch.Tensor) -> int:
-    """Flat index of the first local element in the full tensor (DTensor Shard(0) only): the
-    start of the tensor's stochastic-rounding stream, so a sharded run rounds as one."""
-    if not hasattr(p, "_local_tensor"):
+    """Flat index of the first local element in the full tensor: the start of the tensor's
+    stochastic-rounding stream, so a sharded run rounds as one process does. A DTensor's
+    placements are Shard(0) or Replicate (``check_placements``): each Shard(0) mesh
+    dimension cuts the rows left to it into ``ceil(rows / size)``-row chunks (torch.chunk's
+    rule, FSDP2's), applied in mesh-dimension order."""
+    if not hasattr(p, "_local_tensor") or p.dim() == 0:
         return 0
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    start, rows = 0, p.shape[0]
+    for d, pl in enumerate(p.placements):
+        if pl.is_shard():
+            chunk = -(-rows // mesh.size(d))
+            lo = min(coord[d] * chunk, rows)
+            start, rows = start + lo, min(chunk, rows - lo)
+    if rows != local(p).shape[0]:
+        raise ValueError(
+            f"a DTensor parameter of shape {tuple(p.shape)} and placements"
+            f" {tuple(p.placements)} holds {local(p).shape[0]} rows on this rank where"
+            f" torch.chunk's rule gives {rows}: flashoptim cannot place its shard in the"
+            " unsharded tensor (its rounding stream and quantization grid need that)"
+        )
+    return start * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
-        _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        stride = math.prod(p.shape[1:]) if p.dim() > 1 else 1
-        return int(off[0]) * stride if p.dim() else 0
-    except Exception:  # pragma: no cover - older torch / exotic placements
-        return 0
+
+def check_placements(p, where: str) -> None:
+    """A DTensor parameter must be Replicate or Shard(0) on every mesh dimension (FSDP2,
+    HSDP, DDP-like replication): its shard is then a run of whole rows, which the
+    quantization grid never cuts (``grid.py``). Other placements (tensor parallelism's
+    Shard(1), strided shards) would cut rows and make the states depend on the mesh."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for pl in p.placements:
+        if isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0):
+            continue
+        raise ValueError(
+            f"{where} is a DTensor with placements {tuple(p.placements)}: flashoptim steps"
+            " Shard(0) (FSDP2's fully_shard) and Replicate placements, whose shards hold"
+            " whole rows of the unsharded tensor and so the same quantization groups under"
+            " every mesh (docs/flashoptim.md, 'Sharding'); redistribute it, or shard it with"
+            " fully_shard's default placement"
+        )
 
 
 def meshes_of(ps) -> list:
@@ -147,9 +177,13 @@ def index_buckets(ps: list, buckets: list) -> None:
         b["idx"] = [pos[id(p)] for p in b["ps"]]
 
 
-def build_table(ps: list, states: list, seeds: list) -> dict:
+def build_table(ps: list, states: list, seeds: list, rows: bool = False) -> dict:
     """The offset table and work table of one bucket. ``states``: per parameter the dict of
-    its ``c``, ``m``, ``ms``, ``v``, ``vs`` tensors (None where the mode has none)."""
+    its ``c``, ``m``, ``ms``, ``v``, ``vs`` tensors (None where the mode has none).
+    ``rows``: every parameter's rows end inside a group (``grid.split``): each row is a
+    table entry of its own, so its groups start at the row (the kernel's groups of 32 start
+    at each entry's element 0). ``owner`` / ``row0``: per entry, its parameter's index in
+    ``ps`` and its first element within the parameter."""
     p0 = local(ps[0])
     cols = [
         [local(p) for p in ps],
@@ -161,9 +195,11 @@ def build_table(ps: list, states: list, seeds: list) -> dict:
         [s.get("vs") for s in states],
     ]
     bases = [col[0] if col[0] is not None else p0 for col in cols]
-    rows, aligned, aligned_other = [], True, True
+    table, aligned, aligned_other = [], True, True
+    present = []  # per tensor: which of its 7 arrays exist (an absent one stays at its base)
     for i, p in enumerate(ps):
         row = []
+        present.append([c[i] is not None for c in cols])
         for j, col in enumerate(cols):
             t = col[i]
             if t is None:
@@ -193,11 +229,19 @@ def build_table(ps: list, states: list, seeds: list) -> dict:
                 aligned_other = aligned_other and ok
             row.append(o)
         row += [cols[0][i].numel(), seeds[i], global_index_base(p)]
-        rows.append(row)
-    tab = torch.tensor(rows, dtype=torch.int64, device=p0.device)
-    nw = [(r[7] + K.CHUNK - 1) // K.CHUNK for r in rows]
-    tid = torch.repeat_interleave(torch.arange(len(ps)), torch.tensor(nw))
-    first = torch.repeat_interleave(torch.tensor([0] + nw[:-1]).cumsum(0), torch.tensor(nw))
+        table.append(row)
+    tab = torch.tensor(table, dtype=torch.int64)
+    owner = torch.arange(len(ps))
+    row0 = torch.zeros(len(ps), dtype=torch.int64)
+    if rows:
+        tab, owner, row0 = _row_entries(ps, tab, present)
+        aligned = aligned and bool((tab[:, :7] % 16 == 0).all())
+        aligned_other = aligned_other and bool((tab[:, [0, 2, 3, 4, 5, 6]] % 16 == 0).all())
+    nw = ((tab[:, 7] + K.CHUNK - 1) // K.CHUNK).tolist()
+    tab = tab.to(p0.device)
+    tid = torch.repeat_interleave(torch.arange(len(nw)), torch.tensor(nw, dtype=torch.int64))
+    starts = torch.tensor([0] + nw[:-1], dtype=torch.int64).cumsum(0)
+    first = torch.repeat_interleave(starts, torch.tensor(nw, dtype=torch.int64))
     work = torch.stack([tid, torch.arange(len(tid)) - first], 1)  # tensor, chunk index
     written = [t for j in (0, 2, 3, 4, 5, 6) for t in cols[j] if t is not None]
     return dict(
@@ -209,10 +253,32 @@ def build_table(ps: list, states: list, seeds: list) -> dict:
         aligned_other=aligned_other,
         skip=torch.zeros(1, dtype=torch.int32, device=p0.device),
         dtype=p0.dtype,
-        n16=all(r[7] % 16 == 0 for r in rows),
-        ib8=all(r[9] % 8 == 0 for r in rows),  # rounding-stream bases (the hoisted draw)
-        index64=needs_index64([r[7] for r in rows]),
+        n16=bool((tab[:, 7] % 16 == 0).all()),
+        ib8=bool((tab[:, 9] % 8 == 0).all()),  # rounding-stream bases (the hoisted draw)
+        index64=needs_index64(tab[:, 7].tolist() or [0]),
+        rows=rows,
+        owner=owner,
+        row0=row0,
     )
+
+
+def _row_entries(ps: list, tab: torch.Tensor, present: list) -> tuple:
+    """One table entry per row of each parameter (``build_table``'s ``rows``): every array's
+    offset advances by a row (``R`` elements; the group scales by ``ceil(R / 32)``), the
+    numel is ``R``, the rounding-stream base advances by ``R``."""
+    out, owner, row0 = [], [], []
+    for i, p in enumerate(ps):
+        r = grid.row_len(p)
+        nrows, gpr = grid.scale_shape(local(p))
+        step = torch.tensor([r, r, r, r, gpr, r, gpr, 0, 0, r], dtype=torch.int64)
+        step[:7] *= torch.tensor(present[i], dtype=torch.int64)
+        k = torch.arange(nrows, dtype=torch.int64)[:, None]
+        e = tab[i][None, :] + k * step[None, :]
+        e[:, 7] = r
+        out.append(e)
+        owner.append(torch.full((nrows,), i, dtype=torch.int64))
+        row0.append(k[:, 0] * r)
+    return torch.cat(out), torch.cat(owner), torch.cat(row0)
 
 
 def rebase_grads(plan: dict, gs: list, gptrs: tuple) -> bool:
@@ -247,6 +313,9 @@ def rebase_grads(plan: dict, gs: list, gptrs: tuple) -> bool:
         if bool((d % es).any()):
             return False
         offs = d // es
+        if ent["rows"]:  # one entry per row (grid.split): its parameter's offset + its row
+            own, row0 = ent["owner"], ent["row0"]
+            ptr, offs = ptr[own] + row0 * es, offs[own] + row0
         aligned = bool(((offs % 16 == 0) & (ptr % 16 == 0)).all())
         updates.append((ent, base, offs, aligned))
     for ent, base, col, aligned in updates:

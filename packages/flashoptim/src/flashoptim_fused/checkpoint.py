@@ -1,6 +1,7 @@
 """Checkpoints and master weights of the flashoptim optimizers: compact bit-exact state
-dicts, torch.optim checkpoints (quantized on load), FSDP2 / DCP state dicts with per-element
-scales (reshardable), fp32 master weights in and out."""
+dicts, torch.optim checkpoints (quantized on load), FSDP2 / DCP state dicts whose group
+scales are sharded by rows like their parameter (reshardable bit for bit, ``grid.py``),
+fp32 master weights in and out."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ from typing import Any
 
 import torch
 
+from . import grid
 from ._cpu import _narrow_q
 from ._plan import flat, local
 from .reference import (
-    GROUP,
     dequantize_momentum_ref,
     dequantize_variance_ref,
-    pad_groups,
     quantize_momentum_ref,
     quantize_variance_ref,
     split_ref,
+    state_row,
 )
 
 
@@ -237,68 +238,78 @@ class CheckpointMixin:
             st["seed"] = int(st_old["seed"])
         m_key, v_key = self._state_keys(group)
         for key in [m_key, v_key]:
-            # our state dicts name 8-bit codes <state>_codes (torch's loader must not read
-            # them as moments); older ones and torch's use <state>
-            src = key + "_codes" if key is not None and key + "_codes" in st_old else key
-            if key is None or src not in st_old or key not in st:
+            if key is None or not (key in st or key + "_codes" in st):
                 continue
-            v = local(st_old[src]).to(lp.device)
-            if not v.is_floating_point() and not group["quantize"]:  # codes into fp32 states
-                dq = dequantize_variance_ref if key == v_key else dequantize_momentum_ref
+            val = self._saved_values(p, st_old, key, is_var=key == v_key)
+            if val is None:
+                continue
+            codes, scales, values = val
+            if key in st:  # fp32 states
                 lay = torch.empty_like(st[key])
-                flat(lay).copy_(dq(flat(v), local(st_old[key + "_scale"]).to(lp.device)))
+                flat(lay).copy_(values() if codes is not None else flat(scales))
                 st[key].copy_(lay)
                 continue
-            per_el = st_old.get(key + "_scale_per_element")
-            if per_el is not None and group["quantize"]:  # sharded (DCP) export
-                self._load_per_element(st, key, v, local(per_el).to(lp.device), group)
+            dst, dst_s = st[key + "_codes"], st[key + "_scale"]
+            # the saved groups are this grid's: (rows, groups per row) scales of our shape,
+            # or 0.2.0's flat grid of 32 on rows of a multiple of 32 (the same groups)
+            flat_grid = state_row(lp, True) is None  # rows of a multiple of 32
+            same_grid = scales is not None and (
+                scales.shape == dst_s.shape
+                or (scales.dim() == 1 and scales.numel() == dst_s.numel() and flat_grid)
+            )
+            if codes is not None and same_grid:
+                flat(dst).copy_(flat(codes))  # bit for bit
+                dst_s.copy_(scales.reshape(dst_s.shape))
                 continue
-            if group["quantize"] and v.is_floating_point():  # torch.optim checkpoint
-                # quantized in the parameter's memory order (its groups of 32 are the step's)
-                lay = torch.empty_like(st[key], dtype=torch.float64)
-                lay.copy_(v.reshape(lay.shape))
-                if key == v_key:
-                    codes, s = quantize_variance_ref(flat(lay), group["scale_dtype"])
-                else:
-                    codes, s = quantize_momentum_ref(flat(lay), group["scale_dtype"])
-                flat(st[key]).copy_(codes)
-                st[key + "_scale"].copy_(s)
-            else:
-                st[key].copy_(v.view_as(st[key]))
-                if key + "_scale" in st_old:
-                    st[key + "_scale"].copy_(local(st_old[key + "_scale"]))
+            # a torch.optim moment, or codes on another grid (older checkpoints): quantized
+            # on this parameter's grid, in its memory order
+            x = values() if codes is not None else flat(scales).to(torch.float64)
+            quant = quantize_variance_ref if key == v_key else quantize_momentum_ref
+            c2, s2 = quant(x, group["scale_dtype"], row=state_row(lp, True))
+            flat(dst).copy_(c2)
+            dst_s.copy_(s2.reshape(dst_s.shape))
         if "correction" in st and "correction" in st_old:
             st["correction"].copy_(local(st_old["correction"]))
 
-    def _load_per_element(self, st, key, codes, per_el, group) -> None:
-        """Codes + per-element scales (a sharded export). If this shard's groups of 32 line
-        up with the saved ones (every group sees one scale), the codes and scales are copied
-        unchanged (bit-exact, any world size); otherwise decode and quantize again."""
-        c = codes.reshape(-1)
-        e = per_el.reshape(-1).to(torch.float64)
-        n = c.numel()
-        eg = pad_groups(e).view(-1, GROUP)
-        valid = pad_groups(torch.ones(n, dtype=torch.bool, device=e.device)).view(-1, GROUP)
-        aligned = bool(((eg == eg[:, :1]) | ~valid).all())
-        if aligned:
-            st[key].copy_(codes.view_as(st[key]))
-            st[key + "_scale"].copy_(eg[:, 0])
-            return
-        cf = c.to(torch.float64)
-        if key == self._state_keys(group)[1]:
-            sv = cf / 255 * e
-            codes2, s2 = quantize_variance_ref(sv * sv, group["scale_dtype"])
-        else:
-            y = cf / 127
-            codes2, s2 = quantize_momentum_ref(y / (2 - y.abs()) * e, group["scale_dtype"])
-        st[key].copy_(codes2.view_as(st[key]))
-        st[key + "_scale"].copy_(s2)
+    def _saved_values(self, p, st_old, key, is_var: bool):
+        """A saved state of ``p`` as (codes, scales, values): our codes with their group
+        scales (``scales`` None for a per-element export) and a function decoding them
+        (float64, flat in memory order); or (None, fp32 moment, None) for a torch.optim
+        state; None when the dict has none."""
+        lp = local(p)
+        dev = lp.device
+        if key + "_codes" in st_old or (
+            key in st_old and torch.is_tensor(st_old[key]) and not st_old[key].is_floating_point()
+        ):  # codes (0.2.0 and later name them <state>_codes; earlier dicts <state>)
+            codes = local(st_old.get(key + "_codes", st_old.get(key))).to(dev).reshape(lp.shape)
+            per_el = st_old.get(key + "_scale_per_element")  # 0.2.0's sharded export
+            if per_el is not None:
+                e = local(per_el).to(dev).reshape(-1).to(torch.float64)
+                c = flat(codes).to(torch.float64)
+                if is_var:
+                    return codes, None, lambda: (c / 255 * e) ** 2
+                return codes, None, lambda: (c / 127) / (2 - (c / 127).abs()) * e
+            sc = local(st_old[key + "_scale"]).to(dev)
+            # the grid the scales were saved on: this one (2-D: rows, groups per row), or
+            # 0.2.0's flat grid of 32 over the (local) tensor (1-D)
+            row = state_row(lp, True) if sc.dim() == 2 else None
+            dq = dequantize_variance_ref if is_var else dequantize_momentum_ref
+            return codes, sc, lambda: dq(flat(codes), sc.reshape(-1), row)
+        if key in st_old and torch.is_tensor(st_old[key]):
+            v = local(st_old[key]).to(dev)
+            lay = torch.empty_like(lp, dtype=torch.float64)
+            lay.copy_(v.reshape(lay.shape))
+            return None, flat(lay), None
+        return None
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim layout. For DTensor (FSDP2) parameters every per-element state is a
-        DTensor with the parameter's placements, and each group scale is repeated per element
-        (``<state>_scale_per_element``), so torch.distributed.checkpoint can save, load and
-        reshard it; plain parameters keep the compact layout."""
+        """torch.optim layout, under the names the live state has (8-bit codes are
+        ``<state>_codes``, their scales ``<state>_scale``: loaders that take the names from
+        the live state, torch.distributed.checkpoint's flattened dicts and torchtitan's,
+        find every tensor). For DTensor (FSDP2) parameters every state is a DTensor with
+        the parameter's placements: per-element states of the parameter's shape, the group
+        scales of shape (rows, groups per row) (``grid.py``), sharded by rows as the
+        parameter is, so torch.distributed.checkpoint saves and reshards them bit for bit."""
         skipped = self.skipped_steps
         if self.capturable:
             self.sync_steps()
@@ -307,42 +318,14 @@ class CheckpointMixin:
         sd = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, st in list(sd["state"].items()):
-            # 8-bit codes as <state>_codes: torch.optim's loader cannot take them for moments
-            # (its first step then raises KeyError for the missing <state>; export a torch
-            # state dict with torch_state_dict())
-            st = {
-                (k + "_codes" if torch.is_tensor(v) and _is_codes(k, v) else k): v
-                for k, v in st.items()
-            }
-            sd["state"][idx] = st
             p = params[idx]
             if not hasattr(p, "_local_tensor"):
                 continue
-            from torch.distributed.tensor import DTensor
-
-            lp = local(p)
-
-            def wrap(t, p=p, lp=lp):
-                return DTensor.from_local(
-                    t.reshape(lp.shape),
-                    p.device_mesh,
-                    p.placements,
-                    run_check=False,
-                    shape=p.shape,
-                    stride=p.stride(),
-                )
-
-            new = {}
-            for k, v in st.items():
-                if not torch.is_tensor(v):
-                    new[k] = v
-                elif k.endswith("_scale"):
-                    per_el = v.repeat_interleave(GROUP)[: lp.numel()]
-                    new[k + "_per_element"] = wrap(per_el)
-                else:
-                    new[k] = wrap(v)
-            sd["state"][idx] = new
-        sd["flashoptim"] = {"skipped_steps": skipped}
+            sd["state"][idx] = {
+                k: (_as_dtensor(v, p, k.endswith("_scale")) if torch.is_tensor(v) else v)
+                for k, v in st.items()
+            }
+        sd["flashoptim"] = {"skipped_steps": skipped, "grid": "rows"}
         return sd
 
     def torch_state_dict(self) -> dict[str, Any]:
@@ -374,13 +357,15 @@ class CheckpointMixin:
                         (m_key, dequantize_momentum_ref),
                         (v_key, dequantize_variance_ref),
                     ):
-                        if key is None or key not in st:
+                        if key is None or not (key in st or key + "_codes" in st):
                             continue
-                        lay = torch.empty_like(st[key], dtype=torch.float32)
-                        if group["quantize"]:
-                            flat(lay).copy_(dq(flat(st[key]), st[key + "_scale"]))
-                        else:
-                            lay.copy_(st[key])
+                        if key in st:
+                            out[key] = st[key].to(torch.float32, copy=True)
+                            continue
+                        codes = st[key + "_codes"]
+                        lay = torch.empty_like(codes, dtype=torch.float32)
+                        row = state_row(p, True)
+                        flat(lay).copy_(dq(flat(codes), st[key + "_scale"].reshape(-1), row))
                         out[key] = lay
                     state[idx] = out
                 ids.append(idx)
@@ -409,5 +394,29 @@ _KIND_KEYS = frozenset(
 _OURS = ("master_weight_bits", "quantize", "stochastic_rounding", "scale_dtype")
 
 
-def _is_codes(key: str, v: torch.Tensor) -> bool:
-    return not v.is_floating_point() and key not in ("step", "seed", "correction")
+def _as_dtensor(t: torch.Tensor, p, scales: bool):
+    """A state tensor of the DTensor parameter ``p`` as a DTensor with ``p``'s placements:
+    per-element states of ``p``'s shape, group scales (``scales``) of shape (rows, groups per
+    row); both sharded by rows as ``p`` (Shard(0) or Replicate, ``_plan.check_placements``)."""
+    from torch.distributed.tensor import DTensor
+
+    lp = local(p)
+    if scales:
+        rows, gpr = grid.scale_shape(lp)
+        shape = (p.shape[0] if p.dim() else 1, gpr)
+        return DTensor.from_local(
+            t.reshape(rows, gpr),
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=(gpr, 1),
+        )
+    return DTensor.from_local(
+        t.reshape(lp.shape),
+        p.device_mesh,
+        p.placements,
+        run_check=False,
+        shape=p.shape,
+        stride=p.stride(),
+    )

@@ -82,6 +82,7 @@ def main() -> None:
         parts = ", ".join(
             f"{k} {r[k] / r['params']:.3f}"
             for k in ("param", "grad", "master_correction", "state_codes", "state_scales")
+            if r[k]
         )
         print(f"   {Opt.__name__}: {r['bytes_per_param']:.3f} bytes/param ({parts})")
     print("3) lost updates: weight 1.0, 100 SGD steps of -1e-5 each (bf16 + int8 correction)")

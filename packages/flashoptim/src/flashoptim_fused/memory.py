@@ -13,9 +13,12 @@ def memory_report(optimizer: torch.optim.Optimizer, grad_dtype: torch.dtype | No
 
     Gradients are counted in their current dtype if present, else in ``grad_dtype`` (default:
     the parameter dtype), and as 0 when gradient release is enabled. Returns a dict with
-    bytes per component, ``params`` (count), ``total_bytes`` and ``bytes_per_param``.
+    bytes per component, ``params`` (count), ``total_bytes`` and ``bytes_per_param``. The
+    states: ``state_codes`` (8-bit), ``state_scales`` (their group scales) and
+    ``state_fp32`` (the fp32 states of tensors whose rows hold under 32 elements, 1-D ones
+    among them: docs/flashoptim.md, "Sharding"; and every state with ``quantize=False``).
     """
-    comp = {"param": 0, "grad": 0, "master_correction": 0, "state_codes": 0, "state_scales": 0}
+    comp = dict(param=0, grad=0, master_correction=0, state_codes=0, state_scales=0, state_fp32=0)
     other = 0
     n = 0
     release = getattr(optimizer, "_release_enabled", False)
@@ -39,10 +42,12 @@ def memory_report(optimizer: torch.optim.Optimizer, grad_dtype: torch.dtype | No
                     comp["master_correction"] += b
                 elif k.endswith("_scale"):
                     comp["state_scales"] += b
+                elif k.endswith("_codes"):
+                    comp["state_codes"] += b
                 elif k == "step":
                     other += b
                 else:
-                    comp["state_codes"] += b
+                    comp["state_fp32"] += b
     total = sum(comp.values())
     return dict(
         comp,

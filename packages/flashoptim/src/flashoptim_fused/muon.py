@@ -316,8 +316,10 @@ class FlashMuon(FlashOptimizer):
         ent = None
         if key[4]:
             sts = [self._state_view(self.state[p], group) for p in ps]
-            ent = build_table(ps, sts, [self.state[p]["seed"] for p in ps])
-            ent["tab"][:, 5] = torch.tensor(offs, dtype=torch.int64).to(ent["tab"].device)
+            ent = build_table(ps, sts, [self.state[p]["seed"] for p in ps], rows=key[7])
+            # per table entry (a matrix, or one of its rows: grid.split) its workspace offset
+            ws_off = torch.tensor(offs, dtype=torch.int64)[ent["owner"]] + ent["row0"]
+            ent["tab"][:, 5] = ws_off.to(ent["tab"].device)
         wave = dict(ps=ps, ent=ent, step=key[0], offs=offs, ws_numel=o, runs=runs)
         wave.update(adjust=None, ratios=None)
         self._refresh_ratios(group, wave)
@@ -333,7 +335,8 @@ class FlashMuon(FlashOptimizer):
         wave.update(adjust=fn, ratios=r.tolist())
         if wave["ent"] is not None:
             tab = wave["ent"]["tab"]
-            tab[:, 6] = r.view(torch.int32).to(torch.int64).to(tab.device)
+            bits = r.view(torch.int32).to(torch.int64)[wave["ent"]["owner"]]
+            tab[:, 6] = bits.to(tab.device)
 
     # ------------------------------------------------------------------ the step
     def _step_bucket(self, group, b, hp, step, skip=None) -> None:

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from . import _capturable, _compile, _config, _plan, checkpoint
-from ._cpu import cpu_step
+from . import _capturable, _compile, _config, _plan, checkpoint, grid
+from ._cpu import cpu_step, cpu_step_rows
 from ._plan import local
-from .reference import ADAM, ECC_BITS, ECC_DTYPE, GROUP, mix32_ref
+from .reference import ADAM, ECC_BITS, ECC_DTYPE, mix32_ref
 
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -192,6 +192,8 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
                 )
             if not _plan.dense(local(p)):
                 raise _plan.layout_error(local(p), where)
+            if hasattr(p, "_local_tensor"):
+                _plan.check_placements(p, where)
             if local(p).device.type != "cuda" and not _config.interpret():
                 if self.backend == "triton" or self.capturable:
                     what = "backend='triton'" if self.backend == "triton" else "capturable=True"
@@ -231,6 +233,12 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
     def _has_mom(self, group) -> bool:
         return True
 
+    def _quantized(self, group, p) -> bool:
+        """Whether ``p``'s states are 8-bit codes: the group's ``quantize`` and rows of at
+        least one whole group (``grid.py``: a 1-D tensor can be cut anywhere by a shard, so
+        it keeps fp32 states under every mesh alike)."""
+        return bool(group["quantize"]) and grid.quantizable(p)
+
     def _state_keys(self, group) -> tuple[str | None, str | None]:
         """The state names of the group's momentum and variance (None: not kept)."""
         return (self._m_key if self._has_mom(group) else None), self._v_key
@@ -240,15 +248,13 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if "step" in st:
             return st
         lp = local(p)
-        n = lp.numel()
-        ng = (n + GROUP - 1) // GROUP
         dev = lp.device
         st["step"] = 0
         # per-parameter seed from its position in the param groups (not the order in which
         # states are created: gradient release creates them in backward order)
         idx = self._pindex.get(id(p), 0)
         st["seed"] = mix32_ref(torch.tensor([(self.seed * 1000003 + idx) & 0xFFFFFFFF])).item()
-        quant = group["quantize"]
+        quant = self._quantized(group, p)
         m_key, v_key = self._state_keys(group)
         keys = []
         if m_key is not None:
@@ -258,9 +264,13 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         for key, cdt in keys:
             # every per-element state has the parameter's strides (zeros_like keeps a dense
             # layout): the step runs over memory order, element i of each array the same
+            # quantized: codes under <state>_codes (torch.optim's loaders must not take them
+            # for moments), the scales of the grid's groups as (rows, groups per row): a
+            # shard's rows of the unsharded scale array (grid.py)
             if quant:
-                st[key] = torch.zeros_like(lp, dtype=cdt)
-                st[key + "_scale"] = torch.zeros(ng, dtype=group["scale_dtype"], device=dev)
+                st[key + "_codes"] = torch.zeros_like(lp, dtype=cdt)
+                shape = grid.scale_shape(lp)
+                st[key + "_scale"] = torch.zeros(shape, dtype=group["scale_dtype"], device=dev)
             else:
                 st[key] = torch.zeros_like(lp, dtype=torch.float32)
         bits = self._bits(group, p)
@@ -272,12 +282,10 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         """A parameter's state under the kernel's array names (c, m, ms, v, vs)."""
         sd = {}
         m_key, v_key = self._state_keys(group)
-        if m_key is not None and m_key in st:
-            sd["m"] = st[m_key]
-            sd["ms"] = st.get(m_key + "_scale")
-        if v_key is not None:
-            sd["v"] = st[v_key]
-            sd["vs"] = st.get(v_key + "_scale")
+        for key, a in ((m_key, "m"), (v_key, "v")):
+            if key is not None and (key in st or key + "_codes" in st):
+                sd[a] = st[key + "_codes"] if key + "_codes" in st else st[key]
+                sd[a + "s"] = st.get(key + "_scale")
         if "correction" in st:
             sd["c"] = st["correction"]
         return sd
@@ -288,7 +296,7 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
     def _common_hp(self, group, p) -> dict:
         return dict(
             ecc=self._bits(group, p),
-            quant=bool(group["quantize"]),
+            quant=self._quantized(group, p),
             sr=bool(group["stochastic_rounding"]),
             scale_dtype=group["scale_dtype"],
             lr=group["lr"]
@@ -507,13 +515,17 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
             if not lp.is_contiguous() or local(p.grad).stride() != lp.stride():
                 self._match_layout(p, group)
             st = self._init_state(p, group)
+            quant = self._quantized(group, p)
+            rows = quant and grid.split(p)  # each row its own table entry (grid.py)
             key = (
                 st["step"],
                 p.dtype,
                 p.grad.dtype,
                 lp.device,
                 self._use_triton(p),
-                lp.numel() % 16 == 0,
+                (grid.row_len(p) if rows else lp.numel()) % 16 == 0,
+                quant,
+                rows,
             )
             buckets.setdefault(key, []).append(p)
         out = []
@@ -543,8 +555,8 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         ent = None
         if key[4]:
             sts = [self._state_view(self.state[p], group) for p in bps]
-            ent = _plan.build_table(bps, sts, [self.state[p]["seed"] for p in bps])
-        return [dict(ps=bps, ent=ent, step=key[0])]
+            ent = _plan.build_table(bps, sts, [self.state[p]["seed"] for p in bps], rows=key[7])
+        return [dict(ps=bps, ent=ent, step=key[0], rows=key[7])]
 
     def _step_bucket(self, group, b: dict, hp: dict, step: int, skip=None) -> None:
         """Step one unit of ``_bucket_entries``: its kernel launch (``skip``: the device
@@ -552,19 +564,12 @@ class FlashOptimizer(checkpoint.CheckpointMixin, torch.optim.Optimizer):
         if b["ent"] is not None:
             self._launch(b["ent"], group, hp, step, skip=skip)
             return
+        run = cpu_step_rows if b.get("rows") else cpu_step
         for p in b["ps"]:
             st = self.state[p]
             sv = self._state_view(st, group)
-            cpu_step(
-                self._kind,
-                local(p),
-                local(p.grad),
-                sv,
-                hp,
-                step,
-                st["seed"],
-                _plan.global_index_base(p),
-            )
+            args = (self._kind, local(p), local(p.grad), sv, hp, step, st["seed"])
+            run(*args, _plan.global_index_base(p))
 
     def _commit(self, prep, skip: dict | None = None) -> None:
         """Launch (or run on the CPU path) the step of every bucket of ``prep`` and advance

@@ -28,7 +28,8 @@ import math
 
 import torch
 
-GROUP = 32  # elements per scale
+from .grid import GROUP, grouped, row_len, unpad_rows
+
 ADAM, SGD, LION = 0, 1, 2  # optimizer kinds (the kernel's KIND)
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # the step's key for the rounding stream: step * GOLDEN mod 2**32
@@ -131,42 +132,58 @@ def _ceil_scale_ref(amax: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tenso
     return torch.where(low, bumped, s)
 
 
-def quantize_momentum_ref(m: torch.Tensor, scale_dtype=torch.bfloat16, u=None):
-    """float64 reference: (int8 codes, scales) of a flat momentum tensor (groups of 32).
+def _ungroup(x: torch.Tensor, n: int, row: int | None) -> torch.Tensor:
+    """The real elements of a [groups, 32] tile of ``grouped`` (flat, ``n`` of them)."""
+    return unpad_rows(x.reshape(-1), row)[:n] if row else x.reshape(-1)[:n]
+
+
+def quantize_momentum_ref(m: torch.Tensor, scale_dtype=torch.bfloat16, u=None, row=None):
+    """float64 reference: (int8 codes, scales) of a flat momentum tensor in groups of 32
+    (``row``: of whole rows of that many elements, grouped within each row: ``grid.py``).
     ``u``: per-element rounding draws in (0, 1) (stochastic rounding of the codes, unbiased:
     E[code] = 127 phi); None rounds to nearest."""
-    x = pad_groups(m.to(torch.float64)).view(-1, GROUP)
+    x = grouped(m.reshape(-1).to(torch.float64), row)
     s = _ceil_scale_ref(x.abs().amax(1), scale_dtype).clamp(min=MOM_SCALE_MIN)
     xn = x / s.to(torch.float64)[:, None]  # 0 where s = inf
     s = s.clamp(max=BF16_MAX) if scale_dtype == torch.bfloat16 else s
     phi = 2 * xn / (1 + xn.abs())
-    add = 0.5 if u is None else pad_groups(u.to(torch.float64)).view(-1, GROUP)
+    add = 0.5 if u is None else grouped(u.reshape(-1).to(torch.float64), row)
     code = torch.clamp(torch.floor(phi * 127 + add), -127, 127)
-    return code.to(torch.int8).view(-1)[: m.numel()], s
+    return _ungroup(code.to(torch.int8), m.numel(), row), s
 
 
-def dequantize_momentum_ref(code: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    y = pad_groups(code.to(torch.float64)).view(-1, GROUP) / 127
+def dequantize_momentum_ref(code: torch.Tensor, s: torch.Tensor, row=None) -> torch.Tensor:
+    y = grouped(code.reshape(-1).to(torch.float64), row) / 127
     x = y / (2 - y.abs())
-    return (x * s.to(torch.float64)[:, None]).view(-1)[: code.numel()]
+    return _ungroup(x * s.reshape(-1).to(torch.float64)[:, None], code.numel(), row)
 
 
-def quantize_variance_ref(v: torch.Tensor, scale_dtype=torch.bfloat16, u=None):
+def quantize_variance_ref(v: torch.Tensor, scale_dtype=torch.bfloat16, u=None, row=None):
     """float64 reference: (uint8 codes of sqrt(v)/s, scales s); nonzero v never codes 0.
-    ``u``: rounding draws as in ``quantize_momentum_ref``."""
-    sv = pad_groups(v.to(torch.float64).clamp(min=0).sqrt().clamp(max=BF16_MAX)).view(-1, GROUP)
+    ``u``, ``row``: as in ``quantize_momentum_ref``."""
+    sv = grouped(v.reshape(-1).to(torch.float64).clamp(min=0).sqrt().clamp(max=BF16_MAX), row)
     s = _ceil_scale_ref(sv.amax(1), scale_dtype)
     sf = s.to(torch.float64)[:, None]
     r = torch.where(sf > 0, sv / torch.where(sf > 0, sf, 1.0), 0.0)
-    add = 0.5 if u is None else pad_groups(u.to(torch.float64)).view(-1, GROUP)
+    add = 0.5 if u is None else grouped(u.reshape(-1).to(torch.float64), row)
     code = torch.clamp(torch.floor(r * 255 + add), 0, 255)
     code = torch.where(sv > 0, code.clamp(min=1), code)
-    return code.to(torch.uint8).view(-1)[: v.numel()], s
+    return _ungroup(code.to(torch.uint8), v.numel(), row), s
 
 
-def dequantize_variance_ref(code: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    sv = pad_groups(code.to(torch.float64)).view(-1, GROUP) / 255 * s.to(torch.float64)[:, None]
-    return (sv * sv).view(-1)[: code.numel()]
+def dequantize_variance_ref(code: torch.Tensor, s: torch.Tensor, row=None) -> torch.Tensor:
+    c = grouped(code.reshape(-1).to(torch.float64), row)
+    sv = c / 255 * s.reshape(-1).to(torch.float64)[:, None]
+    return _ungroup(sv * sv, code.numel(), row)
+
+
+def state_row(p: torch.Tensor, quant: bool) -> int | None:
+    """The ``row`` argument of the quantizers for a parameter ``p`` (its local tensor):
+    its row length where rows of at least a group end inside one (``grid.split``), else
+    None: the flat grid of 32 (the same grid for rows of a multiple of 32; the optimizer
+    keeps fp32 states for shorter rows, and the quantizers on a flat tensor use it)."""
+    r = row_len(p)
+    return r if quant and r >= GROUP and r % GROUP else None
 
 
 def pad_groups(x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +201,7 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     but computes the update in float64 from the decoded values.
     """
     bits, quant = hp["ecc"], hp["quant"]
+    row = state_row(p, quant)
     st = {k: v.reshape(-1) for k, v in st.items()}  # states of any shape, flat (as p)
     g64 = g.reshape(-1).to(torch.float64)
     if hp.get("maximize"):
@@ -195,13 +213,13 @@ def step_ref(kind, p, g, st, hp, step, seed, idx_base=0):
     new = {}
 
     def dec_m():
-        return dequantize_momentum_ref(st["m"], st["ms"]) if quant else st["m"].double()
+        return dequantize_momentum_ref(st["m"], st["ms"], row) if quant else st["m"].double()
 
     lr, wd = hp["lr"], hp["wd"]
     if kind == ADAM:
         b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
         m = dec_m()
-        v = dequantize_variance_ref(st["v"], st["vs"]) if quant else st["v"].double()
+        v = dequantize_variance_ref(st["v"], st["vs"], row) if quant else st["v"].double()
         if hp["decoupled"]:
             th = th * (1 - lr * wd)
         else:
@@ -244,10 +262,11 @@ def _finish_ref(p, th, mv, new, hp, step, seed, idx_base):
     if sr:
         idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device) + idx_base
         h = hash_ref(seed, step, idx)
+    row = state_row(p, quant)
     for name, val, qf, bit in mv:
         if quant:
             u = None if h is None else code_draw_ref(h, bit)
-            new[name], new[name + "s"] = qf(val, sdt, u)
+            new[name], new[name + "s"] = qf(val, sdt, u, row)
         else:
             new[name] = val.to(torch.float32)
     th32 = th.to(torch.float32)
@@ -301,7 +320,8 @@ def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None):
     pf = p.reshape(-1)
     th = join_ref(pf, st["c"].reshape(-1), bits) if bits else pf.to(torch.float64)
     mc = st["m"].reshape(-1)
-    m = dequantize_momentum_ref(mc, st["ms"]) if quant else mc.to(torch.float64)
+    row = state_row(p, quant)
+    m = dequantize_momentum_ref(mc, st["ms"], row) if quant else mc.to(torch.float64)
     c = 1 - hp["mu"]
     m = m + c * (g64 - m)
     u = m + c * (g64 - m) if hp["nesterov"] else m
