@@ -38,6 +38,10 @@ from mhc_proj import boundary as bnd
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 F32_BOUND, BF16_BOUND = 1e-4, 2.0**-6
+# the maps (float32, entries O(1)) against float64: CUDA multiplies by phi split into bf16
+# hi + lo; that rounding alone moves these tests' maps by up to 6.9e-6 (the CPU path with a
+# rounded phi), the tensor cores' sums add to it
+MAPS_BOUND = 3e-5
 
 
 class Diag(torch.nn.Module):
@@ -60,14 +64,16 @@ def _layers(n, c, count, seed, *, sub="linear", projection="birkhoff", **kw):
     m = n * n + 2 * n
     out = []
     for _ in range(count):
-        lin = torch.nn.Linear(c, c) if sub == "linear" else Diag(c)
+        lin = {"linear": torch.nn.Linear(c, c), "diag": Diag(c), "identity": torch.nn.Identity()}
+        lin = lin[sub]
         hc = HyperConnection(lin, hc=n, c=c, projection=projection, **kw)
         with torch.no_grad():
             if sub == "linear":
                 lin.weight.copy_(torch.randn(c, c, generator=g) / c**0.5)
-            else:
+            elif sub == "diag":
                 lin.weight.copy_(1 + 0.5 * torch.randn(c, generator=g))
-            lin.bias.copy_(torch.randn(c, generator=g) * 0.1)
+            if sub != "identity":
+                lin.bias.copy_(torch.randn(c, generator=g) * 0.1)
             hc.phi.copy_(torch.randn(n * c, m, generator=g) / (n * c) ** 0.5 * 2)
             hc.b.copy_(torch.randn(m, generator=g) * 0.5)
             for name, v in (("alpha_pre", 0.8), ("alpha_post", 1.3), ("alpha_res", 2.0)):
@@ -226,7 +232,7 @@ def test_options_and_maps(device):
     for ours, ref in zip(maps, ref_maps):
         for a, r in zip(ours, ref):
             assert a.dtype == torch.float32 and a.shape == r.shape
-            assert float((a.detach().cpu().double() - r.detach()).abs().max()) <= 1e-5
+            assert float((a.detach().cpu().double() - r.detach()).abs().max()) <= MAPS_BOUND
     assert float(marginal_error(maps[-1].h_res.detach()).max()) <= 5.5e-6
 
 
@@ -243,10 +249,11 @@ def test_deepseek_formulation(device, projection):
     errs = _errors(out, grads, ref_out, ref_grads, scales)
     assert max(errs.values()) <= F32_BOUND, errs
     for ours, ref in zip(maps, ref_maps):
-        assert float((ours.h_res.detach().cpu().double() - ref[2].detach()).abs().max()) <= 1e-5
+        err = float((ours.h_res.detach().cpu().double() - ref[2].detach()).abs().max())
+        assert err <= MAPS_BOUND, err
     _u_out, u_maps, _ug, _ = _run(layers, x, device, fused=False, gout=gout)
     for ours, unf in zip(maps, u_maps):
-        assert float((ours.h_res - unf.h_res).abs().max()) <= 1e-5
+        assert float((ours.h_res - unf.h_res).abs().max()) <= MAPS_BOUND
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -399,8 +406,10 @@ def test_torch_compile_fullgraph():
 
 @pytest.mark.gpu
 def test_torch_compile_fullgraph_cuda():
+    """Identity sublayers: Inductor may fuse a sublayer's own arithmetic (one rounding
+    where eager has two); the boundary ops are opaque to it and must agree bitwise."""
     torch._dynamo.reset()
-    stack = _stack(c=64, sub="diag", device="cuda")
+    stack = _stack(c=64, sub="identity", device="cuda")
     x = torch.randn(3, 7, 4, 64, device="cuda").bfloat16()
     gout = torch.randn_like(x)
     eager = _step(stack, stack, x, gout)
