@@ -524,6 +524,86 @@ def test_fsdp2_two_gloo_processes_match_one():
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=2e-3)
 
 
+# row shards: uneven (33 on 2 and 3 ranks), two of one shape (one owner's batch or two
+# owners), a tall and a wide one, and 2 rows (one rank of 3 holds none)
+SHARD_SHAPES = [(33, 7), (40, 24), (40, 24), (24, 40), (2, 16)]
+
+
+def _shard_run(world, rank=0, mesh=None, steps=2):
+    """FlashMuon (fp32 momentum: elementwise the same on any split) on SHARD_SHAPES with the
+    same gradients each step; DTensor row shards when ``mesh`` is given. Returns the full
+    parameters and the matrices this process orthogonalised."""
+    from flashoptim_fused import muon as muon_mod
+
+    full = _params(shapes=SHARD_SHAPES, seed=3)
+    ps = full
+    if mesh is not None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        ps = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in full]
+    seen = []
+    ns = muon_mod.newton_schulz
+
+    def counting(x, *a, **k):
+        seen.extend([tuple(x.shape[-2:])] * (x.shape[0] if x.ndim == 3 else 1))
+        return ns(x, *a, **k)
+
+    muon_mod.newton_schulz = counting
+    try:
+        opt = fo.FlashMuon(ps, lr=0.02, quantize=False)
+        for s in range(steps):
+            g = torch.Generator().manual_seed(50 + s)
+            for p, f in zip(ps, full):
+                grad = torch.randn(f.shape, generator=g).bfloat16()
+                if mesh is not None:
+                    grad = distribute_tensor(grad, mesh, [Shard(0)])
+                p.grad = grad
+            opt.step()
+    finally:
+        muon_mod.newton_schulz = ns
+    out = [p.full_tensor() if mesh is not None else p for p in ps]
+    return [o.detach().clone() for o in out], seen
+
+
+def _owner_worker(rank, world, init, out):
+    from test_distributed import _finish
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        params, seen = _shard_run(world, rank, mesh)
+        every = [None] * world
+        dist.all_gather_object(every, seen)
+        _finish(rank, out, dict(params=params, seen=every))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_row_shards_orthogonalised_once_on_an_owner(world):
+    """DTensor row shards on 2 and 3 gloo processes: every matrix is orthogonalised on one
+    rank only (each step: the ranks' matrices add up to the matrices, once each, and every
+    rank owns some), and the parameters after 2 steps equal one process's bit for bit."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    from test_distributed import _spawn
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        _spawn(_owner_worker, (world, "file://" + os.path.join(d, "store"), out), world, d)
+        got = torch.load(out)
+    ref, seen = _shard_run(1)
+    per_step = sorted(matrix_shape(torch.empty(s)) for s in SHARD_SHAPES)
+    per_step = [(min(a, b), max(a, b)) for a, b in per_step]
+    wide = sorted(sorted(s) for r in got["seen"] for s in r)
+    assert wide == sorted([list(s) for s in per_step] * 2)
+    assert all(got["seen"][r] for r in range(min(world, len(SHARD_SHAPES))))
+    assert len(seen) == 2 * len(SHARD_SHAPES)
+    for a, b in zip(got["params"], ref):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------- GPU
 
 

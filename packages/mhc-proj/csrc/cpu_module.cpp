@@ -18,6 +18,10 @@
 
 namespace py = pybind11;
 
+namespace mhc_bnd_cpu {
+void register_boundary(py::module_& m);  // the fused layer boundary (boundary_cpu.cpp)
+}
+
 namespace {
 
 enum Dtype : int { kF32 = 0, kF64 = 1 };
@@ -192,6 +196,7 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("src"), py::arg("dst"), py::arg("count"));
   m.def("device_count", []() { return 0; });
   mhc_hc_cpu::register_hc(m);  // the hyper-connection layer (hc_cpu.h)
+  mhc_bnd_cpu::register_boundary(m);
   m.def(
       "birkhoff_fwd",
       [](std::uintptr_t src, std::uintptr_t dst, std::uintptr_t info, int64_t B, int n, int dtype,

@@ -15,6 +15,9 @@ namespace py = pybind11;
 namespace mhc_hc {
 void register_hc(py::module_& m);  // the hyper-connection layer (cuda_hc.cu)
 }
+namespace mhc_bnd {
+void register_boundary(py::module_& m);  // the fused layer boundary (cuda_boundary.cu)
+}
 
 namespace mhc_cuda {
 void generic_fwd(int n, const FwdArgs& a, int dtype, cudaStream_t s);
@@ -53,6 +56,7 @@ T* ptr(std::uintptr_t p) {
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "mhc-proj CUDA kernels (raw pointers + stream, no libtorch)";
   mhc_hc::register_hc(m);
+  mhc_bnd::register_boundary(m);
   m.def("device_count", []() {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -16,6 +16,8 @@ CPU_EXPORTS = {"birkhoff_fwd", "birkhoff_bwd", "sinkhorn_fwd", "sinkhorn_bwd", "
                "device_count"}  # fmt: skip
 # the hyper-connection layer's kernels (csrc/hc_cpu.h, csrc/cuda_hc.cu)
 CPU_EXPORTS |= {"hc_pre_fwd", "hc_post_fwd", "hc_post_bwd", "hc_pre_bwd_reduce", "hc_pre_bwd"}
+# the fused layer boundary's (csrc/boundary_cpu.cpp, csrc/cuda_boundary.cu)
+CPU_EXPORTS |= {"bnd_fwd_main", "bnd_bwd_main", "bnd_sum_splits"}
 CUDA_EXPORTS = CPU_EXPORTS
 
 

@@ -31,6 +31,7 @@ import torch
 import flashoptim_fused as fo
 
 from . import _harness as H
+from . import grid
 
 PROVIDERS = [
     "ours",
@@ -61,7 +62,27 @@ BYTES = {
     # FlashMuon's passes: g, momentum codes and scales, u written; then p, rho, O read
     ("muon_fused", "ours", False): 2 + 1 + 1 + 0.125 + 2 + 2 + 2 + 1 + 1 + 2,
 }
+# ours on a tensor whose rows hold under 32 elements (1-D ones: fp32 states, grid.py)
+_FP32_STATES = {"adamw": 2 + 2 + 1 + 4 + 4 + 2 + 1 + 4 + 4, "sgd": 2 + 2 + 1 + 4 + 2 + 1 + 4}
+_FP32_STATES["lion"] = _FP32_STATES["sgd"]
 MUON_REPS = (1, 5)  # warm-up and timed steps of a Muon case (~0.2 s each at 537M)
+
+
+def bytes_moved(bench: str, provider: str, check: bool, shapes) -> float | None:
+    """Bytes a step must move over ``shapes``: ``BYTES`` per parameter; for ours, tensors
+    whose rows hold under 32 elements keep fp32 states and move ``_FP32_STATES``."""
+    per_param = BYTES.get((bench, provider, check))
+    if per_param is None:
+        return None
+    total = 0.0
+    for s in shapes:
+        n = torch.Size(s).numel()
+        quantized = grid.quantizable(torch.empty(s, device="meta"))
+        if provider == "ours" and bench in _FP32_STATES and not quantized:
+            total += (_FP32_STATES[bench] + 2 * (check and bench == "adamw")) * n
+        else:
+            total += per_param * n
+    return total
 
 
 def layout_shapes(name: str) -> list[tuple[int, ...]]:
@@ -231,7 +252,7 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
                 m["tuned_config"] = _tuned_config()
         return m
 
-    per_param = BYTES.get((bench, provider, check))
+    moved = bytes_moved(bench, provider, check, shapes)
     muon = bench == "muon"
     tflops = getattr(args, "matmul_tflops", None)
     row = res.run(
@@ -242,7 +263,7 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
         make,
         warmup=min(args.warmup, MUON_REPS[0]) if muon else args.warmup,
         reps=min(args.reps, MUON_REPS[1]) if muon else args.reps,
-        bytes_moved=None if per_param is None else per_param * n,
+        bytes_moved=moved,
         floor_ms=ns_flops(shapes) / (tflops * 1e12) * 1e3 if muon and tflops else None,
         ceiling_gbps=ceiling,
         metrics=metrics,

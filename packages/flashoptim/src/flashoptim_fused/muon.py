@@ -27,8 +27,9 @@ import math
 
 import torch
 
-from . import _muon_kernel
+from . import _muon_kernel, _muon_shard
 from ._cpu import muon_momentum_cpu, muon_update_cpu
+from ._gram_kernel import gram
 from ._plan import build_table, global_index_base, local
 from .optimizer import FlashOptimizer
 from .reference import GOLDEN, M32, NS_COEFFICIENTS
@@ -81,28 +82,49 @@ def _addmm(inp, m1, m2, beta, alpha, out=None):
     return torch.baddbmm(inp, m1, m2, beta=beta, alpha=alpha, out=out)
 
 
+def gram_torch(y, alpha=1.0, z=None, beta=0.0):
+    """``alpha y y^T + beta z`` by torch's matmuls, as torch.optim.Muon computes both Gram
+    products (``X @ X.mT``; with ``z``, ``y`` is the symmetric ``A`` and the product is
+    ``addmm(A, A, A)``: bitwise its operations)."""
+    if z is None:
+        return y @ y.mT if alpha == 1.0 else alpha * (y @ y.mT)
+    return _addmm(z, y, y, beta=beta, alpha=alpha)
+
+
+def default_gram(x: torch.Tensor):
+    """The Gram product ``newton_schulz`` uses for ``x``: the symmetric Triton kernel on CUDA
+    (half the tiles of a matmul), torch's matmuls elsewhere."""
+    return gram if x.is_cuda else gram_torch
+
+
 def newton_schulz(
     x: torch.Tensor,
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     steps: int = 5,
     eps: float = 1e-7,
     out: torch.Tensor | None = None,
+    gram_fn=None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Muon's orthogonalisation of ``x`` (A, B) or a batch (k, A, B), bf16: the operations of
     ``torch.optim.Muon`` (wide orientation, ``X / max(||X||_F, eps)``, then ``steps`` times
-    ``S = X X^T``, ``X = a X + (b S + c S S) X`` by addmm / baddbmm in bf16), batched.
-    ``out`` (``x`` itself allowed): where the result goes. float64 reference:
-    ``reference.newton_schulz_ref``."""
+    ``S = X X^T``, ``X = a X + (b S + c S S) X``), batched. The two Gram products ``S`` and
+    ``b S + c S S`` (both symmetric) come from ``gram_fn(y, alpha, z, beta)`` (default
+    ``default_gram(x)``: the symmetric kernel on CUDA, torch's matmuls elsewhere, bitwise
+    torch.optim.Muon's there), ``a X + (.) X`` from torch's addmm / baddbmm. ``out`` (``x``
+    itself allowed): where the result goes. ``dtype``: of the iteration (torch's bf16; fp32
+    for a closer orthogonalisation). float64 reference: ``reference.newton_schulz_ref``."""
+    gram_fn = default_gram(x) if gram_fn is None else gram_fn
     a, b, c = coefficients
     tall = x.shape[-2] > x.shape[-1]
     X = x.mT if tall else x
     dst = None if out is None else (out.mT if tall else out)
-    X = X.bfloat16()
+    X = X.to(dtype)
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
     direct = dst is not None and (dst.is_contiguous() or dst.mT.is_contiguous())
     for i in range(steps):
-        s = X @ X.mT
-        s2 = _addmm(s, s, s, beta=b, alpha=c)
+        s = gram_fn(X)
+        s2 = gram_fn(s, c, s, b)
         last = i == steps - 1 and direct
         X = _addmm(X, s2, X, beta=a, alpha=1.0, out=dst if last else None)
     if dst is None:
@@ -120,10 +142,9 @@ def _logical(u: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
 
 def _orthogonalize_one(p, u: torch.Tensor, coefficients, steps: int, eps: float) -> None:
     """One matrix on its own: a parameter stored in another memory order (a transpose,
-    channels_last), or a DTensor (FSDP2). A DTensor's ``u`` (its local rows) is all-gathered,
-    the full matrix orthogonalised on every rank and this rank's part of ``O`` written back:
-    per matrix of A x B elements each rank receives (world - 1) / world * 2 A B bytes,
-    nothing else moves."""
+    channels_last), or a DTensor of a placement other than row shards (``_muon_shard``
+    takes those): its ``u`` (the local part) is all-gathered, the full matrix orthogonalised
+    on every rank and this rank's part of ``O`` written back."""
     lp = local(p)
     x = _logical(u, lp)
     if hasattr(p, "_local_tensor"):
@@ -202,6 +223,8 @@ class FlashMuon(FlashOptimizer):
             adamw_weight_decay=adamw_weight_decay,
         )
         super().__init__(params, defaults, **kw)
+        # waves of a step that hold DTensor matrices: finished by _orthogonalize_sharded
+        self._pending: list = []
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict) -> None:
@@ -360,16 +383,28 @@ class FlashMuon(FlashOptimizer):
                 ib = global_index_base(p)
                 muon_momentum_cpu(local(p.grad), sv, hp, u, step, st["seed"], ib)
         coeffs, steps, eps = group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
+        sharded = []
         for run in b["runs"]:
             i, k, (rows, cols) = run["i"], run["k"], run["shape"]
-            if run["alone"]:
+            if run["alone"] and hasattr(ps[i], "_local_tensor"):
+                sharded.append(i)  # after every wave of the group: _orthogonalize_sharded
+            elif run["alone"]:
                 _orthogonalize_one(ps[i], views[i], coeffs, steps, eps)
-                continue
-            if k == 1:
-                x = views[i].view(rows, cols)
             else:
-                x = ws.as_strided((k, rows, cols), (run["stride"], cols, 1), b["offs"][i])
-            newton_schulz(x, coeffs, steps, eps, out=x)
+                if k == 1:
+                    x = views[i].view(rows, cols)
+                else:
+                    x = ws.as_strided((k, rows, cols), (run["stride"], cols, 1), b["offs"][i])
+                newton_schulz(x, coeffs, steps, eps, out=x)
+        pass2 = (b, ws, views, hp, step, mix, skip)
+        if sharded:
+            self._pending.append((group, pass2, [(ps[i], views[i]) for i in sharded]))
+        else:
+            self._update(*pass2)
+
+    def _update(self, b, ws, views, hp, step, mix, skip) -> None:
+        """Pass 2 of a wave: the weights from ``O`` in the workspace ``ws``."""
+        ps, ent = b["ps"], b["ent"]
         if ent is not None:
             _muon_kernel.launch_update(ent, ws, hp, mix, skip, self._epoch)
             return
@@ -378,6 +413,32 @@ class FlashMuon(FlashOptimizer):
             c = st.get("correction")
             idx = global_index_base(p)
             muon_update_cpu(local(p), c, o, hp, r, step, st["seed"], idx)
+
+    def _commit(self, prep, skip: dict | None = None) -> None:
+        super()._commit(prep, skip)
+        self._orthogonalize_sharded()
+
+    def _orthogonalize_sharded(self) -> None:
+        """The DTensor matrices of a group's step, after pass 1 of every wave: each ranks'
+        buckets and waves differ (a bucket's key holds the local numel), so the collectives
+        run here, once per step, over all of them in the group's parameter order (the same on
+        every rank): row shards through ``_muon_shard`` (each matrix orthogonalised once, on
+        its owner rank), any other placement gathered whole on every rank; then pass 2 of
+        those waves. Their workspaces live until then: 2 bytes per local element."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        group = pending[0][0]
+        coeffs, steps, eps = group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
+        items = sorted(
+            ((p, _logical(u, local(p))) for _, _, its in pending for p, u in its),
+            key=lambda it: self._pindex[id(it[0])],
+        )
+        rest = _muon_shard.orthogonalize(items, lambda u: newton_schulz(u, coeffs, steps, eps))
+        for p, x in rest:  # (x has p's local shape: _logical keeps it)
+            _orthogonalize_one(p, x, coeffs, steps, eps)
+        for _, pass2, _ in pending:
+            self._update(*pass2)
 
 
 def _validate(group: dict, d: dict) -> None:

@@ -123,6 +123,19 @@ OPTIMIZERS = ("torch_adamw", *FLASH_VARIANTS, "torch_muon", "flash_muon", "flash
 PAIRS = {"verdict": ("torch_adamw", "flash_adamw"), "verdict_muon": ("torch_muon", "flash_muon")}
 
 
+# model and run sizes: "gpu" 25.6M parameters (600 steps, ~24 MB of text), "gpt2s" 127M
+# (GPT-2 small's width and heads, 18 layers; 1,000 steps of 16 x 512 bytes), "cpu" 0.87M
+# (400 steps, minutes per run on a CPU), "smoke" a tiny model for tests
+CONFIGS = {
+    "gpu": dict(d=512, layers=8, heads=8, ctx=256, batch=64, steps=600, lr=1e-3, val_batches=20),
+    "gpt2s": dict(
+        d=768, layers=18, heads=12, ctx=512, batch=16, steps=1000, lr=6e-4, val_batches=20
+    ),
+    "cpu": dict(d=128, layers=4, heads=4, ctx=64, batch=16, steps=400, lr=3e-3, val_batches=20),
+    "smoke": dict(d=32, layers=1, heads=2, ctx=32, batch=8, steps=30, lr=3e-3, val_batches=2),
+}
+
+
 class _Both:
     """torch.optim.Muon for the matrices and torch.optim.AdamW for the rest, stepped as one."""
 
@@ -175,11 +188,15 @@ def _optimizer(opt_name, model, cfg, device):
     return opt, [opt], autocast
 
 
-def run(opt_name, seed, cfg, data, device) -> dict:
+def run(opt_name, seed, cfg, data, device, make_optimizer=None) -> dict:
+    """One training run. ``make_optimizer(opt_name, model, cfg, device)``: (optimizer, the
+    optimizers its LR schedulers take, autocast context); default: the runs of
+    ``OPTIMIZERS`` (other factories: the momentum-storage search of
+    tools/flashoptim/momentum_quantizers.py)."""
     torch.manual_seed(seed)
     model = GPT(cfg["d"], cfg["layers"], cfg["heads"], cfg["ctx"]).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    opt, sched_opts, autocast = _optimizer(opt_name, model, cfg, device)
+    opt, sched_opts, autocast = (make_optimizer or _optimizer)(opt_name, model, cfg, device)
     steps = cfg["steps"]
     scheds = [lr_schedule(o, steps) for o in sched_opts]
     train, val = data
@@ -345,23 +362,24 @@ def main(argv=None) -> int:
         action="store_true",
         help="a small model long enough to compare optimizers on a CPU (minutes per run)",
     )
+    ap.add_argument(
+        "--config",
+        choices=sorted(CONFIGS),
+        default=None,
+        help="a size of CONFIGS (default: gpu on CUDA, else smoke; --cpu: cpu)",
+    )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     add_optimizers_option(ap, OPTIMIZERS)
     a = ap.parse_args(argv)
     names = parse_optimizers(a.optimizers, OPTIMIZERS)
-    cuda = torch.cuda.is_available() and not (a.smoke or a.cpu)
+    size = a.config or ("smoke" if a.smoke else "cpu" if a.cpu else None)
+    cuda = torch.cuda.is_available() and size not in ("smoke", "cpu")
     device = torch.device("cuda" if cuda else "cpu")
-    if cuda:
-        cfg = dict(d=512, layers=8, heads=8, ctx=256, batch=64, steps=600, lr=1e-3, val_batches=20)
-        corpus = load_corpus(24_000_000)
-    elif a.cpu:
-        cfg = dict(d=128, layers=4, heads=4, ctx=64, batch=16, steps=400, lr=3e-3, val_batches=20)
-        corpus = load_corpus(4_000_000)
-    else:
-        cfg = dict(d=32, layers=1, heads=2, ctx=32, batch=8, steps=30, lr=3e-3, val_batches=2)
-        corpus = load_corpus(300_000)
+    size = size or ("gpu" if cuda else "smoke")
+    cfg = dict(CONFIGS[size])
+    corpus = load_corpus({"smoke": 300_000, "cpu": 4_000_000}.get(size, 24_000_000))
     if a.steps:
         cfg["steps"] = a.steps
     cut = int(corpus.numel() * 0.95)

@@ -123,3 +123,10 @@ def plan_apply_config(dv: int) -> tuple[int, int, int, int]:
 # both backends at 512, 2048 and 8192 points).
 DENSE_MAX_BYTES = 1 << 28
 DENSE_MAX_SCORES_CUDA = 1 << 22
+
+# The multiscale backend (_multiscale_tiles, _multiscale_pass): points per tile (the
+# block of its kernels, rows and columns), tiles per node of the tree that finds the tile
+# pairs to compute, and the most nodes at the top of that tree (all their pairs examined).
+MULTISCALE_TILE = 64
+MULTISCALE_GROUP = 8
+MULTISCALE_TOP = 256

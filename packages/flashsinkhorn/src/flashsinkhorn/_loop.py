@@ -174,22 +174,43 @@ class _Estimates:
 
 
 def _anneal(prob, sched, selves, verbose, who):
-    """The annealing stages: returns ``(f, g, self potentials)``."""
+    """The annealing stages: returns ``(f, g, self potentials)``. A problem with levels
+    (:meth:`flashsinkhorn.problem.Problem.stage_levels`: the multiscale backend's cell
+    clouds) runs each stage on its level and carries the potentials to the next level when
+    it changes (GeomLoss's multiscale jumps), ending on ``prob`` itself."""
     rx, ry = sched.rho_x, sched.rho_y
-    f, g = prob.zeros_x(), prob.zeros_y()
-    sp = [s.zeros_x() for s in selves]
     if not sched.stages:
-        return f, g, sp
+        return prob.zeros_x(), prob.zeros_y(), [s.zeros_x() for s in selves]
+    temps = (*sched.stages, sched.eps)
+    keys = prob.stage_levels(temps)
+    skeys = [s.stage_levels(temps) for s in selves]
+    cur, scur = keys[0], [k[0] for k in skeys]
+    P, Ps = prob.at_level(cur), [s.at_level(k) for s, k in zip(selves, scur)]
+    f, g = P.zeros_x(), P.zeros_y()
+    sp = [s.zeros_x() for s in Ps]
     e0 = sched.stages[0]
     # the cold start: one symmetric update from zeros (one pass for both where it can)
-    f, g = prob.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
-    sp = [s.self_update(z, e0, damping_factor(e0, r)) for s, z, r in zip(selves, sp, (rx, ry))]
-    for k, e in enumerate(sched.stages):
+    f, g = P.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
+    sp = [s.self_update(z, e0, damping_factor(e0, r)) for s, z, r in zip(Ps, sp, (rx, ry))]
+    prev = e0
+    for k, e in enumerate(temps):
+        if keys[k] != cur or any(sk[k] != c for sk, c in zip(skeys, scur)):
+            # a jump: the potentials of the last stage carried to the finer level
+            kx, ky = damping_factor(prev, rx), damping_factor(prev, ry)
+            f, g = prob.prolong(cur, keys[k], f, g, prev, kx, ky)
+            sp = [
+                s.prolong(c, sk[k], p, p, prev, kr, kr)[0]
+                for s, c, sk, p, kr in zip(selves, scur, skeys, sp, (kx, ky))
+            ]
+            cur, scur = keys[k], [sk[k] for sk in skeys]
+            P, Ps = prob.at_level(cur), [s.at_level(c) for s, c in zip(selves, scur)]
+        if k == len(sched.stages):  # the final temperature's level: the loop's problem
+            break
         kx, ky = damping_factor(e, rx), damping_factor(e, ry)
-        ft, gt = prob.sym_update(f, g, e, kx, ky)
-        st = [s.self_update(p, e, k_) for s, p, k_ in zip(selves, sp, (kx, ky))]
+        ft, gt = P.sym_update(f, g, e, kx, ky)
+        st = [s.self_update(p, e, k_) for s, p, k_ in zip(Ps, sp, (kx, ky))]
         if verbose:
-            est = float((l1_err(prob, "x", f, ft, e) + l1_err(prob, "y", g, gt, e)).max())
+            est = float((l1_err(P, "x", f, ft, e) + l1_err(P, "y", g, gt, e)).max())
             say(
                 verbose,
                 f"eps-scaling stage {k + 1}/{len(sched.stages)}, eps {e:.4g}, "
@@ -198,6 +219,7 @@ def _anneal(prob, sched, selves, verbose, who):
             )
         f, g = 0.5 * (f + ft), 0.5 * (g + gt)
         sp = [0.5 * (p + t) for p, t in zip(sp, st)]
+        prev = e
     return f, g, sp
 
 

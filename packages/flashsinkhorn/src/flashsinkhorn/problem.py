@@ -186,6 +186,30 @@ class Problem:
             mag = mag + abs(self.labels[3]) * self.labels[2].abs().max().double()
         return mag
 
+    # -- the ladder: coarse levels for the annealing (the multiscale backend) --------------
+
+    def stage_levels(self, temperatures) -> list:
+        """For each annealing temperature, the level of the problem it runs on (a key of
+        :meth:`at_level`): the same for every stage unless the backend coarsens its clouds
+        (GeomLoss's multiscale "jumps"). The last temperature always runs on this problem."""
+        return [None] * len(temperatures)
+
+    def at_level(self, key) -> Problem:
+        """The problem of a level of :meth:`stage_levels` (here: this one)."""
+        return self
+
+    def prolong(self, src, dst, f, g, eps, damping_x=1.0, damping_y=1.0):
+        """Potentials ``(f, g)`` of level ``src`` at temperature ``eps`` carried to the finer
+        level ``dst`` (only a backend with levels has it)."""
+        raise NotImplementedError(f"{type(self).__name__} has one level")
+
+    def float64_certifier(self, eps, rho_x, rho_y, a64=None, b64=None):
+        """The backend's own float64 certificate ``certify(f, g) -> (err, rows, cols)``, or
+        None for the dense float64 measurement of :func:`flashsinkhorn.result.certificate`
+        (a backend overrides it where that measurement costs more than a solve: multiscale).
+        ``a64``, ``b64``: exact float64 weights when they are not the problem's."""
+        return None
+
     def dense_cost(self, columns=None) -> torch.Tensor:
         """The cost matrix (B, N, M) in the problem's dtype (tests, small problems).
         ``columns``: the column side's ``Y, cy`` if not this problem's (sharded)."""

@@ -52,3 +52,10 @@ HC_ALPHA_INIT, HC_PHI_STD = 0.01, 0.02
 # formulation="deepseek" (DeepSeek-V4's config and TileKernels' defaults): hc_eps, added to
 # H_pre (and, for Sinkhorn, its eps too: the same 1e-6 as SINKHORN_EPS).
 DEEPSEEK_HC_EPS = 1e-6
+
+# The fused layer boundary (mhc_proj.boundary): each token's row of C columns is summed in
+# splits of BND_SPLIT_COLUMNS columns (rounded to whole chunks), the splits' partials added
+# in order. The deterministic mode (and the CPU) always uses this split, so a token's
+# results do not depend on its batch; the default on CUDA uses narrower splits when the
+# tokens alone would not fill the GPU.
+BND_SPLIT_COLUMNS = 1024

@@ -17,7 +17,10 @@ Benches (``bench`` field), float32 B x 4 x 4 logits drawn from N(0, sigma^2):
 
 The hyper-connection layer benches ``hc_layer`` (ours against ``liger-kernel`` and
 ``torch-compile``) and ``hc_kernels`` (the fused kernels alone, as fractions of the HBM
-floor) are described in ``mhc_proj/_bench_layer.py``.
+floor) are described in ``mhc_proj/_bench_layer.py``; the fused layer boundary's
+``hc_boundary`` (one boundary, default and deterministic mode) and ``hc_chain`` (chains of
+2 and 4 layers: ``ours`` fused, ``ours-unfused``, ``liger-kernel``) in
+``mhc_proj/_bench_boundary.py``.
 
 Modes: ``fwd``, ``bwd`` (the backward alone, from a saved forward), ``fwd_bwd`` (forward
 and ``torch.autograd.grad``). Columns: median time, the ratio of each peer to ours, the
@@ -36,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 import mhc_proj
+from mhc_proj import _bench_boundary as BND
 from mhc_proj import _bench_layer as L
 from mhc_proj import _harness as H
 from mhc_proj._config import MAX_ITER_F32, TOL_F32
@@ -43,9 +47,12 @@ from mhc_proj.birkhoff import birkhoff_bwd, birkhoff_fwd
 from mhc_proj.reference import birkhoff_project_ref, marginal_error, sinkhorn_project_ref
 
 PROJ_PROVIDERS = ["ours", "torch-eager", "torch-compile"]
-PROVIDERS = PROJ_PROVIDERS + ["liger-kernel"]
+PROVIDERS = PROJ_PROVIDERS + ["liger-kernel", "ours-unfused"]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-BENCHES = ["birkhoff4", "sinkhorn20", "hc_layer", "hc_kernels"]
+BENCHES = ["birkhoff4", "sinkhorn20", "hc_layer", "hc_kernels", "hc_boundary", "hc_chain"]
+# hc_chain only when asked (tools/mhc-proj/boundary_gpu.sh): its Liger-Kernel rows compile
+# LigerMHC for a second width, minutes on a cold cache, beyond the standard suite's budget
+DEFAULT_BENCHES = [b for b in BENCHES if b != "hc_chain"]
 BYTES = {"fwd": 128, "bwd": 192, "fwd_bwd": 320}  # per matrix, the ideal kernel's
 SAMPLE = 16384  # matrices compared with the float64 projection
 ACCURACY_KEY = "marginal_err_max"
@@ -233,7 +240,7 @@ def headline(rows: list[dict]) -> str:
 # ---------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     ap = H.parser("mhc-proj-bench", __doc__.split("\n")[0], PROVIDERS, MODES)
-    ap.add_argument("--bench", nargs="+", default=BENCHES, choices=BENCHES)
+    ap.add_argument("--bench", nargs="+", default=DEFAULT_BENCHES, choices=BENCHES)
     ap.add_argument("--batch", nargs="+", type=int, help="batch sizes B (custom run)")
     ap.add_argument("--sigma", nargs="+", type=float, help="logit std devs (custom run)")
     ap.add_argument("--graph", action="store_true", help="also CUDA graph replay (birkhoff4)")
@@ -292,9 +299,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
               f"{H.fmt(row['time_ms'])}", flush=True)  # fmt: skip
     state.clear()
+    smoke = args.smoke or device.type != "cuda"
+    for case in [c for c in BND.cases(providers, modes, smoke) if c[0] in benches]:
+        row = BND.run(R, case, device, ceiling, args.warmup, args.reps)
+        print(f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
+              f"{H.fmt(row['time_ms'])} {row['error'] or ''}", flush=True)  # fmt: skip
     print(H.markdown(R.rows, accuracy_key=ACCURACY_KEY))
     print(f"\n({len(R.rows)} cases in {time.time() - t0:.1f} s on {device})\n")
     print(headline(R.rows))
+    if any(r["bench"] in ("hc_boundary", "hc_chain") for r in R.rows):
+        print("\n" + BND.summary(R.rows))
     return 0
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "sinkhorn_project_ref",
     "marginal_error",
     "hyper_connection_ref",
+    "hyper_connection_stack_ref",
 ]
 
 
@@ -331,3 +332,38 @@ def hyper_connection_ref(
     if return_maps:
         return out, (h_pre, h_post, h_res)
     return out
+
+
+def hyper_connection_stack_ref(
+    x: torch.Tensor, layers, *, dtype: torch.dtype = torch.float64, return_maps: bool = False
+):
+    """The chain ``for hc in layers: x = hc(x)`` of :func:`hyper_connection_ref`: the oracle
+    of :func:`mhc_proj.hyper_connection_stack` (whose fused boundaries change the order of
+    the work, never the function). ``layers``: objects with a HyperConnection's attributes
+    (``layer``, ``phi``, ``b``, the alphas and options); each ``layer`` is called as it is,
+    so pass float64 copies of the sublayers for a float64 chain. Returns x in ``dtype`` (and
+    the list of each layer's (h_pre, h_post, h_res))."""
+    maps = []
+    for hc in layers:
+        x = hyper_connection_ref(
+            x,
+            hc.layer,
+            hc.phi,
+            hc.b,
+            hc.alpha_pre,
+            hc.alpha_post,
+            hc.alpha_res,
+            projection=hc.projection,
+            formulation=getattr(hc, "formulation", "mhc"),
+            sinkhorn_iters=hc.tmax,
+            sinkhorn_eps=hc.sinkhorn_eps,
+            rms_eps=hc.rms_eps,
+            pre_eps=hc.pre_eps,
+            post_mult=hc.post_mult,
+            dtype=dtype,
+            return_maps=return_maps,
+        )
+        if return_maps:
+            x, m = x
+            maps.append(m)
+    return (x, maps) if return_maps else x
