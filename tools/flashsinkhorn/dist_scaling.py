@@ -160,8 +160,13 @@ class Run:
         dist.broadcast(late, 0, group=self.group)
         if bool(late):
             est = "" if estimate_s is None else f" (estimated {estimate_s:.0f} s)"
-            self.add(name, "ours", params, status="skipped",
-                     error=f"time budget {self.args.budget:.0f} s{est}")  # fmt: skip
+            self.add(
+                name,
+                "ours",
+                params,
+                status="skipped",
+                error=f"time budget {self.args.budget:.0f} s{est}",
+            )
         return bool(late)
 
     def add(self, bench, provider, params, **kw):
@@ -196,17 +201,39 @@ class Run:
             value = float((prob.a * f).sum() + (prob.b * g).sum())
             per = (tb - ta) / (k2 - k1)
             peak = _peaks(base, None)
-            draw = partial(fs.softmax_sample, prob.Xk, prob.Yk, g, prob.logb, prob.cy, eps=EPS,
-                           c2=prob.c2, seed=seed)  # fmt: skip
+            draw = partial(
+                fs.softmax_sample,
+                prob.Xk,
+                prob.Yk,
+                g,
+                prob.logb,
+                prob.cy,
+                eps=EPS,
+                c2=prob.c2,
+                seed=seed,
+            )
             ts, j1 = _timed(draw, None)
             res1 = torch.tensor([per, value, ts], device=DEV, dtype=torch.float64)
             self.one_peak[n] = peak[0][0]
-            self.add("dist_iteration", "ours", params, timing={"time_ms": per},
-                     metrics={"peak_mib_per_rank": [p[0] for p in peak],
-                              "peak_extra_mib_per_rank": [p[1] for p in peak],
-                              "value": value, f"time_ms_{k2}_iters": tb})  # fmt: skip
-            self.add("dist_sample_plan", "ours", params, timing={"time_ms": ts},
-                     metrics={"ratio_to_one_iteration": ts / per, "iterations": k2})  # fmt: skip
+            self.add(
+                "dist_iteration",
+                "ours",
+                params,
+                timing={"time_ms": per},
+                metrics={
+                    "peak_mib_per_rank": [p[0] for p in peak],
+                    "peak_extra_mib_per_rank": [p[1] for p in peak],
+                    "value": value,
+                    f"time_ms_{k2}_iters": tb,
+                },
+            )
+            self.add(
+                "dist_sample_plan",
+                "ours",
+                params,
+                timing={"time_ms": ts},
+                metrics={"ratio_to_one_iteration": ts / per, "iterations": k2},
+            )
             j1 = j1[0].cpu()
             del prob, xg, yg, f, g, draw
         dist.broadcast(res1, 0, group=self.group)
@@ -224,29 +251,47 @@ class Run:
             _iterate(prob, 1)  # first-pass costs out of t(k1) (it gave t(2) < t(1) at 1M)
             ta, _ = _timed(partial(_iterate, prob, k1), self.group)
             tb, (f, g) = _timed(partial(_iterate, prob, k2), self.group)
-            value = float(prob.total(prob.a * f) + prob.total(prob.b * g))
+            value = float(prob.total(prob.a * f) + prob.total(prob.b * g, "y"))
             per = (tb - ta) / (k2 - k1)
             peak = _peaks(base, self.group)
             one_peak = self.one_peak.get(n)
             self.per_iteration[n] = (per1, per)
-            self.add("dist_iteration", name, params, ranks=self.world, timing={"time_ms": per},
-                     metrics={"efficiency": per1 / (self.world * per),
-                              "value": value, "value_rel_diff": abs(value - value1) / abs(value1),
-                              "exchange": prob.comm.exchange,
-                              "peak_mib_per_rank": [p[0] for p in peak],
-                              "peak_extra_mib_per_rank": [p[1] for p in peak],
-                              "peak_ratio_to_one_gpu": (max(p[0] for p in peak) / one_peak
-                                                        if one_peak else None),
-                              f"time_ms_{k2}_iters": tb})  # fmt: skip
+            self.add(
+                "dist_iteration",
+                name,
+                params,
+                ranks=self.world,
+                timing={"time_ms": per},
+                metrics={
+                    "efficiency": per1 / (self.world * per),
+                    "value": value,
+                    "value_rel_diff": abs(value - value1) / abs(value1),
+                    "exchange": prob.comm.exchange,
+                    "peak_mib_per_rank": [p[0] for p in peak],
+                    "peak_extra_mib_per_rank": [p[1] for p in peak],
+                    "peak_ratio_to_one_gpu": (
+                        max(p[0] for p in peak) / one_peak if one_peak else None
+                    ),
+                    f"time_ms_{k2}_iters": tb,
+                },
+            )
             if exchange == "auto":
                 ts, j = _timed(partial(prob.sample_rows, g, EPS, seed), self.group)
                 allj = prob.comm.gather("x", j)[0].cpu()  # every rank's draws
                 same = float((allj == j1).float().mean()) if self.rank == 0 else None
-                self.add("dist_sample_plan", "ours-sharded", params, ranks=self.world,
-                         timing={"time_ms": ts},
-                         metrics={"same_draws_as_one_gpu": same, "iterations": k2,
-                                  "efficiency": ts1 / (self.world * ts),
-                                  "ratio_to_one_iteration": ts / per})  # fmt: skip
+                self.add(
+                    "dist_sample_plan",
+                    "ours-sharded",
+                    params,
+                    ranks=self.world,
+                    timing={"time_ms": ts},
+                    metrics={
+                        "same_draws_as_one_gpu": same,
+                        "iterations": k2,
+                        "efficiency": ts1 / (self.world * ts),
+                        "ratio_to_one_iteration": ts / per,
+                    },
+                )
             del prob, f, g
         del xs, ys
 
@@ -281,9 +326,17 @@ class Run:
                 t, v = _timed(partial(loss, xg, yg), None)
             peak = _peaks(base, None)
             res1 = torch.tensor([t, float(v)], device=DEV, dtype=torch.float64)
-            self.add("dist_samples_loss", "ours", params, timing={"time_ms": t},
-                     metrics={"time_ms_per_iteration": t / iters, "value": float(v),
-                              "peak_mib_per_rank": [p[0] for p in peak]})  # fmt: skip
+            self.add(
+                "dist_samples_loss",
+                "ours",
+                params,
+                timing={"time_ms": t},
+                metrics={
+                    "time_ms_per_iteration": t / iters,
+                    "value": float(v),
+                    "peak_mib_per_rank": [p[0] for p in peak],
+                },
+            )
             del xg, yg
         dist.broadcast(res1, 0, group=self.group)
         t1, v1 = res1.tolist()
@@ -293,11 +346,20 @@ class Run:
         with torch.no_grad():
             t, v = _timed(partial(sl, xs, ys), self.group)
         peak = _peaks(base, self.group)
-        self.add("dist_samples_loss", "ours-sharded", params, ranks=self.world,
-                 timing={"time_ms": t},
-                 metrics={"time_ms_per_iteration": t / iters, "efficiency": t1 / (self.world * t),
-                          "value": float(v), "value_rel_diff": abs(float(v) - v1) / abs(v1),
-                          "peak_mib_per_rank": [p[0] for p in peak]})  # fmt: skip
+        self.add(
+            "dist_samples_loss",
+            "ours-sharded",
+            params,
+            ranks=self.world,
+            timing={"time_ms": t},
+            metrics={
+                "time_ms_per_iteration": t / iters,
+                "efficiency": t1 / (self.world * t),
+                "value": float(v),
+                "value_rel_diff": abs(float(v) - v1) / abs(v1),
+                "peak_mib_per_rank": [p[0] for p in peak],
+            },
+        )
 
     # ----------------------------------------------------------------------------------
     def flow_matching(self):
@@ -310,16 +372,32 @@ class Run:
         os.environ["FLASHSINKHORN_NO_AUTOTUNE"] = "1"
         try:
             for coupling in ("global", "local"):
-                params = {"coupling": coupling, "steps": self.args.fm_steps,
-                          "batch_per_rank": self.args.fm_batch}  # fmt: skip
+                params = {
+                    "coupling": coupling,
+                    "steps": self.args.fm_steps,
+                    "batch_per_rank": self.args.fm_batch,
+                }
                 if self.over_budget("dist_flow_matching", params):
                     continue
-                row = ex.train(self.group, DEV, coupling, steps=self.args.fm_steps,
-                               batch=self.args.fm_batch, n_eval=self.args.fm_eval)  # fmt: skip
-                self.add("dist_flow_matching", "ours", params, ranks=self.world,
-                         timing={"time_ms": row["step_ms"]},
-                         metrics={k: row[k] for k in ("pair_sq_dist", "divergence_1_euler",
-                                                      "divergence_4_euler")})  # fmt: skip
+                row = ex.train(
+                    self.group,
+                    DEV,
+                    coupling,
+                    steps=self.args.fm_steps,
+                    batch=self.args.fm_batch,
+                    n_eval=self.args.fm_eval,
+                )
+                self.add(
+                    "dist_flow_matching",
+                    "ours",
+                    params,
+                    ranks=self.world,
+                    timing={"time_ms": row["step_ms"]},
+                    metrics={
+                        k: row[k]
+                        for k in ("pair_sq_dist", "divergence_1_euler", "divergence_4_euler")
+                    },
+                )
         finally:
             if before is None:
                 os.environ.pop("FLASHSINKHORN_NO_AUTOTUNE", None)
@@ -350,8 +428,11 @@ def summary(rows):
         ms = H.fmt(r["time_ms"]) if r["status"] == "ok" else r["status"]
         cells = [H.fmt(m.get(k)) for k in KEYS]
         n = p.get("n", p.get("coupling", "-"))
-        out.append(f"| {r['bench'][5:]} | {r['provider']} | {n} | {p.get('ranks')} | {ms} | "
-                   + " | ".join(cells) + " |")  # fmt: skip
+        out.append(
+            f"| {r['bench'][5:]} | {r['provider']} | {n} | {p.get('ranks')} | {ms} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(out)
 
 
@@ -359,24 +440,43 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output folder (bench-dist.json)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 22])
-    ap.add_argument("--loss-sizes", type=int, nargs="+", default=None,
-                    help="SamplesLoss sizes (default: --sizes)")  # fmt: skip
+    ap.add_argument(
+        "--loss-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="SamplesLoss sizes (default: --sizes)",
+    )
     ap.add_argument("--k1", type=int, default=1)
     ap.add_argument("--k2", type=int, default=2)
     ap.add_argument("--fm-steps", type=int, default=300)
     ap.add_argument("--fm-batch", type=int, default=4096)
-    ap.add_argument("--budget", type=float, default=500.0,
-                    help="start no case that would end (estimated from the measured iteration "
-                         "times) after this many seconds (default 500)")  # fmt: skip
-    ap.add_argument("--no-stream-rows", dest="stream_rows", action="store_false",
-                    help="skip the forced-stream variant of the iteration case")  # fmt: skip
-    ap.add_argument("--dry-run", action="store_true",
-                    help="every case at small sizes: n = 2^18, 50 flow-matching steps")  # fmt: skip
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=500.0,
+        help="start no case that would end (estimated from the measured iteration "
+        "times) after this many seconds (default 500)",
+    )
+    ap.add_argument(
+        "--no-stream-rows",
+        dest="stream_rows",
+        action="store_false",
+        help="skip the forced-stream variant of the iteration case",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every case at small sizes: n = 2^18, 50 flow-matching steps",
+    )
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU tensors (tiny sizes)")
-    ap.add_argument("--gloo-cuda", action="store_true",
-                    help="gloo on CUDA tensors, ranks sharing the GPUs there are: per-rank "
-                         "peak memory on a host with fewer GPUs than ranks (each process "
-                         "has its own allocator); its times are not scaling numbers")  # fmt: skip
+    ap.add_argument(
+        "--gloo-cuda",
+        action="store_true",
+        help="gloo on CUDA tensors, ranks sharing the GPUs there are: per-rank "
+        "peak memory on a host with fewer GPUs than ranks (each process "
+        "has its own allocator); its times are not scaling numbers",
+    )
     args = ap.parse_args(argv)
     if args.dry_run:
         args.sizes, args.fm_steps, args.fm_batch = [1 << 18], 50, 1024
@@ -395,7 +495,7 @@ def main(argv=None):
         torch.cuda.set_device(DEV)
         backend = "gloo" if args.gloo_cuda else "nccl"
         if args.gloo_cuda:  # the package refuses gloo with CUDA tensors (slow: host staging)
-            D._check_device = lambda group, x3: None
+            D.check_device = lambda group, x3: None
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=9))
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -422,8 +522,13 @@ def main(argv=None):
         try:  # a failing case is recorded (our code fails the same way on every rank)
             run.flow_matching() if case == "flow_matching" else getattr(run, case)(n)
         except Exception as e:  # noqa: BLE001
-            run.add(f"dist_{case}", "ours", {"n": n}, status="error",
-                    error=f"{type(e).__name__}: {e}"[:500])  # fmt: skip
+            run.add(
+                f"dist_{case}",
+                "ours",
+                {"n": n},
+                status="error",
+                error=f"{type(e).__name__}: {e}"[:500],
+            )
             if rank == 0:
                 traceback.print_exc()
         if DEV.type == "cuda":

@@ -1,11 +1,11 @@
 """Static sm_90 SASS of flashsinkhorn's default kernels, without a GPU: hash it, compare it.
 
     # triton 3.6 (the H200 host's version) with CPU torch, from the repo root:
-    PYTHONPATH=packages/flashsinkhorn/src /work/venv36/bin/python \
+    PYTHONPATH=packages/flashsinkhorn/src python \
         tools/flashsinkhorn/sass_check.py --json after.json [--compare before.json]
 
 What it does: runs the package's own public launchers (``softmin`` with and without a
-``guess`` and with ``v``, ``self_softmin``, the second-order ``row_lse`` / ``row_apply``)
+``guess`` and with ``v``, ``self_softmin``, the second-order ``row_apply``)
 on small CPU tensors whose sizes have the same integer specializations as the benchmark
 problems (multiples of 16), with Triton's launch replaced by a recorder: every kernel the
 launcher would start is captured with the exact signature, constexprs and attributes the JIT
@@ -65,7 +65,6 @@ ROLES = {
     "_softmin_variant_kernel": "shift",
     "_softmin_shift_kernel": "shift",
     "_self_softmin_kernel": "self-symmetric",
-    "_row_lse_kernel": "second-order-row-lse",
     "_row_apply_kernel": "second-order-row-apply",
     "_softmax_sample_kernel": "sample",
     "_sample_blocks_kernel": "sample",
@@ -211,7 +210,7 @@ def _scenarios():
         from flashsinkhorn import kernels as K  # the layout up to 1cd3e42
     except ImportError:
         K = fs
-    from flashsinkhorn.second_order import _stream as S
+    from flashsinkhorn import _hessian_triton as S
 
     gen = torch.Generator().manual_seed(0)
     n = 4096  # same integer specializations (multiples of 16) as the 50k benchmarks
@@ -250,14 +249,6 @@ def _scenarios():
             check=False,
         )
 
-    def so_lse(d, labels):
-        x, y = clouds(d)
-        lab = None
-        if labels:
-            lab = (torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
-                   torch.rand(16, 16))  # fmt: skip
-        S.row_lse(x[0], y[0], torch.zeros(n), 0.01, labels=lab, backend="triton")
-
     def so_apply(d):
         x, y = clouds(d)
         S.row_apply(x[0], y[0], torch.zeros(n), torch.zeros(n), 0.01, torch.rand(n),
@@ -288,7 +279,6 @@ def _scenarios():
         ("sample d=64 tf32", lambda: sample(64, "tf32")),
         ("sample d=512 tf32", lambda: sample(512, "tf32")),
         ("self d=512 tf32", lambda: self_sm(512, "tf32")),
-        ("second-order row_lse d=784 labels", lambda: so_lse(784, True)),
         ("second-order row_apply d=64", lambda: so_apply(64)),
     ]  # fmt: skip
     return out

@@ -58,7 +58,7 @@ def _set_grads(model, step):
     from torch.distributed.tensor import distribute_tensor
 
     for name, p in model.named_parameters():
-        g = _grad(step, name, SHAPES[name])
+        g = _grad(step, name, SHAPES[name]).to(p.device)
         if hasattr(p, "_local_tensor"):
             g = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
         p.grad = g
@@ -79,10 +79,10 @@ def _snapshot(model, opt) -> dict:
     """Every parameter and state, gathered to full tensors (scales: (rows, groups))."""
     sd = opt.state_dict()
     names = [n for n, _ in model.named_parameters()]
-    out = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    out = {n: _full(p.detach()).cpu().clone() for n, p in model.named_parameters()}
     for i, st in sd["state"].items():
         for k, v in st.items():
-            out[f"{names[i]}.{k}"] = _full(v).clone() if torch.is_tensor(v) else v
+            out[f"{names[i]}.{k}"] = _full(v).cpu().clone() if torch.is_tensor(v) else v
     return out
 
 
@@ -93,21 +93,25 @@ def _shard(model, mesh=None):
     return model
 
 
-def _reference(opt_name, steps=STEPS) -> dict:
-    model = Net()
+def _reference(opt_name, steps=STEPS, dev="cpu") -> dict:
+    model = Net().to(dev)
     Opt, kw = OPTS[opt_name]
     opt = Opt(model.parameters(), **kw)
     _train(model, opt, range(steps))
     return _snapshot(model, opt)
 
 
-def _worker(rank, world, init, out, phases):
+def _worker(rank, world, init, out, phases, dev):
     """Run ``phases`` in order in one process group (one spawn per world size: the
     processes' start-up is most of the cost on a 2-core machine). A phase: ``tag``, ``mesh``
     (None: FSDP2 over all ranks; "hsdp": a 2 x (world / 2) mesh, replicated x sharded),
     ``opts``, ``steps`` (first, stop), optionally ``load`` (a DCP checkpoint to resume),
-    ``save_at`` / ``save``, ``ddp`` (also a plain replicated model, as DDP steps it)."""
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ``save_at`` / ``save``, ``ddp`` (also a plain replicated model, as DDP steps it). ``dev``:
+    "cpu" (gloo, the CPU path) or "cuda" (NCCL, one GPU per rank, the CUDA kernel)."""
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if dev == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
@@ -120,12 +124,12 @@ def _worker(rank, world, init, out, phases):
 
         results = {}
         for job in phases:
-            mesh = None
+            mesh = init_device_mesh(dev, (world,))  # (fully_shard's default: CUDA if any)
             if job["mesh"] == "hsdp":
-                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+                mesh = init_device_mesh(dev, (2, world // 2), mesh_dim_names=("rep", "shard"))
             for opt_name in job["opts"]:
                 Opt, kw = OPTS[opt_name]
-                model = _shard(Net(), mesh)
+                model = _shard(Net().to(dev), mesh)
                 opt = Opt(model.parameters(), **kw)
                 start, stop = job["steps"]
                 if job.get("load"):
@@ -143,7 +147,7 @@ def _worker(rank, world, init, out, phases):
                         dcp.save(sd, checkpoint_id=job["save"] + opt_name)
                 results[f"{job['tag']}/{opt_name}"] = _snapshot(model, opt)
             if job.get("ddp"):  # plain replicated tensors, every rank the whole step
-                plain = Net()
+                plain = Net().to(dev)
                 Opt, kw = OPTS["adamw"]
                 o2 = Opt(plain.parameters(), **kw)
                 _train(plain, o2, range(STEPS))
@@ -153,10 +157,10 @@ def _worker(rank, world, init, out, phases):
         dist.destroy_process_group()
 
 
-def _run(world, phases, d):
+def _run(world, phases, d, dev="cpu"):
     out = os.path.join(d, f"w{world}.pt")
     init = "file://" + os.path.join(d, f"w{world}.store")
-    _spawn(_worker, (world, init, out, phases), world, d)
+    _spawn(_worker, (world, init, out, phases, dev), world, d)
     return torch.load(out, weights_only=False)
 
 
@@ -219,6 +223,30 @@ def test_fsdp2_meshes_and_reshard_are_bit_identical(refs):
     expected = ["fsdp1", "fsdp2", "fsdp3", "fsdp4", "4->2", "4->2->1"]
     want = {f"{t}/{o}" for t in expected for o in all_opts} | {"hsdp2x2/adamw", "fsdp2-ddp/adamw"}
     assert set(got) == want
+    for key, snap in got.items():
+        _assert_identical(snap, refs[key.split("/")[1]], key)
+
+
+@pytest.mark.gpu
+def test_gpu_fsdp2_on_several_gpus_is_bit_identical():
+    """On a host with 2 or more GPUs (NCCL, the CUDA kernel on each rank's shards): FSDP2 on
+    up to 4 GPUs (HSDP 2 x 2 on 4), a DCP checkpoint saved there at step 25 and resumed on
+    one GPU: every parameter and state bit for bit the one-GPU run's after 50 steps."""
+    n = torch.cuda.device_count()
+    if n < 2 or not dist.is_nccl_available():
+        pytest.skip(f"needs 2 or more GPUs and NCCL ({n} GPU)")
+    refs = {o: _reference(o, dev="cuda") for o in OPTS}
+    world, all_opts = min(n, 4), list(OPTS)
+    with tempfile.TemporaryDirectory() as d:
+        ck = os.path.join(d, "ck")
+        phases = [dict(tag=f"fsdp{world}", mesh=None, opts=all_opts, steps=(0, STEPS))]
+        phases[0].update(save_at=25, save=ck + "25")
+        if world == 4:
+            phases.append(dict(tag="hsdp2x2", mesh="hsdp", opts=["adamw"], steps=(0, STEPS)))
+        got = _run(world, phases, d, dev="cuda")
+        resume = dict(tag=f"{world}->1", mesh=None, opts=all_opts, steps=(25, STEPS))
+        got.update(_run(1, [dict(resume, load=ck + "25")], d, dev="cuda"))
+    assert len(got) == 2 * len(all_opts) + (world == 4)
     for key, snap in got.items():
         _assert_identical(snap, refs[key.split("/")[1]], key)
 

@@ -53,9 +53,12 @@ class Velocity(torch.nn.Module):
     def __init__(self, width=128):
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(3, width), torch.nn.SiLU(), torch.nn.Linear(width, width),
-            torch.nn.SiLU(), torch.nn.Linear(width, 2),
-        )  # fmt: skip
+            torch.nn.Linear(3, width),
+            torch.nn.SiLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.SiLU(),
+            torch.nn.Linear(width, 2),
+        )
 
     def forward(self, x, t):
         return self.net(torch.cat((x, t), dim=1))
@@ -82,8 +85,7 @@ def generate(model, n, steps, gen, device):
     return x
 
 
-def train(group, device, coupling, *, steps=200, batch=256, eps=0.5, lr=2e-3, seed=0,
-          n_eval=2000):  # fmt: skip
+def train(group, device, coupling, *, steps=200, batch=256, eps=0.5, lr=2e-3, seed=0, n_eval=2000):
     """One run on this rank (every rank of ``group`` calls it): returns the metrics
     (identical on every rank)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -107,8 +109,14 @@ def train(group, device, coupling, *, steps=200, batch=256, eps=0.5, lr=2e-3, se
         loss.backward()
         opt.step()
     step_ms = 1e3 * (time.perf_counter() - t0) / steps
-    out = {"coupling": coupling, "world": world, "batch_per_rank": batch, "steps": steps,
-           "step_ms": step_ms, "pair_sq_dist": cost_sum / max(cost_n, 1)}  # fmt: skip
+    out = {
+        "coupling": coupling,
+        "world": world,
+        "batch_per_rank": batch,
+        "steps": steps,
+        "step_ms": step_ms,
+        "pair_sq_dist": cost_sum / max(cost_n, 1),
+    }
     # sample quality with few Euler steps: the Sinkhorn divergence to fresh data (rank 0's
     # model equals every rank's: DDP keeps them equal)
     eval_gen = torch.Generator().manual_seed(seed + 7)
@@ -130,18 +138,29 @@ def table(rows):
     head = "| coupling | ranks x batch | pair sq. dist. | divergence, 1 Euler step | 4 steps |"
     lines = [head + " ms/step |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['coupling']} | {r['world']} x {r['batch_per_rank']} | "
-                     f"{r['pair_sq_dist']:.3f} | {r['divergence_1_euler']:.4f} | "
-                     f"{r['divergence_4_euler']:.4f} | {r['step_ms']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['coupling']} | {r['world']} x {r['batch_per_rank']} | "
+            f"{r['pair_sq_dist']:.3f} | {r['divergence_1_euler']:.4f} | "
+            f"{r['divergence_4_euler']:.4f} | {r['step_ms']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def _spawned(rank, world, port, args, out_path):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
-    rows = run_all(dist.group.WORLD, torch.device("cpu"), args.couplings, steps=args.steps,
-                   batch=args.batch, eps=args.eps, seed=args.seed, n_eval=args.n_eval)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    rows = run_all(
+        dist.group.WORLD,
+        torch.device("cpu"),
+        args.couplings,
+        steps=args.steps,
+        batch=args.batch,
+        eps=args.eps,
+        seed=args.seed,
+        n_eval=args.n_eval,
+    )
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(rows, fh)
@@ -174,9 +193,16 @@ def main(argv=None):
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
-        rows = run_all(dist.group.WORLD, device or torch.device("cpu"), args.couplings,
-                       steps=args.steps, batch=args.batch, eps=args.eps, seed=args.seed,
-                       n_eval=args.n_eval)  # fmt: skip
+        rows = run_all(
+            dist.group.WORLD,
+            device or torch.device("cpu"),
+            args.couplings,
+            steps=args.steps,
+            batch=args.batch,
+            eps=args.eps,
+            seed=args.seed,
+            n_eval=args.n_eval,
+        )
         rank = dist.get_rank()
         _shut_down()
         if rank != 0:

@@ -39,8 +39,10 @@ def main():
     kw = dict(eps=args.eps, max_iter=300, tol=1e-7, backend="torch")
     t0 = time.time()
     r12 = otdd(x1, l1, x2, l2, **kw)
-    print(f"OTDD(D1, D2)         = {r12.value:.4f}  ({time.time() - t0:.1f} s, label distances "
-          f"by debiased Sinkhorn between classes)")  # fmt: skip
+    print(
+        f"OTDD(D1, D2)         = {r12.value:.4f}  ({time.time() - t0:.1f} s, label distances "
+        f"by debiased Sinkhorn between classes)"
+    )
     r21 = otdd(x2, l2, x1, l1, W=None, **kw)
     print(f"OTDD(D2, D1)         = {r21.value:.4f}")
     r11 = otdd(x1, l1, x1, l1, **kw)
@@ -50,10 +52,14 @@ def main():
     g = otdd(x1, l1, x2, l2, label_distance="gaussian", **kw)
     print(f"OTDD(D1, D2), Gaussian label distances = {g.value:.4f}")
     t0 = time.time()
-    _, hist = otdd_gradient_flow(x1, l1, x2s, l2, eps=args.eps, steps=8, lr=0.5,
-                                 max_iter=200, tol=1e-6, backend="torch")  # fmt: skip
-    print("gradient flow D1 -> shifted D2:", ", ".join(f"{v:.4f}" for _, v in hist),
-          f"({time.time() - t0:.1f} s)")  # fmt: skip
+    _, hist = otdd_gradient_flow(
+        x1, l1, x2s, l2, eps=args.eps, steps=8, lr=0.5, max_iter=200, tol=1e-6, backend="torch"
+    )
+    print(
+        "gradient flow D1 -> shifted D2:",
+        ", ".join(f"{v:.4f}" for _, v in hist),
+        f"({time.time() - t0:.1f} s)",
+    )
     try:
         import matplotlib
 

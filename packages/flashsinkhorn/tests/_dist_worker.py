@@ -28,8 +28,9 @@ def _problem(N, M, D, seed, batch=None, dtype=torch.float64):
 def _close(name, got, want, atol=ATOL, rtol=RTOL):
     if not torch.allclose(got, want, atol=atol, rtol=rtol):
         err = (got - want).abs().max().item() if got.shape == want.shape else "shape"
-        raise AssertionError(f"{name}: max |diff| {err} (shapes {tuple(got.shape)}, "
-                             f"{tuple(want.shape)})")  # fmt: skip
+        raise AssertionError(
+            f"{name}: max |diff| {err} (shapes {tuple(got.shape)}, {tuple(want.shape)})"
+        )
 
 
 class Ctx:
@@ -61,10 +62,15 @@ def case_solve_balanced_weights(c):
         ("gather", None, dict(eps=0.1, tol=1e-9, max_iter=2000)),
         ("stream", 4 * 5 * 8, dict(eps=0.1, tol=None, max_iter=40)),
     ):
-        ref = fs.solve(x, y, a, b, **kw)  # 5-row chunks above  # fmt: skip
-        r = distributed.solve(c.split(x, c.nx), c.split(y, c.ny), c.split(a, c.nx),
-                              c.split(b, c.ny), process_group=c.group, exchange=exchange,
-                              chunk_bytes=chunk, **kw)  # fmt: skip
+        ref = fs.solve(x, y, a, b, **kw)  # 5-row chunks above
+        r = fs.solve(
+            c.split(x, c.nx),
+            c.split(y, c.ny),
+            c.split(a, c.nx),
+            c.split(b, c.ny),
+            process_group=distributed.Sharding(c.group, exchange=exchange, chunk_bytes=chunk),
+            **kw,
+        )
         assert r.n_iter == ref.n_iter and r.converged == ref.converged, (r.n_iter, ref.n_iter)
         _close(f"{exchange} f", r.f, c.split(ref.f, c.nx))
         _close(f"{exchange} g", r.g, c.split(ref.g, c.ny))
@@ -83,14 +89,29 @@ def case_solve_unbalanced_symmetric_eps_scaling(c):
     N, M = sum(c.nx), sum(c.ny)
     x, y, a, b = _problem(N, M, 2, seed=2)
     b = 1.7 * b  # unequal masses
-    for reach, cost, schedule, scaling in (((0.5, None), "sqeuclidean", "symmetric", 0.6),
-                                           (1.0, "cosine", "alternating", None),
-                                           (0.8, "dot", "alternating", 0.5)):  # fmt: skip
-        kw = dict(eps=0.1, rho=reach, cost=cost, schedule=schedule, eps_scaling=scaling,
-                  tol=1e-6, max_iter=3000)  # fmt: skip
+    for reach, cost, schedule, scaling in (
+        ((0.5, None), "sqeuclidean", "symmetric", 0.6),
+        (1.0, "cosine", "alternating", None),
+        (0.8, "dot", "alternating", 0.5),
+    ):
+        kw = dict(
+            eps=0.1,
+            rho=reach,
+            cost=cost,
+            schedule=schedule,
+            eps_scaling=scaling,
+            tol=1e-6,
+            max_iter=3000,
+        )
         ref = fs.solve(x, y, a, b, **kw)
-        r = fs.solve(c.split(x, c.nx), c.split(y, c.ny), c.split(a, c.nx), c.split(b, c.ny),
-                     process_group=c.group, **kw)  # fmt: skip
+        r = fs.solve(
+            c.split(x, c.nx),
+            c.split(y, c.ny),
+            c.split(a, c.nx),
+            c.split(b, c.ny),
+            process_group=c.group,
+            **kw,
+        )
         assert r.n_iter == ref.n_iter, (cost, r.n_iter, ref.n_iter)
         _close(f"{cost} f", r.f, c.split(ref.f, c.nx))
         _close(f"{cost} g", r.g, c.split(ref.g, c.ny))
@@ -106,10 +127,11 @@ def case_solve_gradients(c):
         b = b if reach is None else 1.3 * b
         leaves = [t.clone().requires_grad_() for t in (x, y, a, b)]
         fs.solve(*leaves, eps=0.1, rho=reach, tol=1e-10, max_iter=3000).value.backward()
-        shards = [c.split(t, s).clone().requires_grad_()
-                  for t, s in zip((x, y, a, b), (c.nx, c.ny, c.nx, c.ny))]  # fmt: skip
-        r = fs.solve(*shards, eps=0.1, rho=reach, tol=1e-10, max_iter=3000,
-                     process_group=c.group)  # fmt: skip
+        shards = [
+            c.split(t, s).clone().requires_grad_()
+            for t, s in zip((x, y, a, b), (c.nx, c.ny, c.nx, c.ny))
+        ]
+        r = fs.solve(*shards, eps=0.1, rho=reach, tol=1e-10, max_iter=3000, process_group=c.group)
         (2.0 * r.value).backward()
         for name, sh, full, s in zip("xyab", shards, leaves, (c.nx, c.ny, c.nx, c.ny)):
             _close(f"reach={reach} grad {name}", sh.grad, 2.0 * c.split(full.grad, s), atol=1e-9)
@@ -117,8 +139,9 @@ def case_solve_gradients(c):
     x, y, a, b = _problem(N, M, 3, seed=4)
     xs = c.split(x, c.nx).clone().requires_grad_(c.rank == 0)
     try:
-        fs.solve(xs, c.split(y, c.ny), c.split(a, c.nx), c.split(b, c.ny), eps=0.1,
-                 process_group=c.group)  # fmt: skip
+        fs.solve(
+            xs, c.split(y, c.ny), c.split(a, c.nx), c.split(b, c.ny), eps=0.1, process_group=c.group
+        )
     except ValueError as e:
         assert "requires_grad" in str(e), str(e)
     else:
@@ -135,15 +158,23 @@ def case_plan_operations(c):
     from flashsinkhorn import distributed
 
     for exchange, chunk in (("gather", None), ("stream", 3 * 8 * 9)):
-        r = distributed.solve(c.split(x, c.nx), c.split(y, c.ny), c.split(a, c.nx),
-                              c.split(b, c.ny), process_group=c.group, exchange=exchange,
-                              chunk_bytes=chunk, **kw)  # fmt: skip
+        r = fs.solve(
+            c.split(x, c.nx),
+            c.split(y, c.ny),
+            c.split(a, c.nx),
+            c.split(b, c.ny),
+            process_group=distributed.Sharding(c.group, exchange=exchange, chunk_bytes=chunk),
+            **kw,
+        )
         gen = torch.Generator().manual_seed(6)
         V = torch.randn(M, 4, generator=gen, dtype=torch.float64)
         U = torch.randn(N, generator=gen, dtype=torch.float64)
         _close("apply", r.apply(c.split(V, c.ny)), c.split(ref.apply(V), c.nx))
-        _close("apply_transpose", r.apply_transpose(c.split(U, c.nx)),
-               c.split(ref.apply_transpose(U), c.ny))  # fmt: skip
+        _close(
+            "apply_transpose",
+            r.apply_transpose(c.split(U, c.nx)),
+            c.split(ref.apply_transpose(U), c.ny),
+        )
         _close("barycentric_map", r.barycentric_map(), c.split(ref.barycentric_map(), c.nx))
         (rows, cols), (rr, rc) = r.marginals, ref.marginals
         _close("row marginal", rows, c.split(rr, c.nx))
@@ -163,8 +194,9 @@ def case_samples_loss(c):
         d = 0 if batch is None else 1
         sizes = (c.nx, c.nx, c.ny, c.ny)
         shards = [c.split(t, s, d).clone().requires_grad_() for t, s in zip((a, x, b, y), sizes)]
-        sl = fs.SamplesLoss(blur=0.1, scaling=0.6, debias=debias, reach=reach,
-                            process_group=c.group)  # fmt: skip
+        sl = fs.SamplesLoss(
+            blur=0.1, scaling=0.6, debias=debias, reach=reach, process_group=c.group
+        )
         ref = loss(*full)
         val = sl(*shards)
         _close(f"loss debias={debias} reach={reach}", val, ref.detach())
@@ -178,8 +210,8 @@ def case_samples_loss(c):
     Fs, Gs = fs.SamplesLoss(blur=0.1, potentials=True, process_group=c.group)(
         c.split(a, c.nx), c.split(x, c.nx), c.split(b, c.ny), c.split(y, c.ny)
     )
-    _close("potential F", Fs, c.split(F, c.nx))
-    _close("potential G", Gs, c.split(G, c.ny))
+    _close("potential F", Fs[0], c.split(F[0], c.nx))
+    _close("potential G", Gs[0], c.split(G[0], c.ny))
 
 
 def case_sampling_and_pairs(c):
@@ -191,17 +223,24 @@ def case_sampling_and_pairs(c):
     ref = fs.solve(x, y, a, b, eps=0.05, tol=None, max_iter=30)
     j_ref = fs.sample_plan(ref, seed=123)
     for exchange, chunk in (("gather", None), ("stream", 5 * 8 * 3)):
-        r = distributed.solve(c.split(x, c.nx), c.split(y, c.ny), c.split(a, c.nx),
-                              c.split(b, c.ny), eps=0.05, tol=None, max_iter=30,
-                              process_group=c.group,
-                              exchange=exchange, chunk_bytes=chunk)  # fmt: skip
+        r = fs.solve(
+            c.split(x, c.nx),
+            c.split(y, c.ny),
+            c.split(a, c.nx),
+            c.split(b, c.ny),
+            eps=0.05,
+            tol=None,
+            max_iter=30,
+            process_group=distributed.Sharding(c.group, exchange=exchange, chunk_bytes=chunk),
+        )
         j = fs.sample_plan(r, seed=123)
         assert torch.equal(j, c.split(j_ref, c.nx)), (exchange, j, c.split(j_ref, c.nx))
     pairs = distributed.gather_rows(c.split(y, c.ny), j, c.group)
     _close("gather_rows", pairs, y[j])
     idx2 = torch.tensor([[0, M - 1], [c.rank, M // 2]])
-    _close("gather_rows 2-D index", distributed.gather_rows(c.split(y, c.ny), idx2, c.group),
-           y[idx2])  # fmt: skip
+    _close(
+        "gather_rows 2-D index", distributed.gather_rows(c.split(y, c.ny), idx2, c.group), y[idx2]
+    )
 
 
 def case_subgroup(c):
@@ -221,8 +260,15 @@ def case_subgroup(c):
     assert torch.equal(one, fs.SamplesLoss(**loss)(a, x, b, y)), "world-1 SamplesLoss"
     from flashsinkhorn import distributed
 
-    r = distributed.solve(x, y, a, b, eps=0.1, tol=1e-9, process_group=groups[c.rank],
-                          exchange="gather")  # fmt: skip
+    r = fs.solve(
+        x,
+        y,
+        a,
+        b,
+        eps=0.1,
+        tol=1e-9,
+        process_group=distributed.Sharding(groups[c.rank], exchange="gather"),
+    )
     assert isinstance(r._prob, distributed.ShardedProblem)
     _close("world-1 gather f", r.f, ref.f)
     _close("world-1 gather value", r.value, ref.value)
@@ -231,8 +277,15 @@ def case_subgroup(c):
         nx = [30 // R + (i < 30 % R) for i in range(R)]
         ny = [22 // R + (i < 22 % R) for i in range(R)]
         sl = (slice(sum(nx[:k]), sum(nx[: k + 1])), slice(sum(ny[:k]), sum(ny[: k + 1])))
-        r = distributed.solve(x[sl[0]], y[sl[1]], a[sl[0]], b[sl[1]], eps=0.1, tol=1e-9,
-                              process_group=sub, exchange="stream", chunk_bytes=200)  # fmt: skip
+        r = fs.solve(
+            x[sl[0]],
+            y[sl[1]],
+            a[sl[0]],
+            b[sl[1]],
+            eps=0.1,
+            tol=1e-9,
+            process_group=distributed.Sharding(sub, exchange="stream", chunk_bytes=200),
+        )
         _close("subgroup f", r.f, ref.f[sl[0]])
         _close("subgroup value", r.value, ref.value)
 
@@ -246,8 +299,10 @@ def case_errors_are_collective(c):
     xs, ys = c.split(x, c.nx).clone(), c.split(y, c.ny)
     if c.rank == c.world - 1:
         xs[0, 0] = float("nan")
-    for call in (lambda: fs.solve(xs, ys, eps=0.1, process_group=c.group),
-                 lambda: fs.SamplesLoss(process_group=c.group)(xs, ys)):  # fmt: skip
+    for call in (
+        lambda: fs.solve(xs, ys, eps=0.1, process_group=c.group),
+        lambda: fs.SamplesLoss(process_group=c.group)(xs, ys),
+    ):
         try:
             call()
         except ValueError as e:
@@ -266,13 +321,13 @@ def case_errors_are_collective(c):
                 process_group=c.group,
             ),
             "dimension",
-        ),  # fmt: skip
+        ),
         (
             lambda: fs.solve(
                 xs, ys, c.split(a, c.nx), c.split(b, c.ny) * 2, eps=0.1, process_group=c.group
             ),
             "balanced",
-        ),  # fmt: skip
+        ),
         (lambda: fs.solve(xs, ys, eps=0.1, process_group="world"), "ProcessGroup"),
     ]
     for call, want in checks:
@@ -297,9 +352,14 @@ def case_triton_interpreter(c):
     x, y, a, b = _problem(sum(c.nx), sum(c.ny), 5, seed=12, dtype=torch.float32)
     kw = dict(eps=0.1, tol=None, max_iter=15, backend="triton", precision="ieee")
     ref = fs.solve(x, y, a, b, **kw)
-    r = distributed.solve(c.split(x, c.nx), c.split(y, c.ny), c.split(a, c.nx),
-                          c.split(b, c.ny), process_group=c.group, exchange="stream",
-                          chunk_bytes=6 * 4 * 7, **kw)  # fmt: skip
+    r = fs.solve(
+        c.split(x, c.nx),
+        c.split(y, c.ny),
+        c.split(a, c.nx),
+        c.split(b, c.ny),
+        process_group=distributed.Sharding(c.group, exchange="stream", chunk_bytes=6 * 4 * 7),
+        **kw,
+    )
     _close("triton f", r.f, c.split(ref.f, c.nx), atol=2e-6, rtol=1e-5)
     _close("triton value", r.value, ref.value, atol=1e-6, rtol=1e-5)
     j = fs.sample_plan(r, seed=5)
@@ -312,8 +372,13 @@ CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case
 
 def main(rank, world, port, out_dir, names):
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     c = Ctx(rank, world)
     results = {}
     for name in names:

@@ -22,10 +22,18 @@ def _rows(case, providers=("ours", "geomloss")):
 
 @pytest.mark.parametrize(
     "case",
-    [("iter", 64, 3, "it"), ("loss", 60, 3, "loss"), ("loss_debias", 60, 3, None),
-     ("loss_batched", 40, 2, None), ("loss_ref", 60, 3, "ref"), ("large", 80, 2, None),
-     ("hvp", 50, 3, "hvp"), ("passes", 64, 3, None), ("sample", 64, 3, "sample")],
-)  # fmt: skip
+    [
+        ("iter", 64, 3, "it"),
+        ("loss", 60, 3, "loss"),
+        ("loss_debias", 60, 3, None),
+        ("loss_batched", 40, 2, None),
+        ("loss_ref", 60, 3, "ref"),
+        ("large", 80, 2, None),
+        ("hvp", 50, 3, "hvp"),
+        ("passes", 64, 3, None),
+        ("sample", 64, 3, "sample"),
+    ],
+)
 def test_every_case_runs_on_cpu(case):
     rows = _rows(case)
     ours = [r for r in rows if r["provider"].startswith("ours")]
@@ -60,6 +68,9 @@ def test_smoke_cli_writes_json(tmp_path):
     assert bench.main(["--smoke", "--json", str(out), "--providers", "ours"]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == "kernel-bench/1" and doc["package"] == "flashsinkhorn"
-    assert {r["bench"] for r in doc["results"]} == {"samples_loss", "sinkhorn_iteration",
-                                                    "plan_sample"}  # fmt: skip
+    assert {r["bench"] for r in doc["results"]} == {
+        "samples_loss",
+        "sinkhorn_iteration",
+        "plan_sample",
+    }
     assert all(r["status"] == "ok" for r in doc["results"])

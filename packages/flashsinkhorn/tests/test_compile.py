@@ -120,8 +120,7 @@ def test_compiled_solve_keeps_the_centre_through_a_polish():
     # floor (1e-6 stalled at 1.16e-6 on one CPU and passed on another: the floor moves with
     # the machine's float summation order)
     def run(x, y, a, b):
-        return fs.solve(x, y, a, b, eps=0.05, max_iter=300, tol=1e-5, warn=False,
-                        backend="triton")  # fmt: skip
+        return fs.solve(x, y, a, b, eps=0.05, max_iter=300, tol=1e-5, warn=False, backend="triton")
 
     eager = run(x, y, a, b)
     assert eager.precision == "tf32x3" and bool(eager.converged)  # the polish ran
@@ -142,7 +141,25 @@ def test_opcheck_custom_ops():
     xg = x.clone().requires_grad_()
     torch.library.opcheck(
         torch.ops.flashsinkhorn.sinkhorn_divergence.default,
-        (a, xg, b, y, 0.3, None, None, 0.5, True, "tf32", "auto", True, False, True, None, False),
+        (
+            a,
+            xg,
+            b,
+            y,
+            0.3,
+            None,
+            None,
+            None,
+            0.5,
+            True,
+            "tf32",
+            "auto",
+            True,
+            False,
+            True,
+            None,
+            False,
+        ),
     )
     X, Y, cx, cy, c2, center = cost_features(x, y, "sqeuclidean", 1.0)
     prob = StreamingProblem(X=X, Y=Y, a=a, b=b, cx=cx, cy=cy, c2=c2, backend="torch", center=center)

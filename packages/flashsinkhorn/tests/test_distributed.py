@@ -29,8 +29,13 @@ def _free_port():
 
 
 def _run_world(world, out_dir):
-    ctx = mp.start_processes(W.main, args=(world, _free_port(), str(out_dir), list(W.CASES)),
-                             nprocs=world, join=False, start_method="spawn")  # fmt: skip
+    ctx = mp.start_processes(
+        W.main,
+        args=(world, _free_port(), str(out_dir), list(W.CASES)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     t0 = time.time()
     while not ctx.join(timeout=5):
         if time.time() - t0 > TIMEOUT_S:
@@ -79,8 +84,14 @@ def test_gpu_world_of_one_nccl_stream_equals_plain():
         y = (torch.rand(2500, 64, generator=gen) / 8 + 1 / 16).cuda()
         kw = dict(eps=0.01, tol=None, max_iter=20)
         ref = fs.solve(x, y, **kw)
-        r = distributed.solve(x, y, process_group=dist.group.WORLD, exchange="stream",
-                              chunk_bytes=700 * 260, **kw)  # fmt: skip
+        r = fs.solve(
+            x,
+            y,
+            process_group=distributed.Sharding(
+                dist.group.WORLD, exchange="stream", chunk_bytes=700 * 260
+            ),
+            **kw,
+        )
         assert torch.allclose(r.f, ref.f, atol=1e-5, rtol=1e-5)
         assert torch.allclose(r.g, ref.g, atol=1e-5, rtol=1e-5)
         assert abs(float(r.value - ref.value)) < 1e-5 * abs(float(ref.value))

@@ -38,8 +38,12 @@ EXPLORE = os.environ.get("FLASHSINKHORN_FUZZ", "") == "explore"
 
 
 def budget(n):
-    return settings(max_examples=20 * n if EXPLORE else n, deadline=None,
-                    derandomize=not EXPLORE, suppress_health_check=list(HealthCheck))  # fmt: skip
+    return settings(
+        max_examples=20 * n if EXPLORE else n,
+        deadline=None,
+        derandomize=not EXPLORE,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -100,8 +104,9 @@ def _layout(t, layout):
         big[3:] = t.reshape(-1)
         return big[3:].view(t.shape)
     if layout == "strided":
-        big = torch.zeros(t.shape[:-2] + (t.shape[-2] * 3, t.shape[-1] + 2), dtype=t.dtype,
-                          device=t.device)  # fmt: skip
+        big = torch.zeros(
+            t.shape[:-2] + (t.shape[-2] * 3, t.shape[-1] + 2), dtype=t.dtype, device=t.device
+        )
         big[..., ::3, 1:-1] = t
         return big[..., ::3, 1:-1]
     return t
@@ -147,7 +152,7 @@ def weight_specs(draw):
                     "unequal",
                 ]
             )
-        ),  # fmt: skip
+        ),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -180,8 +185,26 @@ def make_weights(spec, x, y):
     return (torch.tensor(a, dtype=dt, device=x.device), torch.tensor(b, dtype=dt, device=x.device))
 
 
-EPS = st.sampled_from([1e-30, 1e-12, 1e-4, 1e-2, 1e-2, 0.1, 0.1, 1.0, 1.0, 10.0, 1e10, 1e30, 0.0,
-                       -1.0, math.nan, math.inf])  # fmt: skip
+EPS = st.sampled_from(
+    [
+        1e-30,
+        1e-12,
+        1e-4,
+        1e-2,
+        1e-2,
+        0.1,
+        0.1,
+        1.0,
+        1.0,
+        10.0,
+        1e10,
+        1e30,
+        0.0,
+        -1.0,
+        math.nan,
+        math.inf,
+    ]
+)
 
 
 def _as64(t, like):
@@ -209,8 +232,11 @@ def _expected_errors(x, y, a, b, eps, rho, cost):
     for name, w in (("a", a), ("b", b)):
         if w is not None:
             w = _as64(w, x)
-            if (not bool(torch.isfinite(w).all()) or bool((w < 0).any())
-                    or bool((w.sum(-1) <= 0).any())):  # fmt: skip
+            if (
+                not bool(torch.isfinite(w).all())
+                or bool((w < 0).any())
+                or bool((w.sum(-1) <= 0).any())
+            ):
                 out.append(name)
                 bad_w = True
     if rho is None and not bad_w:
@@ -250,8 +276,27 @@ def _truth(r, x, y, a, b, eps, cost, rho):
 
 
 # every ValueError names its argument; "x and y" is the overflow of their squared distances
-ARGUMENTS = ("eps", "x ", "y ", "x:", "a ", "b ", "a.sum", "rho", "reach", "blur", "cost", "tol",
-             "nonzero", "x and y", "precision", "backend", "max_iter", "wrt", "v ")  # fmt: skip
+ARGUMENTS = (
+    "eps",
+    "x ",
+    "y ",
+    "x:",
+    "a ",
+    "b ",
+    "a.sum",
+    "rho",
+    "reach",
+    "blur",
+    "cost",
+    "tol",
+    "nonzero",
+    "x and y",
+    "precision",
+    "backend",
+    "max_iter",
+    "wrt",
+    "v ",
+)
 
 
 def _check_raise(err, want):
@@ -275,8 +320,7 @@ def _solve_property(device, pts, wts, eps, rho, cost, backend, tol, max_iter=300
     x, y = make_points(pts, device)
     a, b = make_weights(wts, x, y)
     want = _expected_errors(x, y, a, b, eps, rho, cost)
-    kw = dict(eps=eps, rho=rho, cost=cost, tol=tol, max_iter=max_iter, backend=backend,
-              warn=False)  # fmt: skip
+    kw = dict(eps=eps, rho=rho, cost=cost, tol=tol, max_iter=max_iter, backend=backend, warn=False)
     try:
         with hang_guard():
             r = fs.solve(x, y, a, b, **kw)
@@ -307,9 +351,14 @@ def _solve_property(device, pts, wts, eps, rho, cost, backend, tol, max_iter=300
 
 @pytest.mark.parametrize("device", DEVICES)
 @budget(150)
-@given(point_specs(), weight_specs(), EPS, st.sampled_from([None, None, 0.5]),
-       st.sampled_from(["sqeuclidean", "sqeuclidean", "cosine", "dot"]),
-       st.sampled_from([1e-5, 1e-3]))  # fmt: skip
+@given(
+    point_specs(),
+    weight_specs(),
+    EPS,
+    st.sampled_from([None, None, 0.5]),
+    st.sampled_from(["sqeuclidean", "sqeuclidean", "cosine", "dot"]),
+    st.sampled_from([1e-5, 1e-3]),
+)
 def test_solve_contract(device, pts, wts, eps, rho, cost, tol):
     event(_solve_property(device, pts, wts, eps, rho, cost, "auto", tol))
 
@@ -319,9 +368,23 @@ def test_solve_contract(device, pts, wts, eps, rho, cost, tol):
 @given(point_specs(), weight_specs(), st.sampled_from([1e-12, 0.05, 1.0]))
 # found here: an error of 5.5e69 reported 2e-5 relative below the float64 truth (the
 # certificate added float64's resolution bound but did not scale a large error by e^delta)
-@example(dict(n=7, m=1, d=3, batch=2, dtype=torch.float64, scale=1e4, shift=0.0, special=None,
-              duplicates=False, layout="contiguous", seed=207),
-         dict(kind="list", seed=132), 0.05)  # fmt: skip
+@example(
+    dict(
+        n=7,
+        m=1,
+        d=3,
+        batch=2,
+        dtype=torch.float64,
+        scale=1e4,
+        shift=0.0,
+        special=None,
+        duplicates=False,
+        layout="contiguous",
+        seed=207,
+    ),
+    dict(kind="list", seed=132),
+    0.05,
+)
 def test_solve_contract_triton_interpreter(pts, wts, eps):
     """The same properties on the Triton kernels (interpreter: ~1 s per example)."""
     event(_solve_property("cpu", pts, wts, eps, None, "sqeuclidean", "triton", 1e-4, 100))
@@ -334,8 +397,13 @@ def test_solve_contract_triton_interpreter(pts, wts, eps):
 
 @pytest.mark.parametrize("device", DEVICES)
 @budget(40)
-@given(point_specs(), weight_specs(), st.sampled_from([1e-6, 0.05, 0.5, 100.0, 0.0, math.nan]),
-       st.sampled_from([None, None, 0.3, math.inf]), st.booleans())  # fmt: skip
+@given(
+    point_specs(),
+    weight_specs(),
+    st.sampled_from([1e-6, 0.05, 0.5, 100.0, 0.0, math.nan]),
+    st.sampled_from([None, None, 0.3, math.inf]),
+    st.booleans(),
+)
 def test_samples_loss_contract(device, pts, wts, blur, reach, debias):
     x, y = make_points(pts, device)
     a, b = make_weights(wts, x, y)
@@ -359,8 +427,9 @@ def test_samples_loss_contract(device, pts, wts, blur, reach, debias):
     assert bool((loss.last_marginal_error >= 0).all()), loss.last_marginal_error
     if x.dtype == torch.float64 and x.dim() == 2 and device == "cpu":
         a64, b64 = _as64(a, x), _as64(b, y)
-        ref = samples_loss_ref(a64, x.double(), b64, y.double(), blur=blur, reach=reach,
-                               debias=debias)  # fmt: skip
+        ref = samples_loss_ref(
+            a64, x.double(), b64, y.double(), blur=blur, reach=reach, debias=debias
+        )
         # two float64 evaluations agree to float64's resolution of the exponents C / eps
         res = 64 * 2.0**-52 * float(cost_matrix_ref(x.double(), y.double()).max()) / blur**2
         if torch.isfinite(ref) and res < 1e-3:
@@ -375,8 +444,14 @@ def test_samples_loss_contract(device, pts, wts, blur, reach, debias):
 
 @pytest.mark.parametrize("device", DEVICES)
 @budget(40)
-@given(point_specs(), st.sampled_from([1e-3, 0.1, 10.0]), st.sampled_from([0.5, 1.0]),
-       st.booleans(), st.booleans(), st.integers(0, 2**16))  # fmt: skip
+@given(
+    point_specs(),
+    st.sampled_from([1e-3, 0.1, 10.0]),
+    st.sampled_from([0.5, 1.0]),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
 def test_softmin_and_plan_apply_match_float64(device, pts, eps, damping, with_v, zero_w, seed):
     pts = dict(pts, special=None, batch=pts["batch"] or 1, shift=0.0, scale=1.0)
     x, y = make_points(pts, device)
@@ -392,8 +467,9 @@ def test_softmin_and_plan_apply_match_float64(device, pts, eps, damping, with_v,
     backend = "triton" if (device == "cuda" or INTERPRET) and N * M < 200 else "torch"
     kw = dict(eps=eps, c2=2.0, damping=damping)
     with hang_guard():
-        out, lse2, vbar = fs.softmin(x, y, g, logb, cx, cy, v=v, want_lse=True,
-                                     precision="ieee", backend=backend, **kw)  # fmt: skip
+        out, lse2, vbar = fs.softmin(
+            x, y, g, logb, cx, cy, v=v, want_lse=True, precision="ieee", backend=backend, **kw
+        )
     ref, ref_lse2, ref_vbar = softmin_ref(x, y, g, logb, cx, cy, v=v, **kw)
     if zero_w and M == 1:  # no mass at all: +inf, as the reference
         assert bool(torch.isinf(out).all())
@@ -407,8 +483,12 @@ def test_softmin_and_plan_apply_match_float64(device, pts, eps, damping, with_v,
 
 @pytest.mark.parametrize("device", DEVICES)
 @budget(15)
-@given(point_specs(), st.sampled_from([0.05, 0.5, 1e-9, 0.0]), st.sampled_from(["x", "y", "xy"]),
-       st.sampled_from([None, 1.0]))  # fmt: skip
+@given(
+    point_specs(),
+    st.sampled_from([0.05, 0.5, 1e-9, 0.0]),
+    st.sampled_from(["x", "y", "xy"]),
+    st.sampled_from([None, 1.0]),
+)
 def test_hvp_contract(device, pts, eps, wrt, reach):
     pts = dict(pts, batch=None, layout="contiguous")
     x, y = make_points(pts, device)
@@ -418,7 +498,7 @@ def test_hvp_contract(device, pts, eps, wrt, reach):
     v = {"x": vx, "y": vy, "xy": (vx, vy)}[wrt]
     try:
         with hang_guard():
-            h = fs.hvp(x, y, v, eps=eps, wrt=wrt, reach=reach, max_iter=50)
+            h = fs.second_order.hvp(x, y, v, eps=eps, wrt=wrt, reach=reach, max_iter=50)
     except TimeoutError:
         raise
     except Exception as err:  # noqa: BLE001

@@ -32,10 +32,30 @@ def test_round_to_tf32_matches_float64_rounding():
     ties = (bits[:400] & ~0x3FFF) | 0x1000
     odd_ties = (bits[400:800] & ~0x3FFF) | 0x3000
     near = torch.cat([((bits[800:1200] & ~0x1FFF) | 0x0FFF), (bits[1200:1600] & ~0x1FFF) | 0x1001])
-    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -3e-39, 3.0e38, float("inf"),
-                            -float("inf"), 2.0**-126, 65504.0])  # fmt: skip
-    x = torch.cat([x, ties.view(torch.float32), odd_ties.view(torch.float32),
-                   near.view(torch.float32), special])  # fmt: skip
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            1e-40,
+            -3e-39,
+            3.0e38,
+            float("inf"),
+            -float("inf"),
+            2.0**-126,
+            65504.0,
+        ]
+    )
+    x = torch.cat(
+        [
+            x,
+            ties.view(torch.float32),
+            odd_ties.view(torch.float32),
+            near.view(torch.float32),
+            special,
+        ]
+    )
     before = x.clone()
     got = round_to_tf32(x)
     want = torch.tensor([_tf32_ref(float(v)) for v in x.tolist()], dtype=torch.float64)

@@ -57,8 +57,9 @@ def test_softmin_matches_float64(backend, shape, with_guess):
     if with_guess:
         noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
         guess = (ref + 0.3 * noise).float()
-    out, lse2, vbar = fs.softmin(x, y, g, logb, cx, cy, backend=backend, precision="ieee",
-                                 want_lse=True, guess=guess, **kw)  # fmt: skip
+    out, lse2, vbar = fs.softmin(
+        x, y, g, logb, cx, cy, backend=backend, precision="ieee", want_lse=True, guess=guess, **kw
+    )
     assert vbar is None
     assert out.shape == ref.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
@@ -75,8 +76,9 @@ def test_softmin_precision_paths_interpreter(precision, with_guess):
     kw = dict(eps=0.2, c2=2.0, damping=0.8, labels=_labels(2, 37, 29, seed=8))
     ref = softmin_ref(x, y, g, logb, cx, cy, **kw)[0]
     guess = (ref + 0.1).float() if with_guess else None
-    out = fs.softmin(x, y, g, logb, cx, cy, backend="triton", precision=precision,
-                     guess=guess, **kw)[0]  # fmt: skip
+    out = fs.softmin(
+        x, y, g, logb, cx, cy, backend="triton", precision=precision, guess=guess, **kw
+    )[0]
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
 
 
@@ -87,8 +89,20 @@ def test_softmin_average(backend, dv):
     x, y, g, logb, cx, cy = _inputs(2, 41, 67, 7, seed=1)
     v = torch.randn(2, 67, dv, generator=torch.Generator().manual_seed(dv))
     _, _, ref = softmin_ref(x, y, g, logb, cx, cy, eps=0.2, c2=2.0, v=v)
-    _, _, vbar = fs.softmin(x, y, g, logb, cx, cy, eps=0.2, c2=2.0, v=v, backend=backend,
-                            precision="ieee", guess=torch.zeros(2, 41))  # fmt: skip
+    _, _, vbar = fs.softmin(
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps=0.2,
+        c2=2.0,
+        v=v,
+        backend=backend,
+        precision="ieee",
+        guess=torch.zeros(2, 41),
+    )
     torch.testing.assert_close(vbar.double(), ref, atol=3e-5, rtol=1e-5)
 
 
@@ -98,8 +112,20 @@ def test_label_cost_in_kernel(backend):
     x, y, g, logb, cx, cy = _inputs(B, N, M, D, seed=2)
     labels = _labels(B, N, M, seed=3)
     ref, _, refv = softmin_ref(x, y, g, logb, cx, cy, eps=0.25, c2=2.0, labels=labels, v=y)
-    out, _, vbar = fs.softmin(x, y, g, logb, cx, cy, eps=0.25, c2=2.0, labels=labels, v=y,
-                              backend=backend, precision="ieee")  # fmt: skip
+    out, _, vbar = fs.softmin(
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps=0.25,
+        c2=2.0,
+        labels=labels,
+        v=y,
+        backend=backend,
+        precision="ieee",
+    )
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(vbar.double(), refv, atol=2e-5, rtol=1e-5)
     # the label term matters: without it the result differs
@@ -135,14 +161,29 @@ def test_plan_apply_matches_dense(backend):
     f, g = 0.1 * torch.randn(1, 30, generator=gen), 0.1 * torch.randn(1, 26, generator=gen)
     v = torch.randn(1, 26, 3, generator=gen)
     cx, cy = (x * x).sum(-1), (y * y).sum(-1)
-    out, rows = fs.plan_apply(x, y, a, b, f, g, v, cx, cy, eps=0.1, c2=2.0, backend=backend,
-                              precision="ieee")  # fmt: skip
+    out, rows = fs.plan_apply(
+        x, y, a, b, f, g, v, cx, cy, eps=0.1, c2=2.0, backend=backend, precision="ieee"
+    )
     ref = plan_apply_ref(x, y, a, b, f, g, v, eps=0.1)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
     ones = plan_apply_ref(x, y, a, b, f, g, torch.ones(1, 26, 1), eps=0.1)[..., 0]
     torch.testing.assert_close(rows.double(), ones, atol=1e-6, rtol=1e-4)
-    bary, _ = fs.plan_apply(x, y, a, b, f, g, y, cx, cy, eps=0.1, c2=2.0, normalize=True,
-                            backend=backend, precision="ieee")  # fmt: skip
+    bary, _ = fs.plan_apply(
+        x,
+        y,
+        a,
+        b,
+        f,
+        g,
+        y,
+        cx,
+        cy,
+        eps=0.1,
+        c2=2.0,
+        normalize=True,
+        backend=backend,
+        precision="ieee",
+    )
     ref_bary = plan_apply_ref(x, y, a, b, f, g, y, eps=0.1) / ones[..., None]
     torch.testing.assert_close(bary.double(), ref_bary, atol=1e-5, rtol=1e-4)
 
@@ -178,9 +219,19 @@ def test_center_subtracted_in_kernel(backend, d):
     shift = 5.0 + torch.randn(2, d, generator=torch.Generator().manual_seed(d))
     ref, _, refv = softmin_ref(x, y, g, logb, cx, cy, eps=0.2, c2=2.0, v=y)
     out, _, vbar = fs.softmin(
-        x + shift[:, None], y + shift[:, None], g, logb, cx, cy, eps=0.2, c2=2.0, v=y,
-        backend=backend, precision="ieee", center=shift,
-    )  # fmt: skip
+        x + shift[:, None],
+        y + shift[:, None],
+        g,
+        logb,
+        cx,
+        cy,
+        eps=0.2,
+        c2=2.0,
+        v=y,
+        backend=backend,
+        precision="ieee",
+        center=shift,
+    )
     torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(vbar.double(), refv, atol=5e-5, rtol=1e-5)
 
@@ -196,10 +247,12 @@ def test_self_softmin_matches_float64(backend, B, N, D):
     loga = torch.log(torch.rand(B, N, generator=gen) + 0.2)
     loga = loga - torch.logsumexp(loga, -1, keepdim=True)
     f = 0.02 * torch.randn(B, N, generator=gen)
-    ref, _, _ = softmin_ref(x - c[:, None], x - c[:, None], f, loga, cx, cx, eps=0.05, c2=1.0,
-                            damping=0.9)  # fmt: skip
-    out = fs.self_softmin(x, loga, f, cx, eps=0.05, c2=1.0, damping=0.9, center=c,
-                          precision="ieee", backend=backend)  # fmt: skip
+    ref, _, _ = softmin_ref(
+        x - c[:, None], x - c[:, None], f, loga, cx, cx, eps=0.05, c2=1.0, damping=0.9
+    )
+    out = fs.self_softmin(
+        x, loga, f, cx, eps=0.05, c2=1.0, damping=0.9, center=c, precision="ieee", backend=backend
+    )
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
 
 
@@ -228,9 +281,20 @@ def test_softmin_even_d_fused_bias_and_tail(backend, D):
     v = torch.randn(2, 130, 3, generator=torch.Generator().manual_seed(4))
     ref, ref_lse2, refv = softmin_ref(x, y, g, logb, cx, cy, eps=0.2, c2=2.0, damping=0.7, v=v)
     out, lse2, vbar = fs.softmin(
-        x, y, g, logb, cx, cy, eps=0.2, c2=2.0, damping=0.7, v=v, want_lse=True,
-        backend=backend, precision="ieee",
-    )  # fmt: skip
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps=0.2,
+        c2=2.0,
+        damping=0.7,
+        v=v,
+        want_lse=True,
+        backend=backend,
+        precision="ieee",
+    )
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse2.double(), ref_lse2, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(vbar.double(), refv, atol=2e-5, rtol=1e-5)

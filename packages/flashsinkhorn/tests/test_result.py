@@ -9,8 +9,17 @@ from _helpers import clouds
 import flashsinkhorn as fs
 from flashsinkhorn.reference import cost_matrix_ref
 
-OTRESULT_NAMES = ["value", "plan", "lazy_plan", "potentials", "potential_a", "potential_b",
-                  "marginals", "marginal_a", "marginal_b"]  # fmt: skip
+OTRESULT_NAMES = [
+    "value",
+    "plan",
+    "lazy_plan",
+    "potentials",
+    "potential_a",
+    "potential_b",
+    "marginals",
+    "marginal_a",
+    "marginal_b",
+]
 
 
 def _solved(batch=None):

@@ -60,7 +60,7 @@ def test_uniform_weight_call_and_shapes():
 def test_potentials_mode_and_debias_zero_on_identical_inputs():
     x, y, a, b = clouds(25, 25, 2, seed=3)
     F, G = fs.SamplesLoss(blur=0.1, potentials=True)(a, x, b, y)
-    assert F.shape == (25,) and G.shape == (25,)
+    assert F.shape == (1, 25) and G.shape == (1, 25)  # GeomLoss 0.3.1's shapes (was (25,))
     loss = fs.SamplesLoss(blur=0.1)
     assert abs(float(loss(a, x, a, x))) < 1e-12
     assert float(loss(a, x, b, y)) > 1e-3
@@ -158,10 +158,10 @@ def test_reach_is_geomloss_distance_and_agrees_with_solve():
         a, x, b, y
     )
     r = fs.solve(x, y, a, b, eps=0.25, rho=0.36, cost_scale=0.5, tol=1e-12, max_iter=5000)
-    torch.testing.assert_close(F, r.f, atol=1e-3, rtol=0)
-    torch.testing.assert_close(G, r.g, atol=1e-3, rtol=0)
+    torch.testing.assert_close(F[0], r.f, atol=1e-3, rtol=0)
+    torch.testing.assert_close(G[0], r.g, atol=1e-3, rtol=0)
     r2 = fs.solve(x, y, a, b, eps=0.25, rho=0.72, cost_scale=0.5, tol=1e-12, max_iter=5000)
-    assert float((F - r2.f).abs().max()) > 1e-2
+    assert float((F[0] - r2.f).abs().max()) > 1e-2
 
 
 def test_array_like_weights():
@@ -281,7 +281,75 @@ def test_tf32_value_close_to_float64_on_gpu(d):
     n = 6000
     x, y = _uniform_gpu(n, n, d, seed=7)
     w = torch.full((n,), 1.0 / n, device="cuda", dtype=torch.float64)
-    ref = float(samples_loss_ref(w, x.double(), w, y.double(), blur=0.05, scaling=0.5,
-                                 debias=False))  # fmt: skip
+    ref = float(
+        samples_loss_ref(w, x.double(), w, y.double(), blur=0.05, scaling=0.5, debias=False)
+    )
     val = float(fs.SamplesLoss(blur=0.05, scaling=0.5, debias=False, precision="tf32")(x, y))
     assert abs(val - ref) / abs(ref) < 3e-6
+
+
+@pytest.mark.parametrize("debias", [False, True])
+@pytest.mark.parametrize("reach", [(0.8, None), (None, 0.8), (0.5, 1.5)])
+def test_semi_unbalanced_reach_pair(debias, reach):
+    """reach=(r, None) (semi-unbalanced, as solve(rho=(r, None)) and flash-sinkhorn take it)
+    raised an unnamed TypeError; now one KL penalty per side: the value against the float64
+    GeomLoss loop with per-side dampings, the potentials against solve(rho=pair) at a fine
+    schedule, and a pair (r, r) equal to the number r (value and gradient)."""
+    x, y, a, b = clouds(14, 11, 2, seed=21)
+    b = 1.3 * b  # unequal masses: fine with an unbalanced side
+    loss = fs.SamplesLoss(blur=0.3, reach=reach, debias=debias)
+    v = loss(a, x, b, y)
+    ref = samples_loss_ref(a, x, b, y, blur=0.3, reach=reach, debias=debias)
+    torch.testing.assert_close(v, ref, atol=1e-12, rtol=1e-10)
+    if not debias:
+        rho = tuple(None if r is None else r * r for r in reach)  # GeomLoss: rho = reach^2
+        # the schedule's error falls with 1 - scaling (semi-unbalanced more slowly than
+        # balanced: 3e-4 here at 0.999, 2e-3 at 0.99)
+        pot = fs.SamplesLoss(blur=0.5, reach=reach, debias=False, scaling=0.999, potentials=True)
+        F, G = pot(a, x, b, y)
+        r = fs.solve(x, y, a, b, eps=0.25, rho=rho, cost_scale=0.5, tol=1e-12, max_iter=9000)
+        torch.testing.assert_close(F[0], r.f, atol=1e-3, rtol=0)
+        torch.testing.assert_close(G[0], r.g, atol=1e-3, rtol=0)
+    xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    one = fs.SamplesLoss(blur=0.3, reach=0.7, debias=debias)(a, xs, b, y)
+    pair = fs.SamplesLoss(blur=0.3, reach=(0.7, 0.7), debias=debias)(a, xp, b, y)
+    torch.testing.assert_close(pair, one, atol=0, rtol=0)
+    one.backward()
+    pair.backward()
+    torch.testing.assert_close(xp.grad, xs.grad, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="reach"):
+        fs.SamplesLoss(reach=(1.0, -1.0))(a, x, b, y)
+
+
+def test_potentials_of_2d_inputs_have_geomloss_shapes():
+    """potentials=True on (N, D) inputs returned (N,), (M,); GeomLoss 0.3.1 returns (1, N),
+    (1, M) (the drop-in promise); batched inputs give (B, N), (B, M)."""
+    x, y, a, b = clouds(9, 7, 2, seed=22)
+    F, G = fs.SamplesLoss(blur=0.2, potentials=True)(a, x, b, y)
+    assert F.shape == (1, 9) and G.shape == (1, 7)
+    xb, yb, ab, bb = clouds(9, 7, 2, batch=3, seed=22)
+    F, G = fs.SamplesLoss(blur=0.2, potentials=True)(ab, xb, bb, yb)
+    assert F.shape == (3, 9) and G.shape == (3, 7)
+
+
+def test_column_weights_are_accepted():
+    """Weights of shape (N, 1) (flash-sinkhorn and GeomLoss take them) were rejected."""
+    x, y, a, b = clouds(9, 7, 2, seed=23)
+    ref = fs.SamplesLoss(blur=0.2)(a, x, b, y)
+    torch.testing.assert_close(fs.SamplesLoss(blur=0.2)(a[:, None], x, b[:, None], y), ref)
+    r = fs.solve(x, y, a[:, None], b[:, None], eps=0.1)
+    torch.testing.assert_close(r.value, fs.solve(x, y, a, b, eps=0.1).value)
+    xb, yb, ab, bb = clouds(9, 7, 2, batch=2, seed=23)
+    refb = fs.SamplesLoss(blur=0.2)(ab, xb, bb, yb)
+    torch.testing.assert_close(fs.SamplesLoss(blur=0.2)(ab[..., None], xb, bb[..., None], yb), refb)
+    with pytest.raises(ValueError, match=r"a must be \(9,\) or \(9, 1\)"):
+        fs.SamplesLoss(blur=0.2)(a[None].expand(2, 9), x, b, y)
+
+
+def test_empty_batch_names_the_argument():
+    """A (0, N, D) batch failed inside torch's max() instead of naming the argument."""
+    x, y = torch.rand(0, 5, 2), torch.rand(0, 4, 2)
+    with pytest.raises(ValueError, match="at least one problem"):
+        fs.SamplesLoss()(x, y)
+    with pytest.raises(ValueError, match="at least one problem"):
+        fs.solve(x, y, eps=0.1)

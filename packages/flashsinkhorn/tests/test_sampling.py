@@ -108,11 +108,19 @@ def _chunked(x, y, g, logb, cy, cuts, backend, seed=7, **kw):
     for c0, c1 in zip(cuts[:-1], cuts[1:]):
         merger.add(
             S.sample_chunk(
-                x, y[:, c0:c1], g[:, c0:c1], logb[:, c0:c1], cy[:, c0:c1], seed=seed,
-                backend=backend, col_offset=c0, first_complete=c0 % S.BLOCK == 0,
-                last_complete=c1 % S.BLOCK == 0 or c1 == M, **kw,
+                x,
+                y[:, c0:c1],
+                g[:, c0:c1],
+                logb[:, c0:c1],
+                cy[:, c0:c1],
+                seed=seed,
+                backend=backend,
+                col_offset=c0,
+                first_complete=c0 % S.BLOCK == 0,
+                last_complete=c1 % S.BLOCK == 0 or c1 == M,
+                **kw,
             )
-        )  # fmt: skip
+        )
     return merger.result()[0]
 
 
@@ -137,11 +145,25 @@ def test_draws_reproducible_and_independent_of_chunking(backend):
     assert torch.equal(b, a[:, 40:])
     # chunks out of order are refused
     merger = S.DrawMerger(S.row_keys(1, 90, 7, 0, x.device), 7)
-    merger.add(S.sample_chunk(x, y[:, :61], g[:, :61], logb[:, :61], cy[:, :61], seed=7,
-                              last_complete=False, **kw))  # fmt: skip
+    merger.add(
+        S.sample_chunk(
+            x, y[:, :61], g[:, :61], logb[:, :61], cy[:, :61], seed=7, last_complete=False, **kw
+        )
+    )
     with pytest.raises(ValueError, match="out of order"):
-        merger.add(S.sample_chunk(x, y[:, 200:], g[:, 200:], logb[:, 200:], cy[:, 200:],
-                                  seed=7, col_offset=200, first_complete=False, **kw))  # fmt: skip
+        merger.add(
+            S.sample_chunk(
+                x,
+                y[:, 200:],
+                g[:, 200:],
+                logb[:, 200:],
+                cy[:, 200:],
+                seed=7,
+                col_offset=200,
+                first_complete=False,
+                **kw,
+            )
+        )
 
 
 def _replicated_problem(n_distinct, reps, m, d, seed):
@@ -174,8 +196,9 @@ def _chi2_pvalues(idx, probs, n_distinct, reps, bins=None):
 
 
 def _row_probs(base, y, g, logb, cy, e):
-    s = S._dense_scores(base.double(), y.double(), g.double(), logb.double(), cy.double(), e,
-                        2.0, None)  # fmt: skip
+    s = S._dense_scores(
+        base.double(), y.double(), g.double(), logb.double(), cy.double(), e, 2.0, None
+    )
     return torch.softmax(s[0], dim=-1)
 
 
@@ -187,8 +210,9 @@ def test_draws_follow_the_row_distributions_chi_square(backend):
     distribution at 1.3 x eps fail that criterion (some p < 1e-6): the test can fail."""
     n_distinct, reps, m, eps = 5, 3000, 7, 0.15
     base, x, y, g, logb, cy = _replicated_problem(n_distinct, reps, m, 2, seed=11)
-    idx = fs.softmax_sample(x, y, g, logb, cy, eps=eps, c2=2.0, seed=2024, backend=backend,
-                            precision="ieee")  # fmt: skip
+    idx = fs.softmax_sample(
+        x, y, g, logb, cy, eps=eps, c2=2.0, seed=2024, backend=backend, precision="ieee"
+    )
     p = _chi2_pvalues(idx, _row_probs(base, y, g, logb, cy, eps), n_distinct, reps)
     assert min(p) > 1e-3, p
     wrong = _row_probs(base, y, g, logb, cy, 1.3 * eps)
@@ -204,8 +228,9 @@ def test_draws_across_blocks_chi_square():
     backend = "torch"
     n_distinct, reps, m, eps = 4, 4000, 700, 0.1
     base, x, y, g, logb, cy = _replicated_problem(n_distinct, reps, m, 2, seed=5)
-    idx = fs.softmax_sample(x, y, g, logb, cy, eps=eps, c2=2.0, seed=99, backend=backend,
-                            precision="ieee")  # fmt: skip
+    idx = fs.softmax_sample(
+        x, y, g, logb, cy, eps=eps, c2=2.0, seed=99, backend=backend, precision="ieee"
+    )
     probs = _row_probs(base, y, g, logb, cy, eps)
     blocks = probs.view(n_distinct, -1)[:, : 5 * S.BLOCK].reshape(n_distinct, 5, -1).sum(-1)
     assert (blocks > 0.08).all()  # every block matters
@@ -243,8 +268,18 @@ def test_sample_plan_follows_the_solved_plan():
     base, x, y, _, _, _ = _replicated_problem(n_distinct, reps, m, 2, seed=5)
     gen = torch.Generator().manual_seed(1)
     b = torch.rand(m, generator=gen) + 0.3
-    r = fs.solve(x[0], y[0], None, b / b.sum(), eps=0.1, rho=2.0, backend=backend,
-                 precision="ieee", max_iter=300, tol=1e-6)  # fmt: skip
+    r = fs.solve(
+        x[0],
+        y[0],
+        None,
+        b / b.sum(),
+        eps=0.1,
+        rho=2.0,
+        backend=backend,
+        precision="ieee",
+        max_iter=300,
+        tol=1e-6,
+    )
     idx = fs.sample_plan(r, seed=99)
     assert idx.shape == (n_distinct * reps,) and idx.dtype == torch.int64
     P = r.plan.double()
@@ -281,8 +316,9 @@ def test_gpu_draws_and_distribution(precision):
     good guess, a hostile one (the fallback launch) and none; column chunks merge into the
     same draws; the chi-square tests of both levels pass."""
     dev = torch.device("cuda")
-    x, y, g, logb, cy, _ = (t.to(dev) if torch.is_tensor(t) else t
-                            for t in _inputs(2, 3000, 2000, 64, seed=4))  # fmt: skip
+    x, y, g, logb, cy, _ = (
+        t.to(dev) if torch.is_tensor(t) else t for t in _inputs(2, 3000, 2000, 64, seed=4)
+    )
     kw = dict(eps=0.05, c2=2.0, seed=31337, precision=precision)
     if precision == "tf32":  # the tf32 dot's products are exact on rounded operands
         xr, yr = (
@@ -293,8 +329,9 @@ def test_gpu_draws_and_distribution(precision):
         xr, yr = x.bfloat16(), y.bfloat16()
     ref = fs.softmax_sample_ref(xr, yr, g, logb, cy, eps=0.05, c2=2.0, seed=31337)
     margin = _margins(xr.float(), yr.float(), g, logb, cy, None, 0.05, 31337)
-    s = S._dense_scores(xr.double(), yr.double(), g.double(), logb.double(), cy.double(), 0.05,
-                        2.0, None)  # fmt: skip
+    s = S._dense_scores(
+        xr.double(), yr.double(), g.double(), logb.double(), cy.double(), 0.05, 2.0, None
+    )
     lse = -0.05 * torch.logsumexp(s, -1)
     bad = lse.float().clone()
     bad[:, ::3] += 1e4 * 0.05
@@ -303,15 +340,19 @@ def test_gpu_draws_and_distribution(precision):
         got = fs.softmax_sample(xr, yr, g, logb, cy, guess=guess, **kw)
         _assert_same_draws(got, ref, margin, gap=1e-3, max_frac=1e-3)
     cuts = [0, 300, 1000, 1001, 2000]
-    got = _chunked(xr, yr, g, logb, cy, cuts, "auto", seed=31337, eps=0.05, c2=2.0,
-                   precision=precision)  # fmt: skip
+    got = _chunked(
+        xr, yr, g, logb, cy, cuts, "auto", seed=31337, eps=0.05, c2=2.0, precision=precision
+    )
     _assert_same_draws(got, ref, margin, gap=1e-3, max_frac=1e-3)
     # 7 columns: the Triton kernels (ieee); 700 columns, 16000 rows: 11M scores, on sm_90
     # the Gluon first level (tf32, operands rounded: exact products)
-    for n_distinct, reps, m, eps, bins, prec in ((5, 3000, 7, 0.15, None, "ieee"),
-                                                 (4, 4000, 700, 0.1, 50, "tf32")):  # fmt: skip
-        base, x, y, g, logb, cy = (t.to(dev) for t in _replicated_problem(n_distinct, reps, m, 2,
-                                                                         11))  # fmt: skip
+    for n_distinct, reps, m, eps, bins, prec in (
+        (5, 3000, 7, 0.15, None, "ieee"),
+        (4, 4000, 700, 0.1, 50, "tf32"),
+    ):
+        base, x, y, g, logb, cy = (
+            t.to(dev) for t in _replicated_problem(n_distinct, reps, m, 2, 11)
+        )
         base, x, y = (fs.operands.round_to_tf32(t.contiguous()) for t in (base, x, y))
         idx = fs.softmax_sample(x, y, g, logb, cy, eps=eps, c2=2.0, seed=2024, precision=prec)
         probs = _row_probs(base, y, g, logb, cy, eps).cpu()

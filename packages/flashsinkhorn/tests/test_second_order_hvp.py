@@ -96,8 +96,7 @@ def test_hvp_vs_finite_differences_of_streamed_gradient(reach):
 
     def grad(xx):
         xx = xx.clone().requires_grad_(True)
-        loss = ot_loss(xx, y, a, b, eps=EPS, reach=reach, max_iter=NREF, tol=1e-13,
-                       backend="torch")  # fmt: skip
+        loss = ot_loss(xx, y, a, b, eps=EPS, reach=reach, max_iter=NREF, tol=1e-13, backend="torch")
         return torch.autograd.grad(loss, xx)[0]
 
     h = 1e-5
@@ -112,8 +111,18 @@ def test_double_backward(debias):
     eps = EPS_DB if debias else EPS
     xx = x.clone().requires_grad_(True)
     yy = y.clone().requires_grad_(True)
-    loss = ot_loss(xx, yy, a, b, eps=eps, debias=debias, max_iter=NREF, tol=1e-13,
-                   backend="torch", cg_tol=1e-12)  # fmt: skip
+    loss = ot_loss(
+        xx,
+        yy,
+        a,
+        b,
+        eps=eps,
+        debias=debias,
+        max_iter=NREF,
+        tol=1e-13,
+        backend="torch",
+        cg_tol=1e-12,
+    )
     ref = ot_loss_ref(x, y, a, b, eps=eps, debias=debias, n_iter=NREF)
     assert abs(float(loss) - float(ref)) < 1e-12
     gx, gy = torch.autograd.grad(loss, (xx, yy), create_graph=True)
@@ -144,8 +153,9 @@ def test_implicit_grad_vs_autograd_and_finite_differences(reach):
     w1 = torch.randn(x.shape[0], generator=g, dtype=F64)
     w2 = torch.randn(y.shape[0], generator=g, dtype=F64)
     w2 = w2 + (w1.sum() - w2.sum()) / y.shape[0]  # gauge invariant: sum w1 == sum w2
-    ig = implicit_grad(x, y, w1, w2, a, b, eps=EPS, reach=reach, max_iter=NREF,
-                       backend="torch", cg_tol=1e-13)  # fmt: skip
+    ig = implicit_grad(
+        x, y, w1, w2, a, b, eps=EPS, reach=reach, max_iter=NREF, backend="torch", cg_tol=1e-13
+    )
     xr, yr = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
     f, gg = potentials_ref(xr, yr, a, b, eps=EPS, reach=reach, n_iter=NREF)
     gxr, gyr = torch.autograd.grad(w1 @ f + w2 @ gg, (xr, yr))
@@ -163,8 +173,7 @@ def test_implicit_grad_vs_autograd_and_finite_differences(reach):
 def test_inverse_hvp_solves_the_damped_system():
     x, y, a, b, vx, _ = _problem(n=8, m=8, d=2, seed=6)
     lam = 0.5
-    z = inverse_hvp(x, y, vx, a, b, eps=EPS, damping=lam, tol=1e-10, max_iter=NREF,
-                    backend="torch")  # fmt: skip
+    z = inverse_hvp(x, y, vx, a, b, eps=EPS, damping=lam, tol=1e-10, max_iter=NREF, backend="torch")
     back = hvp(x, y, z, a, b, eps=EPS, **TIGHT) + lam * z
     assert torch.allclose(back, vx, atol=1e-7)
 
@@ -229,8 +238,15 @@ def test_double_backward_gpu():
     x, y, a, b, vx, _ = (t.cuda() for t in _problem(n=3000, m=2500, d=64, seed=10))
     ref = hvp(x, y, vx, a, b, eps=EPS_DB, max_iter=300, backend="torch", debias=True).cpu()
     xx = x.float().cuda().requires_grad_(True)
-    loss = ot_loss(xx, y.float().cuda(), a.float().cuda(), b.float().cuda(), eps=EPS_DB,
-                   debias=True, max_iter=300)  # fmt: skip
+    loss = ot_loss(
+        xx,
+        y.float().cuda(),
+        a.float().cuda(),
+        b.float().cuda(),
+        eps=EPS_DB,
+        debias=True,
+        max_iter=300,
+    )
     (gx,) = torch.autograd.grad(loss, xx, create_graph=True)
     (hx,) = torch.autograd.grad(gx, xx, vx.float().cuda())
     assert float((hx.double().cpu() - ref).norm() / ref.norm()) < 1e-4

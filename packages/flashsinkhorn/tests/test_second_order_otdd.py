@@ -59,8 +59,9 @@ def test_otdd_labels_matter():
 
 def test_gradient_flow_decreases_otdd():
     x1, l1, x2, l2 = _datasets(seed=3, shift=1.0)
-    _, hist = otdd_gradient_flow(x1, l1, x2, l2, eps=EPS, steps=4, lr=0.2, max_iter=300,
-                                 tol=1e-10, backend="torch")  # fmt: skip
+    _, hist = otdd_gradient_flow(
+        x1, l1, x2, l2, eps=EPS, steps=4, lr=0.2, max_iter=300, tol=1e-10, backend="torch"
+    )
     vals = [v for _, v in hist]
     assert vals[-1] < 0.5 * vals[0]
     assert all(b <= a + 1e-9 for a, b in zip(vals, vals[1:]))

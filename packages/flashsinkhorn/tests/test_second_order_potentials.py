@@ -1,10 +1,8 @@
-"""The second-order Sinkhorn loop (``solve_potentials``, second_order/_plan.py).
-
-On the triton backend its updates run on the main streaming kernels
-(:func:`flashsinkhorn.softmin`) for D <= 128 at tf32x3 / tf32, and on the second-order
-``row_lse`` kernel otherwise (D > 128, precision "ieee"). Each path is checked against the
-float64 torch loop at odd sizes (masked rows, columns and features; D = 70, not a power of
-two; labels; unbalanced sides), and which path runs is checked too.
+"""The second-order potentials (``solve_potentials``, second_order/_plan.py): flashsinkhorn's
+one loop in the second-order convention, on the streaming kernels (``backend="triton"``)
+against the float64 torch loop at odd sizes (masked rows, columns and features; D = 70, not
+a power of two; labels; unbalanced sides), and the opt-in cheap loop with an exact tail
+(``loop_precision``), whose passes are counted by precision.
 """
 
 import os
@@ -12,9 +10,9 @@ import os
 import pytest
 import torch
 
+from flashsinkhorn import streaming
 from flashsinkhorn.second_order import _plan
 from flashsinkhorn.second_order._plan import solve_potentials
-from flashsinkhorn.second_order._stream import row_lse
 
 F64 = torch.float64
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -86,47 +84,26 @@ def test_triton_potentials_tol_stop_matches_float64():
 
 
 def _spy(monkeypatch):
+    """The precision of every pass of the streaming problem (sm_x, sm_y; the alternating
+    loop runs no symmetric update)."""
     calls = []
-    real = _plan.softmin
+    real = streaming.softmin
 
     def spy(*args, **kw):
         calls.append(kw["precision"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(_plan, "softmin", spy)
+    monkeypatch.setattr(streaming, "softmin", spy)
     return calls
 
 
 @needs_interp
-def test_triton_loop_uses_the_main_kernel(monkeypatch):
+def test_triton_loop_is_the_one_loop(monkeypatch):
+    """The first c-transform, then two passes per alternating iteration."""
     calls = _spy(monkeypatch)
     x, y, _, _, _ = _data(19, 17, 4, False)
     solve_potentials(x.float(), y.float(), eps=0.1, max_iter=3, backend="triton")
-    assert calls == ["tf32x3"] * 7  # the first c-transform + 2 per iteration
-
-
-@needs_interp
-@pytest.mark.parametrize("d,precision", [(130, "tf32x3"), (6, "ieee")])
-def test_row_lse_kernel_for_large_d_and_ieee(monkeypatch, d, precision):
-    calls = _spy(monkeypatch)
-    x, y, a, b, _ = _data(21, 18, d, False)
-    kw = dict(eps=0.5, max_iter=30, precision=precision)
-    p64 = solve_potentials(x, y, a, b, backend="torch", **kw)
-    p32 = solve_potentials(x.float(), y.float(), a.float(), b.float(), backend="triton", **kw)
-    assert calls == []
-    assert _max_err(p32, p64) < 1e-6
-
-
-@needs_interp
-@pytest.mark.parametrize("labels", [False, True])
-def test_row_lse_triton_matches_float64(labels):
-    x, y, _, _, lab = _data(29, 23, 7, labels, seed=5)
-    G = torch.randn(23, generator=torch.Generator().manual_seed(1), dtype=F64)
-    ref = row_lse(x, y, G, 0.07, labels=lab, backend="torch")
-    lab32 = None if lab is None else tuple(_f32(t) for t in lab)
-    out = row_lse(x.float(), y.float(), G.float(), 0.07, labels=lab32, backend="triton")
-    assert out.dtype == torch.float32
-    assert float((out.double() - ref).abs().max()) < 1e-5 * max(1.0, float(ref.abs().max()))
+    assert calls == ["tf32x3"] * 7
 
 
 @pytest.mark.gpu
@@ -149,15 +126,29 @@ def test_loop_precision_runs_all_but_the_tail_cheaper(monkeypatch):
     monkeypatch.setattr(_plan, "TAIL_TOL", float("inf"))
     calls = _spy(monkeypatch)
     x, y, _, _, _ = _data(19, 17, 4, False)
-    p = solve_potentials(x.float(), y.float(), eps=0.1, max_iter=6, backend="triton",
-                         loop_precision="tf32", exact_tail=2)  # fmt: skip
+    p = solve_potentials(
+        x.float(),
+        y.float(),
+        eps=0.1,
+        max_iter=6,
+        backend="triton",
+        loop_precision="tf32",
+        exact_tail=2,
+    )
     assert calls == ["tf32"] * (1 + 2 * 4) + ["tf32x3"] * (2 * 2)
     assert p.info["loop_precision_iterations"] == 4 and p.info["iterations"] == 6
     assert p.precision == "tf32x3"  # the plan's own products keep precision
     calls.clear()
-    solve_potentials(x.float(), y.float(), eps=0.1, max_iter=6, backend="triton",
-                     loop_precision="tf32", exact_tail=10)  # fmt: skip
-    assert calls == ["tf32"] + ["tf32x3"] * 12  # a tail longer than the loop: all exact
+    solve_potentials(
+        x.float(),
+        y.float(),
+        eps=0.1,
+        max_iter=6,
+        backend="triton",
+        loop_precision="tf32",
+        exact_tail=10,
+    )
+    assert calls == ["tf32x3"] * 13  # a tail longer than the loop: all exact
 
 
 @needs_interp
@@ -179,8 +170,15 @@ def test_loop_precision_falls_back_when_the_tail_still_moves(monkeypatch):
 def test_loop_precision_keeps_the_cheap_loop_when_converged(monkeypatch):
     calls = _spy(monkeypatch)
     x, y, _, _, _ = _data(19, 17, 4, False, seed=2)
-    p = solve_potentials(x.float(), y.float(), eps=0.5, max_iter=150, backend="triton",
-                         loop_precision="tf32", exact_tail=3)  # fmt: skip
+    p = solve_potentials(
+        x.float(),
+        y.float(),
+        eps=0.5,
+        max_iter=150,
+        backend="triton",
+        loop_precision="tf32",
+        exact_tail=3,
+    )
     assert p.info["loop_precision_fallback"] is False
     assert calls == ["tf32"] * (1 + 2 * 147) + ["tf32x3"] * (2 * 3)
 
@@ -192,8 +190,9 @@ def test_loop_precision_with_tol_polishes_after_convergence(monkeypatch):
     calls = _spy(monkeypatch)
     x, y, a, b, _ = _data(23, 19, 3, False, seed=3)
     kw = dict(eps=0.5, max_iter=200, tol=1e-5, check_every=5, backend="triton")
-    p = solve_potentials(x.float(), y.float(), a.float(), b.float(), loop_precision="tf32",
-                         exact_tail=3, **kw)  # fmt: skip
+    p = solve_potentials(
+        x.float(), y.float(), a.float(), b.float(), loop_precision="tf32", exact_tail=3, **kw
+    )
     k = p.info["loop_precision_iterations"]
     assert k % 5 == 0 and 0 < k < 200 - 3
     assert p.info["iterations"] == k + 3
@@ -210,13 +209,16 @@ def test_loop_precision_matches_float64():
     x, y, a, b, _ = _data(37, 29, 5, False)
     kw = dict(eps=0.2, max_iter=60)
     p64 = solve_potentials(x, y, a, b, backend="torch", **kw)
-    p32 = solve_potentials(x.float(), y.float(), a.float(), b.float(), backend="triton",
-                           loop_precision="tf32", **kw)  # fmt: skip
+    p32 = solve_potentials(
+        x.float(), y.float(), a.float(), b.float(), backend="triton", loop_precision="tf32", **kw
+    )
     assert _max_err(p32, p64) < 1e-5
 
 
-@pytest.mark.parametrize("bad", [dict(loop_precision="fp8"), dict(exact_tail=0),
-                                 dict(exact_tail=2.5), dict(exact_tail=True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [dict(loop_precision="fp8"), dict(exact_tail=0), dict(exact_tail=2.5), dict(exact_tail=True)],
+)
 def test_loop_precision_arguments_checked(bad):
     x, y, _, _, _ = _data(5, 4, 2, False)
     with pytest.raises(ValueError, match="loop_precision|exact_tail"):

@@ -93,9 +93,19 @@ def test_softmin_rows_hopper_recomputes_only_flagged_rows():
     flags = torch.zeros(2, 700, dtype=torch.bool, device="cuda")
     flags[0, 5] = flags[1, 64:130] = True
     _softmin_hopper.softmin_rows_hopper(
-        p["x"], p["y"], p["g"], p["logb"], p["cx"], p["cy"], eps=EPS, c2=2.0, damping=1.0,
-        precision="tf32", flags=flags, out=out,
-    )  # fmt: skip
+        p["x"],
+        p["y"],
+        p["g"],
+        p["logb"],
+        p["cx"],
+        p["cy"],
+        eps=EPS,
+        c2=2.0,
+        damping=1.0,
+        precision="tf32",
+        flags=flags,
+        out=out,
+    )
     assert (out[~flags] == 7.0).all()
     assert float((out[flags].double() - ref[flags]).abs().max()) < 1e-4
 
@@ -182,8 +192,11 @@ def offline_compiles():
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(OFFLINE)],
-        capture_output=True, text=True, env=env, timeout=900,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])
@@ -198,8 +211,12 @@ def test_compiles_for_sm90_offline(offline_compiles, case):
 
 
 def test_sample_config_tiles_are_blocks():
-    for D, dt in ((64, torch.float32), (512, torch.float32), (512, torch.bfloat16),
-                  (1024, torch.float32)):  # fmt: skip
+    for D, dt in (
+        (64, torch.float32),
+        (512, torch.float32),
+        (512, torch.bfloat16),
+        (1024, torch.float32),
+    ):
         cfg = _sample_hopper.sample_config(D, dt)
         assert cfg.block_n == _sample_hopper.TILE == flashsinkhorn._config.SAMPLE_BLOCK
         _softmin_hopper._check_config(cfg, D, dt)

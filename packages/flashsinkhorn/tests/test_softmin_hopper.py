@@ -74,26 +74,55 @@ def _ref(p, damping):
     """float64 reference on the kernel's own operands: (out, lse2)."""
     softmin_ref = _find("softmin_ref")
     out, lse2, _ = softmin_ref(
-        p["x"].double(), p["y"].double(), p["g"], p["logb"], p["cx"], p["cy"],
-        eps=EPS, c2=2.0, damping=damping,
-    )  # fmt: skip
+        p["x"].double(),
+        p["y"].double(),
+        p["g"],
+        p["logb"],
+        p["cx"],
+        p["cy"],
+        eps=EPS,
+        c2=2.0,
+        damping=damping,
+    )
     return out, lse2
 
 
 def _triton(p, precision, damping, guess=None):
     out, lse2, _ = flashsinkhorn.softmin(
-        p["x"], p["y"], p["g"], p["logb"], p["cx"], p["cy"], eps=EPS, c2=2.0,
-        damping=damping, precision=precision, backend="triton", want_lse=True, guess=guess,
-    )  # fmt: skip
+        p["x"],
+        p["y"],
+        p["g"],
+        p["logb"],
+        p["cx"],
+        p["cy"],
+        eps=EPS,
+        c2=2.0,
+        damping=damping,
+        precision=precision,
+        backend="triton",
+        want_lse=True,
+        guess=guess,
+    )
     return out, lse2
 
 
 def _hopper(p, precision, damping, guess=None, config=None, counter=None):
     return H.softmin_hopper(
-        p["x"], p["y"], p["g"], p["logb"], p["cx"], p["cy"], eps=EPS, c2=2.0,
-        damping=damping, precision=precision, want_lse=True, guess=guess, config=config,
+        p["x"],
+        p["y"],
+        p["g"],
+        p["logb"],
+        p["cx"],
+        p["cy"],
+        eps=EPS,
+        c2=2.0,
+        damping=damping,
+        precision=precision,
+        want_lse=True,
+        guess=guess,
+        config=config,
         fallback_rows=counter,
-    )  # fmt: skip
+    )
 
 
 def _err(a, b, rows=None):
@@ -180,9 +209,15 @@ def test_hopper_zero_weights_match_triton():
 @needs_sm90
 @pytest.mark.parametrize(
     "B,N,M,d",
-    [(1, 1, 1, 64), (3, 64, 128, 64), (2, 65, 129, 64), (1, 200, 1, 64), (2, 301, 257, 100),
-     (1, 150, 333, 16)],
-)  # fmt: skip
+    [
+        (1, 1, 1, 64),
+        (3, 64, 128, 64),
+        (2, 65, 129, 64),
+        (1, 200, 1, 64),
+        (2, 301, 257, 100),
+        (1, 150, 333, 16),
+    ],
+)
 def test_hopper_tile_edges(B, N, M, d):
     p = _problem(B, N, M, d, "tf32", seed=N + M)
     ref, ref_lse = _ref(p, 1.0)
@@ -209,9 +244,17 @@ def test_auto_backend_runs_the_sm90_kernel_on_large_passes(monkeypatch):
     outs = {}
     for backend in ("auto", "triton"):
         outs[backend] = flashsinkhorn.softmin(
-            p["x"], p["y"], p["g"], p["logb"], p["cx"], p["cy"], eps=EPS, c2=2.0,
-            backend=backend, guess=ref.float(),
-        )[0]  # fmt: skip
+            p["x"],
+            p["y"],
+            p["g"],
+            p["logb"],
+            p["cx"],
+            p["cy"],
+            eps=EPS,
+            c2=2.0,
+            backend=backend,
+            guess=ref.float(),
+        )[0]
         assert len(calls) == 1, backend  # the "auto" call only
     err_t = _err(outs["triton"], ref)
     assert _err(outs["auto"], ref) <= 2 * err_t + 1e-6 and err_t < ATOL
@@ -254,9 +297,16 @@ def test_unsupported_reasons_name_the_input():
 
 
 def test_config_checks_and_defaults():
-    for D, dt in ((64, torch.float32), (64, torch.bfloat16), (512, torch.float32),
-                  (512, torch.bfloat16), (1024, torch.float32), (1024, torch.bfloat16),
-                  (100, torch.float32), (4096, torch.float32)):  # fmt: skip
+    for D, dt in (
+        (64, torch.float32),
+        (64, torch.bfloat16),
+        (512, torch.float32),
+        (512, torch.bfloat16),
+        (1024, torch.float32),
+        (1024, torch.bfloat16),
+        (100, torch.float32),
+        (4096, torch.float32),
+    ):
         cfg = H.default_config(D, dt)
         H._check_config(cfg, D, dt)  # the defaults pass their own checks
         assert H.smem_bytes(cfg, D, dt) <= H.SMEM_LIMIT
@@ -324,11 +374,15 @@ print("RESULT " + json.dumps(res))
 OFFLINE = [
     (64, "float32", {}, {}),
     (64, "bfloat16", {}, dict(online=True, fallback_pass=True)),
-    (128, "float32", dict(block_n=256, block_k=32, stages=4, pingpong=True, x_resident=False),
-     dict(has_lse=True, count=True)),
+    (
+        128,
+        "float32",
+        dict(block_n=256, block_k=32, stages=4, pingpong=True, x_resident=False),
+        dict(has_lse=True, count=True),
+    ),
     (64, "bfloat16", dict(stages=2), {}),
     (64, "bfloat16", dict(stages=3), {}),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -343,8 +397,11 @@ def offline_compiles():
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(OFFLINE)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])

@@ -35,12 +35,44 @@ def _problem(B, N, M, D, seed=0, scale=None, device="cpu"):
     return x, y, g, logb, cx, cy, (lx, ly, W, 0.7)
 
 
-def _pass(x, y, g, logb, cx, cy, lab, *, eps, damping, precision="ieee", guess=None, v=None,
-          counter=None, config=None, want_lse=True):  # fmt: skip
+def _pass(
+    x,
+    y,
+    g,
+    logb,
+    cx,
+    cy,
+    lab,
+    *,
+    eps,
+    damping,
+    precision="ieee",
+    guess=None,
+    v=None,
+    counter=None,
+    config=None,
+    want_lse=True,
+):
     """One pass through the kernel module's launcher (no center)."""
-    return K.softmin_triton(x, y, g, logb, cx, cy, eps, 2.0, damping, v, lab, precision,
-                            want_lse, None, guess=guess, fallback_rows=counter,
-                            config=config)  # fmt: skip
+    return K.softmin_triton(
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps,
+        2.0,
+        damping,
+        v,
+        lab,
+        precision,
+        want_lse,
+        None,
+        guess=guess,
+        fallback_rows=counter,
+        config=config,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,8 +175,16 @@ TOL = {"ieee": (2e-5, 1e-4), "tf32x3": (2e-5, 1e-4), "tf32": (2e-3, 3e-2), "bf16
 # every precision once with one feature chunk and once with several; d = 64: one chunk,
 # EVEN_D; d = 3: one masked chunk; d = 512: 8 even chunks; d = 784: 13 chunks, masked tail.
 # (tf32 at d = 64, 512 and 1024 is also covered config by config below.)
-GPU_CASES = [(64, "bf16"), (64, "tf32x3"), (3, "tf32"), (3, "ieee"), (784, "ieee"),
-             (784, "tf32"), (784, "tf32x3"), (512, "bf16")]  # fmt: skip
+GPU_CASES = [
+    (64, "bf16"),
+    (64, "tf32x3"),
+    (3, "tf32"),
+    (3, "ieee"),
+    (784, "ieee"),
+    (784, "tf32"),
+    (784, "tf32x3"),
+    (512, "bf16"),
+]
 
 
 def _uniform(n, m, d, seed=0):
@@ -196,10 +236,14 @@ def test_kernels_vs_float64_gpu(d, precision):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "d,precision,kernels",
-    [(64, "tf32", ("shift", "running-max")), (64, "bf16", ("shift", "running-max")),
-     (64, "tf32x3", ("running-max",)), (512, "tf32", ("shift", "running-max")),
-     (1024, "tf32", ("shift", "running-max"))],
-)  # fmt: skip
+    [
+        (64, "tf32", ("shift", "running-max")),
+        (64, "bf16", ("shift", "running-max")),
+        (64, "tf32x3", ("running-max",)),
+        (512, "tf32", ("shift", "running-max")),
+        (1024, "tf32", ("shift", "running-max")),
+    ],
+)
 def test_every_autotune_config_gpu(d, precision, kernels):
     """Every config the autotuner may pick, for the shift and running-max kernels, within
     the precision's float64 bound. The launches use the production flags (no labels, no

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import flashsinkhorn as fs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.reference import cost_matrix_ref, sinkhorn_ref, softmin_ref
+from flashsinkhorn.second_order._plan import solve_potentials
 from flashsinkhorn.streaming import StreamingProblem as Problem
 
 RHOS = [None, 0.5, (0.3, None)]
@@ -315,11 +316,11 @@ def test_triton_loop_with_guesses_matches_float64(monkeypatch, schedule, eps_sca
     monkeypatch.setattr(sm, "_triton_pass", spy)
     monkeypatch.setattr(sm, "symmetric_sums_triton", spy_sums)
     x, y, a, b = clouds(45, 38, 3, seed=3)
-    kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule,
-              rho=2.0)  # fmt: skip
+    kw = dict(eps=0.05, eps_scaling=eps_scaling, max_iter=30, tol=None, schedule=schedule, rho=2.0)
     r64 = fs.solve(x, y, a, b, backend="torch", **kw)
-    r = fs.solve(x.float(), y.float(), a.float(), b.float(), backend="triton",
-                 precision="ieee", **kw)  # fmt: skip
+    r = fs.solve(
+        x.float(), y.float(), a.float(), b.float(), backend="triton", precision="ieee", **kw
+    )
     if schedule == "alternating":
         expect = [False] * (0 if eps_scaling else 2) + [True] * (60 if eps_scaling else 58)
         sym_loop = 0
@@ -370,8 +371,16 @@ def test_float32_floor_stops_unconverged_instead_of_claiming_tol():
         r = fs.solve(x, y, a, b, eps=2e-3, tol=1e-7, eps_scaling=0.5, max_iter=5000)
     assert not r.converged and r.n_iter < 5000
     assert abs(float(r.marginal_error) - truth_l1(r, x, y, a, b, 2e-3)) < 1e-9
-    r64 = fs.solve(x.double(), y.double(), a.double(), b.double(), eps=2e-3, tol=1e-7,
-                   eps_scaling=0.5, max_iter=5000)  # fmt: skip
+    r64 = fs.solve(
+        x.double(),
+        y.double(),
+        a.double(),
+        b.double(),
+        eps=2e-3,
+        tol=1e-7,
+        eps_scaling=0.5,
+        max_iter=5000,
+    )
     assert r64.converged and truth_l1(r64, x, y, a, b, 2e-3) < 1e-7
 
 
@@ -408,8 +417,7 @@ def test_reach_has_one_meaning():
         fs.solve(x, y, a, b, eps=0.1, reach=0.5)
     r = 0.6
     s = fs.solve(x, y, a, b, eps=0.1, rho=2 * r**2, tol=1e-12, max_iter=5000)
-    p = fs.solve_potentials(x, y, a, b, eps=0.1, reach=r, max_iter=5000, tol=1e-12,
-                            backend="torch")  # fmt: skip
+    p = solve_potentials(x, y, a, b, eps=0.1, reach=r, max_iter=5000, tol=1e-12, backend="torch")
     torch.testing.assert_close(p.f, s.f, atol=1e-9, rtol=0)
     torch.testing.assert_close(p.g, s.g, atol=1e-9, rtol=0)
     # an infinite penalty is balanced, as None
@@ -434,12 +442,21 @@ def test_weights_and_points_as_array_likes():
 
 @pytest.mark.parametrize(
     "kw,match",
-    [(dict(max_iter=0), "max_iter"), (dict(max_iter=2.7), "max_iter"),
-     (dict(check_every=0), "check_every"), (dict(tol=-1.0), "tol"), (dict(tol="a"), "tol"),
-     (dict(eps_scaling=1.5), "eps_scaling"), (dict(diameter=-1.0), "diameter"),
-     (dict(rho=(1.0, 2.0, 3.0)), "rho"), (dict(rho="x"), "rho"), (dict(schedule="x"), "schedule"),
-     (dict(precision="fp8"), "precision"), (dict(backend="cuda"), "backend")],
-)  # fmt: skip
+    [
+        (dict(max_iter=0), "max_iter"),
+        (dict(max_iter=2.7), "max_iter"),
+        (dict(check_every=0), "check_every"),
+        (dict(tol=-1.0), "tol"),
+        (dict(tol="a"), "tol"),
+        (dict(eps_scaling=1.5), "eps_scaling"),
+        (dict(diameter=-1.0), "diameter"),
+        (dict(rho=(1.0, 2.0, 3.0)), "rho"),
+        (dict(rho="x"), "rho"),
+        (dict(schedule="x"), "schedule"),
+        (dict(precision="fp8"), "precision"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
 def test_bad_arguments_name_themselves(kw, match):
     x, y, a, b = clouds(5, 4, 2)
     with pytest.raises(ValueError, match=match):
@@ -468,8 +485,9 @@ def test_bf16_under_the_interpreter_raises():
     X, Y = x[None], y[None]
     z = torch.zeros(1, 8)
     with pytest.raises(ValueError, match="bf16"):
-        fs.softmin(X, Y, z, z, torch.zeros(1, 10), z, eps=0.1, c2=2.0, precision="bf16",
-                   backend="triton")  # fmt: skip
+        fs.softmin(
+            X, Y, z, z, torch.zeros(1, 10), z, eps=0.1, c2=2.0, precision="bf16", backend="triton"
+        )
     # the torch backend computes in float32 whatever precision says: allowed
     fs.solve(x, y, a, b, eps=0.1, precision="bf16", backend="torch")
 
@@ -570,3 +588,14 @@ def test_label_cost_on_gpu():
         precision="ieee",
     )
     assert abs(float(r.value) - float(r64.value)) < 1e-5
+
+
+def test_float64_floor_warning_names_float64():
+    """solve(x64, y64, tol=1e-13) stalls at float64's floor and warned about "float32
+    potentials"; the warning names the potentials' dtype and does not ask for float64
+    (here the float64 certificate stalls at 1.1e-12)."""
+    x, y, a, b = clouds(30, 25, 2, seed=31)
+    with pytest.warns(RuntimeWarning, match="float64 potentials") as rec:
+        r = fs.solve(x, y, a, b, eps=0.1, tol=1e-14, max_iter=20000)
+    assert not r.converged and r.f.dtype == torch.float64
+    assert all("float32" not in str(w.message) for w in rec)

@@ -44,17 +44,38 @@ def _potentials(p, eps, seed=1):
 
 def _update(p, f, g, eps, dx=1.0, dy=1.0, **kw):
     return fs.symmetric_update(
-        p["x"], p["y"], f, g, p["loga"], p["logb"], p["cx"], p["cy"], eps=eps, c2=2.0,
-        damping_x=dx, damping_y=dy, **kw,
-    )  # fmt: skip
+        p["x"],
+        p["y"],
+        f,
+        g,
+        p["loga"],
+        p["logb"],
+        p["cx"],
+        p["cy"],
+        eps=eps,
+        c2=2.0,
+        damping_x=dx,
+        damping_y=dy,
+        **kw,
+    )
 
 
 def _ref(p, f, g, eps, dx=1.0, dy=1.0):
     d = {k: v.double() for k, v in p.items()}
     return fs.symmetric_update_ref(
-        d["x"], d["y"], f.double(), g.double(), d["loga"], d["logb"], d["cx"], d["cy"],
-        eps=eps, c2=2.0, damping_x=dx, damping_y=dy,
-    )  # fmt: skip
+        d["x"],
+        d["y"],
+        f.double(),
+        g.double(),
+        d["loga"],
+        d["logb"],
+        d["cx"],
+        d["cy"],
+        eps=eps,
+        c2=2.0,
+        damping_x=dx,
+        damping_y=dy,
+    )
 
 
 def _err(a, b):
@@ -154,15 +175,15 @@ def test_one_pass_triton_tensor_cores(monkeypatch, precision):
         xk, yk = round_to_tf32(xk), round_to_tf32(yk)
     q = dict(p, x=xk, y=yk)
     stats = {}
-    ft, gt = _update(q, f, g, eps, 0.9, 1.0, precision=precision, backend="triton",
-                     stats=stats)  # fmt: skip
+    ft, gt = _update(q, f, g, eps, 0.9, 1.0, precision=precision, backend="triton", stats=stats)
     assert stats["kernel"] == "one pass (Triton)"
     assert int(stats["rows_recomputed"]) == 0 and int(stats["cols_recomputed"]) == 0
     r_f, r_g = _ref(q, f, g, eps, 0.9, 1.0)
     # the peer: two Triton passes on the same operands
     kw = dict(eps=eps, c2=2.0, precision=precision, backend="triton")
-    two_f = fs.softmin(q["x"], q["y"], g, q["logb"], q["cx"], q["cy"], damping=0.9, guess=f,
-                       **kw)[0]  # fmt: skip
+    two_f = fs.softmin(q["x"], q["y"], g, q["logb"], q["cx"], q["cy"], damping=0.9, guess=f, **kw)[
+        0
+    ]
     two_g = fs.softmin(q["y"], q["x"], f, q["loga"], q["cy"], q["cx"], guess=g, **kw)[0]
     for ours, two, ref in ((ft, two_f, r_f), (gt, two_g, r_g)):
         assert _err(ours, ref) <= 2 * _err(two, ref) + 1e-6
@@ -264,8 +285,10 @@ def test_loops_above_the_one_pass_size(monkeypatch, debias):
     a = torch.full((n,), 1.0 / n, device="cuda")
     assert n * n >= _config.ONE_PASS_MIN_SCORES
     ref = float(fs.samples_loss_ref(a, x, a, y, blur=0.05, scaling=0.5, debias=debias))
-    val = {be: float(fs.SamplesLoss(blur=0.05, scaling=0.5, debias=debias, backend=be)(x, y))
-           for be in ("auto", "triton")}  # fmt: skip
+    val = {
+        be: float(fs.SamplesLoss(blur=0.05, scaling=0.5, debias=debias, backend=be)(x, y))
+        for be in ("auto", "triton")
+    }
     assert calls, "the loop did not reach the sm_90 one pass"
     assert abs(val["auto"] - ref) <= 2 * abs(val["triton"] - ref) + 1e-7
     # the bound, 1e-6 relative to the terms the value is made of: the debiased
@@ -274,8 +297,10 @@ def test_loops_above_the_one_pass_size(monkeypatch, debias):
     scale = abs(ref)
     if debias:
         terms = [(x, y, 1.0), (x, x, 0.5), (y, y, 0.5)]
-        scale = sum(w * abs(float(fs.samples_loss_ref(a, p, a, q, blur=0.05, scaling=0.5,
-                    debias=False))) for p, q, w in terms)  # fmt: skip
+        scale = sum(
+            w * abs(float(fs.samples_loss_ref(a, p, a, q, blur=0.05, scaling=0.5, debias=False)))
+            for p, q, w in terms
+        )
     assert abs(val["auto"] - ref) <= 1e-6 * scale + 1e-7
     if not debias:
         kw = dict(eps=0.01, schedule="symmetric", eps_scaling=0.7, max_iter=40, tol=None)

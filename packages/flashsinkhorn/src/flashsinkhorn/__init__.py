@@ -1,17 +1,21 @@
-"""flashsinkhorn: exact, differentiable entropic optimal transport between point clouds,
-streamed by Triton kernels in O((n + m) d) memory.
+"""flashsinkhorn: exact, differentiable entropic optimal transport between point clouds, on
+the one Sinkhorn loop and a backend for every size (dense, streaming Triton / Gluon).
 
 Public API (docs/flashsinkhorn.md):
 
-- :func:`solve` -> :class:`SinkhornResult`; :class:`SamplesLoss` (GeomLoss-compatible, p=2)
-  and its functional form :func:`sinkhorn_divergence`;
+- :func:`solve` -> :class:`SinkhornResult` (with its :class:`LazyPlan`);
+  :class:`SamplesLoss` (GeomLoss-compatible, p = 2) and its functional form
+  :func:`sinkhorn_divergence`;
 - the streaming primitives :func:`softmin`, :func:`plan_apply`, :func:`self_softmin`,
   :func:`symmetric_update` (both updates of a symmetric iteration in one pass);
-- plan sampling (:mod:`flashsinkhorn.sampling`): :func:`sample_plan` (a target index per
-  source point from a result), the primitive :func:`softmax_sample`;
+- plan sampling: :func:`sample_plan` (a target index per source point of a result) and the
+  primitive :func:`softmax_sample`;
 - the float64 references ``*_ref`` (:mod:`flashsinkhorn.reference`);
-- second order (:mod:`flashsinkhorn.second_order`): :func:`hvp`, :func:`ot_loss`,
-  :func:`implicit_grad`, :func:`inverse_hvp`, Newton-CG / trust region, OTDD.
+- :mod:`flashsinkhorn.second_order`, a namespace: ``second_order.hvp``, ``ot_loss``,
+  ``implicit_grad``, ``inverse_hvp``, OTDD.
+
+Sharding over a process group: ``process_group=`` of :func:`solve` / :class:`SamplesLoss`
+(:mod:`flashsinkhorn.distributed`).
 """
 
 __version__ = "0.2.0"
@@ -29,7 +33,6 @@ from flashsinkhorn.reference import (
 from flashsinkhorn.result import LazyPlan, SinkhornResult
 from flashsinkhorn.samples_loss import SamplesLoss, sinkhorn_divergence
 from flashsinkhorn.sampling import sample_plan, softmax_sample, softmax_sample_ref
-from flashsinkhorn.second_order import *  # noqa: F403
 from flashsinkhorn.solver import solve
 
 __all__ = [
@@ -43,14 +46,14 @@ __all__ = [
     "plan_apply",
     "self_softmin",
     "symmetric_update",
+    "sample_plan",
+    "softmax_sample",
     "cost_matrix_ref",
     "softmin_ref",
     "symmetric_update_ref",
     "plan_apply_ref",
     "sinkhorn_ref",
     "samples_loss_ref",
-    "sample_plan",
-    "softmax_sample",
     "softmax_sample_ref",
-    *second_order.__all__,
+    "second_order",
 ]

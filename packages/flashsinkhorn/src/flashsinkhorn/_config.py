@@ -34,8 +34,13 @@ FIXED = (64, 64, 4, 2)
 # Autotune space of the iteration passes (running-max and shift kernels, no V), Hopper
 # (H200) sized. D <= 128 is one tl.dot per tile (K = BLOCK_D); larger D loops over 64-wide
 # feature chunks and needs 128 x 128 tiles to stay tensor-core bound.
-TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4),
-                (256, 64, 8, 3)]  # fmt: skip
+TUNE_SMALL_D = [
+    (128, 64, 4, 3),
+    (128, 128, 8, 3),
+    (128, 64, 8, 4),
+    (64, 128, 4, 4),
+    (256, 64, 8, 3),
+]
 TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
 
 # The plan application (the pass with V: once per solve, not autotuned: no compile storm).
@@ -108,3 +113,20 @@ def plan_apply_config(dv: int) -> tuple[int, int, int, int]:
     if no_autotune():
         return FIXED
     return PLAN_APPLY_WIDE if dv > 64 else PLAN_APPLY
+
+
+# backend="auto" (flashsinkhorn.backends.auto_backend): the dense backend (-C in memory) on
+# the CPU while one cost matrix takes at most DENSE_MAX_BYTES (a debiased loss holds three,
+# plus one score matrix per pass), and on CUDA up to DENSE_MAX_SCORES_CUDA scores (B N M),
+# where a pass is launch-bound. The CPU number: docs/design/flashsinkhorn.md ("The dense
+# backend"); the CUDA one is not measured yet (tools/flashsinkhorn/gpu_check.sh measures
+# both backends at 512, 2048 and 8192 points).
+DENSE_MAX_BYTES = 1 << 28
+DENSE_MAX_SCORES_CUDA = 1 << 22
+
+# The multiscale backend (_multiscale_tiles, _multiscale_pass): points per tile (the
+# block of its kernels, rows and columns), tiles per node of the tree that finds the tile
+# pairs to compute, and the most nodes at the top of that tree (all their pairs examined).
+MULTISCALE_TILE = 64
+MULTISCALE_GROUP = 8
+MULTISCALE_TOP = 256

@@ -35,8 +35,15 @@ try:  # Gluon ships inside triton (3.6 on the GPU host, 3.9 in CI); the API move
 except Exception:  # pragma: no cover - triton missing or without the Hopper Gluon API
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "MAX_D", "elem_bytes", "one_chunk_width", "operand_reason", "tma_ready",
-           "compile_gluon_sm90"]  # fmt: skip
+__all__ = [
+    "HAS_GLUON",
+    "MAX_D",
+    "elem_bytes",
+    "one_chunk_width",
+    "operand_reason",
+    "tma_ready",
+    "compile_gluon_sm90",
+]
 
 MAX_D = 4096
 
@@ -118,8 +125,7 @@ if HAS_GLUON:
         return max(1, min(num_k, stages - 1))
 
     @gluon.jit
-    def load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                    SPEC: gl.constexpr):  # fmt: skip
+    def load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC: gl.constexpr):
         """TMA loads of ring chunk ``t`` (column tile t // NUM_K, feature chunk t % NUM_K)
         into stage t % STAGES; completion is signalled on that stage's ready barrier."""
         NUM_K: gl.constexpr = SPEC[0]
@@ -155,8 +161,20 @@ if HAS_GLUON:
                 tma_load(x_desc, [xrow0 + w * BM, k * BK], x_bar, x_smem.index(w * NUM_K + k))
 
     @gluon.jit
-    def release(t, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
-                 SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr):  # fmt: skip
+    def release(
+        t,
+        total,
+        x_desc,
+        y_desc,
+        x_smem,
+        y_smem,
+        ready,
+        empty,
+        xrow0,
+        yrow0,
+        SPEC: gl.constexpr,
+        INLINE_LOADS: gl.constexpr,
+    ):
         """Chunk ``t``'s wgmma has retired: its stage may be refilled. The fallback launch
         (INLINE_LOADS) issues the refill itself (chunk t + STAGES); the warp-specialized
         consumers tell the producer through the stage's empty barrier (one arrival per
@@ -164,15 +182,29 @@ if HAS_GLUON:
         STAGES: gl.constexpr = SPEC[1]
         if INLINE_LOADS:
             if t + STAGES < total:
-                load_chunk(t + STAGES, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                            SPEC)  # fmt: skip
+                load_chunk(t + STAGES, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC)
         else:
             mbarrier.arrive(empty.index(t % STAGES), count=1)
 
     @gluon.jit
-    def issue_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, turn, xrow0,
-                    yrow0, SPEC: gl.constexpr, WG: gl.constexpr, MMA: gl.constexpr,
-                    INLINE_LOADS: gl.constexpr, EARLY_RELEASE: gl.constexpr):  # fmt: skip
+    def issue_tile(
+        j,
+        total,
+        x_desc,
+        y_desc,
+        x_smem,
+        y_smem,
+        ready,
+        empty,
+        turn,
+        xrow0,
+        yrow0,
+        SPEC: gl.constexpr,
+        WG: gl.constexpr,
+        MMA: gl.constexpr,
+        INLINE_LOADS: gl.constexpr,
+        EARLY_RELEASE: gl.constexpr,
+    ):
         """Issue the async wgmma of column tile ``j`` for this warpgroup's 64 rows, chunk
         by chunk as the chunks land. EARLY_RELEASE: after each chunk, wait until at most
         one wgmma is in flight and release the previous chunk's stage (a GEMM main loop);
@@ -206,23 +238,71 @@ if HAS_GLUON:
                 mbarrier.arrive(turn.index(1 - WG), count=1)
             if EARLY_RELEASE and k > 0:
                 acc = warpgroup_mma_wait(1, deps=(acc,))
-                release(t - 1, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0,
-                         yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+                release(
+                    t - 1,
+                    total,
+                    x_desc,
+                    y_desc,
+                    x_smem,
+                    y_smem,
+                    ready,
+                    empty,
+                    xrow0,
+                    yrow0,
+                    SPEC,
+                    INLINE_LOADS,
+                )
         return acc
 
     @gluon.jit
-    def release_tile(j, total, x_desc, y_desc, x_smem, y_smem, ready, empty, xrow0, yrow0,
-                      SPEC: gl.constexpr, INLINE_LOADS: gl.constexpr,
-                      EARLY_RELEASE: gl.constexpr):  # fmt: skip
+    def release_tile(
+        j,
+        total,
+        x_desc,
+        y_desc,
+        x_smem,
+        y_smem,
+        ready,
+        empty,
+        xrow0,
+        yrow0,
+        SPEC: gl.constexpr,
+        INLINE_LOADS: gl.constexpr,
+        EARLY_RELEASE: gl.constexpr,
+    ):
         """Release the stages of tile ``j`` still held after its final wgmma wait."""
         NUM_K: gl.constexpr = SPEC[0]
         if EARLY_RELEASE:
-            release(j * NUM_K + NUM_K - 1, total, x_desc, y_desc, x_smem, y_smem, ready,
-                     empty, xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+            release(
+                j * NUM_K + NUM_K - 1,
+                total,
+                x_desc,
+                y_desc,
+                x_smem,
+                y_smem,
+                ready,
+                empty,
+                xrow0,
+                yrow0,
+                SPEC,
+                INLINE_LOADS,
+            )
         else:
             for k in gl.static_range(NUM_K):
-                release(j * NUM_K + k, total, x_desc, y_desc, x_smem, y_smem, ready, empty,
-                         xrow0, yrow0, SPEC, INLINE_LOADS)  # fmt: skip
+                release(
+                    j * NUM_K + k,
+                    total,
+                    x_desc,
+                    y_desc,
+                    x_smem,
+                    y_smem,
+                    ready,
+                    empty,
+                    xrow0,
+                    yrow0,
+                    SPEC,
+                    INLINE_LOADS,
+                )
 
     @gluon.jit
     def produce(pargs, SPEC: gl.constexpr):

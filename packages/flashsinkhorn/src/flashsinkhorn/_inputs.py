@@ -29,7 +29,7 @@ def _as_tensor(t, name, dtype=None, device=None):
         ) from None
 
 
-def _as_weights(w, name, B, n, like, check_values=True):
+def _as_weights(w, name, B, n, like):
     if w is None:
         return torch.full((B, n), 1.0 / max(n, 1), dtype=like.dtype, device=like.device)
     w = _as_tensor(w, name, dtype=like.dtype, device=like.device)
@@ -43,53 +43,66 @@ def _as_weights(w, name, B, n, like, check_values=True):
         w = w.unsqueeze(0).expand(B, -1) if B > 1 else w.unsqueeze(0)
     if w.shape != (B, n):
         raise ValueError(f"{name} must have shape ({n},) or ({B}, {n}); got {tuple(w.shape)}")
-    if check_values:
-        _check_weight_values(w, name)
     return w
 
 
-def _check_weight_values(w, name):
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError(f"{name} contains non-finite values")
-    if bool((w < 0).any()):
-        raise ValueError(f"{name} must be nonnegative")
-    if bool((w.sum(-1) <= 0).any()):
-        raise ValueError(f"{name} must have a positive sum in every problem (got a zero sum)")
+def _weight_flags(w):
+    """Device flags of a weight tensor: non-finite, negative, a zero-sum problem."""
+    return torch.stack((~torch.isfinite(w).all(), (w < 0).any(), (w.sum(-1) <= 0).any()))
 
 
-def _check_point_values(x, y):
-    for name, t in (("x", x), ("y", y)):
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} contains non-finite values")
-    # squared distances must be finite in the compute dtype (float32 for half inputs)
+_WEIGHT_ERRORS = (
+    "{} contains non-finite values",
+    "{} must be nonnegative",
+    "{} must have a positive sum in every problem (got a zero sum)",
+)
+
+
+def _point_flags(x, y):
+    """Device flags of the points: x non-finite, y non-finite, squared distances that
+    overflow the compute dtype (float32 for half inputs)."""
     big = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).max
     lo = torch.minimum(x.amin(dim=(-2, -1)), y.amin(dim=(-2, -1))).double()
     hi = torch.maximum(x.amax(dim=(-2, -1)), y.amax(dim=(-2, -1))).double()
     spread2 = ((hi - lo) ** 2 * x.shape[-1]).max()
-    if not bool(spread2 < big / 4):
-        raise ValueError(
-            f"x and y: coordinates span {float((hi - lo).max()):.3g}, so squared distances "
-            f"overflow {x.dtype if x.dtype == torch.float64 else torch.float32}; rescale the "
-            "points (and eps) or pass float64"
-        )
+    return torch.stack((~torch.isfinite(x).all(), ~torch.isfinite(y).all(), ~(spread2 < big / 4)))
+
+
+def _raise_first(x, y, flags, names):
+    """Raise the error of the first set flag, in the order points, then each weight."""
+    for k, bad in enumerate(flags):
+        if not bad:
+            continue
+        if k < 2:
+            raise ValueError(f"{'xy'[k]} contains non-finite values")
+        if k == 2:
+            span = torch.maximum(x.amax(dim=(-2, -1)), y.amax(dim=(-2, -1))).double()
+            span = span - torch.minimum(x.amin(dim=(-2, -1)), y.amin(dim=(-2, -1))).double()
+            raise ValueError(
+                f"x and y: coordinates span {float(span.max()):.3g}, so squared distances "
+                f"overflow {x.dtype if x.dtype == torch.float64 else torch.float32}; rescale "
+                "the points (and eps) or pass float64"
+            )
+        w = (k - 3) // 3
+        raise ValueError(_WEIGHT_ERRORS[(k - 3) % 3].format(names[w]))
 
 
 def check_values(x, y, a, b):
-    """The data-dependent checks of :func:`prepare_inputs` (finite points, finite
-    nonnegative weights), in its order. Under torch.compile they run inside the custom ops
-    (a host sync each; the compiled graph only checks shapes, dtypes and devices)."""
-    _check_point_values(x, y)
-    _check_weight_values(a, "a")
-    _check_weight_values(b, "b")
+    """The data-dependent checks of :func:`prepare_inputs` (finite points whose squared
+    distances fit the compute dtype, finite nonnegative weights with positive sums): the
+    flags computed on the device and read in ONE host read (a GPU call pays one
+    synchronisation for all of them). Under torch.compile they run inside the custom ops."""
+    flags = torch.cat((_point_flags(x, y), _weight_flags(a), _weight_flags(b)))
+    _raise_first(x, y, flags.tolist(), ("a", "b"))
 
 
-def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
+def prepare_inputs(x, y, a=None, b=None, *, check_data=True):
     """Validate and batch inputs: returns ``(x (B,N,D), y (B,M,D), a (B,N), b (B,M), batched)``.
 
     Half-precision points (float16, bfloat16) come back in float32 (differentiably): every
     cost term, weight and potential is computed in float32 (the kernels' precision), so a
     half input solves the problem of its own values, not one rounded again to 3 digits.
-    Weights given in the points' dtype follow them. ``check_values=False`` skips the
+    Weights given in the points' dtype follow them. ``check_data=False`` skips the
     data-dependent checks (see :func:`check_values`)."""
     x, y = _as_tensor(x, "x"), _as_tensor(y, "y")
     for name, t in (("x", x), ("y", y)):
@@ -112,12 +125,15 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
         raise ValueError(
             f"x and y must have the same dimension D; got {x.shape[-1]} and {y.shape[-1]}"
         )
+    if x.shape[0] == 0:
+        raise ValueError(
+            f"x and y must hold at least one problem; got a batch of 0: x {tuple(x.shape)}, "
+            f"y {tuple(y.shape)}"
+        )
     if x.shape[1] == 0 or y.shape[1] == 0:
         raise ValueError(f"empty point cloud: x has {x.shape[1]} points, y has {y.shape[1]}")
     if x.shape[-1] == 0:
         raise ValueError("points must have dimension D >= 1")
-    if check_values:
-        _check_point_values(x, y)
     B, N, M = x.shape[0], x.shape[1], y.shape[1]
     if x.dtype in (torch.float16, torch.bfloat16):
         half = x.dtype
@@ -126,13 +142,27 @@ def prepare_inputs(x, y, a=None, b=None, *, check_values=True):
         b = b.float() if isinstance(b, torch.Tensor) and b.dtype == half else b
     a = None if a is None else _as_tensor(a, "a", dtype=x.dtype, device=x.device)
     b = None if b is None else _as_tensor(b, "b", dtype=x.dtype, device=x.device)
-    if a is not None and a.dim() == 2 and not batched:
-        raise ValueError(f"a must be ({N},) for unbatched x; got {tuple(a.shape)}")
-    if b is not None and b.dim() == 2 and not batched:
-        raise ValueError(f"b must be ({M},) for unbatched y; got {tuple(b.shape)}")
-    a = _as_weights(a, "a", B, N, x, check_values)
-    b = _as_weights(b, "b", B, M, x, check_values)
+    a, b = _column_weights(a, "a", N, batched), _column_weights(b, "b", M, batched)
+    a = _as_weights(a, "a", B, N, x)
+    b = _as_weights(b, "b", B, M, x)
+    if check_data:
+        check_values(x, y, a, b)
     return x, y, a, b, batched
+
+
+def _column_weights(w, name, n, batched):
+    """Weights given as a column, ``(N, 1)`` (``(B, N, 1)`` batched), as flash-sinkhorn and
+    GeomLoss accept them, become ``(N,)`` (``(B, N)``); a 2-D ``w`` of an unbatched problem
+    must be that column."""
+    if w is None:
+        return None
+    if w.dim() == (3 if batched else 2) and w.shape[-1] == 1 and w.shape[-2] == n:
+        return w[..., 0]
+    if w.dim() == 2 and not batched:
+        raise ValueError(
+            f"{name} must be ({n},) or ({n}, 1) for unbatched points; got {tuple(w.shape)}"
+        )
+    return w
 
 
 def check_masses(a, b, rx, ry, unbalanced="rho"):

@@ -30,6 +30,7 @@ and says so.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -77,13 +78,16 @@ class Outcome:
     n_iter: int = 0
     converged: bool = False
     stalled: bool = False
+    estimate: float | None = None  # the last estimate the host read (None: none was)
 
 
-def l1_err(prob, w, old, new, eps):
-    """``sum_i w_i |exp((old_i - new_i) / eps) - 1|``: the L1 marginal error of the plan of
-    the old potential (zero weights do not count), per problem (B,)."""
+def l1_err(prob, side, old, new, eps):
+    """``sum_i w_i |exp((old_i - new_i) / eps) - 1|`` with ``w`` the ``side``'s weights
+    ("x": a, "y": b): the L1 marginal error of the plan of the old potential (zero weights
+    do not count), per problem (B,)."""
+    w = prob.a if side == "x" else prob.b
     e = w * torch.expm1((old - new) / eps).abs()
-    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)))
+    return prob.total(torch.where(w > 0, e, torch.zeros_like(e)), side)
 
 
 def annealing(prob, eps, eps_scaling, diameter):
@@ -107,12 +111,14 @@ def report(out: Outcome, tol, eps, warn, stacklevel=3):
     err = float(out.err.max())
     if out.stalled:
         fmax = max(float(out.f.abs().max()), float(out.g.abs().max()))
-        floor = 2.0**-24 * fmax / eps
+        f64 = out.f.dtype == torch.float64
+        floor = (2.0**-53 if f64 else 2.0**-24) * fmax / eps
+        fix = "increase eps or tol" if f64 else "pass float64 inputs, or increase eps or tol"
         msg = (
             f"flashsinkhorn.solve: not converged: the float64-measured marginal error stalled "
-            f"at {err:.3g} > tol {tol} after {out.n_iter} iterations: float32 potentials of "
-            f"magnitude {fmax:.3g} carry rounding errors of about {floor:.2g} eps at "
-            f"eps={eps:.3g}; pass float64 inputs, or increase eps or tol"
+            f"at {err:.3g} > tol {tol} after {out.n_iter} iterations: {out.f.dtype} "
+            f"potentials of magnitude {fmax:.3g} carry rounding errors of about {floor:.2g} "
+            f"eps at eps={eps:.3g}; {fix}"
         )
     else:
         msg = (
@@ -168,22 +174,43 @@ class _Estimates:
 
 
 def _anneal(prob, sched, selves, verbose, who):
-    """The annealing stages: returns ``(f, g, self potentials)``."""
+    """The annealing stages: returns ``(f, g, self potentials)``. A problem with levels
+    (:meth:`flashsinkhorn.problem.Problem.stage_levels`: the multiscale backend's cell
+    clouds) runs each stage on its level and carries the potentials to the next level when
+    it changes (GeomLoss's multiscale jumps), ending on ``prob`` itself."""
     rx, ry = sched.rho_x, sched.rho_y
-    f, g = prob.zeros_x(), prob.zeros_y()
-    sp = [s.zeros_x() for s in selves]
     if not sched.stages:
-        return f, g, sp
+        return prob.zeros_x(), prob.zeros_y(), [s.zeros_x() for s in selves]
+    temps = (*sched.stages, sched.eps)
+    keys = prob.stage_levels(temps)
+    skeys = [s.stage_levels(temps) for s in selves]
+    cur, scur = keys[0], [k[0] for k in skeys]
+    P, Ps = prob.at_level(cur), [s.at_level(k) for s, k in zip(selves, scur)]
+    f, g = P.zeros_x(), P.zeros_y()
+    sp = [s.zeros_x() for s in Ps]
     e0 = sched.stages[0]
     # the cold start: one symmetric update from zeros (one pass for both where it can)
-    f, g = prob.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
-    sp = [s.self_update(z, e0, damping_factor(e0, r)) for s, z, r in zip(selves, sp, (rx, ry))]
-    for k, e in enumerate(sched.stages):
+    f, g = P.sym_update(f, g, e0, damping_factor(e0, rx), damping_factor(e0, ry))
+    sp = [s.self_update(z, e0, damping_factor(e0, r)) for s, z, r in zip(Ps, sp, (rx, ry))]
+    prev = e0
+    for k, e in enumerate(temps):
+        if keys[k] != cur or any(sk[k] != c for sk, c in zip(skeys, scur)):
+            # a jump: the potentials of the last stage carried to the finer level
+            kx, ky = damping_factor(prev, rx), damping_factor(prev, ry)
+            f, g = prob.prolong(cur, keys[k], f, g, prev, kx, ky)
+            sp = [
+                s.prolong(c, sk[k], p, p, prev, kr, kr)[0]
+                for s, c, sk, p, kr in zip(selves, scur, skeys, sp, (kx, ky))
+            ]
+            cur, scur = keys[k], [sk[k] for sk in skeys]
+            P, Ps = prob.at_level(cur), [s.at_level(c) for s, c in zip(selves, scur)]
+        if k == len(sched.stages):  # the final temperature's level: the loop's problem
+            break
         kx, ky = damping_factor(e, rx), damping_factor(e, ry)
-        ft, gt = prob.sym_update(f, g, e, kx, ky)
-        st = [s.self_update(p, e, k_) for s, p, k_ in zip(selves, sp, (kx, ky))]
+        ft, gt = P.sym_update(f, g, e, kx, ky)
+        st = [s.self_update(p, e, k_) for s, p, k_ in zip(Ps, sp, (kx, ky))]
         if verbose:
-            est = float((l1_err(prob, prob.a, f, ft, e) + l1_err(prob, prob.b, g, gt, e)).max())
+            est = float((l1_err(P, "x", f, ft, e) + l1_err(P, "y", g, gt, e)).max())
             say(
                 verbose,
                 f"eps-scaling stage {k + 1}/{len(sched.stages)}, eps {e:.4g}, "
@@ -192,16 +219,30 @@ def _anneal(prob, sched, selves, verbose, who):
             )
         f, g = 0.5 * (f + ft), 0.5 * (g + gt)
         sp = [0.5 * (p + t) for p, t in zip(sp, st)]
+        prev = e
     return f, g, sp
 
 
-def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flashsinkhorn.solve"):
+def run(
+    prob,
+    sched: Schedule,
+    certify=None,
+    selves=(),
+    verbose=False,
+    who="flashsinkhorn.solve",
+    init=None,
+):
     """The loop on ``prob`` (and the self problems ``selves``, annealed alongside).
-    ``certify(f, g) -> (err, rows, cols)`` is the float64 measurement (None: no certificate,
-    the caller reports what it measures itself). Returns an :class:`Outcome`."""
+    ``certify(f, g) -> (err, rows, cols)`` is the float64 measurement (None: no certificate;
+    with a ``tol`` the loop then stops on the estimate alone, and the caller reports what it
+    measures itself). ``init``: ``(f, g)`` to start from instead of the annealing stages (a
+    warm start). Returns an :class:`Outcome`."""
     eps, rx, ry = sched.eps, sched.rho_x, sched.rho_y
-    f, g, sp = _anneal(prob, sched, selves, verbose, who)
-    check = sched.tol is not None and sched.tol > 0 and certify is not None
+    if init is None:
+        f, g, sp = _anneal(prob, sched, selves, verbose, who)
+    else:
+        f, g, sp = init[0], init[1], []
+    check = sched.tol is not None and sched.tol > 0
     tol = sched.tol
     cheap_tol = tol if check else None
     cert = None  # (err, rows, cols) of the current (f, g), or None when stale
@@ -210,6 +251,13 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
     # many iterations even if the estimate has not fallen (a stalled estimate must not run on)
     recheck = 10 * sched.check_every
     next_cert = sched.max_iter + 1
+    # an estimate that stops falling (no 10 % gain over 2 recheck windows) within 64x of the
+    # dtype's floor (rounding errors of 2^-24 |f| / eps in every exponent, 2^-53 in float64:
+    # there the potentials jitter instead of settling, and the estimate can never pass tol)
+    # is measured too; far above the floor a flat estimate is a plateau of slow convergence
+    best_est, best_it = math.inf, 0
+    last_est = None
+    unit = 2.0**-53 if prob.potential_dtype == torch.float64 else 2.0**-24
     converged = stalled = False
     n_iter = 0
     estimates = _Estimates(prob.cx.device)
@@ -219,14 +267,14 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
         measure = it % sched.check_every == 0 and (check or bool(verbose))
         # the current potentials as guesses of the updates ("shift" kernel), except the
         # zeros the loop starts from without annealing
-        warm = bool(sched.stages) or it > 1
+        warm = bool(sched.stages) or init is not None or it > 1
         if sched.update == "alternating":
             fn = prob.sm_x(g, eps, kx, guess=f if warm else None)[0]
             if measure:
-                ea = l1_err(prob, prob.a, f, fn, eps)
+                ea = l1_err(prob, "x", f, fn, eps)
             gn = prob.sm_y(fn, eps, ky, guess=g if warm else None)[0]
             if measure:
-                eb = l1_err(prob, prob.b, g, gn, eps)
+                eb = l1_err(prob, "y", g, gn, eps)
             f, g = fn, gn
         else:  # symmetric (averaged) updates
             if warm:  # both from one pass where the backend has it
@@ -234,24 +282,37 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
             else:  # the cold start from zeros: running-max passes
                 ft, gt = prob.sm_x(g, eps, kx)[0], prob.sm_y(f, eps, ky)[0]
             if measure:
-                ea = l1_err(prob, prob.a, f, ft, eps)
-                eb = l1_err(prob, prob.b, g, gt, eps)
+                ea = l1_err(prob, "x", f, ft, eps)
+                eb = l1_err(prob, "y", g, gt, eps)
             f, g = 0.5 * (f + ft), 0.5 * (g + gt)
         n_iter, cert = it, None
         if not measure:
             continue
-        estimates.push(it, (ea + eb).amax())
+        # (peak: the global maximum on a sharded problem, so every rank decides alike)
+        fmax = torch.maximum(prob.peak(f.abs()).amax(), prob.peak(g.abs(), "y").amax())
+        estimates.push(it, torch.stack(((ea + eb).amax(), fmax.to(ea.dtype))))
         got = estimates.ready()
         if got is None:
             continue
-        it_e, est = got[0], float(got[1])
+        it_e, est, fmax = got[0], float(got[1][0]), float(got[1][1])
+        last_est = est
         precision = "" if prob.precision == "tf32" else ", " + prob.precision
         say(
             verbose,
             f"iteration {it_e}, eps {eps:.4g}, marginal error (estimate) {est:.3g}{precision}",
             who,
         )  # noqa: E501
-        if not check or not (est < cheap_tol or it >= next_cert):  # NaN / inf: iterate on
+        if est < 0.9 * best_est:
+            best_est, best_it = est, it_e
+        stagnant = it_e - best_it >= 2 * recheck and est < 64 * unit * fmax / eps
+        # an estimate that passes, a recheck that is due, a stagnant one, or one that is not
+        # finite (the exponents overflow: the dtype's floor, which only the certificate tells)
+        due = est < cheap_tol or it >= next_cert or stagnant or not math.isfinite(est)
+        if not check or not due:
+            continue
+        if certify is None:  # the estimate alone decides (no float64 certificate asked for)
+            if est < tol:
+                break
             continue
         finite_or_raise(prob, f, g, eps)
         cert = certify(f, g)
@@ -266,13 +327,15 @@ def run(prob, sched: Schedule, certify=None, selves=(), verbose=False, who="flas
             say(verbose, f"switching to precision {POLISH_PRECISION!r}", who)
             prob = prob.with_precision(POLISH_PRECISION)
             continue
-        if (last_true is not None and true > 0.5 * last_true) or est == 0.0:
+        if (last_true is not None and true >= 0.5 * last_true) or est == 0.0:
             stalled = True  # float32's floor: iterating does not lower the true error
             break
         last_true = true
+        best_est, best_it = est, it  # stagnation is measured afresh from here
         # ask the estimate for proportionally more before measuring again
-        cheap_tol, next_cert = est * tol / true, it + recheck
-    out = Outcome(f=f, g=g, prob=prob, selves=sp, n_iter=n_iter, stalled=stalled)
+        ratio = est * tol / true
+        cheap_tol, next_cert = (ratio if math.isfinite(ratio) else tol), it + recheck
+    out = Outcome(f=f, g=g, prob=prob, selves=sp, n_iter=n_iter, stalled=stalled, estimate=last_est)
     if certify is None:
         return out
     finite_or_raise(prob, f, g, eps)

@@ -232,9 +232,33 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
         """One warpgroup's pass over every column tile for its 64 rows, then its epilogue."""
-        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
-         guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0,
-         yrow0, dot_scale, eps_ln2, damping) = args  # fmt: skip
+        (
+            x_desc,
+            y_desc,
+            x_smem,
+            y_smem,
+            ready,
+            empty,
+            x_bar,
+            turn,
+            bias_ptr,
+            cx_ptr,
+            guess_ptr,
+            out_ptr,
+            lse_ptr,
+            flag_ptr,
+            cnt_ptr,
+            b,
+            row0,
+            N,
+            Mpad,
+            n_tiles,
+            xrow0,
+            yrow0,
+            dot_scale,
+            eps_ln2,
+            damping,
+        ) = args
         NUM_K: gl.constexpr = SPEC[0]
         X_RESIDENT: gl.constexpr = SPEC[3]
         PIPE: gl.constexpr = SPEC[4]
@@ -273,15 +297,17 @@ if HAS_GLUON:
             mbarrier.wait(x_bar, 0)
 
         if PIPE:
-            acc = issue_tile(0, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
-                              INLINE_LOADS, False)  # fmt: skip
+            acc = issue_tile(
+                0, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA, INLINE_LOADS, False
+            )
             S = warpgroup_mma_wait(0, deps=(acc,))
             release_tile(0, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, False)
             bias = gl.load(bias_row + cols)
             for j in range(n_tiles - 1):
                 # tile j + 1 goes to the tensor cores, then tile j's exps run meanwhile
-                acc = issue_tile(j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
-                                  INLINE_LOADS, False)  # fmt: skip
+                acc = issue_tile(
+                    j + 1, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA, INLINE_LOADS, False
+                )
                 bias_next = gl.load(bias_row + (j + 1) * BN + cols)
                 l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
                 S = warpgroup_mma_wait(0, deps=(acc,))
@@ -290,8 +316,9 @@ if HAS_GLUON:
             l, m = _lse_tile(S, bias, sh, l, m, dot_scale, ONLINE)
         else:
             for j in range(n_tiles):
-                acc = issue_tile(j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA,
-                                  INLINE_LOADS, EARLY)  # fmt: skip
+                acc = issue_tile(
+                    j, total, *ring, turn, xrow0, yrow0, SPEC, WG, MMA, INLINE_LOADS, EARLY
+                )
                 bias = gl.load(bias_row + j * BN + cols)
                 S = warpgroup_mma_wait(0, deps=(acc,))
                 release_tile(j, total, *ring, xrow0, yrow0, SPEC, INLINE_LOADS, EARLY)
@@ -321,9 +348,33 @@ if HAS_GLUON:
     def _producer(args, SPEC: gl.constexpr, WG: gl.constexpr, INLINE_LOADS: gl.constexpr):
         """The "ws" producer warp: x once (when resident), then every ring chunk in order,
         each after its stage's empty barrier says all consumers are done with it."""
-        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
-         guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles, xrow0,
-         yrow0, dot_scale, eps_ln2, damping) = args  # fmt: skip
+        (
+            x_desc,
+            y_desc,
+            x_smem,
+            y_smem,
+            ready,
+            empty,
+            x_bar,
+            turn,
+            bias_ptr,
+            cx_ptr,
+            guess_ptr,
+            out_ptr,
+            lse_ptr,
+            flag_ptr,
+            cnt_ptr,
+            b,
+            row0,
+            N,
+            Mpad,
+            n_tiles,
+            xrow0,
+            yrow0,
+            dot_scale,
+            eps_ln2,
+            damping,
+        ) = args
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         if SPEC[3]:  # X_RESIDENT
@@ -336,9 +387,24 @@ if HAS_GLUON:
 
     @gluon.jit
     def _softmin_sm90_kernel(
-        x_desc, y_desc, bias_ptr, cx_ptr, guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr,
-        N, M, Mpad, n_tiles, dot_scale, eps_ln2, damping, SPEC: gl.constexpr,
-    ):  # fmt: skip
+        x_desc,
+        y_desc,
+        bias_ptr,
+        cx_ptr,
+        guess_ptr,
+        out_ptr,
+        lse_ptr,
+        flag_ptr,
+        cnt_ptr,
+        N,
+        M,
+        Mpad,
+        n_tiles,
+        dot_scale,
+        eps_ln2,
+        damping,
+        SPEC: gl.constexpr,
+    ):
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         NUM_WG: gl.constexpr = SPEC[2]
@@ -380,15 +446,43 @@ if HAS_GLUON:
             mbarrier.init(x_bar, count=1)
             for i in gl.static_range(2):
                 mbarrier.init(turn.index(i), count=1)
-            args = (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, bias_ptr, cx_ptr,
-                    guess_ptr, out_ptr, lse_ptr, flag_ptr, cnt_ptr, b, row0, N, Mpad, n_tiles,
-                    xrow0, yrow0, dot_scale, eps_ln2, damping)  # fmt: skip
+            args = (
+                x_desc,
+                y_desc,
+                x_smem,
+                y_smem,
+                ready,
+                empty,
+                x_bar,
+                turn,
+                bias_ptr,
+                cx_ptr,
+                guess_ptr,
+                out_ptr,
+                lse_ptr,
+                flag_ptr,
+                cnt_ptr,
+                b,
+                row0,
+                N,
+                Mpad,
+                n_tiles,
+                xrow0,
+                yrow0,
+                dot_scale,
+                eps_ln2,
+                damping,
+            )
             if not FALLBACK:
                 gl.warp_specialize(
-                    [(_consumer, (args, SPEC, 0, False)), (_consumer, (args, SPEC, 1, False)),
-                     (_producer, (args, SPEC, 0, False))],
-                    [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS],
-                )  # fmt: skip
+                    [
+                        (_consumer, (args, SPEC, 0, False)),
+                        (_consumer, (args, SPEC, 1, False)),
+                        (_producer, (args, SPEC, 0, False)),
+                    ],
+                    [4, 1],
+                    [_CONSUMER_REGS, _PRODUCER_REGS],
+                )
             else:
                 # one warpgroup: x and the first STAGES chunks now, each refill as soon as
                 # the wgmma that read the stage has retired (in release)
@@ -427,19 +521,67 @@ def _spec(cfg: HopperConfig, D: int, online, has_lse, count, fallback_pass):
     num_wg = 1 if fallback_pass else 2
     pipe = nk == 1 and not fallback_pass
     pingpong = cfg.pingpong and not fallback_pass
-    return (nk, cfg.stages, num_wg, cfg.x_resident, pipe, pingpong, online, has_lse, count,
-            fallback_pass)  # fmt: skip
+    return (
+        nk,
+        cfg.stages,
+        num_wg,
+        cfg.x_resident,
+        pipe,
+        pingpong,
+        online,
+        has_lse,
+        count,
+        fallback_pass,
+    )
 
 
-def _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
-            dot_scale, eps_ln2, damping, cfg, *, online, has_lse, count,
-            fallback_pass):  # fmt: skip
+def _launch(
+    grid,
+    x2,
+    y2,
+    bias,
+    cx,
+    guess,
+    out,
+    lse,
+    flags,
+    cnt,
+    N,
+    M,
+    Mpad,
+    n_tiles,
+    D,
+    dot_scale,
+    eps_ln2,
+    damping,
+    cfg,
+    *,
+    online,
+    has_lse,
+    count,
+    fallback_pass,
+):
     x_desc, y_desc = _descriptors(x2, y2, cfg)
     return _softmin_sm90_kernel[grid](
-        x_desc, y_desc, bias, cx, guess, out, lse, flags, cnt,
-        N, M, Mpad, n_tiles, float(dot_scale), float(eps_ln2), float(damping),
-        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass), num_warps=4,
-    )  # fmt: skip
+        x_desc,
+        y_desc,
+        bias,
+        cx,
+        guess,
+        out,
+        lse,
+        flags,
+        cnt,
+        N,
+        M,
+        Mpad,
+        n_tiles,
+        float(dot_scale),
+        float(eps_ln2),
+        float(damping),
+        SPEC=_spec(cfg, D, online, has_lse, count, fallback_pass),
+        num_warps=4,
+    )
 
 
 def softmin_hopper(
@@ -507,13 +649,57 @@ def softmin_hopper(
     dot_scale, eps_ln2 = c2 * LOG2E / eps, eps * LN2
     grid = (-(-N // cfg.rows), B)
     with torch.cuda.device(dev):
-        _launch(grid, x2, y2, bias, cx, guess, out, lse, flags, cnt, N, M, Mpad, n_tiles, D,
-                dot_scale, eps_ln2, damping, cfg, online=online, has_lse=want_lse,
-                count=fallback_rows is not None, fallback_pass=False)  # fmt: skip
+        _launch(
+            grid,
+            x2,
+            y2,
+            bias,
+            cx,
+            guess,
+            out,
+            lse,
+            flags,
+            cnt,
+            N,
+            M,
+            Mpad,
+            n_tiles,
+            D,
+            dot_scale,
+            eps_ln2,
+            damping,
+            cfg,
+            online=online,
+            has_lse=want_lse,
+            count=fallback_rows is not None,
+            fallback_pass=False,
+        )
         if not online:  # one warpgroup per 64 rows, only where a row was flagged
-            _launch((-(-N // BLOCK_M), B), x2, y2, bias, cx, guess, out, lse, flags, cnt, N,
-                    M, Mpad, n_tiles, D, dot_scale, eps_ln2, damping, cfg, online=True,
-                    has_lse=want_lse, count=False, fallback_pass=True)  # fmt: skip
+            _launch(
+                (-(-N // BLOCK_M), B),
+                x2,
+                y2,
+                bias,
+                cx,
+                guess,
+                out,
+                lse,
+                flags,
+                cnt,
+                N,
+                M,
+                Mpad,
+                n_tiles,
+                D,
+                dot_scale,
+                eps_ln2,
+                damping,
+                cfg,
+                online=True,
+                has_lse=want_lse,
+                count=False,
+                fallback_pass=True,
+            )
     return out, (lse if want_lse else None)
 
 
@@ -539,9 +725,31 @@ def softmin_rows_hopper(x, y, g, logb, cx, cy, *, eps, c2, damping, precision, f
     flags = flags.to(torch.int8).contiguous()
     x2, y2 = tma_ready(x).view(B * N, D), tma_ready(y).view(B * M, D)
     with torch.cuda.device(x.device):
-        _launch((-(-N // BLOCK_M), B), x2, y2, bias, cx, cx, out, out, flags, out, N, M, Mpad,
-                n_tiles, D, c2 * LOG2E / eps, eps * LN2, damping, cfg, online=True,
-                has_lse=False, count=False, fallback_pass=True)  # fmt: skip
+        _launch(
+            (-(-N // BLOCK_M), B),
+            x2,
+            y2,
+            bias,
+            cx,
+            cx,
+            out,
+            out,
+            flags,
+            out,
+            N,
+            M,
+            Mpad,
+            n_tiles,
+            D,
+            c2 * LOG2E / eps,
+            eps * LN2,
+            damping,
+            cfg,
+            online=True,
+            has_lse=False,
+            count=False,
+            fallback_pass=True,
+        )
     return out
 
 

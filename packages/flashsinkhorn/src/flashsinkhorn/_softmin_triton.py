@@ -80,9 +80,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_dot(
-        X, Y, rows, cols, row_mask, col_mask, sx, sy, D, acc, num_d,
-        EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-    ):  # fmt: skip
+        X,
+        Y,
+        rows,
+        cols,
+        row_mask,
+        col_mask,
+        sx,
+        sy,
+        D,
+        acc,
+        num_d,
+        EVEN_D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
         """``acc + <X_rows, Y_cols>`` for one tile, over ``num_d`` chunks of BLOCK_D features
         (``num_d`` a constexpr or a run-time ``cdiv(D, BLOCK_D)``)."""
         offs_d = tl.arange(0, BLOCK_D)
@@ -95,10 +107,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _row_stationary_dot(
-        x0, X, Y, rows, cols, row_mask, col_mask, D,
-        NUM_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
+        x0,
+        X,
+        Y,
+        rows,
+        cols,
+        row_mask,
+        col_mask,
+        D,
+        NUM_D: tl.constexpr,
+        EVEN_D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """``<X_rows, Y_cols>`` (BLOCK_M, BLOCK_N) for a kernel that keeps its row tile on
         chip: with one feature chunk (NUM_D == 1) ``x0`` is that preloaded row tile and only
         the column tile is loaded; otherwise both stream chunk by chunk (x0 unused)."""
@@ -219,9 +242,21 @@ if HAS_TRITON:
             col_mask = cols < M
             # scores in log2 units: bias_j + dot_scale * <x_i, y_j>
             s = _row_stationary_dot(
-                x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
-                NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
+                x0,
+                Xb,
+                Yb,
+                rows,
+                cols,
+                row_mask,
+                col_mask,
+                D,
+                NUM_D,
+                EVEN_D,
+                BLOCK_D,
+                PREC,
+                BLOCK_M,
+                BLOCK_N,
+            )
             bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
             s = s * dot_scale + bias[None, :]
             if HAS_LABELS:
@@ -265,9 +300,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_scores(
-        s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
-        dot_scale, inv_eps2, w_scale, HAS_LABELS: tl.constexpr,
-    ):  # fmt: skip
+        s,
+        BIASb,
+        LYb,
+        W,
+        lx,
+        cols,
+        row_mask,
+        col_mask,
+        K2,
+        dot_scale,
+        inv_eps2,
+        w_scale,
+        HAS_LABELS: tl.constexpr,
+    ):
         """Scores (log2 units) of one tile from its dot ``s``: bias FMA and label term, the
         same arithmetic as `_softmin_kernel`'s loop body."""
         bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
@@ -279,26 +325,75 @@ if HAS_TRITON:
 
     @triton.jit
     def _lse_tile(
-        m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
-        dot_scale, inv_eps2, w_scale, HAS_LABELS: tl.constexpr,
-    ):  # fmt: skip
+        m_i,
+        l_i,
+        s,
+        BIASb,
+        LYb,
+        W,
+        lx,
+        cols,
+        row_mask,
+        col_mask,
+        K2,
+        dot_scale,
+        inv_eps2,
+        w_scale,
+        HAS_LABELS: tl.constexpr,
+    ):
         """`_tile_scores` folded into the running max / sum."""
         s = _tile_scores(
-            s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
-            dot_scale, inv_eps2, w_scale, HAS_LABELS,
-        )  # fmt: skip
+            s,
+            BIASb,
+            LYb,
+            W,
+            lx,
+            cols,
+            row_mask,
+            col_mask,
+            K2,
+            dot_scale,
+            inv_eps2,
+            w_scale,
+            HAS_LABELS,
+        )
         m_new, l_i, alpha, p = _online_lse_step(m_i, l_i, s)
         return m_new, l_i
 
     @triton.jit
     def _softmin_shift_kernel(
-        X, Y, BIAS, CX, OUT, LSE, LX, LY, W, GUESS, FALLBACK,
-        N, M, D, K2, N_KEY, M_KEY,
-        dot_scale, inv_eps2, eps_ln2, damping, w_scale,
-        BLOCK_D: tl.constexpr, NUM_D: tl.constexpr, EVEN_D: tl.constexpr,
-        HAS_LABELS: tl.constexpr, HAS_LSE: tl.constexpr, PREC: tl.constexpr,
-        COUNT_FALLBACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
+        X,
+        Y,
+        BIAS,
+        CX,
+        OUT,
+        LSE,
+        LX,
+        LY,
+        W,
+        GUESS,
+        FALLBACK,
+        N,
+        M,
+        D,
+        K2,
+        N_KEY,
+        M_KEY,
+        dot_scale,
+        inv_eps2,
+        eps_ln2,
+        damping,
+        w_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        EVEN_D: tl.constexpr,
+        HAS_LABELS: tl.constexpr,
+        HAS_LSE: tl.constexpr,
+        PREC: tl.constexpr,
+        COUNT_FALLBACK: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         # GUESS (B, N): an estimate of OUT (in the loops: the potential being updated).
         # FALLBACK: a (1,) int32 counter of recomputed rows when COUNT_FALLBACK (else unused).
         pid_m = tl.program_id(0)
@@ -334,13 +429,36 @@ if HAS_TRITON:
             cols = start + offs_n
             col_mask = cols < M
             s = _row_stationary_dot(
-                x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
-                NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
+                x0,
+                Xb,
+                Yb,
+                rows,
+                cols,
+                row_mask,
+                col_mask,
+                D,
+                NUM_D,
+                EVEN_D,
+                BLOCK_D,
+                PREC,
+                BLOCK_M,
+                BLOCK_N,
+            )
             s = _tile_scores(
-                s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
-                dot_scale, inv_eps2, w_scale, HAS_LABELS,
-            )  # fmt: skip
+                s,
+                BIASb,
+                LYb,
+                W,
+                lx,
+                cols,
+                row_mask,
+                col_mask,
+                K2,
+                dot_scale,
+                inv_eps2,
+                w_scale,
+                HAS_LABELS,
+            )
             l_s += tl.sum(tl.exp2(s - sh[:, None]), 1)
         # unsafe rows (NaN fails both tests): recomputed below with the running max
         safe = (l_s >= _SHIFT_LO) & (l_s <= _SHIFT_HI)
@@ -356,13 +474,38 @@ if HAS_TRITON:
                 cols = start + offs_n
                 col_mask = cols < M
                 s = _row_stationary_dot(
-                    x0, Xb, Yb, rows, cols, row_mask, col_mask, D,
-                    NUM_D, EVEN_D, BLOCK_D, PREC, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
+                    x0,
+                    Xb,
+                    Yb,
+                    rows,
+                    cols,
+                    row_mask,
+                    col_mask,
+                    D,
+                    NUM_D,
+                    EVEN_D,
+                    BLOCK_D,
+                    PREC,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
                 m_i, l_i = _lse_tile(
-                    m_i, l_i, s, BIASb, LYb, W, lx, cols, row_mask, col_mask, K2,
-                    dot_scale, inv_eps2, w_scale, HAS_LABELS,
-                )  # fmt: skip
+                    m_i,
+                    l_i,
+                    s,
+                    BIASb,
+                    LYb,
+                    W,
+                    lx,
+                    cols,
+                    row_mask,
+                    col_mask,
+                    K2,
+                    dot_scale,
+                    inv_eps2,
+                    w_scale,
+                    HAS_LABELS,
+                )
 
         # each row takes one of the two sums; the other one's log2 reads 1 (rows not
         # recomputed keep l_i = 0: no log2(0), which the interpreter reports as an error)
@@ -478,22 +621,46 @@ if HAS_TRITON:
         Sb = S + pid_b * N
         # program pid owns row blocks pid and NB - 1 - pid: the same work per program
         _self_row_block(
-            Xb, Ab, Kb, Sb, pid, NB, N, D, dot_scale,
-            BLOCK_D, NUM_D, PREC, BLOCK,
-        )  # fmt: skip
+            Xb,
+            Ab,
+            Kb,
+            Sb,
+            pid,
+            NB,
+            N,
+            D,
+            dot_scale,
+            BLOCK_D,
+            NUM_D,
+            PREC,
+            BLOCK,
+        )
         I2 = NB - 1 - pid
         if I2 > pid:
             _self_row_block(
-                Xb, Ab, Kb, Sb, I2, NB, N, D, dot_scale,
-                BLOCK_D, NUM_D, PREC, BLOCK,
-            )  # fmt: skip
+                Xb,
+                Ab,
+                Kb,
+                Sb,
+                I2,
+                NB,
+                N,
+                D,
+                dot_scale,
+                BLOCK_D,
+                NUM_D,
+                PREC,
+                BLOCK,
+            )
 
     _self_softmin_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
-                 for b, w, st in _config.SELF_TUNE],
+        configs=[
+            triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
+            for b, w, st in _config.SELF_TUNE
+        ],
         key=["N_KEY", "D", "PREC"],
         reset_to_zero=["S"],
-    )(_self_softmin_kernel)  # fmt: skip
+    )(_self_softmin_kernel)
 
 
 # ----------------------------------------------------------------------------------------
@@ -546,9 +713,24 @@ def _pick(tuned, kernel, config):
 
 
 def softmin_triton(
-    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
-    guess=None, fallback_rows=None, config=None,
-):  # fmt: skip
+    x,
+    y,
+    g,
+    logb,
+    cx,
+    cy,
+    eps,
+    c2,
+    damping,
+    v,
+    labels,
+    precision,
+    want_lse,
+    center,
+    guess=None,
+    fallback_rows=None,
+    config=None,
+):
     """One streaming pass on the Triton backend (arguments as :func:`flashsinkhorn.softmin`).
 
     Kernel: ``_softmin_kernel`` with ``v`` (plan application, at the fixed plan-application
@@ -588,20 +770,48 @@ def softmin_triton(
     else:
         lx = ly = W = out  # placeholders, never read
         K2, w_scale = 1, 0.0
-    scalars = (float(c2 * LOG2E / eps), float(LOG2E / eps), float(eps * LN2), float(damping),
-               float(w_scale))  # fmt: skip
-    flags = dict(BLOCK_D=BLOCK_D, NUM_D=NUM_D, EVEN_D=BLOCK_D * NUM_D == D,
-                 HAS_LABELS=labels is not None, HAS_LSE=want_lse, PREC=prec)  # fmt: skip
+    scalars = (
+        float(c2 * LOG2E / eps),
+        float(LOG2E / eps),
+        float(eps * LN2),
+        float(damping),
+        float(w_scale),
+    )
+    flags = dict(
+        BLOCK_D=BLOCK_D,
+        NUM_D=NUM_D,
+        EVEN_D=BLOCK_D * NUM_D == D,
+        HAS_LABELS=labels is not None,
+        HAS_LSE=want_lse,
+        PREC=prec,
+    )
     if v is None and guess is not None:
         kern, cfg = _pick(_softmin_shift_tuned, _softmin_shift_kernel, config)
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B)  # noqa: E731
         with _device(x):
             kern[grid](
-                x, y, bias, cx, out, lse, lx, ly, W, guess.to(f32).contiguous(),
+                x,
+                y,
+                bias,
+                cx,
+                out,
+                lse,
+                lx,
+                ly,
+                W,
+                guess.to(f32).contiguous(),
                 out if fallback_rows is None else fallback_rows,
-                N, M, D, K2, _bucket(N), _bucket(M), *scalars,
-                COUNT_FALLBACK=fallback_rows is not None, **flags, **cfg,
-            )  # fmt: skip
+                N,
+                M,
+                D,
+                K2,
+                _bucket(N),
+                _bucket(M),
+                *scalars,
+                COUNT_FALLBACK=fallback_rows is not None,
+                **flags,
+                **cfg,
+            )
         return out, (lse if want_lse else None), None
     if v is not None:
         DV = v.shape[-1]
@@ -621,10 +831,31 @@ def softmin_triton(
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B, n_v)  # noqa: E731
     with _device(x):
         kern[grid](
-            x, y, bias, cx, out, lse, v, vbar, lx, ly, W, out, N, M, D, DV, K2,
-            _bucket(N), _bucket(M), *scalars,
-            BLOCK_DV=BLOCK_DV, HAS_V=DV > 0, **flags, **cfg,
-        )  # fmt: skip
+            x,
+            y,
+            bias,
+            cx,
+            out,
+            lse,
+            v,
+            vbar,
+            lx,
+            ly,
+            W,
+            out,
+            N,
+            M,
+            D,
+            DV,
+            K2,
+            _bucket(N),
+            _bucket(M),
+            *scalars,
+            BLOCK_DV=BLOCK_DV,
+            HAS_V=DV > 0,
+            **flags,
+            **cfg,
+        )
     return out, (lse if want_lse else None), (vbar if DV > 0 else None)
 
 
@@ -643,13 +874,44 @@ def softmin_rows_triton(x, y, g, logb, cx, cy, eps, c2, damping, precision, flag
     flags = flags.to(torch.int8).contiguous()
     with _device(x):
         _softmin_kernel[(triton.cdiv(N, bm), B, 1)](
-            x, y, bias, cx.to(f32).contiguous(), out, out, out, out, out, out, out, flags,
-            N, M, D, 0, 1, _bucket(N), _bucket(M), float(c2 * LOG2E / eps), float(LOG2E / eps),
-            float(eps * LN2), float(damping), 0.0,
-            BLOCK_D=BLOCK_D, NUM_D=NUM_D, EVEN_D=BLOCK_D * NUM_D == D, BLOCK_DV=16,
-            HAS_V=False, HAS_LABELS=False, HAS_LSE=False, PREC=prec, BLOCK_M=bm, BLOCK_N=bn,
-            HAS_FLAGS=True, num_warps=w, num_stages=st,
-        )  # fmt: skip
+            x,
+            y,
+            bias,
+            cx.to(f32).contiguous(),
+            out,
+            out,
+            out,
+            out,
+            out,
+            out,
+            out,
+            flags,
+            N,
+            M,
+            D,
+            0,
+            1,
+            _bucket(N),
+            _bucket(M),
+            float(c2 * LOG2E / eps),
+            float(LOG2E / eps),
+            float(eps * LN2),
+            float(damping),
+            0.0,
+            BLOCK_D=BLOCK_D,
+            NUM_D=NUM_D,
+            EVEN_D=BLOCK_D * NUM_D == D,
+            BLOCK_DV=16,
+            HAS_V=False,
+            HAS_LABELS=False,
+            HAS_LSE=False,
+            PREC=prec,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            HAS_FLAGS=True,
+            num_warps=w,
+            num_stages=st,
+        )
     return out
 
 
@@ -677,8 +939,18 @@ def self_softmin_triton(x, A, cx, eps, c2, damping, precision, center):
     grid = lambda meta: (triton.cdiv(triton.cdiv(N, meta["BLOCK"]), 2), B)  # noqa: E731
     with _device(x):
         kern[grid](
-            xx, A, kappa, S, N, D, _bucket(N), float(c2 * LOG2E / eps),
-            BLOCK_D=BLOCK_D, NUM_D=NUM_D, PREC=prec, **cfg,
-        )  # fmt: skip
+            xx,
+            A,
+            kappa,
+            S,
+            N,
+            D,
+            _bucket(N),
+            float(c2 * LOG2E / eps),
+            BLOCK_D=BLOCK_D,
+            NUM_D=NUM_D,
+            PREC=prec,
+            **cfg,
+        )
     # f_i <- -damping * eps * ln2 * (A_i + log2 S_i)
     return (-damping * eps * LN2) * (A + torch.log2(S))

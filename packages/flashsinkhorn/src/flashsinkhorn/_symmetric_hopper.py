@@ -140,8 +140,7 @@ if HAS_GLUON:
         return 2 * y_bytes if x_resident else 2 * y_bytes + x_bytes
 
     @gluon.jit
-    def _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0,
-                    SPEC: gl.constexpr):  # fmt: skip
+    def _load_chunk(t, x_desc, y_desc, x_smem, y_smem, ready, xrow0, yrow0, SPEC: gl.constexpr):
         """TMA loads of ring chunk ``t`` (tile t // NUM_K, feature chunk t % NUM_K) into
         stage t % STAGES: consumer w's box of y columns, and x's chunk when it streams."""
         NUM_K: gl.constexpr = SPEC[0]
@@ -163,9 +162,20 @@ if HAS_GLUON:
             tma_load(x_desc, [xrow0, k * BK], bar, x_smem.index(s))
 
     @gluon.jit
-    def _issue_tile(j, x_smem, y_smem, ready, empty, turn, SPEC: gl.constexpr,
-                    WG: gl.constexpr, MMA: gl.constexpr, EARLY_RELEASE: gl.constexpr,
-                    BOXM: gl.constexpr, XR: gl.constexpr):  # fmt: skip
+    def _issue_tile(
+        j,
+        x_smem,
+        y_smem,
+        ready,
+        empty,
+        turn,
+        SPEC: gl.constexpr,
+        WG: gl.constexpr,
+        MMA: gl.constexpr,
+        EARLY_RELEASE: gl.constexpr,
+        BOXM: gl.constexpr,
+        XR: gl.constexpr,
+    ):
         """Issue the async wgmma of tile ``j`` (this consumer's 64 columns of y against the
         CTA's 128 rows of x), chunk by chunk as they land; EARLY_RELEASE: a GEMM main loop
         (at most one wgmma in flight, the previous chunk's stage released). Returns the
@@ -234,9 +244,33 @@ if HAS_GLUON:
     def _consumer(args, SPEC: gl.constexpr, WG: gl.constexpr):
         """One consumer's pass over the chunk's tiles (its 64-column half of each), then
         its partial row sums."""
-        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, rb_ptr, cb_ptr, rsum_ptr,
-         part_ptr, b, row0, N, NP, M, c0, c1, W, NB, n_tiles, xrow0, yrow0,
-         dot_scale) = args  # fmt: skip
+        (
+            x_desc,
+            y_desc,
+            x_smem,
+            y_smem,
+            ready,
+            empty,
+            x_bar,
+            turn,
+            rb_ptr,
+            cb_ptr,
+            rsum_ptr,
+            part_ptr,
+            b,
+            row0,
+            N,
+            NP,
+            M,
+            c0,
+            c1,
+            W,
+            NB,
+            n_tiles,
+            xrow0,
+            yrow0,
+            dot_scale,
+        ) = args
         X_RESIDENT: gl.constexpr = SPEC[2]
         PIPE: gl.constexpr = SPEC[3]
         SELF: gl.constexpr = SPEC[5]
@@ -261,8 +295,7 @@ if HAS_GLUON:
             mbarrier.wait(x_bar, 0)
 
         if PIPE:
-            acc = _issue_tile(0, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA, False, BOXM,
-                              XR)  # fmt: skip
+            acc = _issue_tile(0, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA, False, BOXM, XR)
             cb = gl.load(cb_row + yc, mask=yc < c1, other=float("-inf"))
             S = warpgroup_mma_wait(0, deps=(acc,))
             _release_tile(0, empty, SPEC, False)
@@ -270,8 +303,9 @@ if HAS_GLUON:
             # are then free for tile j + 1's wgmma while tile j's exps run (no copies)
             T = S * dot_scale + gl.expand_dims(cb, 1)
             for j in range(n_tiles - 1):
-                acc = _issue_tile(j + 1, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA,
-                                  False, BOXM, XR)  # fmt: skip
+                acc = _issue_tile(
+                    j + 1, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA, False, BOXM, XR
+                )
                 cols = yc + (j + 1) * (2 * BOXM)
                 cb = gl.load(cb_row + cols, mask=cols < c1, other=float("-inf"))
                 racc, csum = _tile_sums(T, rbp, racc)
@@ -285,8 +319,9 @@ if HAS_GLUON:
             _store_cols(part_row, rsum_ptr, b, N, cols, csum, c1, n_tiles - 1, SELF)
         else:
             for j in range(n_tiles):
-                acc = _issue_tile(j, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA, EARLY,
-                                  BOXM, XR)  # fmt: skip
+                acc = _issue_tile(
+                    j, x_smem, y_smem, ready, empty, turn, SPEC, WG, MMA, EARLY, BOXM, XR
+                )
                 cols = yc + j * (2 * BOXM)
                 cb = gl.load(cb_row + cols, mask=cols < c1, other=float("-inf"))
                 S = warpgroup_mma_wait(0, deps=(acc,))
@@ -307,9 +342,33 @@ if HAS_GLUON:
     def _producer(args, SPEC: gl.constexpr, WG: gl.constexpr):
         """The producer warp: x once (when resident), then every ring chunk in order, each
         after its stage's empty barrier says both consumers are done with it."""
-        (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, rb_ptr, cb_ptr, rsum_ptr,
-         part_ptr, b, row0, N, NP, M, c0, c1, W, NB, n_tiles, xrow0, yrow0,
-         dot_scale) = args  # fmt: skip
+        (
+            x_desc,
+            y_desc,
+            x_smem,
+            y_smem,
+            ready,
+            empty,
+            x_bar,
+            turn,
+            rb_ptr,
+            cb_ptr,
+            rsum_ptr,
+            part_ptr,
+            b,
+            row0,
+            N,
+            NP,
+            M,
+            c0,
+            c1,
+            W,
+            NB,
+            n_tiles,
+            xrow0,
+            yrow0,
+            dot_scale,
+        ) = args
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         if SPEC[2]:  # X_RESIDENT
@@ -324,9 +383,23 @@ if HAS_GLUON:
 
     @gluon.jit
     def _symmetric_sm90_kernel(
-        x_desc, y_desc, rb_ptr, cb_ptr, rsum_ptr, part_ptr, N, NP, M, c0, c1, W, NB, n_tiles,
-        dot_scale, SPEC: gl.constexpr,
-    ):  # fmt: skip
+        x_desc,
+        y_desc,
+        rb_ptr,
+        cb_ptr,
+        rsum_ptr,
+        part_ptr,
+        N,
+        NP,
+        M,
+        c0,
+        c1,
+        W,
+        NB,
+        n_tiles,
+        dot_scale,
+        SPEC: gl.constexpr,
+    ):
         NUM_K: gl.constexpr = SPEC[0]
         STAGES: gl.constexpr = SPEC[1]
         X_RESIDENT: gl.constexpr = SPEC[2]
@@ -359,14 +432,42 @@ if HAS_GLUON:
         mbarrier.init(x_bar, count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        args = (x_desc, y_desc, x_smem, y_smem, ready, empty, x_bar, turn, rb_ptr, cb_ptr,
-                rsum_ptr, part_ptr, b, row0, N, NP, M, c0, c1, W, NB, n_tiles, xrow0, yrow0,
-                dot_scale)  # fmt: skip
+        args = (
+            x_desc,
+            y_desc,
+            x_smem,
+            y_smem,
+            ready,
+            empty,
+            x_bar,
+            turn,
+            rb_ptr,
+            cb_ptr,
+            rsum_ptr,
+            part_ptr,
+            b,
+            row0,
+            N,
+            NP,
+            M,
+            c0,
+            c1,
+            W,
+            NB,
+            n_tiles,
+            xrow0,
+            yrow0,
+            dot_scale,
+        )
         gl.warp_specialize(
-            [(_consumer, (args, SPEC, 0)), (_consumer, (args, SPEC, 1)),
-             (_producer, (args, SPEC, 0))],
-            [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS],
-        )  # fmt: skip
+            [
+                (_consumer, (args, SPEC, 0)),
+                (_consumer, (args, SPEC, 1)),
+                (_producer, (args, SPEC, 0)),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
@@ -424,9 +525,24 @@ def symmetric_sums_hopper(x, y, rb, cb, *, eps, c2, precision, config=None, chun
         for c0 in range(0, M, W):
             c1 = min(M, c0 + W)
             _symmetric_sm90_kernel[(NB, B)](
-                x_desc, y_desc, rbp, cb, rsum, part, N, NP, M, c0, c1, W, NB, -(-(c1 - c0) // COLS),
-                float(c2 * LOG2E / eps), SPEC=spec, num_warps=4,
-            )  # fmt: skip
+                x_desc,
+                y_desc,
+                rbp,
+                cb,
+                rsum,
+                part,
+                N,
+                NP,
+                M,
+                c0,
+                c1,
+                W,
+                NB,
+                -(-(c1 - c0) // COLS),
+                float(c2 * LOG2E / eps),
+                SPEC=spec,
+                num_warps=4,
+            )
             csum[:, c0:c1] = part[:, :, : c1 - c0].sum(dim=1)  # deterministic, no atomics
     return rsum.sum(0), csum
 
@@ -456,9 +572,24 @@ def self_sums_hopper(x, rb, *, eps, c2, precision, config=None):
     rsum = torch.zeros((B, N), device=dev, dtype=f32)
     with torch.cuda.device(dev):
         _symmetric_sm90_kernel[(NB, B)](
-            x_desc, y_desc, rbp, rbp[:, :N].contiguous(), rsum, rsum, N, NP, N, 0, N, COLS, NB,
-            NB, float(c2 * LOG2E / eps), SPEC=_spec(cfg, D, True), num_warps=4,
-        )  # fmt: skip
+            x_desc,
+            y_desc,
+            rbp,
+            rbp[:, :N].contiguous(),
+            rsum,
+            rsum,
+            N,
+            NP,
+            N,
+            0,
+            N,
+            COLS,
+            NB,
+            NB,
+            float(c2 * LOG2E / eps),
+            SPEC=_spec(cfg, D, True),
+            num_warps=4,
+        )
     return rsum
 
 
@@ -470,8 +601,9 @@ def compile_symmetric_for_sm90(D: int, dtype=torch.float32, config=None, self_pa
     cfg = config or default_symmetric_config(D, dtype)
     _check_config(cfg, D, dtype)
     rows = 256
-    x_desc, y_desc = _descriptors(torch.zeros(rows, D, dtype=dtype),
-                                  torch.zeros(rows, D, dtype=dtype), cfg)  # fmt: skip
+    x_desc, y_desc = _descriptors(
+        torch.zeros(rows, D, dtype=dtype), torch.zeros(rows, D, dtype=dtype), cfg
+    )
     f = torch.zeros(rows, dtype=torch.float32)
     args = (x_desc, y_desc, f, f, f, f, rows, rows, rows, 0, rows, rows, 2, 2, 1.0)
     kwargs = dict(SPEC=_spec(cfg, D, self_pass), num_warps=4)

@@ -43,10 +43,28 @@ if HAS_TRITON:
 
     @triton.jit
     def _symmetric_pass_kernel(
-        X, Y, RB, CB, RSUM, CPART, N, M, D, c0, W, NB, N_KEY, W_KEY, dot_scale,
-        BLOCK_D: tl.constexpr, NUM_D: tl.constexpr, EVEN_D: tl.constexpr,
-        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
+        X,
+        Y,
+        RB,
+        CB,
+        RSUM,
+        CPART,
+        N,
+        M,
+        D,
+        c0,
+        W,
+        NB,
+        N_KEY,
+        W_KEY,
+        dot_scale,
+        BLOCK_D: tl.constexpr,
+        NUM_D: tl.constexpr,
+        EVEN_D: tl.constexpr,
+        PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         # RSUM (B, N) += this chunk's row sums; CPART (B, NB, W): column partial sums of
         # columns c0 .. c0 + W - 1 over this program's rows (padded rows have RB = -inf,
         # padded columns CB = -inf: exp2 gives 0 there)
@@ -72,8 +90,9 @@ if HAS_TRITON:
                 s = tl.dot(y, tl.trans(x0), input_precision=PREC)
             else:
                 s = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                s = _tile_dot(Yb, Xb, cols, rows, col_mask, row_mask, D, D, D, s, NUM_D,
-                              EVEN_D, BLOCK_D, PREC)  # fmt: skip
+                s = _tile_dot(
+                    Yb, Xb, cols, rows, col_mask, row_mask, D, D, D, s, NUM_D, EVEN_D, BLOCK_D, PREC
+                )
             cb = tl.load(CB + pid_b * M + cols, mask=col_mask, other=float("-inf"))
             p = tl.exp2(s * dot_scale + cb[:, None] + rb[None, :])  # the one exp per score
             racc += p
@@ -83,11 +102,13 @@ if HAS_TRITON:
 
     # one feature chunk: autotuned (BLOCK_M is the launcher's: it sizes the partial buffer)
     _symmetric_pass_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-                 for _, bn, w, st in _config.SYM_TUNE_SMALL_D],
+        configs=[
+            triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for _, bn, w, st in _config.SYM_TUNE_SMALL_D
+        ],
         key=["N_KEY", "W_KEY", "D", "PREC"],
         restore_value=["RSUM"],  # the row sums accumulate over chunks
-    )(_symmetric_pass_kernel)  # fmt: skip
+    )(_symmetric_pass_kernel)
 
 
 def column_chunk(row_blocks: int, B: int, M: int, block_n: int) -> int:
@@ -127,9 +148,27 @@ def symmetric_sums_triton(x, y, rb, cb, *, eps, c2, precision, chunk=None):
         for c0 in range(0, M, W):
             w = min(W, M - c0)
             kern[(NB, B)](
-                x, y, rb, cb, rsum, part, N, M, D, c0, W, NB, _bucket(N), _bucket(W),
-                float(c2 * 1.4426950408889634 / eps), BLOCK_D=BLOCK_D, NUM_D=NUM_D,
-                EVEN_D=BLOCK_D * NUM_D == D, PREC=prec, BLOCK_M=bm, **cfg,
-            )  # fmt: skip
+                x,
+                y,
+                rb,
+                cb,
+                rsum,
+                part,
+                N,
+                M,
+                D,
+                c0,
+                W,
+                NB,
+                _bucket(N),
+                _bucket(W),
+                float(c2 * 1.4426950408889634 / eps),
+                BLOCK_D=BLOCK_D,
+                NUM_D=NUM_D,
+                EVEN_D=BLOCK_D * NUM_D == D,
+                PREC=prec,
+                BLOCK_M=bm,
+                **cfg,
+            )
             csum[:, c0 : c0 + w] = part[:, :, :w].sum(dim=1)  # deterministic, no atomics
     return rsum, csum

@@ -16,7 +16,7 @@ Providers: ``ours`` (``ours-bf16``: bf16 operands), ``flash-sinkhorn`` 0.4.x, ``
 - ``samples_loss`` (``--mode fwd fwd_bwd``): GeomLoss's SamplesLoss(p=2, blur, scaling)
   schedule; ``params.debias`` and ``params.batch`` tell the variants apart; on 10k points
   also the relative error of the value against the float64 reference;
-- ``hvp`` (``--mode hvp``): ``flashsinkhorn.hvp`` with its defaults (100 Sinkhorn
+- ``hvp`` (``--mode hvp``): ``flashsinkhorn.second_order.hvp`` with its defaults (100 Sinkhorn
   iterations at eps = 0.01, then CG), flash-sinkhorn's ``hvp_x_sqeuclid`` when asked for
   (its first call autotunes for minutes: not in the default suite);
 - ``softmin_pass`` (``--only passes``): one pass of each kernel (shift, running max, bf16
@@ -392,7 +392,8 @@ def case_samples_loss(
 
 
 def case_hvp(R, n, d, device, providers, peers, warmup, reps, headline=None):
-    """``flashsinkhorn.hvp`` with its defaults (100 iterations, loop_precision "auto")."""
+    """``flashsinkhorn.second_order.hvp`` with its defaults (100 iterations, loop_precision
+    "auto")."""
     eps, n_sinkhorn = 0.01, 100
     x, y, v = hvp_problem(n, n, d, device)
     params = {"n": n, "m": n, "d": d, "eps": eps, "sinkhorn_iters": n_sinkhorn, "dtype": "float32"}
@@ -400,7 +401,7 @@ def case_hvp(R, n, d, device, providers, peers, warmup, reps, headline=None):
 
     def make_ours():
         def fn():
-            h, i = fs.hvp(x, y, v, eps=eps, max_iter=n_sinkhorn, return_info=True)
+            h, i = fs.second_order.hvp(x, y, v, eps=eps, max_iter=n_sinkhorn, return_info=True)
             info["cg_iters"] = sum(c.iterations for c in i.cg)
             return h
 

@@ -39,8 +39,10 @@ def main() -> None:
     s2 = eps / 2
     D = math.sqrt(4 * 0.25 * 0.09 + s2**2)
     closed = 0.64 + 0.25 + 0.09 - D + s2 * (1 - math.log(2 * s2)) + s2 * math.log(D + s2)
-    print(f"2. Gaussians N(0,0.5^2) -> N(0.8,0.3^2): solve {float(r.value):.10f}, "
-          f"closed form {closed:.10f}")  # fmt: skip
+    print(
+        f"2. Gaussians N(0,0.5^2) -> N(0.8,0.3^2): solve {float(r.value):.10f}, "
+        f"closed form {closed:.10f}"
+    )
 
     # 3. GeomLoss-compatible loss with gradients, batched
     L = fs.SamplesLoss("sinkhorn", p=2, blur=0.05, scaling=0.5, debias=True)
@@ -49,8 +51,10 @@ def main() -> None:
     t0 = time.perf_counter()
     v = L(xb, yb)
     v.sum().backward()
-    print(f"3. SamplesLoss (B=4, 300 vs 250 points): S_eps = {[round(u, 5) for u in v.tolist()]}, "
-          f"|grad| = {float(xb.grad.norm()):.4f} ({time.perf_counter() - t0:.2f} s)")  # fmt: skip
+    print(
+        f"3. SamplesLoss (B=4, 300 vs 250 points): S_eps = {[round(u, 5) for u in v.tolist()]}, "
+        f"|grad| = {float(xb.grad.norm()):.4f} ({time.perf_counter() - t0:.2f} s)"
+    )
 
     # 4. a few steps of gradient flow: x moves toward y
     x = torch.rand(200, 2, requires_grad=True)
@@ -62,7 +66,8 @@ def main() -> None:
             print(f"4. gradient flow step {it:2d}: S_eps(x, y) = {float(loss.detach()):.5f}")
         with torch.no_grad():
             x -= 200 * g  # step 1 / a_i: x_i <- T(x_i)-ish
-    print("\nbackend: " + ("triton" if x.is_cuda else "torch blockwise (CPU); triton on CUDA"))
+    r = fs.solve(x.detach(), y, eps=0.05)
+    print(f"\nbackend (auto): {r.backend} (dense up to a memory budget, streaming kernels above)")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ from flashsinkhorn.operands import centered_sqnorm, cost_features
 from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend, softmin
 from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2
-from flashsinkhorn.result import SinkhornResult
 from flashsinkhorn.sampling import BLOCK, DrawMerger, row_keys, sample_chunk
 from flashsinkhorn.streaming import StreamingProblem
 
@@ -54,7 +53,19 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     dist = None
 
-__all__ = ["solve", "sinkhorn_divergence", "gather_rows", "problem", "ShardedProblem"]
+__all__ = [
+    "Sharding",
+    "Communicator",
+    "ShardedProblem",
+    "sharding",
+    "check_group",
+    "collective_errors",
+    "features",
+    "global_weights",
+    "sharded_problem",
+    "problem",
+    "gather_rows",
+]
 
 EXCHANGES = ("auto", "stream", "gather")
 
@@ -64,7 +75,30 @@ EXCHANGES = ("auto", "stream", "gather")
 # ----------------------------------------------------------------------------------------
 
 
-def _check_group(group):
+@dataclass(frozen=True)
+class Sharding:
+    """A process group with the exchange forced: ``process_group=Sharding(group,
+    exchange="stream", chunk_bytes=...)`` in :func:`flashsinkhorn.solve` or
+    :class:`flashsinkhorn.SamplesLoss` (tests and benchmarks; a plain group is
+    ``Sharding(group)``: the exchange chosen by size, a group of one rank runs the
+    single-process code)."""
+
+    group: object
+    exchange: str = "auto"
+    chunk_bytes: int | None = None
+
+
+def sharding(process_group) -> Sharding:
+    """``process_group`` (a ``torch.distributed.ProcessGroup`` or a :class:`Sharding`),
+    checked."""
+    share = process_group if isinstance(process_group, Sharding) else Sharding(process_group)
+    check_group(share.group)
+    if share.exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}; got {share.exchange!r}")
+    return share
+
+
+def check_group(group):
     if dist is None or not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "process_group needs an initialized torch.distributed "
@@ -78,14 +112,15 @@ def _check_group(group):
     return group
 
 
-def _alone(group, exchange, chunk_bytes):
+def alone(share: Sharding) -> bool:
     """A group of one rank runs the single-process code (the same result; on the H200 at
     n = m = 1M the sharded path's SamplesLoss took 1.36x as long there): unless a test or
     benchmark forces an exchange."""
-    return dist.get_world_size(group) == 1 and exchange == "auto" and chunk_bytes is None
+    one = dist.get_world_size(share.group) == 1
+    return one and share.exchange == "auto" and share.chunk_bytes is None
 
 
-def _comm_device(group):
+def comm_device(group):
     """Where this group's collectives take their tensors: the current CUDA device for NCCL."""
     if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -93,7 +128,7 @@ def _comm_device(group):
 
 
 @contextlib.contextmanager
-def _collective_errors(group):
+def collective_errors(group):
     """Run a block of local checks on every rank; if any rank's block raised a ValueError or
     TypeError, raise on every rank (its own error where it failed), so that no rank goes on
     into a collective that the others never reach."""
@@ -102,7 +137,7 @@ def _collective_errors(group):
         yield
     except (ValueError, TypeError) as e:
         err = e
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=_comm_device(group))
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=comm_device(group))
     flags[dist.get_rank(group)] = err is not None
     dist.all_reduce(flags, group=group)
     if err is not None:
@@ -131,7 +166,7 @@ def _code(v):
 # ----------------------------------------------------------------------------------------
 
 
-class _Comm:
+class Communicator:
     """One sharded call: the group, every rank's shard sizes of the clouds ``"x"`` and
     ``"y"``, the exchange (stream or gather) and the gathered operands (gather)."""
 
@@ -161,7 +196,7 @@ class _Comm:
             **agree,
         }
         local = [x3.shape[1], y3.shape[1]] + [_code(v) for v in meta.values()]
-        t = torch.tensor(local, dtype=torch.float64, device=_comm_device(group))
+        t = torch.tensor(local, dtype=torch.float64, device=comm_device(group))
         world = dist.get_world_size(group)
         allv = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(allv, t, group=group)
@@ -238,7 +273,7 @@ class _Comm:
     def check_v(self, v):
         """A pass with V: its width and dtype must agree (they size the exchanged chunks)."""
         code = torch.tensor(
-            [v.shape[-1], _code(str(v.dtype))], dtype=torch.float64, device=_comm_device(self.group)
+            [v.shape[-1], _code(str(v.dtype))], dtype=torch.float64, device=comm_device(self.group)
         )
         lo, hi = code.clone(), code.clone()
         if self.world > 1:
@@ -344,16 +379,16 @@ class ShardedProblem(StreamingProblem):
 
     kind = "sharded"
 
-    comm: _Comm = field(default=None, repr=False)
+    comm: Communicator = field(default=None, repr=False)
     keys: tuple = ("x", "y")
 
     # two sharded passes (the one-pass kernels see one rank's columns only)
     sym_update = Problem.sym_update
 
-    def total(self, t):
+    def total(self, t, side="x"):
         return self.comm.total(t)
 
-    def peak(self, t):
+    def peak(self, t, side="x"):
         return self.comm.peak(t)
 
     def any_rank(self, flags):
@@ -427,6 +462,13 @@ class ShardedProblem(StreamingProblem):
     # the debiasing update (rows and columns the same cloud): a plain sharded pass
     self_update = Problem.self_update
 
+    def self_problem(self, side):
+        """The debiasing problem of one cloud: rows and columns are that cloud's shards."""
+        p = StreamingProblem.self_problem(self, side)
+        key = self.keys[0] if side == "x" else self.keys[1]
+        p.keys = (key, key)
+        return p
+
     def dense_plan(self, f, g, eps):
         """This rank's rows of the dense plan (B, N_r, M): tests and small problems only."""
         cols = dict(
@@ -478,7 +520,7 @@ class ShardedProblem(StreamingProblem):
 # ----------------------------------------------------------------------------------------
 
 
-def _features(comm, x3, y3, cost, cost_scale):
+def features(comm, x3, y3, cost, cost_scale):
     """:func:`flashsinkhorn.operands.cost_features` with the global common center."""
     X, Y, cx, cy, c2, _ = cost_features(x3, y3, cost, cost_scale, center=False)
     if cost == "dot":
@@ -489,7 +531,7 @@ def _features(comm, x3, y3, cost, cost_scale):
     return X, Y, k * centered_sqnorm(Xd, c), k * centered_sqnorm(Yd, c), c2, c
 
 
-def _problem(comm, X, Y, a, b, cx, cy, c2, cost, cost_scale, precision, backend, center):
+def sharded_problem(comm, X, Y, a, b, cx, cy, c2, cost, cost_scale, precision, backend, center):
     """The sharded problem of this rank's features (detached)."""
     return comm.problem(
         X=X.detach(),
@@ -507,159 +549,13 @@ def _problem(comm, X, Y, a, b, cx, cy, c2, cost, cost_scale, precision, backend,
     )
 
 
-def _global_weights(comm, a2, b2, a, b):
+def global_weights(comm, a2, b2, a, b):
     """Default weights are uniform over the GLOBAL clouds (prepare_inputs made 1/n_r)."""
     if a is None:
         a2 = torch.full_like(a2, 1.0 / sum(comm.sizes["x"]))
     if b is None:
         b2 = torch.full_like(b2, 1.0 / sum(comm.sizes["y"]))
     return a2, b2
-
-
-def solve(
-    x,
-    y,
-    a=None,
-    b=None,
-    *,
-    process_group,
-    eps,
-    rho=None,
-    cost="sqeuclidean",
-    cost_scale=1.0,
-    max_iter=1000,
-    tol=1e-5,
-    schedule="alternating",
-    eps_scaling=None,
-    diameter=None,
-    check_every=10,
-    label_cost=None,
-    precision="tf32",
-    backend="auto",
-    warn=True,
-    verbose=False,
-    exchange="auto",
-    chunk_bytes=None,
-):
-    """:func:`flashsinkhorn.solve` over a process group (see the module docstring); x, y, a,
-    b are this rank's shards. ``exchange`` ("auto", "stream", "gather") and ``chunk_bytes``
-    override the exchange choice (tests and benchmarks)."""
-    from flashsinkhorn import solver as S  # noqa: PLC0415 (solver imports this module lazily)
-
-    group = _check_group(process_group)
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("solve(process_group=...) does not run under torch.compile")
-    if _alone(group, exchange, chunk_bytes):
-        return S.solve(
-            x,
-            y,
-            a,
-            b,
-            eps=eps,
-            rho=rho,
-            cost=cost,
-            cost_scale=cost_scale,
-            max_iter=max_iter,
-            tol=tol,
-            schedule=schedule,
-            eps_scaling=eps_scaling,
-            diameter=diameter,
-            check_every=check_every,
-            label_cost=label_cost,
-            precision=precision,
-            backend=backend,
-            warn=warn,
-            verbose=verbose,
-        )
-    with _collective_errors(group):
-        eps, rx, ry, max_iter, check_every, tol = S._check_args(
-            eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
-        )
-        if label_cost is not None:
-            raise ValueError("label_cost is not supported with process_group")
-        x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
-        _check_device(group, x3)
-    agree = dict(
-        eps=eps,
-        rho=(rx, ry),
-        cost=cost,
-        cost_scale=cost_scale,
-        max_iter=max_iter,
-        tol=tol,
-        schedule=schedule,
-        eps_scaling=eps_scaling,
-        diameter=diameter,
-        check_every=check_every,
-        precision=precision,
-        backend=backend,
-        verbose=bool(verbose),
-        batched=batched,
-        weights=(a is None, b is None),
-        exchange=exchange,
-        chunk_bytes=chunk_bytes,
-        requires_grad=tuple(t.requires_grad for t in (x3, y3, a2, b2)),
-    )
-    comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
-    a2, b2 = _global_weights(comm, a2, b2, a, b)
-    if rx is None and ry is None:
-        ma, mb = comm.total(a2), comm.total(b2)
-        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
-            raise ValueError(
-                "balanced OT needs a.sum() == b.sum() over all ranks; got "
-                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights "
-                "or pass rho= for unbalanced OT"
-            )
-    # as the single-process solve: "auto" stays "auto" (the sm_90 kernel per pass where it
-    # applies); it was resolved to "triton" here, so sharded passes never took it
-    be = problem_backend(backend, x3.device, x3.dtype)
-    check_precision(precision, resolve_backend(backend, x3.device))
-    X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
-    prob = _problem(comm, X, Y, a2, b2, cx, cy, c2, cost, cost_scale, precision, be, center)
-    if eps_scaling is not None and diameter is None:
-        diameter = comm.diameter(prob.X, prob.Y)
-    loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
-    # the float64 certificate on the sharded problem rebuilt in float64 (global sums)
-    exact = [
-        None
-        if w is not None
-        else torch.full(t.shape[:2], 1.0 / sum(comm.sizes[k]), dtype=torch.float64, device=t.device)
-        for w, t, k in ((a, x3, "x"), (b, y3, "y"))
-    ]
-    build64 = S.float64_problem(
-        x3,
-        y3,
-        prob,
-        features=lambda *t: _features(comm, *t),
-        make=comm.problem,
-        a64=exact[0],
-        b64=exact[1],
-    )
-    certify = S.certifier(build64, prob, eps, rx, ry)
-    # every rank measures (collectives), rank 0 prints
-    say = (lambda line: print(line, flush=True) if comm.rank == 0 else None) if verbose else False
-    sched = S._schedule(prob, *loop, eps_scaling, diameter)
-    out = S._run_and_certify(prob, certify, sched, say)
-    S._loop.report(out, tol, eps, warn)
-    prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
-    f, g, err = out.f, out.g, out.err
-    value = S._OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
-    S.finite_value_or_raise(prob, value, eps)
-    return SinkhornResult(
-        f=f if batched else f[0],
-        g=g if batched else g[0],
-        value=value if batched else value[0],
-        marginal_error=err if batched else err[0],
-        n_iter=out.n_iter,
-        converged=out.converged,
-        eps=eps,
-        precision=prob.precision,
-        _prob=prob,
-        _batched=batched,
-        _f=f,
-        _g=g,
-        _marginals=out.marginals,
-        _certify=certify,
-    )
 
 
 def problem(
@@ -680,10 +576,10 @@ def problem(
     (its ``sm_x(g, eps, ...)`` / ``sm_y(f, eps, ...)`` are the Sinkhorn half-updates over
     all ranks, ``total`` the global sum). For benchmarks and custom loops; x, y (N_r, D)
     or (B, N_r, D), weights default to uniform over the global clouds."""
-    group = _check_group(process_group)
-    with _collective_errors(group):
+    group = check_group(process_group)
+    with collective_errors(group):
         x3, y3, a2, b2, _ = prepare_inputs(x, y, a, b)
-        _check_device(group, x3)
+        check_device(group, x3)
         be = problem_backend(backend, x3.device, x3.dtype)  # as solve
         check_precision(precision, resolve_backend(backend, x3.device))
     agree = dict(
@@ -695,13 +591,13 @@ def problem(
         exchange=exchange,
         chunk_bytes=chunk_bytes,
     )
-    comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
-    a2, b2 = _global_weights(comm, a2, b2, a, b)
-    X, Y, cx, cy, c2, center = _features(comm, x3, y3, cost, cost_scale)
-    return _problem(comm, X, Y, a2, b2, cx, cy, c2, cost, cost_scale, precision, be, center)
+    comm = Communicator.create(group, x3, y3, agree, exchange, chunk_bytes)
+    a2, b2 = global_weights(comm, a2, b2, a, b)
+    X, Y, cx, cy, c2, center = features(comm, x3, y3, cost, cost_scale)
+    return sharded_problem(comm, X, Y, a2, b2, cx, cy, c2, cost, cost_scale, precision, be, center)
 
 
-def _check_device(group, x3):
+def check_device(group, x3):
     backend = str(dist.get_backend(group))
     if x3.device.type == "cuda" and backend == "gloo":
         raise ValueError("a gloo process group takes CPU tensors; use NCCL for CUDA tensors")
@@ -709,99 +605,6 @@ def _check_device(group, x3):
         raise ValueError(
             f"an NCCL process group takes CUDA tensors; got {x3.device} (use gloo on CPU)"
         )
-
-
-def sinkhorn_divergence(
-    a,
-    x,
-    b,
-    y,
-    *,
-    process_group,
-    blur,
-    reach,
-    diameter,
-    scaling,
-    debias,
-    potentials,
-    precision,
-    backend,
-    warn_tol,
-    info,
-    exchange="auto",
-    chunk_bytes=None,
-):
-    """:func:`flashsinkhorn.sinkhorn_divergence` over a process group: a, x, b, y are this
-    rank's shards; the value (and marginal error) is global, the gradients go to this
-    rank's points, ``potentials=True`` returns this rank's potentials."""
-    from flashsinkhorn import samples_loss as L  # noqa: PLC0415 (it imports this lazily)
-
-    group = _check_group(process_group)
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("SamplesLoss(process_group=...) does not run under torch.compile")
-    if _alone(group, exchange, chunk_bytes):
-        return L.sinkhorn_divergence(
-            a,
-            x,
-            b,
-            y,
-            blur=blur,
-            reach=reach,
-            diameter=diameter,
-            scaling=scaling,
-            debias=debias,
-            potentials=potentials,
-            precision=precision,
-            backend=backend,
-            warn_tol=warn_tol,
-            info=info,
-        )
-    with _collective_errors(group):
-        blur, reach, scaling, diameter = L._check_loss_args(
-            blur, reach, scaling, diameter, precision
-        )
-        x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
-        _check_device(group, x3)
-    agree = dict(
-        blur=float(blur),
-        reach=reach,
-        diameter=diameter,
-        scaling=float(scaling),
-        debias=bool(debias),
-        potentials=bool(potentials),
-        precision=precision,
-        backend=backend,
-        batched=batched,
-        weights=(a is None, b is None),
-        exchange=exchange,
-        chunk_bytes=chunk_bytes,
-    )
-    comm = _Comm.create(group, x3, y3, agree, exchange, chunk_bytes)
-    a2, b2 = _global_weights(comm, a2, b2, a, b)
-    opts = dict(
-        blur=float(blur),
-        reach=None if reach is None else float(reach),
-        diameter=diameter,
-        scaling=float(scaling),
-        debias=bool(debias),
-        precision=precision,
-        backend=backend,
-        comm=comm,
-    )
-    info = {} if info is None else info
-    if potentials:
-        with torch.no_grad():
-            out = L._sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
-        F, G = out["f_ba"], out["g_ab"]
-        if debias:
-            F, G = F - out["f_aa"], G - out["g_bb"]
-        F, G = F.to(x3.dtype), G.to(x3.dtype)
-        return (F, G) if batched else (F[0], G[0])
-    value = L._SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
-    L._warn(value, info.get("marginal_error"), warn_tol, stacklevel=3)
-    if not batched and info.get("marginal_error") is not None:
-        info["marginal_error"] = info["marginal_error"][0]
-    return value if batched else value[0]
 
 
 # ----------------------------------------------------------------------------------------
@@ -818,29 +621,29 @@ def gather_rows(local: torch.Tensor, index: torch.Tensor, process_group) -> torc
     asked for. The OT flow-matching pairs of a sharded coupling:
     ``y_pair = gather_rows(y_local, sample_plan(result, seed=s), group)``.
     """
-    group = _check_group(process_group)
-    with _collective_errors(group):
+    group = check_group(process_group)
+    with collective_errors(group):
         if not isinstance(local, torch.Tensor) or local.dim() < 1:
             raise ValueError("gather_rows: local must be a tensor of rows (n_r, ...)")
         if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64):
             raise ValueError("gather_rows: index must be an integer tensor of global row indices")
     world = dist.get_world_size(group)
     dev = local.device
-    n = torch.tensor([local.shape[0]], dtype=torch.int64, device=_comm_device(group))
+    n = torch.tensor([local.shape[0]], dtype=torch.int64, device=comm_device(group))
     sizes = [torch.empty_like(n) for _ in range(world)]
     dist.all_gather(sizes, n, group=group)
     sizes = [int(s) for s in sizes]
     ends = torch.tensor(sizes, device=dev).cumsum(0)
     flat = index.reshape(-1).to(device=dev, dtype=torch.int64)
     total = int(ends[-1])
-    with _collective_errors(group):
+    with collective_errors(group):
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= total):
             raise ValueError(f"gather_rows: index must lie in [0, {total}) (the global rows)")
     owner = torch.searchsorted(ends, flat, right=True)
     order = torch.argsort(owner, stable=True)
     starts = ends - torch.tensor(sizes, device=dev)
     want = flat[order] - starts[owner[order]]  # local row indices on their owners
-    send_counts = torch.bincount(owner, minlength=world).to(_comm_device(group))
+    send_counts = torch.bincount(owner, minlength=world).to(comm_device(group))
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()

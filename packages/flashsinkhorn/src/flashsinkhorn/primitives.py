@@ -163,9 +163,23 @@ def sm90_call(kernel: str, fn, *args, **kwargs):
 
 
 def _triton_pass(
-    x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center, guess,
+    x,
+    y,
+    g,
+    logb,
+    cx,
+    cy,
+    eps,
+    c2,
+    damping,
+    v,
+    labels,
+    precision,
+    want_lse,
+    center,
+    guess,
     backend="triton",
-):  # fmt: skip
+):
     """The one place where the kernel of a softmin pass on the Triton backend is chosen.
 
     ``backend="auto"`` on an sm_90 GPU: the Gluon kernels for the passes they support
@@ -182,24 +196,60 @@ def _triton_pass(
             D, mode = x.shape[2], f"{kdt}".replace("torch.", "")
             if v is not None:
                 res = sm90_call(
-                    f"plan d={D} dv={v.shape[2]} {mode}", _plan_hopper.plan_hopper, xk, yk, v,
-                    g, logb, cx, cy, eps=eps, c2=c2, damping=damping, precision=precision,
-                    want_lse=want_lse, guess=guess,
-                )  # fmt: skip
+                    f"plan d={D} dv={v.shape[2]} {mode}",
+                    _plan_hopper.plan_hopper,
+                    xk,
+                    yk,
+                    v,
+                    g,
+                    logb,
+                    cx,
+                    cy,
+                    eps=eps,
+                    c2=c2,
+                    damping=damping,
+                    precision=precision,
+                    want_lse=want_lse,
+                    guess=guess,
+                )
                 if res is not None:
                     return res
             else:
                 res = sm90_call(
-                    f"softmin d={D} {mode}", _softmin_hopper.softmin_hopper, xk, yk, g, logb,
-                    cx, cy, eps=eps, c2=c2, damping=damping, precision=precision,
-                    want_lse=want_lse, guess=guess,
-                )  # fmt: skip
+                    f"softmin d={D} {mode}",
+                    _softmin_hopper.softmin_hopper,
+                    xk,
+                    yk,
+                    g,
+                    logb,
+                    cx,
+                    cy,
+                    eps=eps,
+                    c2=c2,
+                    damping=damping,
+                    precision=precision,
+                    want_lse=want_lse,
+                    guess=guess,
+                )
                 if res is not None:
                     return res[0], res[1], None
     return softmin_triton(
-        x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps,
+        c2,
+        damping,
+        v,
+        labels,
+        precision,
+        want_lse,
+        center,
         guess,
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,7 +257,7 @@ def _triton_pass(
 # ----------------------------------------------------------------------------------------
 
 
-def _block_rows(n: int, m: int) -> int:
+def block_rows(n: int, m: int) -> int:
     """Rows per block of the torch paths: at most ~4M scores (n x m) per block."""
     return max(1, min(n, (1 << 22) // max(1, m)))
 
@@ -227,7 +277,7 @@ def _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse,
     if v is not None:
         v = v.to(dt)
         vbar = torch.empty((B, N, v.shape[-1]), dtype=dt, device=x.device)
-    rows = _block_rows(N, M)
+    rows = block_rows(N, M)
     for i0 in range(0, N, rows):
         i1 = min(N, i0 + rows)
         xi = x[:, i0:i1] if center is None else x[:, i0:i1] - center.to(dt)[:, None, :]
@@ -305,9 +355,23 @@ def softmin(
     check_precision(precision, be)
     if be == "triton":
         return _triton_pass(
-            x, y, g, logb, cx, cy, eps, c2, damping, v, labels, precision, want_lse, center,
-            guess, backend=backend,
-        )  # fmt: skip
+            x,
+            y,
+            g,
+            logb,
+            cx,
+            cy,
+            eps,
+            c2,
+            damping,
+            v,
+            labels,
+            precision,
+            want_lse,
+            center,
+            guess,
+            backend=backend,
+        )
     return _softmin_torch(x, y, g, logb, cx, cy, eps, c2, damping, v, labels, want_lse, center)
 
 
@@ -340,9 +404,21 @@ def plan_apply(
     # f is the c-transform of g where (f, g) solve the problem: the sm_90 kernel's shift
     # (exact whatever f: rows it does not fit are recomputed)
     _, lse2, vbar = softmin(
-        x, y, g, logb, cx, cy, eps=eps, c2=c2, v=v, labels=labels, precision=precision,
-        backend=backend, want_lse=True, guess=f,
-    )  # fmt: skip
+        x,
+        y,
+        g,
+        logb,
+        cx,
+        cy,
+        eps=eps,
+        c2=c2,
+        v=v,
+        labels=labels,
+        precision=precision,
+        backend=backend,
+        want_lse=True,
+        guess=f,
+    )
     dt = vbar.dtype
     # log row sum = log a_i + (f_i - cx_i)/eps + ln2 * lse2_i
     log_rows = torch.log(a.to(dt)) + (f.to(dt) - cx.to(dt)) / eps + LN2 * lse2.to(dt)
@@ -388,9 +464,19 @@ def self_softmin(
             if ft is not None:
                 return ft
             return softmin(
-                xk, xk, f, loga, cx, cx, eps=eps, c2=c2, damping=damping,
-                precision=precision, backend=backend, guess=f,
-            )[0]  # fmt: skip
+                xk,
+                xk,
+                f,
+                loga,
+                cx,
+                cx,
+                eps=eps,
+                c2=c2,
+                damping=damping,
+                precision=precision,
+                backend=backend,
+                guess=f,
+            )[0]
     A = (loga + f / eps) * LOG2E
     use_fast = be == "triton"
     if use_fast and check:
@@ -398,9 +484,19 @@ def self_softmin(
         use_fast = bool((spread < _config.SELF_SPREAD_MAX).all())  # False for -inf / nan
     if not use_fast:
         return softmin(
-            x, x, f, loga, cx, cx, eps=eps, c2=c2, damping=damping, precision=precision,
-            backend=backend, center=center,
-        )[0]  # fmt: skip
+            x,
+            x,
+            f,
+            loga,
+            cx,
+            cx,
+            eps=eps,
+            c2=c2,
+            damping=damping,
+            precision=precision,
+            backend=backend,
+            center=center,
+        )[0]
     return self_softmin_triton(x, A, cx, eps, c2, damping, precision, center)
 
 
@@ -417,9 +513,14 @@ def _self_update_sm90(xk, loga, f, cx, eps, c2, damping, precision):
     half = (0.5 * sigma)[:, None]
     rb = (loga + (f - cx) / eps) * LOG2E + half
     rsum = sm90_call(
-        f"self d={xk.shape[2]} {precision}", _symmetric_hopper.self_sums_hopper, xk, rb,
-        eps=eps, c2=c2, precision=precision,
-    )  # fmt: skip
+        f"self d={xk.shape[2]} {precision}",
+        _symmetric_hopper.self_sums_hopper,
+        xk,
+        rb,
+        eps=eps,
+        c2=c2,
+        precision=precision,
+    )
     if rsum is None:
         return None
     ft = damping * (cx - (eps * LN2) * (torch.log2(rsum) - rb - half))
@@ -448,8 +549,14 @@ def _check_symmetric(x, y, f, g, loga, logb, cx, cy, eps):
         )
     B, N, _ = x.shape
     M = y.shape[1]
-    for name, t, n in (("f", f, N), ("loga", loga, N), ("cx", cx, N), ("g", g, M),
-                       ("logb", logb, M), ("cy", cy, M)):  # fmt: skip
+    for name, t, n in (
+        ("f", f, N),
+        ("loga", loga, N),
+        ("cx", cx, N),
+        ("g", g, M),
+        ("logb", logb, M),
+        ("cy", cy, M),
+    ):
         if tuple(t.shape) != (B, n):
             raise ValueError(f"{name} must be ({B}, {n}); got {tuple(t.shape)}")
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
@@ -525,9 +632,16 @@ def symmetric_update(
     if backend == "auto" and _symmetric_hopper.unsupported_reason(xk, yk, precision) is None:
         # the sm_90 Gluon kernel (CUDA, tf32 / bf16, 16-byte rows)
         res = sm90_call(
-            f"symmetric d={x.shape[2]} {precision}", _symmetric_hopper.symmetric_sums_hopper,
-            xk, yk, rb, cb, eps=eps, c2=c2, precision=precision,
-        )  # fmt: skip
+            f"symmetric d={x.shape[2]} {precision}",
+            _symmetric_hopper.symmetric_sums_hopper,
+            xk,
+            yk,
+            rb,
+            cb,
+            eps=eps,
+            c2=c2,
+            precision=precision,
+        )
         if res is not None:
             rsum, csum = res
             stats["kernel"] = "one pass (sm_90 Gluon)"
@@ -555,10 +669,21 @@ def _recompute_rows(xk, yk, g, logb, cx, cy, eps, c2, damping, precision, bad, o
         return
     if gluon:
         res = sm90_call(
-            f"softmin rows d={xk.shape[2]} {precision}", _softmin_hopper.softmin_rows_hopper,
-            xk, yk, g, logb, cx, cy, eps=eps, c2=c2, damping=damping, precision=precision,
-            flags=bad, out=out,
-        )  # fmt: skip
+            f"softmin rows d={xk.shape[2]} {precision}",
+            _softmin_hopper.softmin_rows_hopper,
+            xk,
+            yk,
+            g,
+            logb,
+            cx,
+            cy,
+            eps=eps,
+            c2=c2,
+            damping=damping,
+            precision=precision,
+            flags=bad,
+            out=out,
+        )
         if res is not None:
             return
     softmin_rows_triton(xk, yk, g, logb, cx, cy, eps, c2, damping, precision, bad, out)

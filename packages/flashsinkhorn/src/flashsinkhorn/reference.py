@@ -151,18 +151,17 @@ def softmin_ref(x, y, g, logb, cx, cy, *, eps, c2, damping=1.0, v=None, labels=N
     return out, lse2, vbar
 
 
-def symmetric_update_ref(x, y, f, g, loga, logb, cx, cy, *, eps, c2, damping_x=1.0,
-                         damping_y=1.0, labels=None):  # fmt: skip
+def symmetric_update_ref(
+    x, y, f, g, loga, logb, cx, cy, *, eps, c2, damping_x=1.0, damping_y=1.0, labels=None
+):
     """Dense float64 reference of :func:`flashsinkhorn.symmetric_update`: ``(f_new, g_new)``,
     each the c-transform of the other side's old potential (two :func:`softmin_ref`)."""
     lab_t = None
     if labels is not None:
         lx, ly, W, w_scale = labels
         lab_t = (ly, lx, W.transpose(-1, -2), w_scale)
-    f_new = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=c2, damping=damping_x,
-                        labels=labels)[0]  # fmt: skip
-    g_new = softmin_ref(y, x, f, loga, cy, cx, eps=eps, c2=c2, damping=damping_y,
-                        labels=lab_t)[0]  # fmt: skip
+    f_new = softmin_ref(x, y, g, logb, cx, cy, eps=eps, c2=c2, damping=damping_x, labels=labels)[0]
+    g_new = softmin_ref(y, x, f, loga, cy, cx, eps=eps, c2=c2, damping=damping_y, labels=lab_t)[0]
     return f_new, g_new
 
 
@@ -223,9 +222,12 @@ def sinkhorn_ref(C, a, b, eps, rho=None, n_iter=2000):
 
 
 def samples_loss_ref(a, x, b, y, *, blur=0.05, reach=None, diameter=None, scaling=0.5, debias=True):
-    """Dense float64 GeomLoss-tensorized re-implementation (value only), 2D inputs."""
+    """Dense float64 GeomLoss-tensorized re-implementation (value only), 2D inputs.
+    ``reach``: a number, or a pair ``(reach_x, reach_y)`` (one KL penalty per side, None:
+    balanced side)."""
     x, y, a, b = x.double(), y.double(), a.double(), b.double()
-    eps, rho = blur**2, rho_from_reach(reach, 0.5)[0]
+    eps = blur**2
+    rx, ry = rho_from_reach(reach, 0.5)
     if diameter is None:
         diameter = max_diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
@@ -239,13 +241,13 @@ def samples_loss_ref(a, x, b, y, *, blur=0.05, reach=None, diameter=None, scalin
     Cxy, Cyx, Cxx, Cyy = C(x, y), C(y, x), C(x, x), C(y, y)
     la, lb = a.log(), b.log()
     e = eps_list[0]
-    d = damping_factor(e, rho)
-    g_ab, f_ba = d * sm(e, Cyx, la), d * sm(e, Cxy, lb)
-    f_aa, g_bb = d * sm(e, Cxx, la), d * sm(e, Cyy, lb)
+    dx, dy = damping_factor(e, rx), damping_factor(e, ry)
+    g_ab, f_ba = dy * sm(e, Cyx, la), dx * sm(e, Cxy, lb)
+    f_aa, g_bb = dx * sm(e, Cxx, la), dy * sm(e, Cyy, lb)
     for e in eps_list:
-        d = damping_factor(e, rho)
-        ft, gt = d * sm(e, Cxy, lb + g_ab / e), d * sm(e, Cyx, la + f_ba / e)
-        fa, gb = d * sm(e, Cxx, la + f_aa / e), d * sm(e, Cyy, lb + g_bb / e)
+        dx, dy = damping_factor(e, rx), damping_factor(e, ry)
+        ft, gt = dx * sm(e, Cxy, lb + g_ab / e), dy * sm(e, Cyx, la + f_ba / e)
+        fa, gb = dx * sm(e, Cxx, la + f_aa / e), dy * sm(e, Cyy, lb + g_bb / e)
         f_ba, g_ab, f_aa, g_bb = (
             0.5 * (f_ba + ft),
             0.5 * (g_ab + gt),
@@ -253,18 +255,16 @@ def samples_loss_ref(a, x, b, y, *, blur=0.05, reach=None, diameter=None, scalin
             0.5 * (g_bb + gb),
         )
     f_ba, g_ab, f_aa, g_bb = (
-        d * sm(e, Cxy, lb + g_ab / e),
-        d * sm(e, Cyx, la + f_ba / e),
-        d * sm(e, Cxx, la + f_aa / e),
-        d * sm(e, Cyy, lb + g_bb / e),
+        dx * sm(e, Cxy, lb + g_ab / e),
+        dy * sm(e, Cyx, la + f_ba / e),
+        dx * sm(e, Cxx, la + f_aa / e),
+        dy * sm(e, Cyy, lb + g_bb / e),
     )
-    if rho is None:
-        if debias:
-            return (a * (f_ba - f_aa)).sum() + (b * (g_ab - g_bb)).sum()
-        return (a * f_ba).sum() + (b * g_ab).sum()
-    w = rho + e / 2
-    if debias:
-        return (a * w * ((-f_aa / rho).exp() - (-f_ba / rho).exp())).sum() + (
-            b * w * ((-g_bb / rho).exp() - (-g_ab / rho).exp())
-        ).sum()
-    return (a * w * (1 - (-f_ba / rho).exp())).sum() + (b * w * (1 - (-g_ab / rho).exp())).sum()
+
+    def side(w, F, F_self, rho):
+        if rho is None:
+            return (w * (F - F_self)).sum() if debias else (w * F).sum()
+        e_self = (-F_self / rho).exp() if debias else 1.0
+        return (w * (rho + e / 2) * (e_self - (-F / rho).exp())).sum()
+
+    return side(a, f_ba, f_aa, rx) + side(b, g_ab, g_bb, ry)

@@ -56,7 +56,7 @@ def certificate(prob64, f, g, eps, rx, ry):
         # zero weights do not count (their rows carry no mass, whatever the potential)
         ex = torch.where(p.a > 0, p.a * torch.expm1(rx_).abs(), torch.zeros_like(p.a))
         ey = torch.where(p.b > 0, p.b * torch.expm1(ry_).abs(), torch.zeros_like(p.b))
-        err = p.total(ex) + p.total(ey)
+        err = p.total(ex) + p.total(ey, "y")
         # float64's own resolution of the exponents (f_i + g_j - C_ij) / eps: each exponent
         # z is computed to delta (~64 ulps of its magnitude), and |expm1(z + delta)| <=
         # |expm1(z)| e^delta + expm1(delta): below expm1(delta) per unit of mass the
@@ -64,7 +64,7 @@ def certificate(prob64, f, g, eps, rx, ry):
         # known to a factor e^delta only. Both go in, so the reported error stays an upper
         # bound of the truth
         delta = _resolution(p, f, g, eps)
-        err = err * torch.exp(delta) + (p.total(p.a) + p.total(p.b)) * torch.expm1(delta)
+        err = err * torch.exp(delta) + (p.total(p.a) + p.total(p.b, "y")) * torch.expm1(delta)
         err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
     return err, rows, cols
 
@@ -72,7 +72,7 @@ def certificate(prob64, f, g, eps, rx, ry):
 def _resolution(p, f, g, eps):
     """``64 * 2^-52 * (|f| + |g| + |C|)_max / eps`` per problem (B,): the float64 rounding
     of the certificate's exponents (maxima over all points: ``p.peak``)."""
-    mag = p.peak(f.abs()) + p.peak(g.abs()) + p.cost_bound()
+    mag = p.peak(f.abs()) + p.peak(g.abs(), "y") + p.cost_bound()
     return 64 * 2.0**-52 * mag / eps
 
 
@@ -131,6 +131,8 @@ class SinkhornResult:
         precision: the dot precision of the last iterations (a tf32 / bf16 solve with a
             tolerance finishes in "tf32x3" when tf32's rounding of the cost keeps the
             float64 error above tol).
+        backend: the implementation that ran ("dense", "streaming", "sharded", ...;
+            ``backend="auto"``'s choice, printed by ``verbose=True``).
 
     ``potentials`` / ``potential_a`` / ``potential_b``, ``plan`` (dense, guarded by
     ``PLAN_MAX_ENTRIES``), ``lazy_plan``, ``marginals`` / ``marginal_a`` / ``marginal_b``
@@ -146,12 +148,14 @@ class SinkhornResult:
     converged: bool
     eps: float
     precision: str = "tf32"
+    backend: str = "streaming"
     _prob: object = field(repr=False, default=None)
     _batched: bool = field(repr=False, default=False)
     _f: torch.Tensor = field(repr=False, default=None)
     _g: torch.Tensor = field(repr=False, default=None)
     _marginals: tuple = field(repr=False, default=None)
     _certify: object = field(repr=False, default=None)  # (f, g) -> (err, rows, cols)
+    _sizes: tuple | None = field(repr=False, default=None)  # a ragged batch's segment sizes
 
     def _unb(self, t):
         return t if self._batched else t[0]
@@ -195,7 +199,10 @@ class SinkhornResult:
         if self._marginals is None:  # (under torch.compile the loop's op returns no marginals)
             self._marginals = self._certify(self._f, self._g)[1:]
         rows, cols = self._marginals
-        return self._unb(rows.to(self._f.dtype)), self._unb(cols.to(self._f.dtype))
+        rows, cols = rows.to(self._f.dtype), cols.to(self._f.dtype)
+        if self._sizes is not None:  # a ragged batch: one tensor per problem
+            return _split(rows, self._sizes[0]), _split(cols, self._sizes[1])
+        return self._unb(rows), self._unb(cols)
 
     @property
     def marginal_a(self):
@@ -206,6 +213,10 @@ class SinkhornResult:
         return self.marginals[1]
 
     def _apply(self, V, name, side):
+        if self._sizes is not None:
+            raise NotImplementedError(
+                "plan products of a ragged batch are not implemented (barycentric_map is)"
+            )
         p = self._prob
         n = p.Y.shape[1] if side == "x" else p.X.shape[1]
         if not isinstance(V, torch.Tensor):
@@ -241,11 +252,15 @@ class SinkhornResult:
         """``T(x_i) = (P Y)_i / (P 1)_i``, shape like x (in feature space for cosine)."""
         p = self._prob
         _, _, ybar = p.sm_x(self._g, self.eps, 1.0, v=p.Y, guess=self._f)
+        if self._sizes is not None:
+            return _split(ybar, self._sizes[0])
         return self._unb(ybar)
 
     def dense_plan(self, max_entries: int | None = PLAN_MAX_ENTRIES) -> torch.Tensor:
         """The dense plan (allocates B x N x M); ``max_entries=None`` lifts the guard."""
         p = self._prob
+        if self._sizes is not None:
+            raise NotImplementedError("a ragged batch has no dense (B, N, M) plan")
         B, N, M = p.X.shape[0], p.X.shape[1], p.Y.shape[1]
         if max_entries is not None and B * N * M > max_entries:
             raise ValueError(
@@ -254,3 +269,8 @@ class SinkhornResult:
             )
         P = p.dense_plan(self._f, self._g, self.eps)
         return self._unb(P)
+
+
+def _split(t, sizes):
+    """A concatenated ``(1, sum sizes, ...)`` tensor as a list per problem."""
+    return list(torch.split(t[0], list(sizes)))

@@ -14,7 +14,8 @@ Semantics follow ``geomloss.SamplesLoss`` 0.3.1 exactly for p = 2:
   ``nn.Module`` method that autograd never calls, so GeomLoss's gradients use
   ``rho + eps/2``; we return the same);
 - ``loss(x, y)`` / ``loss(a, x, b, y)``, (N, D) inputs give a scalar, (B, N, D) a (B,) vector;
-  ``potentials=True`` returns ``(F, G)`` (not differentiable here).
+  ``potentials=True`` returns ``(F, G)`` of shapes (B, N), (B, M), and (1, N), (1, M) for
+  (N, D) inputs, as GeomLoss does (not differentiable here).
 
 Gradients are computed in the forward pass by the same streaming kernel (the softmax
 average of the last step), so backward is elementwise. Under torch.compile the forward runs
@@ -27,23 +28,40 @@ import warnings
 
 import torch
 
-from flashsinkhorn import _loop
+from flashsinkhorn import _loop, backends, distributed
+from flashsinkhorn._hessian import (
+    HvpTerm,
+    differentiable_grads,
+    no_second_order_in_weights,
+    plan_from_potentials,
+)
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
-from flashsinkhorn.streaming import StreamingProblem
+from flashsinkhorn.varlen import VarlenProblem, prepare_varlen, segment_ids, split
 
 __all__ = ["SamplesLoss", "sinkhorn_divergence"]
 
 
-def _phi(f, rho, eps, w):
-    """GeomLoss's per-point value term and its backward factor (for d/dw)."""
+def _side(F, F_self, rho, eps, w):
+    """One side's per-point value term and its d/dw factor (GeomLoss): ``F`` the cross
+    potential, ``F_self`` the self one (debias) or None, ``rho`` the side's KL penalty
+    (None: balanced). Unbalanced terms are weighted by ``rho + eps / 2`` (GeomLoss's
+    ``UnbalancedWeight``, see the module docstring)."""
     if rho is None:
-        return w * f, f
-    return w * (rho + eps / 2) * (1 - torch.exp(-f / rho)), (rho + eps / 2) * (
-        1 - torch.exp(-f / rho)
-    )
+        t = F if F_self is None else F - F_self
+    else:
+        e_self = 1.0 if F_self is None else torch.exp(-F_self / rho)
+        t = (rho + eps / 2) * (e_self - torch.exp(-F / rho))
+    return w * t, t
+
+
+def _grad_factor(f, rho, eps):
+    """d value / d f times the damping of d f / d C, per point (1 on a balanced side)."""
+    if rho is None:
+        return torch.ones_like(f)
+    return torch.exp(-f / rho) * ((rho + eps / 2) / (rho + eps))
 
 
 def _sinkhorn_forward(
@@ -63,52 +81,42 @@ def _sinkhorn_forward(
     need_grad_y,
     verbose=False,
     comm=None,
+    layout=None,
 ):
     """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces.
     ``comm``: sharded over a process group (flashsinkhorn.distributed): x, y, a, b are this
-    rank's shards; the passes, sums and the eps schedule are global."""
+    rank's shards; the passes, sums and the eps schedule are global. ``layout``: a ragged
+    batch ``(cu_x, cu_y, sizes_x, sizes_y)`` of concatenated points (flashsinkhorn.varlen),
+    one schedule for all its problems."""
     eps = blur**2
-    rho = rho_from_reach(reach, 0.5)[0]  # GeomLoss: rho = reach**2 for the cost |x - y|^2 / 2
+    # GeomLoss: rho = reach**2 for the cost |x - y|^2 / 2; a pair: one penalty per side
+    rx, ry = rho_from_reach(reach, 0.5)
     if diameter is None:
         diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
-    be = problem_backend(backend, x.device, x.dtype)  # float64 stays float64 under "auto"
-    c = common_center(x, y) if comm is None else comm.center(x, y)
-    hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
-    # the centered kernel operands x - c, y - c are made once here and shared by all three
-    # problems (no per-pass centering, nothing between the kernel's loads and its dot)
-    make = StreamingProblem if comm is None else comm.problem
-    common = dict(c2=1.0, cost="sqeuclidean", cost_scale=0.5, precision=precision, backend=be)
-    pxy = make(X=x, Y=y, a=a, b=b, cx=hx, cy=hy, center=c, **common)
-    selves = ()
-    if debias:
-        kx, ky = ({}, {}) if comm is None else ({"keys": ("x", "x")}, {"keys": ("y", "y")})
-        pxx = make(X=x, Y=x, a=a, b=a, cx=hx, cy=hx, center=c, Xk=pxy.Xk, Yk=pxy.Xk, **common, **kx)
-        pyy = make(X=y, Y=y, a=b, b=b, cx=hy, cy=hy, center=c, Xk=pxy.Yk, Yk=pxy.Yk, **common, **ky)
-        selves = (pxx, pyy)
+    pxy, why = _build(a, x, b, y, backend, precision, comm, layout)
+    if verbose:
+        print(f"flashsinkhorn.SamplesLoss: backend {pxy.kind} ({why})", flush=True)
+    # the self problems share what they can (the streaming problems: the kernel operands)
+    selves = (pxy.self_problem("x"), pxy.self_problem("y")) if debias else ()
     # GeomLoss's loop: one symmetric averaged update per temperature, the self problems
     # alongside (the one loop of flashsinkhorn._loop, stages only)
-    sched = _loop.Schedule(eps=eps_list[-1], stages=tuple(eps_list), rho_x=rho, rho_y=rho)
+    sched = _loop.Schedule(eps=eps_list[-1], stages=tuple(eps_list), rho_x=rx, rho_y=ry)
     run = _loop.run(pxy, sched, selves=selves, verbose=verbose, who="flashsinkhorn.SamplesLoss")
     f_ba, g_ab = run.f, run.g
     if debias:
         f_aa, g_bb = run.selves
+        pxx, pyy = selves
     # last extrapolation (at the last eps): potentials and the softmax averages for grads
     e = eps_list[-1]
-    dmp = damping_factor(e, rho)
-
-    def wfac(f):  # d value / d f, times the damping of d f / d C
-        if rho is None:
-            return torch.ones_like(f)
-        return torch.exp(-f / rho) * ((rho + e / 2) / (rho + e))
-
+    kx, ky = damping_factor(e, rx), damping_factor(e, ry)
     # gradients assembled in place in the softmax-average buffers as soon as each is ready
     # (memory: at most three N x D buffers alive, also with debias)
-    F_ba, _, Ty = pxy.sm_x(g_ab, e, dmp, v=y if need_grad_x else None, guess=f_ba)
-    G_ab, _, Tx = pxy.sm_y(f_ba, e, dmp, v=x if need_grad_y else None, guess=g_ab)
-    out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": rho}
+    F_ba, _, Ty = pxy.sm_x(g_ab, e, kx, v=y if need_grad_x else None, guess=f_ba)
+    G_ab, _, Tx = pxy.sm_y(f_ba, e, ky, v=x if need_grad_y else None, guess=g_ab)
+    out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": (rx, ry), "family": pxy.kernel_family}
     # L1 marginal error of the last loop plan, from what the last step already computed
-    err = _loop.l1_err(pxy, a, f_ba, F_ba, e) + _loop.l1_err(pxy, b, g_ab, G_ab, e)
+    err = _loop.l1_err(pxy, "x", f_ba, F_ba, e) + _loop.l1_err(pxy, "y", g_ab, G_ab, e)
     out["marginal_error"] = err
     if verbose:
         print(
@@ -118,34 +126,25 @@ def _sinkhorn_forward(
         )
     gx = gy = None
     if need_grad_x:
-        gx = torch.sub(x, Ty, out=Ty).mul_((a * wfac(F_ba))[..., None])
+        gx = torch.sub(x, Ty, out=Ty).mul_((a * _grad_factor(F_ba, rx, e))[..., None])
     if need_grad_y:
-        gy = torch.sub(y, Tx, out=Tx).mul_((b * wfac(G_ab))[..., None])
+        gy = torch.sub(y, Tx, out=Tx).mul_((b * _grad_factor(G_ab, ry, e))[..., None])
+    F_aa = G_bb = None
     if debias:
         # the loop's potentials as the passes' guesses (the shift kernels: exact anyway)
-        F_aa, _, Txx = pxx.sm_x(f_aa, e, dmp, v=x if need_grad_x else None, guess=f_aa)
+        F_aa, _, Txx = pxx.sm_x(f_aa, e, kx, v=x if need_grad_x else None, guess=f_aa)
         if need_grad_x:
-            gx.add_(Txx.sub_(x).mul_((a * wfac(F_aa))[..., None]))
+            gx.add_(Txx.sub_(x).mul_((a * _grad_factor(F_aa, rx, e))[..., None]))
         del Txx
-        G_bb, _, Tyy = pyy.sm_x(g_bb, e, dmp, v=y if need_grad_y else None, guess=g_bb)
+        G_bb, _, Tyy = pyy.sm_x(g_bb, e, ky, v=y if need_grad_y else None, guess=g_bb)
         if need_grad_y:
-            gy.add_(Tyy.sub_(y).mul_((b * wfac(G_bb))[..., None]))
+            gy.add_(Tyy.sub_(y).mul_((b * _grad_factor(G_bb, ry, e))[..., None]))
         del Tyy
         out.update(f_aa=F_aa, g_bb=G_bb)
     # value and gradient pieces
-    if not debias:
-        va, ga = _phi(F_ba, rho, e, a)
-        vb, gb = _phi(G_ab, rho, e, b)
-    else:
-        if rho is None:
-            va, ga = a * (F_ba - F_aa), F_ba - F_aa
-            vb, gb = b * (G_ab - G_bb), G_ab - G_bb
-        else:
-            ea, eaa = torch.exp(-F_ba / rho), torch.exp(-F_aa / rho)
-            eb, ebb = torch.exp(-G_ab / rho), torch.exp(-G_bb / rho)
-            va, ga = a * (rho + e / 2) * (eaa - ea), (rho + e / 2) * (eaa - ea)
-            vb, gb = b * (rho + e / 2) * (ebb - eb), (rho + e / 2) * (ebb - eb)
-    value = pxy.total(va) + pxy.total(vb)
+    va, ga = _side(F_ba, F_aa, rx, e, a)
+    vb, gb = _side(G_ab, G_bb, ry, e, b)
+    value = pxy.total(va) + pxy.total(vb, "y")
     if not bool(torch.isfinite(value).all()):  # value is global: every rank raises together
         raise FloatingPointError(
             f"SamplesLoss: the loss is not finite at blur={blur:.3g} (eps = blur^2): the cost "
@@ -156,14 +155,74 @@ def _sinkhorn_forward(
     return out
 
 
-def _loss_grads(needs, ga, gx, gb, gy, gout):
+def _build(a, x, b, y, backend, precision, comm=None, layout=None):
+    """The loss's problem (cost |x - y|^2 / 2 in kernel form, centered at the common mean)
+    on ``backend``, sharded over ``comm``, or ragged (``layout``): ``(problem, why)``."""
+    c = common_center(x, y) if comm is None else comm.center(x, y)
+    hx, hy = 0.5 * centered_sqnorm(x, c), 0.5 * centered_sqnorm(y, c)
+    fields = dict(X=x, Y=y, a=a, b=b, cx=hx, cy=hy, c2=1.0, cost="sqeuclidean", cost_scale=0.5)
+    if layout is not None:  # a ragged batch: one launch per pass over all its problems
+        cu_x, cu_y, sx, sy = layout
+        family = "auto" if backend in ("auto", "dense", "streaming", "varlen") else backend
+        prob = VarlenProblem(
+            cu_x=cu_x,
+            cu_y=cu_y,
+            sizes_x=sx,
+            sizes_y=sy,
+            backend=family,
+            precision=precision,
+            center=c,
+            **fields,
+        )
+        return prob, f"{len(sx)} ragged problems"
+    if comm is None:
+        return backends.build(backend, precision=precision, center=c, **fields)
+    # the sharded problem: the streaming passes over the ranks' columns
+    be = problem_backend(backend, x.device, x.dtype)
+    return comm.problem(precision=precision, backend=be, center=c, **fields), "sharded"
+
+
+# Before a double backward the potentials of GeomLoss's schedule (a fixed number of
+# iterations: at scaling 0.5 its last plan's L1 marginal error is 0.1-0.8) are converged at
+# the final eps, to this L1 marginal error (the estimate), at most this many iterations:
+# the HVP solves the optimality conditions, which unconverged potentials do not satisfy
+# (its error was 56 % at scaling 0.5 against the converged HVP, the gradient's 8 %).
+POLISH_TOL = 1e-6
+POLISH_MAX_ITER = 2000
+
+
+def _converged_potentials(a, x, b, y, F_ba, G_ab, F_aa, G_bb, e, opts, precision):
+    """The final-eps potentials of the loss's OT terms, iterated from the schedule's to
+    ``POLISH_TOL`` (the one loop, warm-started; balanced problems)."""
+    pxy, _ = _build(a, x, b, y, opts["backend"], precision)
+    sched = _loop.Schedule(eps=e, max_iter=POLISH_MAX_ITER, tol=POLISH_TOL)
+    out = _loop.run(pxy, sched, init=(F_ba, G_ab))
+    F_ba, G_ab = out.f, out.g
+    if opts["debias"]:  # the self problems: symmetric updates keep f = g
+        sym = _loop.Schedule(eps=e, max_iter=POLISH_MAX_ITER, tol=POLISH_TOL, update="symmetric")
+        conv = []
+        for side, F in (("x", F_aa), ("y", G_bb)):
+            o = _loop.run(pxy.self_problem(side), sym, init=(F, F))
+            conv.append(0.5 * (o.f + o.g))
+        F_aa, G_bb = conv
+    return F_ba, G_ab, F_aa, G_bb
+
+
+def _loss_grads(needs, ga, gx, gb, gy, gout, layout=None):
     """Backward of the loss: the forward's gradient pieces times ``gout`` (B,), for the
-    inputs ``(a, x, b, y)`` whose ``needs`` flag is set (None for the others)."""
-    go = gout[:, None]
+    inputs ``(a, x, b, y)`` whose ``needs`` flag is set (None for the others); a ragged
+    ``layout`` spreads each problem's ``gout`` over its points."""
+    if layout is None:
+        go_x = go_y = gout[:, None]
+    else:
+        sx, sy = layout[2], layout[3]
+        go_x = torch.repeat_interleave(gout, torch.tensor(sx, device=gout.device))[None]
+        go_y = torch.repeat_interleave(gout, torch.tensor(sy, device=gout.device))[None]
     pieces = (ga, gx, gb, gy)
+    factors = (go_x, go_x[..., None], go_y, go_y[..., None])
     return [
-        (p * (go if i % 2 == 0 else go[..., None])).to(gout.dtype) if needs[i] else None
-        for i, p in enumerate(pieces)
+        (p * go).to(gout.dtype) if needs[i] else None
+        for i, (p, go) in enumerate(zip(pieces, factors))
     ]
 
 
@@ -207,6 +266,7 @@ class _SinkhornLoss(torch.autograd.Function):
             out.get("g_bb"),
             out["eps"],
             out["rho"],
+            out["family"],
             opts,
         )
         info["marginal_error"] = out["marginal_error"]
@@ -227,36 +287,39 @@ class _SinkhornLoss(torch.autograd.Function):
                 None,
                 None,
             )
-        grads = _loss_grads(need, ga, gx, gb, gy, gout)
+        grads = _loss_grads(need, ga, gx, gb, gy, gout, ctx.second[-1].get("layout"))
         return (*grads, None, None)
 
 
 def _differentiable_grads(ctx, need, x, y, gx, gy):
     """The loss's gradients in x, y attached to (x, y), with the streaming HVP of its OT
-    terms as their derivative (second_order._autograd): cost |x - y|^2 / 2 is the
+    terms as their derivative (flashsinkhorn._hessian): cost |x - y|^2 / 2 is the
     second-order plan at 2 eps with potentials 2 F, and its Hessian is half the plan's."""
-    from flashsinkhorn.second_order._autograd import (
-        HvpTerm,
-        differentiable_grads,
-        no_second_order_in_weights,
-        plan_from_potentials,
-    )
 
     no_second_order_in_weights(need[0] or need[2], "SamplesLoss")
-    a, b, F_ba, G_ab, F_aa, G_bb, e, rho, opts = ctx.second
+    a, b, F_ba, G_ab, F_aa, G_bb, e, rho, family, opts = ctx.second
+    if opts.get("layout") is not None:
+        raise RuntimeError(
+            "SamplesLoss on a ragged batch: double backward (create_graph=True) is not "
+            "implemented; call the loss per problem for second derivatives"
+        )
     if opts.get("comm") is not None:
         raise RuntimeError(
             "SamplesLoss(process_group=...): double backward (create_graph=True) is not "
             "implemented for sharded problems"
         )
-    if rho is not None:
+    if rho != (None, None):
         raise RuntimeError(
             "SamplesLoss: double backward (create_graph=True) is implemented for balanced "
-            "problems (reach=None); for unbalanced OT use flashsinkhorn.ot_loss(x, y, "
+            "problems (reach=None); for unbalanced OT use flashsinkhorn.second_order.ot_loss(x, y, "
             "eps=2 * blur**2, reach=reach), twice differentiable (its value is twice ours)"
         )
     prec = "ieee" if opts["precision"] == "ieee" else "tf32x3"
-    kw = dict(scale=0.5, eps=e, backend=opts["backend"], precision=prec)
+    with torch.no_grad():
+        F_ba, G_ab, F_aa, G_bb = _converged_potentials(
+            a, x.detach(), b, y.detach(), F_ba, G_ab, F_aa, G_bb, e, opts, prec
+        )
+    kw = dict(scale=0.5, eps=e, backend=family, precision=prec)
     terms = []
     for k in range(x.shape[0]):
         plan, ix, iy = plan_from_potentials(x[k], y[k], a[k], b[k], F_ba[k], G_ab[k], **kw)
@@ -286,7 +349,7 @@ def _compute_dtype(x):
 @torch.library.custom_op(
     "flashsinkhorn::sinkhorn_divergence",
     mutates_args=(),
-    schema="(Tensor a, Tensor x, Tensor b, Tensor y, float blur, float? reach, "
+    schema="(Tensor a, Tensor x, Tensor b, Tensor y, float blur, float? reach_x, float? reach_y, "
     "float? diameter, float scaling, bool debias, str precision, str backend, "
     "bool need_grad_x, bool need_grad_y, bool warn, float? warn_tol, bool verbose) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -297,7 +360,8 @@ def _divergence_op(
     b,
     y,
     blur,
-    reach,
+    reach_x,
+    reach_y,
     diameter,
     scaling,
     debias,
@@ -318,11 +382,11 @@ def _divergence_op(
     ``warn``, warns as the eager path does.
     """
     check_values(x, y, a, b)
-    if reach is None:
+    if reach_x is None and reach_y is None:
         check_masses(a, b, None, None, "reach")
     opts = dict(
         blur=blur,
-        reach=reach,
+        reach=(reach_x, reach_y),
         diameter=diameter,
         scaling=scaling,
         debias=debias,
@@ -364,7 +428,8 @@ def _(
     b,
     y,
     blur,
-    reach,
+    reach_x,
+    reach_y,
     diameter,
     scaling,
     debias,
@@ -406,17 +471,26 @@ def _divergence_setup(ctx, inputs, output):
 
 def _divergence_bwd(ctx, gout, *unused):
     grads = _loss_grads(ctx.needs_input_grad, *ctx.saved_tensors, gout)
-    return (*grads,) + (None,) * 12
+    return (*grads,) + (None,) * 13  # the op's 13 non-tensor inputs
 
 
 _divergence_op.register_autograd(_divergence_bwd, setup_context=_divergence_setup)
 
 
+def _op_options(opts):
+    """The forward's options as the custom op takes them (the reach pair as two floats)."""
+    out = {k: v for k, v in opts.items() if k != "reach"}
+    return dict(out, reach_x=opts["reach"][0], reach_y=opts["reach"][1])
+
+
 def _check_loss_args(blur, reach, scaling, diameter=None, precision="tf32"):
     """The loss's scalar arguments, checked and normalized: ``(blur, reach, scaling,
-    diameter)`` with an infinite reach as None (balanced); a ValueError names the argument."""
+    diameter)`` with ``reach`` a pair ``(reach_x, reach_y)`` (one per side, None or inf:
+    balanced side; a number is both sides); a ValueError names the argument."""
     blur = _positive_finite(blur, "blur")
-    reach = None if rho_from_reach(reach, 0.5)[0] is None else float(reach)
+    rx, ry = rho_from_reach(reach, 0.5)  # checks the values (positive, a number or a pair)
+    pair = reach if isinstance(reach, (tuple, list)) else (reach, reach)
+    reach = tuple(None if r is None else float(p) for r, p in zip((rx, ry), pair))
     try:
         scaling = float(scaling)
     except (TypeError, ValueError):
@@ -448,42 +522,41 @@ def sinkhorn_divergence(
     info=None,
     verbose=False,
     process_group=None,
+    cu_seqlens=None,
 ):
     """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ...
 
     ``info`` (a dict, optional) receives ``marginal_error``: the L1 marginal error (B,) of
     the last plan of the schedule, on device. ``warn_tol``: warn when it exceeds this.
     ``verbose``: print each eps stage with the marginal error of its plan.
+    Ragged batches (``varlen``): x, y lists of clouds ``(N_k, D)``, ``(M_k, D)`` (a, b lists
+    or None), or concatenated points with ``cu_seqlens=(cu_x, cu_y)``: one launch per pass
+    for all problems, a (B,) value, gradients per point.
     ``process_group``: a ``torch.distributed`` group; a, x, b, y are then this rank's shards
     of the global clouds and the loss is the global one (:mod:`flashsinkhorn.distributed`).
     """
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
-        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
-
-        return distributed.sinkhorn_divergence(
-            a,
-            x,
-            b,
-            y,
-            process_group=process_group,
-            blur=blur,
-            reach=reach,
-            diameter=diameter,
-            scaling=scaling,
-            debias=debias,
-            potentials=potentials,
-            precision=precision,
-            backend=backend,
-            warn_tol=warn_tol,
-            info=info,
-        )
+        share = distributed.sharding(process_group)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "SamplesLoss(process_group=...) does not run under torch.compile"
+            )
+        if not distributed.alone(share):  # (a group of one rank: the loss below)
+            args = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling)
+            args.update(debias=debias, potentials=potentials, precision=precision)
+            return _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **args)
     blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
+    if cu_seqlens is not None or isinstance(x, (list, tuple)):
+        kw = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
+        kw.update(potentials=potentials, precision=precision, verbose=verbose)
+        return _divergence_varlen(a, x, b, y, cu_seqlens, backend, warn_tol, info, **kw)
     # under torch.compile the data-dependent checks run inside the custom op
     compiling = torch.compiler.is_compiling()
-    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_data=not compiling)
     # clear errors for a bad backend or bf16 under the interpreter, before any work
-    check_precision(precision, resolve_backend(backend, x3.device))
-    if reach is None and not compiling:
+    family = "auto" if backend in ("auto", "dense", "streaming") else backend
+    check_precision(precision, resolve_backend(family, x3.device))
+    if reach == (None, None) and not compiling:
         check_masses(a2, b2, None, None, "reach")  # GeomLoss would return a number: we say why not
     opts = dict(
         blur=blur,
@@ -504,7 +577,7 @@ def sinkhorn_divergence(
             x3,
             b2,
             y3,
-            **opts,
+            **_op_options(opts),
             need_grad_x=need_x,
             need_grad_y=need_y,
             warn=not potentials,
@@ -522,12 +595,76 @@ def sinkhorn_divergence(
         value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
         _warn(value, info.get("marginal_error"), warn_tol, stacklevel=2)
     if potentials:
-        F, G = F.to(x.dtype), G.to(x.dtype)
-        return (F, G) if batched else (F[0], G[0])
+        # (B, N), (B, M); (1, N), (1, M) for 2-D inputs, as GeomLoss 0.3.1 returns them
+        return F.to(x3.dtype), G.to(x3.dtype)
     err = info.get("marginal_error")
     if not batched and err is not None:
         info["marginal_error"] = err[0]
     return value if batched else value[0]
+
+
+def _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **kw):
+    """:func:`sinkhorn_divergence` over a process group: a, x, b, y are this rank's shards;
+    the value (and marginal error) is global, the gradients go to this rank's points,
+    ``potentials=True`` returns this rank's potentials."""
+    group = share.group
+    with distributed.collective_errors(group):
+        blur, reach, scaling, diameter = _check_loss_args(
+            kw["blur"], kw["reach"], kw["scaling"], kw["diameter"], kw["precision"]
+        )
+        x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
+        distributed.check_device(group, x3)
+    debias, potentials = bool(kw["debias"]), bool(kw["potentials"])
+    agree = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
+    agree.update(potentials=potentials, precision=kw["precision"], backend=backend)
+    agree.update(batched=batched, weights=(a is None, b is None), exchange=share.exchange)
+    agree.update(chunk_bytes=share.chunk_bytes)
+    comm = distributed.Communicator.create(group, x3, y3, agree, share.exchange, share.chunk_bytes)
+    a2, b2 = distributed.global_weights(comm, a2, b2, a, b)
+    opts = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
+    opts.update(precision=kw["precision"], backend=backend, comm=comm)
+    info = {} if info is None else info
+    if potentials:
+        with torch.no_grad():
+            out = _sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
+        F, G = out["f_ba"], out["g_ab"]
+        if debias:
+            F, G = F - out["f_aa"], G - out["g_bb"]
+        # (B, N), (B, M); (1, N), (1, M) for 2-D inputs, as GeomLoss 0.3.1 returns them
+        return F.to(x3.dtype), G.to(x3.dtype)
+    value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
+    _warn(value, info.get("marginal_error"), warn_tol, stacklevel=3)
+    if not batched and info.get("marginal_error") is not None:
+        info["marginal_error"] = info["marginal_error"][0]
+    return value if batched else value[0]
+
+
+def _divergence_varlen(a, x, b, y, cu_seqlens, backend, warn_tol, info, **kw):
+    """:func:`sinkhorn_divergence` of a ragged batch (flashsinkhorn.varlen): one schedule
+    (the largest diameter), one launch per pass, values (B,), gradients per point."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("a ragged SamplesLoss batch does not run under torch.compile")
+    x3, y3, a2, b2, cu_x, cu_y, sx, sy = prepare_varlen(x, y, a, b, cu_seqlens)
+    check_values(x3, y3, a2, b2)
+    layout = (cu_x, cu_y, sx, sy)
+    if kw["reach"] == (None, None):  # balanced: every problem's masses equal
+        zeros = torch.zeros(len(sx), dtype=a2.dtype, device=a2.device)
+        ma = zeros.index_add(0, segment_ids(sx, a2.device), a2[0])
+        mb = zeros.index_add(0, segment_ids(sy, b2.device), b2[0])
+        check_masses(ma[None], mb[None], None, None, "reach")
+    opts = {k: v for k, v in kw.items() if k != "potentials"}
+    opts.update(debias=bool(opts["debias"]), backend=backend, layout=layout)
+    info = {} if info is None else info
+    if kw["potentials"]:
+        with torch.no_grad():
+            out = _sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
+        F, G = out["f_ba"], out["g_ab"]
+        if opts["debias"]:
+            F, G = F - out["f_aa"], G - out["g_bb"]
+        return split(F.to(x3.dtype), sx), split(G.to(x3.dtype), sy)
+    value = _SinkhornLoss.apply(a2, x3, b2, y3, opts, info)
+    _warn(value, info.get("marginal_error"), warn_tol, stacklevel=3)
+    return value
 
 
 class SamplesLoss(torch.nn.Module):
@@ -601,10 +738,10 @@ class SamplesLoss(torch.nn.Module):
                 )
         if backend in ("tensorized", "online"):  # GeomLoss's exact backends: ours is exact
             backend = "auto"
-        if backend not in ("auto", "triton", "torch"):
+        if backend not in ("auto", "dense", "streaming", "triton", "torch"):
             raise ValueError(
-                "backend must be 'auto', 'triton', 'torch' (or GeomLoss's 'tensorized' / "
-                f"'online'); got {backend!r}"
+                "backend must be 'auto', 'dense', 'streaming', 'triton', 'torch' (or GeomLoss's "
+                f"'tensorized' / 'online'); got {backend!r}"
             )
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
@@ -617,7 +754,9 @@ class SamplesLoss(torch.nn.Module):
         )
         self.verbose = bool(verbose)
 
-    def forward(self, *args):
+    def forward(self, *args, cu_seqlens=None):
+        """``loss(x, y)`` or ``loss(a, x, b, y)``; lists of clouds, or concatenated points
+        with ``cu_seqlens=(cu_x, cu_y)``: a ragged batch (values (B,))."""
         if len(args) == 2:
             x, y = args
             a = b = None
@@ -643,6 +782,7 @@ class SamplesLoss(torch.nn.Module):
             info=info,
             verbose=self.verbose,
             process_group=self.process_group,
+            cu_seqlens=cu_seqlens,
         )
         self.last_marginal_error = info.get("marginal_error")
         return out

@@ -59,7 +59,7 @@ import torch
 from flashsinkhorn import _config, _sample_hopper
 from flashsinkhorn._sample_triton import blocks_triton, keys_triton, pick_triton, sample_operands
 from flashsinkhorn.primitives import (
-    _block_rows,
+    block_rows,
     check_precision,
     resolve_backend,
     sm90_call,
@@ -226,7 +226,7 @@ def sample_from_scores(scores2, seed):
     B, N, M = scores2.shape
     rk, ck, bk = _keys(B, N, M, seed, 0, 0, scores2.device)
     out = torch.empty((B, N), dtype=torch.int64, device=scores2.device)
-    rows = max(1, _block_rows(N, M) // 4)
+    rows = max(1, block_rows(N, M) // 4)
     for i0 in range(0, N, rows):
         i1 = min(N, i0 + rows)
         out[:, i0:i1] = _draw_dense(scores2[:, i0:i1], rk[:, i0:i1], ck, bk, 0, True, True)[1]
@@ -430,7 +430,7 @@ def _sample_torch(x, y, g, logb, cy, eps, c2, labels, rk, ck, bk, off, first_in,
     pieces = [
         (torch.empty((B, N), dtype=dt, device=x.device), torch.empty_like(col)) for _ in extra
     ]
-    rows = max(1, _block_rows(N, M) // 4)  # the int64 hash temporaries
+    rows = max(1, block_rows(N, M) // 4)  # the int64 hash temporaries
     for i0 in range(0, N, rows):
         i1 = min(N, i0 + rows)
         lab = None if labels is None else (labels[0][:, i0:i1], labels[1], labels[2], labels[3])

@@ -22,9 +22,11 @@ the balanced case) are computed by streaming kernels in the backward pass.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from flashsinkhorn import _loop
+from flashsinkhorn import _loop, backends, distributed
 from flashsinkhorn._inputs import (
     check_eps,
     check_label_range,
@@ -35,145 +37,12 @@ from flashsinkhorn._inputs import (
 )
 from flashsinkhorn.operands import COSTS, cost_features
 from flashsinkhorn.primitives import check_precision, problem_backend, resolve_backend
-from flashsinkhorn.problem import Problem
-from flashsinkhorn.reference import LN2, dual_point_terms, parse_rho
+from flashsinkhorn.reference import parse_rho
 from flashsinkhorn.result import SinkhornResult, certificate
-from flashsinkhorn.streaming import StreamingProblem
+from flashsinkhorn.value import OTValue, finite_value_or_raise, ot_value, ot_value_grads
+from flashsinkhorn.varlen import VarlenProblem, prepare_varlen, segment_ids, split
 
 __all__ = ["solve", "SinkhornResult"]
-
-
-# ----------------------------------------------------------------------------------------
-# differentiable value (envelope theorem, streaming backward)
-# ----------------------------------------------------------------------------------------
-
-
-def _ot_value(prob, a, b, f, g, eps, rx, ry):
-    """The dual value (B,) of the potentials (f, g) (no graph)."""
-    total = prob.total
-    if rx is None and ry is None:
-        return total(a * f) + total(b * g)
-    _, lse2, _ = prob.sm_x(g, eps, 1.0, want_lse=True)
-    rows = a * torch.exp((f - prob.cx) / eps + LN2 * lse2)
-    duals = total(dual_point_terms(f, a, rx)) + total(dual_point_terms(g, b, ry))
-    return duals - eps * (total(rows) - total(a) * total(b))
-
-
-def _ot_value_grads(prob, f, g, eps, rx, ry, gout, need):
-    """``gout``-weighted gradients ``(gX, gY, ga, gb)`` of the value (None where ``need``,
-    four bools, is False): envelope theorem, two streaming passes."""
-    gX = gY = ga = gb = None
-    go = gout[:, None]
-    need_x, need_y, need_a, need_b = need
-    # P @ Y and row sums; P^T @ X and column sums (streaming)
-    _, lse2x, Ybar = prob.sm_x(g, eps, 1.0, v=prob.Y if need_x else None, want_lse=True)
-    rows = prob.a * torch.exp((f - prob.cx) / eps + LN2 * lse2x)
-    _, lse2y, Xbar = prob.sm_y(f, eps, 1.0, v=prob.X if need_y else None, want_lse=True)
-    cols = prob.b * torch.exp((g - prob.cy) / eps + LN2 * lse2y)
-    if need_x:
-        gX = _feature_grad(prob.X, rows, Ybar, prob) * go[..., None]
-    if need_y:
-        gY = _feature_grad(prob.Y, cols, Xbar, prob) * go[..., None]
-    bsum = prob.total(prob.b)[..., None]
-    asum = prob.total(prob.a)[..., None]
-    if need_a:
-        base = f if rx is None else rx * (1.0 - torch.exp(-f / rx))
-        ga = (base - eps * (rows / prob.a.clamp_min(1e-38) - bsum)) * go
-    if need_b:
-        base = g if ry is None else ry * (1.0 - torch.exp(-g / ry))
-        gb = (base - eps * (cols / prob.b.clamp_min(1e-38) - asum)) * go
-    return gX, gY, ga, gb
-
-
-class _OTValue(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, X, Y, a, b, f, g, prob, eps, rx, ry):
-        with torch.no_grad():
-            value = _ot_value(prob, a, b, f, g, eps, rx, ry)
-        ctx.prob, ctx.eps, ctx.rx, ctx.ry = prob, eps, rx, ry
-        ctx.save_for_backward(X, Y, f, g)
-        return value
-
-    @staticmethod
-    def backward(ctx, gout):
-        X, Y, f, g = ctx.saved_tensors
-        need = ctx.needs_input_grad[:4]
-        # create_graph=True: the gradient in x, y gets a graph whose backward is the HVP
-        second = torch.is_grad_enabled() and (need[0] or need[1])
-        if second:
-            _check_second_order(ctx.prob, need)
-        with torch.no_grad():
-            unit = torch.ones_like(gout) if second else gout
-            # sharded: the passes are the same on all ranks (any rank needing one runs it)
-            grads = _ot_value_grads(
-                ctx.prob, f, g, ctx.eps, ctx.rx, ctx.ry, unit, ctx.prob.any_rank(need)
-            )
-        grads = tuple(gr if n else None for gr, n in zip(grads, need))
-        if second:
-            gX, gY = _differentiable_value_grads(X, Y, grads[0], grads[1], ctx, f, g)
-            go = gout[:, None, None]
-            grads = (gX * go if need[0] else None, gY * go if need[1] else None, None, None)
-        return (*grads, None, None, None, None, None, None)
-
-
-def _check_second_order(prob, need):
-    from flashsinkhorn.second_order._autograd import no_second_order_in_weights
-
-    if type(prob).total is not Problem.total:  # sharded
-        raise RuntimeError(
-            "solve(..., process_group=...).value: double backward (create_graph=True) is not "
-            "implemented for sharded problems"
-        )
-    if prob.cost == "dot" or prob.labels is not None:
-        raise RuntimeError(
-            "solve(...).value: double backward (create_graph=True) is implemented for "
-            "cost='sqeuclidean' and 'cosine' without label_cost; got cost="
-            f"{prob.cost!r}{' with label_cost' if prob.labels is not None else ''}"
-        )
-    no_second_order_in_weights(need[2] or need[3], "solve(...).value")
-
-
-def _differentiable_value_grads(X, Y, gX, gY, ctx, f, g):
-    """The value's gradients (gX, gY) attached to (X, Y), with the streaming HVP of each
-    problem of the batch as their derivative (second_order._autograd)."""
-    from flashsinkhorn.second_order._autograd import (
-        HvpTerm,
-        differentiable_grads,
-        plan_from_potentials,
-    )
-
-    prob = ctx.prob
-    precision = "ieee" if prob.precision == "ieee" else "tf32x3"
-    terms = []
-    for k in range(X.shape[0]):
-        # sqeuclidean s|x - y|^2: c2 = 2s; cosine s(1 - <X, Y>) = (s/2)|X - Y|^2: c2 = s
-        plan, ix, iy = plan_from_potentials(
-            prob.X[k],
-            prob.Y[k],
-            prob.a[k],
-            prob.b[k],
-            f[k],
-            g[k],
-            scale=prob.c2 / 2,
-            eps=ctx.eps,
-            rho_x=ctx.rx,
-            rho_y=ctx.ry,
-            backend=prob.backend,
-            precision=precision,
-        )
-        terms.append(HvpTerm("xy", k, plan, prob.c2 / 2, ix, iy))
-    zeros = torch.zeros
-    gX = zeros(X.shape, dtype=f.dtype, device=X.device) if gX is None else gX
-    gY = zeros(Y.shape, dtype=f.dtype, device=Y.device) if gY is None else gY
-    return differentiable_grads(X, Y, gX, gY, terms)
-
-
-def _feature_grad(X, rows, Ybar, prob):
-    """sum_j P_ij d/dX_i C_ij = rows_i * (d cx_i / dX_i - c2 * Ybar_i)."""
-    if prob.cost == "dot":
-        return -prob.c2 * rows[..., None] * Ybar
-    # sqeuclidean and cosine (on the sphere): cx = (c2 / 2) |X|^2
-    return prob.c2 * rows[..., None] * (X - Ybar)
 
 
 # ----------------------------------------------------------------------------------------
@@ -187,52 +56,40 @@ def _feature_grad(X, rows, Ybar, prob):
 # (kernel operands), ``cx, cy``, optional labels ``lx, ly, W``, the optional centre of the
 # dot products (a polish rebuilds the kernel operands from X, Y and it), then its scalars.
 
-# The ops' leading arguments: one problem, as in _op_problem_args
+# The ops' leading arguments: one problem, as in _op_problem_args (the op rebuilds it with
+# flashsinkhorn.backends.build from its backend_arg: the same implementation)
 _PROBLEM = (
-    "Tensor X, Tensor Y, Tensor a, Tensor b, Tensor Xk, Tensor Yk, Tensor cx, Tensor cy, "
-    "Tensor? lx, Tensor? ly, Tensor? W, Tensor? center, float label_scale, float c2, str cost, "
-    "str precision, str backend"
+    "Tensor X, Tensor Y, Tensor a, Tensor b, Tensor cx, Tensor cy, Tensor? lx, Tensor? ly, "
+    "Tensor? W, Tensor? center, float label_scale, float c2, str cost, str precision, "
+    "str backend"
 )
-_NP = 17  # how many
+_NP = 15  # how many
 
 
-def _op_problem_args(prob: StreamingProblem, X=None, Y=None, a=None, b=None):
+def _op_problem_args(prob, X=None, Y=None, a=None, b=None):
     """A Problem as the ops' leading arguments; ``X, Y, a, b`` replace the problem's
     (detached) ones where given (the value op takes them with their graph)."""
     lx, ly, W, label_scale = prob.labels if prob.labels is not None else (None,) * 3 + (1.0,)
     X, Y = prob.X if X is None else X, prob.Y if Y is None else Y
     a, b = prob.a if a is None else a, prob.b if b is None else b
     return (
-        *(X, Y, a, b, prob.Xk, prob.Yk, prob.cx, prob.cy, lx, ly, W, prob.center),
-        *(label_scale, prob.c2, prob.cost, prob.precision, prob.backend),
+        *(X, Y, a, b, prob.cx, prob.cy, lx, ly, W, prob.center),
+        *(label_scale, prob.c2, prob.cost, prob.precision, prob.backend_arg),
     )
 
 
 def _op_problem(args, cost_scale=1.0):
     """The Problem of the ops' leading arguments (inverse of :func:`_op_problem_args`)."""
-    X, Y, a, b, Xk, Yk, cx, cy, lx, ly, W, center, label_scale, c2, cost, precision, backend = args
+    X, Y, a, b, cx, cy, lx, ly, W, center, label_scale, c2, cost, precision, backend = args
     labels = None if W is None else (lx, ly, W, label_scale)
-    return StreamingProblem(
-        X=X,
-        Y=Y,
-        a=a,
-        b=b,
-        cx=cx,
-        cy=cy,
-        c2=c2,
-        cost=cost,
-        cost_scale=cost_scale,
-        labels=labels,
-        precision=precision,
-        backend=backend,
-        center=center,
-        Xk=Xk,
-        Yk=Yk,
-    )
+    fields = dict(X=X, Y=Y, a=a, b=b, cx=cx, cy=cy, c2=c2, cost=cost, cost_scale=cost_scale)
+    return backends.build(backend, labels=labels, precision=precision, center=center, **fields)[0]
 
 
-def _potential_dtype(X, backend):
-    return torch.float64 if (X.dtype == torch.float64 and backend == "torch") else torch.float32
+def _potential_dtype(X, backend_arg):
+    """The potentials' dtype of a problem rebuilt from ``backend_arg`` (the fake impls)."""
+    f64 = X.dtype == torch.float64 and backend_arg in ("dense", "torch")
+    return torch.float64 if f64 else torch.float32
 
 
 @torch.library.custom_op(
@@ -271,7 +128,7 @@ def _potentials_op(*args):
 
 @_potentials_op.register_fake
 def _(*args):
-    X, cx, cy, backend = args[0], args[6], args[7], args[16]
+    X, cx, cy, backend = args[0], args[4], args[5], args[_NP - 1]
     dt = _potential_dtype(X, backend)
     return (
         cx.new_empty(cx.shape, dtype=dt),
@@ -285,8 +142,9 @@ def _(*args):
 
 def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b64=None):
     """A thunk building ``prob`` again in float64 from the points ``x3, y3`` (B, N, D)
-    (the features recomputed in float64: cosine normalizes in float64), on the torch
-    backend: the certificate's problem. ``features`` / ``make``: the sharded problem's.
+    (the features recomputed in float64: cosine normalizes in float64), dense while it fits
+    ``backend="auto"``'s rule, else on the blockwise torch path: the certificate's problem.
+    ``features`` / ``make``: the sharded (or ragged) problem's.
     ``a64``, ``b64``: the weights in float64 when they are not ``prob``'s (the default
     uniform weights are exactly 1/N, not their float32 rounding)."""
 
@@ -301,21 +159,11 @@ def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b
             lab = (lx, ly, W.to(d), s)
         a = prob.a.to(d) if a64 is None else a64
         b = prob.b.to(d) if b64 is None else b64
-        return (make or StreamingProblem)(
-            X=X,
-            Y=Y,
-            a=a,
-            b=b,
-            cx=cx,
-            cy=cy,
-            c2=c2,
-            cost=prob.cost,
-            cost_scale=prob.cost_scale,
-            labels=lab,
-            precision="ieee",
-            backend="torch",
-            center=c,
-        )
+        fields = dict(X=X, Y=Y, a=a, b=b, cx=cx, cy=cy, c2=c2, cost=prob.cost)
+        fields.update(cost_scale=prob.cost_scale, labels=lab, precision="ieee", center=c)
+        if make is None:  # dense while it fits (exp2 passes), else the torch stream
+            return backends.build("auto", **fields)[0]
+        return make(backend="torch", **fields)
 
     return build
 
@@ -323,7 +171,7 @@ def float64_problem(x3, y3, prob, features=cost_features, make=None, a64=None, b
 def certifier(build64, prob, eps, rx, ry):
     """``certify(f, g) -> (err, rows, cols)``: the float64 :func:`certificate` of the
     potentials in the dtype they are returned in (the float64 problem built once, lazily)."""
-    dt = _potential_dtype(prob.X, prob.backend)
+    dt = prob.potential_dtype
     cache = {}
 
     def certify(f, g):
@@ -352,7 +200,7 @@ def _schedule(prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scali
 def _run_and_certify(prob, certify, sched, verbose):
     """The loop (no graph) and the float64 certificate of its potentials (what
     ``marginal_error`` and ``converged`` report), potentials in the returned dtype."""
-    dt = _potential_dtype(prob.X, prob.backend)
+    dt = prob.potential_dtype
     with torch.no_grad():
         out = _loop.run(prob, sched, certify, verbose=verbose)
     out.f, out.g = out.f.to(dt), out.g.to(dt)
@@ -372,12 +220,12 @@ def _value_problem(args, polished):
     "flashsinkhorn::ot_value", mutates_args=(), schema=f"({_PROBLEM}, {_VALUE}) -> Tensor"
 )
 def _ot_value_op(*args):
-    """solve's differentiable value (B,) (:class:`_OTValue` as a custom op); ``X, Y, a, b``
+    """solve's differentiable value (B,) (:class:`OTValue` as a custom op); ``X, Y, a, b``
     are the differentiable inputs."""
     f, g, polished, eps, rx, ry = args[_NP:]
     prob = _value_problem(args[:_NP], polished)
     with torch.no_grad():
-        value = _ot_value(prob, prob.a, prob.b, f, g, eps, rx, ry)
+        value = ot_value(prob, prob.a, prob.b, f, g, eps, rx, ry)
     return value.to(torch.promote_types(prob.a.dtype, f.dtype))
 
 
@@ -399,7 +247,7 @@ def _ot_value_backward_op(gout, *args):
     (f, g, polished, eps, rx, ry), need = args[_NP:-4], args[-4:]
     prob = _value_problem(args[:_NP], polished)
     with torch.no_grad():
-        grads = _ot_value_grads(prob, f, g, eps, rx, ry, gout, need)
+        grads = ot_value_grads(prob, f, g, eps, rx, ry, gout, need)
     return tuple(gr.to(t.dtype) if n else t.new_empty(0) for gr, t, n in zip(grads, args[:4], need))
 
 
@@ -409,8 +257,8 @@ def _(gout, *args):
 
 
 def _ot_value_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:12], *inputs[_NP : _NP + 3])  # X .. center, f, g, polished
-    ctx.scalars = inputs[12:_NP], inputs[_NP + 3 :]  # label_scale .. backend; eps, rx, ry
+    ctx.save_for_backward(*inputs[:10], *inputs[_NP : _NP + 3])  # X .. center, f, g, polished
+    ctx.scalars = inputs[10:_NP], inputs[_NP + 3 :]  # label_scale .. backend; eps, rx, ry
 
 
 def _ot_value_bwd(ctx, gout):
@@ -462,6 +310,7 @@ def solve(
     verbose: bool = False,
     reach=None,
     process_group=None,
+    cu_seqlens=None,
 ) -> SinkhornResult:
     """Entropic OT between weighted point clouds by streaming Sinkhorn.
 
@@ -498,6 +347,11 @@ def solve(
             x, y, a, b are this rank's shards of the global clouds (concatenated in rank
             order); the result is the global coupling (:mod:`flashsinkhorn.distributed`).
             None (default): one process.
+        cu_seqlens: a ragged batch (:mod:`flashsinkhorn.varlen`): x (sum N_k, D), y (sum
+            M_k, D) concatenated, ``cu_seqlens=(cu_x, cu_y)`` their (B + 1,) offsets; or x,
+            y (and a, b) lists of clouds. One launch per pass for all problems; the
+            result's potentials, marginals and barycentric map are lists, value and
+            marginal_error (B,).
 
     Returns:
         :class:`SinkhornResult` (``value``, ``potentials``, ``plan``, ``lazy_plan``,
@@ -514,60 +368,38 @@ def solve(
             "flashsinkhorn 0.2); reach is GeomLoss's distance, rho = 2 * cost_scale * reach**2"
         )
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
-        from flashsinkhorn import distributed  # noqa: PLC0415 (it imports this module)
-
-        return distributed.solve(
-            x,
-            y,
-            a,
-            b,
-            process_group=process_group,
-            eps=eps,
-            rho=rho,
-            cost=cost,
-            cost_scale=cost_scale,
-            max_iter=max_iter,
-            tol=tol,
-            schedule=schedule,
-            eps_scaling=eps_scaling,
-            diameter=diameter,
-            check_every=check_every,
-            label_cost=label_cost,
-            precision=precision,
-            backend=backend,
-            warn=warn,
-            verbose=verbose,
-        )
+        share = distributed.sharding(process_group)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("solve(process_group=...) does not run under torch.compile")
+        if not distributed.alone(share):  # (a group of one rank: the solve below)
+            args = dict(eps=eps, rho=rho, cost=cost, cost_scale=cost_scale, max_iter=max_iter)
+            args.update(tol=tol, schedule=schedule, eps_scaling=eps_scaling, diameter=diameter)
+            args.update(check_every=check_every, label_cost=label_cost, precision=precision)
+            return _solve_sharded(x, y, a, b, share, backend, warn, verbose, **args)
     eps, rx, ry, max_iter, check_every, tol = _check_args(
         eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
+    backends.check_backend(backend)
+    if cu_seqlens is not None or isinstance(x, (list, tuple)):
+        args = dict(eps=eps, rx=rx, ry=ry, max_iter=max_iter, check_every=check_every, tol=tol)
+        args.update(schedule=schedule, eps_scaling=eps_scaling, diameter=diameter, cost=cost)
+        args.update(cost_scale=cost_scale, precision=precision, label_cost=label_cost)
+        return _solve_varlen(x, y, a, b, cu_seqlens, backend, warn, verbose, **args)
     # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
     compiling = torch.compiler.is_compiling()
-    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_values=not compiling)
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_data=not compiling)
     if not compiling:
         check_masses(a2, b2, rx, ry)
         if cost == "cosine":
             _check_nonzero_rows(x3, y3)
-    be = problem_backend(backend, x3.device, x3.dtype)  # float64 stays float64 under "auto"
-    check_precision(precision, resolve_backend(backend, x3.device))
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
-    prob = StreamingProblem(
-        X=X.detach(),
-        Y=Y.detach(),
-        a=a2.detach(),
-        b=b2.detach(),
-        cx=cx.detach(),
-        cy=cy.detach(),
-        c2=c2,
-        cost=cost,
-        cost_scale=cost_scale,
-        labels=labels,
-        precision=precision,
-        backend=be,
-        center=center,
-    )
+    fields = dict(X=X.detach(), Y=Y.detach(), a=a2.detach(), b=b2.detach(), cx=cx.detach())
+    fields.update(cy=cy.detach(), c2=c2, cost=cost, cost_scale=cost_scale, labels=labels)
+    prob, why = backends.build(backend, precision=precision, center=center, **fields)
+    check_precision(precision, resolve_backend(prob.kernel_family, x3.device))
+    _loop.say(verbose, f"backend {prob.kind} ({why})")
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
     exact = [_uniform64(t) if w is None else None for w, t in ((a, x3), (b, y3))]
     build64 = float64_problem(x3, y3, prob, a64=exact[0], b64=exact[1])
@@ -585,7 +417,7 @@ def solve(
         marginals = out.marginals
         prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
         # the differentiable value: graph to x, y (through the features) and a, b
-        value = _OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+        value = OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
         finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
         f=f if batched else f[0],
@@ -596,6 +428,7 @@ def solve(
         converged=converged,
         eps=eps,
         precision=prob.precision,
+        backend=prob.kind,
         _prob=prob,
         _batched=batched,
         _f=f,
@@ -605,10 +438,12 @@ def solve(
     )
 
 
-def _uniform64(t):
-    """The default weights 1/N of the clouds ``t`` (B, N, D) in float64 (exactly 1/N, not
-    their float32 rounding: the certificate measures against them)."""
-    return torch.full(t.shape[:2], 1.0 / t.shape[1], dtype=torch.float64, device=t.device)
+def _uniform64(t, n=None):
+    """The default weights 1/n of the clouds ``t`` (B, N, D) in float64 (exactly 1/n, not
+    their float32 rounding: the certificate measures against them); ``n`` the global size
+    of a sharded cloud (default N)."""
+    n = t.shape[1] if n is None else n
+    return torch.full(t.shape[:2], 1.0 / n, dtype=torch.float64, device=t.device)
 
 
 def _check_args(eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter):
@@ -637,17 +472,6 @@ def _in_open_interval(v, lo, hi):
         return False
 
 
-def finite_value_or_raise(prob, value, eps):
-    """Finite potentials whose unbalanced dual value overflows (the plan's mass is inf in
-    float32 when eps is below the cost's resolution) are not a result: raise."""
-    bad = not bool(torch.isfinite(value.detach()).all())
-    if prob.any_rank((bad,))[0]:
-        raise FloatingPointError(
-            f"the dual value of the potentials is not finite at eps={eps:.3g} (the plan's "
-            "mass overflows): increase eps, rescale the points or pass float64 inputs"
-        )
-
-
 def _positive_int(v, name):
     try:
         ok = not isinstance(v, bool) and float(v).is_integer() and int(v) >= 1
@@ -672,3 +496,177 @@ def _check_nonzero_rows(x, y):
     for name, t in (("x", x), ("y", y)):
         if bool((t.abs().amax(-1) == 0).any()):
             raise ValueError(f"cost='cosine' needs nonzero points; {name} has a zero row")
+
+
+# ----------------------------------------------------------------------------------------
+# sharded over a process group (flashsinkhorn.distributed: the problem's passes exchange
+# the other ranks' columns; everything else is the single-process code)
+# ----------------------------------------------------------------------------------------
+
+
+def _solve_sharded(x, y, a, b, share, backend, warn, verbose, **kw):
+    """:func:`solve` with x, y, a, b this rank's shards of the global clouds."""
+    group = share.group
+    eps, rho, cost, cost_scale = kw["eps"], kw["rho"], kw["cost"], kw["cost_scale"]
+    with distributed.collective_errors(group):
+        eps, rx, ry, max_iter, check_every, tol = _check_args(
+            eps,
+            rho,
+            cost,
+            kw["schedule"],
+            kw["max_iter"],
+            kw["check_every"],
+            kw["tol"],
+            kw["eps_scaling"],
+            kw["diameter"],
+        )
+        if kw["label_cost"] is not None:
+            raise ValueError("label_cost is not supported with process_group")
+        x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
+        distributed.check_device(group, x3)
+        backends.check_backend(backend)
+    agree = dict(kw, eps=eps, rho=(rx, ry), max_iter=max_iter, tol=tol, check_every=check_every)
+    agree.update(backend=backend, verbose=bool(verbose), batched=batched)
+    agree.update(weights=(a is None, b is None), exchange=share.exchange)
+    agree.update(chunk_bytes=share.chunk_bytes, label_cost=None)
+    agree["requires_grad"] = tuple(t.requires_grad for t in (x3, y3, a2, b2))
+    comm = distributed.Communicator.create(group, x3, y3, agree, share.exchange, share.chunk_bytes)
+    a2, b2 = distributed.global_weights(comm, a2, b2, a, b)
+    if rx is None and ry is None:
+        ma, mb = comm.total(a2), comm.total(b2)
+        if bool(((ma - mb).abs() > 1e-5 * torch.maximum(ma, mb)).any()):
+            raise ValueError(
+                "balanced OT needs a.sum() == b.sum() over all ranks; got "
+                f"{ma.tolist()[:4]} and {mb.tolist()[:4]}: normalize the weights "
+                "or pass rho= for unbalanced OT"
+            )
+    # the streaming kernels' family: "auto" stays "auto" (the sm_90 kernel per pass)
+    family = "auto" if backend in ("auto", "dense", "streaming") else backend
+    be = problem_backend(family, x3.device, x3.dtype)
+    precision = kw["precision"]
+    check_precision(precision, resolve_backend(family, x3.device))
+    X, Y, cx, cy, c2, center = distributed.features(comm, x3, y3, cost, cost_scale)
+    prob = distributed.sharded_problem(
+        comm, X, Y, a2, b2, cx, cy, c2, cost, cost_scale, precision, be, center
+    )
+    diameter = kw["diameter"]
+    if kw["eps_scaling"] is not None and diameter is None:
+        diameter = comm.diameter(prob.X, prob.Y)
+    # the float64 certificate on the sharded problem rebuilt in float64 (global sums)
+    exact = [
+        None if w is not None else _uniform64(t, sum(comm.sizes[k]))
+        for w, t, k in ((a, x3, "x"), (b, y3, "y"))
+    ]
+    build64 = float64_problem(
+        x3,
+        y3,
+        prob,
+        features=lambda *t: distributed.features(comm, *t),
+        make=comm.problem,
+        a64=exact[0],
+        b64=exact[1],
+    )
+    certify = certifier(build64, prob, eps, rx, ry)
+    # every rank measures (collectives), rank 0 prints
+    say = (lambda line: print(line, flush=True) if comm.rank == 0 else None) if verbose else False
+    loop = (eps, rx, ry, max_iter, tol, kw["schedule"], check_every)
+    sched = _schedule(prob, *loop, kw["eps_scaling"], diameter)
+    out = _run_and_certify(prob, certify, sched, say)
+    _loop.report(out, tol, eps, warn)
+    prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
+    f, g, err = out.f, out.g, out.err
+    value = OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
+    finite_value_or_raise(prob, value, eps)
+    return SinkhornResult(
+        f=f if batched else f[0],
+        g=g if batched else g[0],
+        value=value if batched else value[0],
+        marginal_error=err if batched else err[0],
+        n_iter=out.n_iter,
+        converged=out.converged,
+        eps=eps,
+        precision=prob.precision,
+        backend=prob.kind,
+        _prob=prob,
+        _batched=batched,
+        _f=f,
+        _g=g,
+        _marginals=out.marginals,
+        _certify=certify,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# a ragged batch (flashsinkhorn.varlen: one launch per pass over every problem)
+# ----------------------------------------------------------------------------------------
+
+
+def _solve_varlen(x, y, a, b, cu_seqlens, backend, warn, verbose, **kw):
+    """:func:`solve` of a ragged batch: lists of clouds or concatenated points."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("a ragged solve does not run under torch.compile")
+    if kw["label_cost"] is not None:
+        raise ValueError("label_cost is not supported for ragged batches")
+    eps, rx, ry = kw["eps"], kw["rx"], kw["ry"]
+    x3, y3, a2, b2, cu_x, cu_y, sx, sy = prepare_varlen(x, y, a, b, cu_seqlens)
+    check_values(x3, y3, a2, b2)
+    if rx is None and ry is None:
+        ma = torch.zeros(len(sx), dtype=a2.dtype, device=a2.device)
+        ma = ma.index_add(0, segment_ids(sx, a2.device), a2[0])
+        mb = torch.zeros_like(ma).index_add(0, segment_ids(sy, b2.device), b2[0])
+        check_masses(ma[None], mb[None], rx, ry)
+    X, Y, cx, cy, c2, center = cost_features(x3, y3, kw["cost"], kw["cost_scale"])
+    family = "auto" if backend in ("auto", "dense", "streaming") else backend
+    check_precision(kw["precision"], resolve_backend(family, x3.device))
+    make = partial(VarlenProblem, cu_x=cu_x, cu_y=cu_y, sizes_x=sx, sizes_y=sy)
+    prob = make(
+        X=X.detach(),
+        Y=Y.detach(),
+        a=a2.detach(),
+        b=b2.detach(),
+        cx=cx.detach(),
+        cy=cy.detach(),
+        c2=c2,
+        cost=kw["cost"],
+        cost_scale=kw["cost_scale"],
+        precision=kw["precision"],
+        backend=family,
+        center=center,
+    )
+    _loop.say(verbose, f"backend varlen ({len(sx)} ragged problems)")
+    uniform = [
+        torch.cat([torch.full((n,), 1.0 / n, dtype=torch.float64) for n in sizes])[None].to(
+            x3.device
+        )
+        for sizes in (sx, sy)
+    ]
+    a64 = uniform[0] if a is None else None
+    b64 = uniform[1] if b is None else None
+    certify = certifier(
+        float64_problem(x3, y3, prob, make=make, a64=a64, b64=b64), prob, eps, rx, ry
+    )
+    loop = (eps, rx, ry, kw["max_iter"], kw["tol"], kw["schedule"], kw["check_every"])
+    sched = _schedule(prob, *loop, kw["eps_scaling"], kw["diameter"])
+    out = _run_and_certify(prob, certify, sched, verbose)
+    _loop.report(out, kw["tol"], eps, warn)
+    prob = out.prob
+    value = OTValue.apply(X, Y, a2, b2, out.f, out.g, prob, eps, rx, ry)
+    finite_value_or_raise(prob, value, eps)
+    return SinkhornResult(
+        f=split(out.f, sx),
+        g=split(out.g, sy),
+        value=value,
+        marginal_error=out.err,
+        n_iter=out.n_iter,
+        converged=out.converged,
+        eps=eps,
+        precision=prob.precision,
+        backend=prob.kind,
+        _prob=prob,
+        _batched=True,
+        _f=out.f,
+        _g=out.g,
+        _marginals=out.marginals,
+        _certify=certify,
+        _sizes=(sx, sy),
+    )

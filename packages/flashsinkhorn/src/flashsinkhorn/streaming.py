@@ -48,6 +48,20 @@ class StreamingProblem(Problem):
             )
 
     @property
+    def backend_arg(self) -> str:
+        return "streaming" if self.backend == "auto" else self.backend
+
+    @property
+    def kernel_family(self) -> str:
+        return self.backend
+
+    @property
+    def potential_dtype(self) -> torch.dtype:
+        """float64 on the torch path for float64 inputs; the kernels return float32."""
+        f64 = self.X.dtype == torch.float64 and self.backend == "torch"
+        return torch.float64 if f64 else torch.float32
+
+    @property
     def exact(self) -> bool:  # type: ignore[override]
         """The torch path computes in the problem's dtype; the kernels in ``precision``."""
         return self.backend == "torch"
@@ -161,8 +175,8 @@ class StreamingProblem(Problem):
     def cost_bound(self):
         """As :meth:`Problem.cost_bound`, from the prepared operands (no copy)."""
         xn, yn = self.Xk.double().norm(dim=-1), self.Yk.double().norm(dim=-1)
-        mag = self.peak(self.cx.abs().double()) + self.peak(self.cy.abs().double())
-        mag = mag + abs(self.c2) * self.peak(xn) * self.peak(yn)
+        mag = self.peak(self.cx.abs().double()) + self.peak(self.cy.abs().double(), "y")
+        mag = mag + abs(self.c2) * self.peak(xn) * self.peak(yn, "y")
         if self.labels is not None:
             mag = mag + abs(self.labels[3]) * self.labels[2].abs().max().double()
         return mag

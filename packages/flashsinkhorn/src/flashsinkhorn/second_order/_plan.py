@@ -13,21 +13,21 @@ with ``phi(f) = f`` on a balanced side and ``phi(f) = -rho (exp(-f / rho) - 1)``
 unbalanced one; at the optimum this is the entropic OT cost, and its gradient in x is
 ``2 (r_i x_i - (P y)_i)`` (envelope theorem, r = P 1).
 
-:func:`solve_potentials` is a small streaming Sinkhorn (alternating or symmetric updates,
-optional eps-scaling, optional label costs) so that this subpackage also works on its own;
-potentials from ``flashsinkhorn.solve`` can be passed instead.
+:func:`solve_potentials` runs flashsinkhorn's one Sinkhorn loop (:mod:`flashsinkhorn._loop`,
+on the problem ``backends.build`` picks: dense or streaming) in this convention, so that
+this subpackage also works on its own; potentials from ``flashsinkhorn.solve`` can be
+passed instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
-from flashsinkhorn.primitives import softmin
-from flashsinkhorn.reference import rho_from_reach
-from flashsinkhorn.second_order._stream import PRECISIONS as _PRECISIONS
-from flashsinkhorn.second_order._stream import resolve_backend, row_apply, row_lse
+from flashsinkhorn import _loop, backends
+from flashsinkhorn._hessian import Plan, center, kappa, rho_pair
+from flashsinkhorn._hessian_triton import PRECISIONS, resolve_backend
 
 
 def _check_inputs(x, y, a, b, eps):
@@ -60,112 +60,15 @@ def _check_inputs(x, y, a, b, eps):
     return a.to(dt), b.to(dt)
 
 
-def _split_reach(reach):
-    """reach (None, a number, or a pair) -> (reach_x, reach_y)."""
-    if isinstance(reach, (tuple, list)):
-        rx, ry = reach
-        return rx, ry
-    return reach, reach
-
-
-def _rho(reach):
-    """GeomLoss's reach (a distance) -> (rho_x, rho_y) = 2 reach**2 for the cost |x - y|^2
-    (``geomloss.ot``'s convention; SamplesLoss's cost |x - y|^2 / 2 gives reach**2); None
-    or inf means balanced on that side."""
-    return rho_from_reach(reach, 1.0)
-
-
-def _kappa(rho, eps):
-    return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
-
-
-@dataclass
-class Plan:
-    """Potentials of a solved problem plus everything needed to stream its plan."""
-
-    x: torch.Tensor  # centered compute copy (n, D)
-    y: torch.Tensor  # centered compute copy (m, D)
-    a: torch.Tensor
-    b: torch.Tensor
-    f: torch.Tensor
-    g: torch.Tensor
-    eps: float
-    rho_x: float | None = None
-    rho_y: float | None = None
-    labels: tuple | None = None  # (lx, ly, table) with the label weight folded in
-    backend: str = "auto"
-    precision: str = "tf32x3"
-    info: dict = field(default_factory=dict)
-
-    @property
-    def kx(self) -> float:
-        return _kappa(self.rho_x, self.eps)
-
-    @property
-    def ky(self) -> float:
-        return _kappa(self.rho_y, self.eps)
-
-    @property
-    def balanced(self) -> bool:
-        return self.rho_x is None and self.rho_y is None
-
-    def _shifted(self):
-        F = self.f - (self.x * self.x).sum(1) + self.eps * torch.log(self.a)
-        G = self.g - (self.y * self.y).sum(1) + self.eps * torch.log(self.b)
-        return F, G
-
-    def rows(self, W, A=None, B=None, U=None):
-        """``P @ W`` (and ``(P * (A B^T)) @ U`` when A is given)."""
-        F, G = self._shifted()
-        return row_apply(
-            self.x, self.y, F, G, self.eps, W, A=A, B=B, U=U, labels=self.labels,
-            backend=self.backend, precision=self.precision,
-        )  # fmt: skip
-
-    def cols(self, W, A=None, B=None, U=None):
-        """``P^T @ W`` (and ``(P * (B A^T))^T @ U`` with A (m, E), B (n, E))."""
-        F, G = self._shifted()
-        lab = None
-        if self.labels is not None:
-            lx, ly, t = self.labels
-            lab = (ly, lx, t.T.contiguous())
-        return row_apply(
-            self.y, self.x, G, F, self.eps, W, A=A, B=B, U=U, labels=lab,
-            backend=self.backend, precision=self.precision,
-        )  # fmt: skip
-
-    def value(self, r=None) -> torch.Tensor:
-        """The dual objective (the entropic OT cost at the optimum)."""
-        if r is None:
-            r = self.rows(torch.ones_like(self.g))
-        mass = r.sum() - self.a.sum() * self.b.sum()
-        return (
-            _phi(self.f, self.rho_x) @ self.a
-            + _phi(self.g, self.rho_y) @ self.b
-            - (self.eps * mass)
-        )
-
-
-def _phi(f, rho):
-    """The dual's per-point term (and its derivative in the weight): f on a balanced side,
-    ``-rho (exp(-f / rho) - 1)`` on an unbalanced one."""
-    if rho is None:
-        return f
-    return -rho * torch.expm1(-f / rho)
-
-
-def center(x, y):
-    """Translate both clouds by their common mean (the cost is translation invariant)."""
-    t = (x.sum(0) + y.sum(0)) / (x.shape[0] + y.shape[0])
-    return x - t, y - t
-
-
-# solve_potentials on the triton backend runs its updates on the main solver's kernel for
-# D <= this and the tensor-core precisions (one feature chunk: no register spill at tf32x3
-# or tf32 without labels in a static sm_90 compile, at any d = 64 tuned config); otherwise
-# on the second-order row_lse kernel (docs/design/flashsinkhorn.md, second order).
-_MAIN_KERNEL_MAX_D = 128
-_MAIN_KERNEL_PRECISIONS = ("tf32x3", "tf32")
+def _problem(xc, yc, a, b, lab, backend, precision):
+    """The cost ``|x - y|^2`` (+ label table) as a :class:`flashsinkhorn.problem.Problem` of
+    one batch on ``backend`` (``backends.build``: dense or streaming by size)."""
+    labels = None
+    if lab is not None:
+        labels = (lab[0][None], lab[1][None], lab[2], 1.0)
+    fields = dict(X=xc[None], Y=yc[None], a=a[None], b=b[None], c2=2.0, labels=labels)
+    fields.update(cx=(xc * xc).sum(1)[None], cy=(yc * yc).sum(1)[None], precision=precision)
+    return backends.build(backend, **fields)[0]
 
 
 def solve_potentials(
@@ -188,34 +91,38 @@ def solve_potentials(
     loop_precision: str | None = None,
     exact_tail: int = 5,
 ) -> Plan:
-    """Streaming log-domain Sinkhorn; returns a :class:`Plan` (potentials + plan products).
+    """Entropic OT potentials on flashsinkhorn's one loop; returns a :class:`Plan` (the
+    second-order convention: potentials + streamed plan products).
 
     x (n, D), y (m, D); a (n,), b (m,) positive weights (uniform when None); ``eps`` the
     final temperature; ``reach`` (float or (reach_x, reach_y), None = balanced; GeomLoss's
-    distance) gives ``rho = 2 reach**2``. ``max_iter`` full iterations at the final eps
-    (after one iteration per value of ``eps_schedule`` when given). ``tol``: stop when the
-    L1 marginal error, checked every ``check_every`` iterations, falls below it.
-    ``symmetric``: averaged (GeomLoss-style) updates instead of alternating ones. ``labels``:
-    ``(lx (n,), ly (m,), table (Kx, Ky))`` adds ``table[lx_i, ly_j]`` to the cost.
-    ``potentials=(f, g)`` skips the solve (e.g. from ``flashsinkhorn.solve``).
-    ``loop_precision`` (opt-in, e.g. "tf32" with ``precision="tf32x3"``): the Triton dot mode
-    of the iterations before the last ``exact_tail`` ones (with ``tol``: until the error
-    check passes, then ``exact_tail`` more iterations at ``precision``). Where the loop
-    converges, the exact iterations contract the cheaper mode's error away
+    distance) gives ``rho = 2 reach**2``. ``eps_schedule``: annealing temperatures run
+    before eps (one symmetric averaged update each, GeomLoss's eps-scaling), then
+    ``max_iter`` iterations at eps. ``tol``: stop when the L1 marginal error estimate,
+    checked every ``check_every`` iterations, falls below it. ``symmetric``: averaged
+    (GeomLoss-style) updates instead of alternating ones. ``labels``: ``(lx (n,), ly (m,),
+    table (Kx, Ky))`` adds ``table[lx_i, ly_j]`` to the cost. ``potentials=(f, g)`` skips
+    the solve (e.g. from ``flashsinkhorn.solve``). ``backend``: as ``flashsinkhorn.solve``'s
+    (``"auto"``: dense or streaming by size).
+    ``loop_precision`` (opt-in, e.g. "tf32" with ``precision="tf32x3"``): the dot precision
+    of the iterations before the last ``exact_tail`` ones (with ``tol``: until the estimate
+    passes, then ``exact_tail`` more iterations at ``precision``). Where the loop converges,
+    the exact iterations contract the cheaper mode's error away
     (docs/design/flashsinkhorn.md); the returned plan's own products use ``precision``.
     """
     a, b = _check_inputs(x, y, a, b, eps)
-    if loop_precision is not None and loop_precision not in _PRECISIONS:
-        raise ValueError(f"loop_precision must be None or one of {_PRECISIONS}, got "
-                         f"{loop_precision!r}")  # fmt: skip
+    if loop_precision is not None and loop_precision not in PRECISIONS:
+        raise ValueError(
+            f"loop_precision must be None or one of {PRECISIONS}, got {loop_precision!r}"
+        )
     if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 1:
         raise ValueError(f"exact_tail must be an int >= 1, got {exact_tail!r}")
-    be = resolve_backend(backend, x.device)
+    be = resolve_backend(backend if backend in ("auto", "triton", "torch") else "auto", x.device)
     dt = x.dtype if (be == "torch" and x.dtype == torch.float64) else torch.float32
     xc, yc = center(x.detach().to(dt), y.detach().to(dt))
     a = a.detach().to(dt)
     b = b.detach().to(dt)
-    rx, ry = _rho(reach)
+    rx, ry = rho_pair(reach)
     lab = None
     if labels is not None:
         lx, ly, table = labels
@@ -226,116 +133,73 @@ def solve_potentials(
         plan.g = potentials[1].detach().to(dt)
         plan.info = {"iterations": 0, "marginal_error": None}
         return plan
-    x2 = (xc * xc).sum(1)
-    y2 = (yc * yc).sum(1)
-    loga = torch.log(a)
-    logb = torch.log(b)
-    lab_t = None if lab is None else (lab[1], lab[0], lab[2].T.contiguous())
-
-    precisions = {precision, loop_precision or precision}
-    main = xc.shape[1] <= _MAIN_KERNEL_MAX_D and precisions <= set(_MAIN_KERNEL_PRECISIONS)
-    if be == "triton" and main:
-        # The main solver's kernel (flashsinkhorn.primitives.softmin: the streaming
-        # kernels, row tile kept on chip) computes the whole update in one launch:
-        # kappa (|x_i|^2 - eps LSE_j[log b_j + (g_j - |y_j|^2 + 2<x_i, y_j> - L_ij) / eps]).
-        # Operands are prepared once here (batch of one, int32 labels, fp32 tables), so the
-        # launcher copies nothing per call. D > 128 and precision "ieee" keep row_lse's
-        # kernel (there the main kernel spills too in a static sm_90 compile).
-        sx, sy = xc.contiguous()[None], yc.contiguous()[None]
-        x2b, y2b, logab, logbb = x2[None], y2[None], loga[None], logb[None]
-        klab = klab_t = None
-        # "auto" lets softmin run the sm_90 Gluon pass where it applies (tf32 loops)
-        kbe = "auto" if backend == "auto" else "triton"
-        if lab is not None:
-            lx32, ly32 = lab[0].to(torch.int32)[None], lab[1].to(torch.int32)[None]
-            klab = (lx32, ly32, lab[2].float().contiguous(), 1.0)
-            klab_t = (ly32, lx32, lab_t[2].float().contiguous(), 1.0)
-
-        def upd_f(g, e, prec):
-            return softmin(
-                sx, sy, g[None], logbb, x2b, y2b, eps=e, c2=2.0, damping=_kappa(rx, e),
-                labels=klab, precision=prec, backend=kbe,
-            )[0][0]  # fmt: skip
-
-        def upd_g(f, e, prec):
-            return softmin(
-                sy, sx, f[None], logab, y2b, x2b, eps=e, c2=2.0, damping=_kappa(ry, e),
-                labels=klab_t, precision=prec, backend=kbe,
-            )[0][0]  # fmt: skip
-
+    prob = _problem(xc, yc, a, b, lab, backend, precision)
+    sched = _loop.Schedule(
+        eps=float(eps),
+        stages=tuple(float(e) for e in (eps_schedule or ())),
+        rho_x=rx,
+        rho_y=ry,
+        max_iter=int(max_iter),
+        update="symmetric" if symmetric else "alternating",
+        tol=tol,
+        check_every=check_every,
+    )
+    fast = loop_precision is not None and loop_precision != precision and exact_tail < max_iter
+    # the loop starts from g = c-transform of f = 0 at the first temperature (not f from
+    # g = 0): Newton on OT losses of unconverged potentials (the shuffled-regression
+    # example at 300 iterations) converges to |grad| 1e-12 from there and stalls at 4e-6
+    # from the other start (its line search sees the loss and the envelope gradient
+    # disagree more)
+    e0 = float(sched.stages[0] if sched.stages else eps)
+    first = prob.with_precision(loop_precision) if fast else prob
+    f0 = first.zeros_x()
+    start = (f0, first.sm_y(f0, e0, kappa(ry, e0))[0])
+    if not fast:
+        out = _loop.run(prob, sched, init=None if sched.stages else start)
+        info = {"iterations": out.n_iter, "loop_precision_iterations": 0}
     else:
-
-        def upd_f(g, e, prec):
-            G = g - y2 + e * logb
-            return _kappa(rx, e) * (
-                x2 + row_lse(xc, yc, G, e, labels=lab, backend=be, precision=prec)
-            )
-
-        def upd_g(f, e, prec):
-            F = f - x2 + e * loga
-            return _kappa(ry, e) * (
-                y2 + row_lse(yc, xc, F, e, labels=lab_t, backend=be, precision=prec)
-            )
-
-    eps_list = [float(e) for e in (eps_schedule or [])] + [float(eps)] * int(max_iter)
-    n_iter = len(eps_list)
-    # iterations at loop_precision before the exact tail: all but the last exact_tail, or
-    # with tol until the check passes (exact_left counts the tail down once it starts)
-    fast = loop_precision is not None and loop_precision != precision
-    exact_left = None
-    fast_iters = 0
-    f = torch.zeros_like(x2)
-    g = torch.zeros_like(y2)
-    if eps_list:
-        # a first c-transform at the first temperature
-        g = upd_g(f, eps_list[0], loop_precision if fast else precision)
-    err = None
-    it = 0
-    for it, e in enumerate(eps_list, 1):
-        if fast and exact_left is None and it > n_iter - exact_tail:
-            exact_left = n_iter - it + 1
-        prec = loop_precision if (fast and exact_left is None) else precision
-        fast_iters += prec != precision
-        if exact_left == 1:
-            f_prev, g_prev = f, g  # the last iteration's change decides the fallback below
-        if symmetric:
-            f_new, g_new = upd_f(g, e, prec), upd_g(f, e, prec)
-            f, g = 0.5 * (f + f_new), 0.5 * (g + g_new)
-        else:
-            f = upd_f(g, e, prec)
-            g_new = upd_g(f, e, prec)
-            last = exact_left == 1
-            if tol is not None and it >= n_iter - max_iter and (it % check_every == 0 or last):
-                # column marginal error of the plan (f, g): sum_j |b_j exp((g - g_new)/eps) - b_j|
-                if rx is None and ry is None:
-                    err = float((b * torch.expm1((g - g_new) / e).abs()).sum())
-                else:  # no fixed marginal: the change of the potential, in units of eps
-                    err = float((g - g_new).abs().max() / e)
-            g = g_new
-            if exact_left is not None:
-                exact_left -= 1
-                if exact_left == 0:
-                    break
-            elif err is not None and err < tol:
-                if not fast:
-                    break
-                exact_left = exact_tail  # converged at loop_precision: polish, then stop
-    if fast and exact_left == 0:
-        change = _gauge_free_change(f - f_prev, g - g_prev, rx is None and ry is None)
-        if change > TAIL_TOL * max(1.0, float(f.abs().max()), float(g.abs().max())):
+        # the cheap loop (at most max_iter - exact_tail iterations, or until the estimate
+        # passes tol), then exact_tail iterations at precision, the last one apart: its
+        # change decides whether the cheap iterations only left a bias the tail removed
+        cheap = _loop.run(
+            first,
+            replace(sched, max_iter=max_iter - exact_tail),
+            init=None if sched.stages else start,
+        )
+        tail = replace(sched, stages=(), max_iter=exact_tail - 1, tol=None)
+        out = _loop.run(prob, tail, init=(cheap.f, cheap.g))
+        f_prev, g_prev = out.f, out.g
+        out = _loop.run(prob, replace(tail, max_iter=1), init=(f_prev, g_prev))
+        change = _gauge_free_change(out.f - f_prev, out.g - g_prev, rx is None and ry is None)
+        scale = max(1.0, float(out.f.abs().max()), float(out.g.abs().max()))
+        if change > TAIL_TOL * scale:
             # still moving after the exact tail: the loop has not converged, so the cheap
             # iterations' rounding changed the trajectory, not just a bias the tail removes
             # (GPU run 11: H v off by 7e-4 on such a problem). Redo every iteration exactly.
             plan = solve_potentials(
-                x, y, a, b, eps=eps, reach=reach, max_iter=max_iter, tol=tol,
-                check_every=check_every, eps_schedule=eps_schedule, symmetric=symmetric,
-                labels=labels, backend=backend, precision=precision,
-            )  # fmt: skip
+                x,
+                y,
+                a,
+                b,
+                eps=eps,
+                reach=reach,
+                max_iter=max_iter,
+                tol=tol,
+                check_every=check_every,
+                eps_schedule=eps_schedule,
+                symmetric=symmetric,
+                labels=labels,
+                backend=backend,
+                precision=precision,
+            )
             plan.info["loop_precision_fallback"] = True
             return plan
-    plan.f, plan.g = f, g
-    plan.info = {"iterations": it, "marginal_error": err, "loop_precision_iterations": fast_iters,
-                 "loop_precision_fallback": False}  # fmt: skip
+        info = {"iterations": cheap.n_iter + exact_tail, "loop_precision_iterations": cheap.n_iter}
+        # the last iteration's estimate (the L1 marginal error of the plan before it)
+        last = _loop.l1_err(prob, "x", f_prev, out.f, eps)
+        out.estimate = float((last + _loop.l1_err(prob, "y", g_prev, out.g, eps)).max())
+    plan.f, plan.g = out.f[0].to(dt), out.g[0].to(dt)
+    plan.info = dict(info, marginal_error=out.estimate, loop_precision_fallback=False)
     return plan
 
 
@@ -352,4 +216,4 @@ def _gauge_free_change(df, dg, balanced):
     return max(float((df - c).abs().max()), float((dg + c).abs().max()))
 
 
-__all__ = ["Plan", "solve_potentials", "center"]
+__all__ = ["solve_potentials"]

@@ -12,15 +12,9 @@ import time
 
 import torch
 
-from flashsinkhorn.second_order import (
-    hvp,
-    hvp_ref,
-    lanczos_min_eig,
-    newton_cg,
-    ot_loss,
-    otdd,
-    solve_potentials,
-)
+from flashsinkhorn.second_order import hvp, hvp_ref, ot_loss, otdd
+from flashsinkhorn.second_order._plan import solve_potentials
+from flashsinkhorn.second_order.optim import lanczos_min_eig, newton_cg
 
 
 def _digits(n_per_side=150):
@@ -71,8 +65,10 @@ def main() -> None:
     t0 = time.time()
     res = newton_cg(F, x0, max_iter=20, gtol=1e-11, cg_tol=1e-12)
     gn = ", ".join(f"{h[2]:.1e}" for h in res.history)
-    print(f"[2] Newton-CG on OT(x, y) + mu/2 |x - x0|^2 (double backward): |grad| per "
-          f"iteration: {gn} ({time.time() - t0:.1f} s)")  # fmt: skip
+    print(
+        f"[2] Newton-CG on OT(x, y) + mu/2 |x - x0|^2 (double backward): |grad| per "
+        f"iteration: {gn} ({time.time() - t0:.1f} s)"
+    )
 
     # 3. Lanczos at a symmetric configuration: every x_i at the same point
     xs = torch.zeros(20, 2, dtype=F64) + 1e-3 * torch.randn(20, 2, generator=g, dtype=F64)
@@ -85,10 +81,12 @@ def main() -> None:
         torch.randn(20, 2, generator=g, dtype=F64),
         k=20,
     )
-    print(f"[3] Lanczos on the HVP at collapsed x: lambda_min = {lz.eigenvalue:+.3e}, "
-          f"lambda_max = {float(lz.ritz_values[-1]):+.3e} -> "
-          f"{'saddle' if lz.eigenvalue < 0 else 'no negative curvature'} "
-          f"({time.time() - t0:.1f} s)")  # fmt: skip
+    print(
+        f"[3] Lanczos on the HVP at collapsed x: lambda_min = {lz.eigenvalue:+.3e}, "
+        f"lambda_max = {float(lz.ritz_values[-1]):+.3e} -> "
+        f"{'saddle' if lz.eigenvalue < 0 else 'no negative curvature'} "
+        f"({time.time() - t0:.1f} s)"
+    )
 
     # 4. OTDD on digits
     x1, l1, x2, l2, src = _digits()
@@ -99,10 +97,12 @@ def main() -> None:
     r11 = otdd(x1, l1, x1, l1, **kw)
     scrambled = l1[torch.randperm(len(l1), generator=g)]
     rp = otdd(x1, l1, x1, scrambled, **kw)
-    print(f"[4] OTDD ({src}, {len(x1)} vs {len(x2)} points, d=64, eps=2, Gaussian label "
-          f"distances): OTDD(D1, D2) = {r12.value:.4f}, OTDD(D2, D1) = {r21.value:.4f}, "
-          f"OTDD(D1, D1) = {r11.value:.1e}, D1 vs D1 with scrambled labels: {rp.value:.4f} "
-          f"({time.time() - t0:.1f} s)")  # fmt: skip
+    print(
+        f"[4] OTDD ({src}, {len(x1)} vs {len(x2)} points, d=64, eps=2, Gaussian label "
+        f"distances): OTDD(D1, D2) = {r12.value:.4f}, OTDD(D2, D1) = {r21.value:.4f}, "
+        f"OTDD(D1, D1) = {r11.value:.1e}, D1 vs D1 with scrambled labels: {rp.value:.4f} "
+        f"({time.time() - t0:.1f} s)"
+    )
     print(f"demo done in {time.time() - t_all:.1f} s")
 
 

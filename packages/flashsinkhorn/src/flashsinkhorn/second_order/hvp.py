@@ -36,180 +36,25 @@ from typing import NamedTuple
 
 import torch
 
-from flashsinkhorn.second_order._plan import Plan, _phi, _split_reach, solve_potentials
-from flashsinkhorn.second_order.optim import CGInfo, conjugate_gradient
+from flashsinkhorn._hessian import (
+    CGInfo,
+    Plan,
+    conjugate_gradient,
+    envelope_grads,
+    finite_or_raise,
+    hvp_plan,
+    inverse_or_zero,
+    phi,
+    schur_solve,
+    split_reach,
+    weighted,
+)
+from flashsinkhorn.second_order._plan import solve_potentials
 
 
 # ----------------------------------------------------------------------------------------
 # building blocks on a solved Plan
 # ----------------------------------------------------------------------------------------
-def _schur_solve(plan: Plan, r, c, rhs_f, rhs_g, *, tol, max_iter, tikhonov=0.0):
-    """Solve [[diag(r)/kx, P], [P^T, diag(c)/ky]] [zf; zg] = [rhs_f; rhs_g] for zg.
-
-    Returns ``(zg, info)``; ``zf = kx (rhs_f - P zg) / r`` is left to the caller (who can
-    fuse that row pass with others).
-    """
-    dx = r / plan.kx
-    dy = c / plan.ky + tikhonov
-    idx, idy = _inv(dx), _inv(dy)
-    rhs = rhs_g - plan.cols(rhs_f * idx)
-    project = None
-    if plan.balanced and tikhonov == 0:
-
-        def project(v):
-            return v - v.mean()
-
-    def matvec(z):
-        return dy * z - plan.cols(plan.rows(z) * idx)
-
-    zg, info = conjugate_gradient(
-        matvec, rhs, M=lambda res: res * idy, tol=tol, max_iter=max_iter, project=project
-    )
-    return zg, info
-
-
-def _finite_or_raise(what, out, eps):
-    """A non-finite H v (or gradient) of finite inputs means the plan over- or underflowed:
-    eps is below the resolution of the cost in the compute dtype. Raise instead of NaN."""
-    outs = out if isinstance(out, tuple) else (out,)
-    if not all(bool(torch.isfinite(t).all()) for t in outs):
-        raise FloatingPointError(
-            f"{what}: non-finite result at eps={eps:.3g}: the plan over- or underflows (eps "
-            "below the resolution of the cost); increase eps, rescale the points or pass "
-            "float64 inputs"
-        )
-
-
-def _inv(t):
-    """``1 / t`` where ``t > 0``, else 0: a point whose plan row carries no mass (all its
-    entries underflow, e.g. unbalanced points far from the other cloud) has no equation in
-    the linearized conditions and contributes nothing to H v, instead of 0 / 0."""
-    return torch.where(t > 0, 1.0 / torch.where(t > 0, t, torch.ones_like(t)), torch.zeros_like(t))
-
-
-def _weighted(apply, w, pts):
-    """``(P w, P (w pts))`` in one streamed pass; ``apply`` is ``plan.rows`` (pts = y) or
-    ``plan.cols`` (P^T, pts = x). ``w=None`` means ones: the masses and ``P pts``."""
-    if w is None:
-        ones = torch.ones(pts.shape[0], 1, dtype=pts.dtype, device=pts.device)
-        R = apply(torch.cat([ones, pts], 1))
-    else:
-        R = apply(torch.cat([w[:, None], w[:, None] * pts], 1))
-    return R[:, 0], R[:, 1:]
-
-
-def _first_pass(apply, pts, s, v, need, A, B):
-    """Pass 1 of the HVP on one side, one streamed product: ``P 1``, ``P pts`` (if
-    ``need``), ``P s`` and ``P v`` (when the other side moves: s, v given; ``P v`` only if
-    ``need``), ``(P*Q) 1`` and ``(P*Q) pts`` (if ``need``), with ``Q = A B^T``.
-
-    Rows: ``apply=plan.rows, pts=y, s=beta, v=vy``; columns: ``plan.cols, x, alpha, vx``
-    with A and B swapped. Returns ``(P1, Ppts, Ps, Pv, PQ1, PQpts)``, None where skipped.
-    """
-    d = pts.shape[1]
-    ones = torch.ones(pts.shape[0], 1, dtype=pts.dtype, device=pts.device)
-    has = s is not None
-    W = [ones] + ([pts] if need else []) + ([s[:, None]] if has else [])
-    W += [v] if (has and need) else []
-    U = torch.cat([ones, pts], 1) if need else ones[:, 0]
-    R1, R2 = apply(torch.cat(W, 1), A=A, B=B, U=U)
-    Ppts = Ps = Pv = PQpts = None
-    k = 1
-    if need:
-        Ppts = R1[:, k : k + d]
-        k += d
-    if has:
-        Ps = R1[:, k]
-        k += 1
-        if need:
-            Pv = R1[:, k : k + d]
-    if need:
-        PQ1, PQpts = R2[:, 0], R2[:, 1:]
-    else:
-        PQ1 = R2
-    return R1[:, 0], Ppts, Ps, Pv, PQ1, PQpts
-
-
-def _grads(plan: Plan, need_x=True, need_y=True):
-    """Envelope-theorem gradients ``(2 (r x - P y), 2 (c y - P^T x))`` (compute dtype)."""
-    gx = gy = None
-    if need_x:
-        r, Py = _weighted(plan.rows, None, plan.y)
-        gx = 2.0 * (r[:, None] * plan.x - Py)
-    if need_y:
-        c, PTx = _weighted(plan.cols, None, plan.x)
-        gy = 2.0 * (c[:, None] * plan.y - PTx)
-    return gx, gy
-
-
-def _hvp_plan(plan: Plan, vx, vy, *, need_x=True, need_y=True, cg_tol=1e-6, cg_max_iter=300,
-              tikhonov=0.0):  # fmt: skip
-    """Streaming HVP of the OT loss along (vx, vy) (either may be None = 0).
-
-    Returns ``(hx, hy, CGInfo)``; hx (resp. hy) is None when not needed.
-    """
-    x, y, eps = plan.x, plan.y, plan.eps
-    dt = x.dtype
-    hasx, hasy = vx is not None, vy is not None
-    if not (hasx or hasy):
-        raise ValueError("need at least one of vx, vy")
-    vx = vx.to(dt) if hasx else None
-    vy = vy.to(dt) if hasy else None
-    alpha = (x * vx).sum(1) if hasx else None
-    beta = (y * vy).sum(1) if hasy else None
-    if hasx and hasy:
-        A, B = torch.cat([vx, x], 1), torch.cat([y, vy], 1)
-    elif hasx:
-        A, B = vx, y
-    else:
-        A, B = x, vy
-
-    # row pass 1: r, P y, P beta, P vy ; (P*Q) 1, (P*Q) y
-    r, Py, Pbeta, Pvy, Qr, QY = _first_pass(plan.rows, y, beta, vy, need_x, A, B)
-    # column pass 1: c, P^T x, P^T alpha, P^T vx ; (P*Q)^T 1, (P*Q)^T x
-    c, PTx, PTalpha, PTvx, Qc, QX = _first_pass(plan.cols, x, alpha, vx, need_y, B, A)
-
-    # linearized optimality conditions
-    u = -2.0 * Qr
-    w = -2.0 * Qc
-    if hasx:
-        u = u + 2.0 * alpha * r
-        w = w + 2.0 * PTalpha
-    if hasy:
-        u = u + 2.0 * Pbeta
-        w = w + 2.0 * beta * c
-    dg, info = _schur_solve(plan, r, c, u, w, tol=cg_tol, max_iter=cg_max_iter,
-                            tikhonov=tikhonov)  # fmt: skip
-    psi = dg - 2.0 * beta if hasy else dg
-
-    # row pass 2: P psi, P (psi y)
-    if need_x:
-        Ppsi, PpsiY = _weighted(plan.rows, psi, y)
-    else:
-        Ppsi = plan.rows(psi)
-    Pdg = Ppsi + 2.0 * Pbeta if hasy else Ppsi
-    df = plan.kx * (u - Pdg) * _inv(r)
-    phi = df - 2.0 * alpha if hasx else df
-
-    hx = hy = None
-    if need_x:
-        s = phi * r + Ppsi + 2.0 * Qr
-        hx = (2.0 / eps) * (x * s[:, None] - (phi[:, None] * Py + PpsiY + 2.0 * QY))
-        if hasx:
-            hx = hx + 2.0 * r[:, None] * vx
-        if hasy:
-            hx = hx - 2.0 * Pvy
-    if need_y:
-        PTphi, PTphiX = _weighted(plan.cols, phi, x)
-        s = PTphi + psi * c + 2.0 * Qc
-        hy = (2.0 / eps) * (y * s[:, None] - (PTphiX + psi[:, None] * PTx + 2.0 * QX))
-        if hasy:
-            hy = hy + 2.0 * c[:, None] * vy
-        if hasx:
-            hy = hy - 2.0 * PTvx
-    return hx, hy, info
-
-
 # ----------------------------------------------------------------------------------------
 # public functions
 # ----------------------------------------------------------------------------------------
@@ -301,22 +146,37 @@ def hvp(
     if debias and potentials is not None:
         raise ValueError("potentials= is only supported with debias=False")
     loop_precision = _resolve_loop_precision(loop_precision, precision, reach, debias)
-    skw = dict(max_iter=max_iter, tol=tol, eps_schedule=eps_schedule, backend=backend,
-               precision=precision, loop_precision=loop_precision,
-               exact_tail=exact_tail)  # fmt: skip
+    skw = dict(
+        max_iter=max_iter,
+        tol=tol,
+        eps_schedule=eps_schedule,
+        backend=backend,
+        precision=precision,
+        loop_precision=loop_precision,
+        exact_tail=exact_tail,
+    )
     need_x, need_y = wrt in ("x", "xy"), wrt in ("y", "xy")
     plan = solve_potentials(x, y, a, b, eps=eps, reach=reach, potentials=potentials, **skw)
-    hx, hy, info = _hvp_plan(plan, vx, vy, need_x=need_x, need_y=need_y, cg_tol=cg_tol,
-                             cg_max_iter=cg_max_iter, tikhonov=tikhonov)  # fmt: skip
+    hx, hy, info = hvp_plan(
+        plan,
+        vx,
+        vy,
+        need_x=need_x,
+        need_y=need_y,
+        cg_tol=cg_tol,
+        cg_max_iter=cg_max_iter,
+        tikhonov=tikhonov,
+    )
     cgs, sks = [info], [plan.info]
     if debias:
-        rx, ry = _split_reach(reach)
+        rx, ry = split_reach(reach)
         for pts, w, vv, need, rr in ((x, a, vx, need_x, rx), (y, b, vy, need_y, ry)):
             if not need or vv is None:
                 continue
             sp = solve_potentials(pts, pts, w, w, eps=eps, reach=rr, symmetric=True, **skw)
-            h1, h2, inf = _hvp_plan(sp, vv, vv, cg_tol=cg_tol, cg_max_iter=cg_max_iter,
-                                    tikhonov=tikhonov)  # fmt: skip
+            h1, h2, inf = hvp_plan(
+                sp, vv, vv, cg_tol=cg_tol, cg_max_iter=cg_max_iter, tikhonov=tikhonov
+            )
             if pts is x:
                 hx = hx - 0.5 * (h1 + h2)
             else:
@@ -330,7 +190,7 @@ def hvp(
         out = hy.to(ref.dtype)
     else:
         out = (hx.to(ref.dtype), hy.to(ref.dtype))
-    _finite_or_raise("hvp", out, eps)
+    finite_or_raise("hvp", out, eps)
     return (out, HvpInfo(cgs, sks)) if return_info else out
 
 
@@ -371,9 +231,19 @@ def implicit_grad(
     gradient, and the gauge component of (grad_f, grad_g) is dropped. Gradients w.r.t. the
     weights are defined up to an additive constant when the total masses are fixed.
     """
-    plan = solve_potentials(x, y, a, b, eps=eps, reach=reach, potentials=potentials,
-                            max_iter=max_iter, tol=tol, backend=backend,
-                            precision=precision)  # fmt: skip
+    plan = solve_potentials(
+        x,
+        y,
+        a,
+        b,
+        eps=eps,
+        reach=reach,
+        potentials=potentials,
+        max_iter=max_iter,
+        tol=tol,
+        backend=backend,
+        precision=precision,
+    )
     dt = plan.x.dtype
     n, m = plan.x.shape[0], plan.y.shape[0]
     gf = torch.zeros(n, dtype=dt, device=x.device) if grad_f is None else grad_f.to(dt)
@@ -381,12 +251,12 @@ def implicit_grad(
     if plan.balanced:  # drop the gauge component (1, -1) of the right-hand side
         t = (gf.sum() - gg.sum()) / (n + m)
         gf, gg = gf - t, gg + t
-    r, Py = _weighted(plan.rows, None, plan.y)
-    c, PTx = _weighted(plan.cols, None, plan.x)
-    lg, info = _schur_solve(plan, r, c, gf, gg, tol=cg_tol, max_iter=cg_max_iter)
-    Plg, PlgY = _weighted(plan.rows, lg, plan.y)
-    lf = plan.kx * (gf - Plg) * _inv(r)
-    PTlf, PTlfX = _weighted(plan.cols, lf, plan.x)
+    r, Py = weighted(plan.rows, None, plan.y)
+    c, PTx = weighted(plan.cols, None, plan.x)
+    lg, info = schur_solve(plan, r, c, gf, gg, tol=cg_tol, max_iter=cg_max_iter)
+    Plg, PlgY = weighted(plan.rows, lg, plan.y)
+    lf = plan.kx * (gf - Plg) * inverse_or_zero(r)
+    PTlf, PTlfX = weighted(plan.cols, lf, plan.x)
     gx = 2.0 * (lf[:, None] * (r[:, None] * plan.x - Py) + plan.x * Plg[:, None] - PlgY)
     gy = 2.0 * (lg[:, None] * (c[:, None] * plan.y - PTx) + plan.y * PTlf[:, None] - PTlfX)
     ga = -plan.eps * Plg / plan.a
@@ -419,12 +289,13 @@ def inverse_hvp(
     near a minimizer (and has a d-dimensional null space from translations in the
     balanced case): use ``damping > 0`` elsewhere.
     """
-    plan = solve_potentials(x, y, a, b, eps=eps, reach=reach, max_iter=max_iter,
-                            backend=backend, precision=precision)  # fmt: skip
+    plan = solve_potentials(
+        x, y, a, b, eps=eps, reach=reach, max_iter=max_iter, backend=backend, precision=precision
+    )
     dt = plan.x.dtype
 
     def matvec(z):
-        hz, _, _ = _hvp_plan(plan, z, None, need_y=False, cg_tol=inner_cg_tol)
+        hz, _, _ = hvp_plan(plan, z, None, need_y=False, cg_tol=inner_cg_tol)
         return hz + damping * z if damping else hz
 
     z, info = conjugate_gradient(matvec, v.to(dt), tol=tol, max_iter=max_cg_iter)
@@ -449,7 +320,7 @@ class _GradFn(torch.autograd.Function):
     def forward(ctx, x, y, holder):
         ctx.holder = holder
         ctx.set_materialize_grads(False)
-        gx, gy = _grads(holder.plan)
+        gx, gy = envelope_grads(holder.plan)
         return gx.to(x.dtype), gy.to(y.dtype)
 
     @staticmethod
@@ -457,7 +328,7 @@ class _GradFn(torch.autograd.Function):
         if ggx is None and ggy is None:
             return None, None, None
         h = ctx.holder
-        hx, hy, _ = _hvp_plan(
+        hx, hy, _ = hvp_plan(
             h.plan,
             ggx.detach() if ggx is not None else None,
             ggy.detach() if ggy is not None else None,
@@ -497,8 +368,8 @@ class _OTLossFn(torch.autograd.Function):
             gy = gout * gy
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             c = p.cols(torch.ones_like(p.f))
-            phi_f = _phi(p.f, p.rho_x)
-            phi_g = _phi(p.g, p.rho_y)
+            phi_f = phi(p.f, p.rho_x)
+            phi_g = phi(p.g, p.rho_y)
             ga = gout * (phi_f - p.eps * (ctx.r / p.a - p.b.sum())).to(x.dtype)
             gb = gout * (phi_g - p.eps * (c / p.b - p.a.sum())).to(x.dtype)
         return gx, gy, ga, gb, None
@@ -535,7 +406,7 @@ def ot_loss(
         a = torch.full((n,), 1.0 / n, dtype=dt, device=x.device)
     if b is None:
         b = torch.full((m,), 1.0 / m, dtype=dt, device=x.device)
-    rx, ry = _split_reach(reach)
+    rx, ry = split_reach(reach)
 
     def cfg(rr, sym):
         return {
@@ -548,7 +419,7 @@ def ot_loss(
                 eps_schedule=eps_schedule,
                 backend=backend,
                 precision=precision,
-            ),  # fmt: skip
+            ),
             "cg_tol": cg_tol,
             "cg_max_iter": cg_max_iter,
         }

@@ -18,73 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashsinkhorn._hessian import CGInfo, conjugate_gradient, dot
+
 Tensor = torch.Tensor
-
-
-def _dot(u: Tensor, v: Tensor) -> Tensor:
-    return (u * v).sum()
-
-
-@dataclass
-class CGInfo:
-    converged: bool
-    iterations: int
-    residual: float
-    initial_residual: float
-    negative_curvature: bool = False
-
-
-def conjugate_gradient(
-    matvec: Callable[[Tensor], Tensor],
-    b: Tensor,
-    *,
-    x0: Tensor | None = None,
-    M: Callable[[Tensor], Tensor] | None = None,
-    tol: float = 1e-6,
-    atol: float = 0.0,
-    max_iter: int | None = None,
-    project: Callable[[Tensor], Tensor] | None = None,
-) -> tuple[Tensor, CGInfo]:
-    """Solve ``A x = b`` for symmetric positive (semi-)definite A by preconditioned CG.
-
-    ``M``: the preconditioner, a function ``r -> M^{-1} r``. ``project``: applied to the
-    residual every iteration (e.g. removing the null-space component of a consistent
-    singular system). Stops when ``|r| <= max(tol * |b|, atol)``; returns ``(x, CGInfo)``.
-    """
-    max_iter = int(max_iter if max_iter is not None else 10 * b.numel())
-    if project is not None:
-        b = project(b)
-    x = torch.zeros_like(b) if x0 is None else x0.clone()
-    r = b - matvec(x) if x0 is not None else b.clone()
-    if project is not None:
-        r = project(r)
-    r0 = float(torch.linalg.vector_norm(r))
-    target = max(tol * float(torch.linalg.vector_norm(b)), atol)
-    if r0 <= target:
-        return x, CGInfo(True, 0, r0, r0)
-    z = M(r) if M is not None else r
-    p = z.clone()
-    rz = _dot(r, z)
-    res = r0
-    it = 0
-    for it in range(1, max_iter + 1):
-        Ap = matvec(p)
-        pAp = _dot(p, Ap)
-        if float(pAp) <= 0:  # not positive definite along p: stop with what we have
-            return x, CGInfo(False, it, res, r0, negative_curvature=True)
-        alpha = rz / pAp
-        x = x + alpha * p
-        r = r - alpha * Ap
-        if project is not None:
-            r = project(r)
-        res = float(torch.linalg.vector_norm(r))
-        if res <= target:
-            return x, CGInfo(True, it, res, r0)
-        z = M(r) if M is not None else r
-        rz_new = _dot(r, z)
-        p = z + (rz_new / rz) * p
-        rz = rz_new
-    return x, CGInfo(False, it, res, r0)
 
 
 @dataclass
@@ -116,11 +52,11 @@ def lanczos_min_eig(
     q_prev = torch.zeros_like(q)
     for j in range(k):
         w = matvec(Q[-1])
-        alpha = float(_dot(w, Q[-1]))
+        alpha = float(dot(w, Q[-1]))
         w = w - alpha * Q[-1] - beta * q_prev
         if reorthogonalize:
             for qi in Q:
-                w = w - _dot(w, qi) * qi
+                w = w - dot(w, qi) * qi
         alphas.append(alpha)
         beta = float(torch.linalg.vector_norm(w))
         if beta < tol or j == k - 1:
@@ -207,14 +143,14 @@ def newton_cg(
         p, info = conjugate_gradient(op, -g, tol=eta, max_iter=cg_max_iter)
         if info.negative_curvature and info.iterations <= 1:
             p = -g
-        if float(_dot(p, g)) >= 0:
+        if float(dot(p, g)) >= 0:
             p = -g
         if max_step is not None:
             pn = float(torch.linalg.vector_norm(p))
             if pn > max_step:
                 p = p * (max_step / pn)
         t = 1.0
-        slope = float(_dot(p, g))
+        slope = float(dot(p, g))
         accepted = False
         for _ in range(30):
             with torch.no_grad():
@@ -249,26 +185,26 @@ def steihaug_cg(hvp, g, radius, *, tol, max_iter):
         return z, "zero"
     for _ in range(max_iter):
         Hd = hvp(d)
-        dHd = float(_dot(d, Hd))
+        dHd = float(dot(d, Hd))
         if dHd <= 0:
             return z + _to_boundary(z, d, radius) * d, "negative curvature"
-        alpha = float(_dot(r, r)) / dHd
+        alpha = float(dot(r, r)) / dHd
         z_new = z + alpha * d
         if float(torch.linalg.vector_norm(z_new)) >= radius:
             return z + _to_boundary(z, d, radius) * d, "boundary"
         r_new = r + alpha * Hd
         if float(torch.linalg.vector_norm(r_new)) < tol * r0:
             return z_new, "converged"
-        d = -r_new + (float(_dot(r_new, r_new)) / float(_dot(r, r))) * d
+        d = -r_new + (float(dot(r_new, r_new)) / float(dot(r, r))) * d
         z, r = z_new, r_new
     return z, "max_iter"
 
 
 def _to_boundary(z, d, radius):
     """tau >= 0 with |z + tau d| = radius."""
-    a = float(_dot(d, d))
-    b = 2 * float(_dot(z, d))
-    c = float(_dot(z, z)) - radius**2
+    a = float(dot(d, d))
+    b = 2 * float(dot(z, d))
+    c = float(dot(z, z)) - radius**2
     return (-b + math.sqrt(max(b * b - 4 * a * c, 0.0))) / (2 * a)
 
 
@@ -310,7 +246,7 @@ def trust_region(
                 lam_max = float(lz.ritz_values[-1].abs())
                 if lz.eigenvalue < -saddle_tol * max(lam_max, 1e-30):
                     e = lz.eigenvector / torch.linalg.vector_norm(lz.eigenvector)
-                    p = -radius * e if float(_dot(g, e)) > 0 else radius * e
+                    p = -radius * e if float(dot(g, e)) > 0 else radius * e
                     why = "lanczos negative curvature"
             if p is None:
                 hist.append((it - 1, float(val), gn, radius, None, "gtol"))
@@ -318,7 +254,7 @@ def trust_region(
         if p is None:
             tol = min(0.5, math.sqrt(gn))
             p, why = steihaug_cg(hvp, g, radius, tol=tol, max_iter=cg_max_iter)
-        pred = -(float(_dot(g, p)) + 0.5 * float(_dot(p, hvp(p))))
+        pred = -(float(dot(g, p)) + 0.5 * float(dot(p, hvp(p))))
         with torch.no_grad():
             v_new = float(fun(x + p))
         actual = float(val) - v_new

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from flashsinkhorn._hessian import envelope_grads
 from flashsinkhorn.second_order._plan import solve_potentials
-from flashsinkhorn.second_order.hvp import _grads
 from flashsinkhorn.second_order.reference import ot_loss_ref
 
 
@@ -144,11 +144,13 @@ def otdd(
     table from :func:`label_distances` (skips that step). Returns an :class:`OTDDResult`.
     """
     x1, x2 = _prep(x1, labels1, x2, labels2, feature_weight)
-    skw = dict(max_iter=max_iter, tol=tol, eps_schedule=eps_schedule, backend=backend,
-               precision=precision)  # fmt: skip
+    skw = dict(
+        max_iter=max_iter, tol=tol, eps_schedule=eps_schedule, backend=backend, precision=precision
+    )
     if W is None:
-        W, c1, c2 = label_distances(x1, labels1, x2, labels2, eps=inner_eps or eps,
-                                    method=label_distance, **skw)  # fmt: skip
+        W, c1, c2 = label_distances(
+            x1, labels1, x2, labels2, eps=inner_eps or eps, method=label_distance, **skw
+        )
     else:
         c1, _ = _remap(labels1)
         c2, _ = _remap(labels2)
@@ -161,17 +163,31 @@ def otdd(
     terms = {"xy": float(ot12)}
     val = ot12
     if debias:
-        ot11 = solve_potentials(x1, x1, eps=eps, labels=(i1, i1, T11), symmetric=True,
-                                **skw).value()  # fmt: skip
-        ot22 = solve_potentials(x2, x2, eps=eps, labels=(i2, i2, T22), symmetric=True,
-                                **skw).value()  # fmt: skip
+        ot11 = solve_potentials(
+            x1, x1, eps=eps, labels=(i1, i1, T11), symmetric=True, **skw
+        ).value()
+        ot22 = solve_potentials(
+            x2, x2, eps=eps, labels=(i2, i2, T22), symmetric=True, **skw
+        ).value()
         terms.update(xx=float(ot11), yy=float(ot22))
         val = ot12 - 0.5 * (ot11 + ot22)
     return OTDDResult(float(val), W, c1, c2, terms)
 
 
-def otdd_ref(x1, labels1, x2, labels2, *, eps, label_distance="sinkhorn", feature_weight=1.0,
-             label_weight=1.0, debias=True, inner_eps=None, n_iter=2000) -> float:  # fmt: skip
+def otdd_ref(
+    x1,
+    labels1,
+    x2,
+    labels2,
+    *,
+    eps,
+    label_distance="sinkhorn",
+    feature_weight=1.0,
+    label_weight=1.0,
+    debias=True,
+    inner_eps=None,
+    n_iter=2000,
+) -> float:
     """Dense float64 OTDD (small problems): same definition, every matrix materialized."""
     x1 = x1.double() * float(feature_weight) ** 0.5
     x2 = x2.double() * float(feature_weight) ** 0.5
@@ -226,29 +242,27 @@ def otdd_gradient_flow(
     """
     x = x1.detach().clone()
     n = x.shape[0]
-    skw = dict(max_iter=max_iter, tol=tol, eps_schedule=eps_schedule, backend=backend,
-               precision=precision)  # fmt: skip
+    skw = dict(
+        max_iter=max_iter, tol=tol, eps_schedule=eps_schedule, backend=backend, precision=precision
+    )
     _, i1 = _remap(labels1)
     _, i2 = _remap(labels2)
     hist = []
     for step in range(steps + 1):
-        W, c1, _ = label_distances(x, labels1, x2, labels2, eps=eps, method=label_distance,
-                                   **skw)  # fmt: skip
+        W, c1, _ = label_distances(x, labels1, x2, labels2, eps=eps, method=label_distance, **skw)
         K1 = len(c1)
         T = (label_weight * W).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
         p12 = solve_potentials(x, x2, eps=eps, labels=(i1, i2, T[:K1, K1:]), **skw)
-        p11 = solve_potentials(x, x, eps=eps, labels=(i1, i1, T[:K1, :K1]), symmetric=True,
-                               **skw)  # fmt: skip
-        p22 = solve_potentials(x2, x2, eps=eps, labels=(i2, i2, T[K1:, K1:]), symmetric=True,
-                               **skw)  # fmt: skip
+        p11 = solve_potentials(x, x, eps=eps, labels=(i1, i1, T[:K1, :K1]), symmetric=True, **skw)
+        p22 = solve_potentials(x2, x2, eps=eps, labels=(i2, i2, T[K1:, K1:]), symmetric=True, **skw)
         val = float(p12.value() - 0.5 * (p11.value() + p22.value()))
         hist.append((step, val))
         if callback is not None:
             callback(step, x, val)
         if step == steps:
             break
-        g12, _ = _grads(p12, need_y=False)
-        g11x, g11y = _grads(p11)
+        g12, _ = envelope_grads(p12, need_y=False)
+        g11x, g11y = envelope_grads(p11)
         grad = g12 - 0.5 * (g11x + g11y)
         x = x - lr * n * grad.to(x.dtype)
     return x, hist

@@ -1,6 +1,6 @@
-"""Streaming primitives of the second-order code: row LogSumExp and weighted plan products.
+"""The Hessian's plan products, streamed: ``P @ W`` and ``(P * Q) @ U`` (flashsinkhorn._hessian).
 
-Both primitives stream the columns of an implicit n x m matrix past a block of rows kept
+The kernel streams the columns of an implicit n x m matrix past a block of rows kept
 on chip (row-stationary traversal); nothing of size n x m is ever stored. For point
 clouds ``X (n, D)``, ``Y (m, D)`` and the cost
 
@@ -11,8 +11,6 @@ the kernels work with *shifted* potentials ``F_i = f_i - |x_i|^2 + eps log a_i``
 
     P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps) = exp2(log2e/eps * (F_i + G_j + 2<x_i, y_j> - L))
 
-- :func:`row_lse` returns ``-eps * LSE_j[(G_j + 2<x_i, y_j> - L_ij) / eps]`` per row (the
-  Sinkhorn update, before adding back ``|x_i|^2``);
 - :func:`row_apply` returns ``P @ W`` and, optionally, ``(P * Q) @ U`` where
   ``Q_ij = <A_i, B_j>`` is a second streamed dot product (the Hessian needs it: the
   cross terms ``<v_i, y_j>`` of a Hessian-vector product).
@@ -33,14 +31,14 @@ import torch
 # one backend rule, one set of constants and the shared tile helpers for the whole package
 from flashsinkhorn._config import interpret as _interpret
 from flashsinkhorn._softmin_triton import HAS_TRITON, _label_operands, _next_pow2
-from flashsinkhorn.primitives import _block_rows, resolve_backend
+from flashsinkhorn.primitives import block_rows, resolve_backend
 from flashsinkhorn.reference import LN2, LOG2E  # noqa: F401
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flashsinkhorn._softmin_triton import _label_tile, _online_lse_step, _tile_dot
+    from flashsinkhorn._softmin_triton import _label_tile, _tile_dot
 
 # the second-order dot default is tf32x3 (about fp32 accuracy on tensor cores)
 PRECISIONS = ("tf32x3", "ieee", "tf32")
@@ -57,16 +55,46 @@ if HAS_TRITON:
 
     @triton.jit
     def _exponent(
-        X, Y, G, LY, LT, fi, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
-        HAS_F: tl.constexpr, HAS_LABELS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        X,
+        Y,
+        G,
+        LY,
+        LT,
+        fi,
+        lx,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        D,
+        sxm,
+        sym,
+        slt,
+        HAS_F: tl.constexpr,
+        HAS_LABELS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """``[F_i +] G_j + 2<x_i, y_j> [- L[lx_i, ly_j]]`` for one (BLOCK_M, BLOCK_N) tile."""
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         s = _tile_dot(
-            X, Y, offs_m, offs_n, mask_m, mask_n, sxm, sym, D, s, tl.cdiv(D, BLOCK_D),
-            False, BLOCK_D, PRECISION,
-        )  # fmt: skip
+            X,
+            Y,
+            offs_m,
+            offs_n,
+            mask_m,
+            mask_n,
+            sxm,
+            sym,
+            D,
+            s,
+            tl.cdiv(D, BLOCK_D),
+            False,
+            BLOCK_D,
+            PRECISION,
+        )
         gj = tl.load(G + offs_n, mask=mask_n, other=0.0)
         t = 2.0 * s + gj[None, :]
         if HAS_F:
@@ -76,8 +104,9 @@ if HAS_TRITON:
         return t
 
     @triton.jit
-    def _acc_product(acc, p, W, offs_n, mask_n, sw, offs_k, mask_k, VEC: tl.constexpr,
-                     PRECISION: tl.constexpr):  # fmt: skip
+    def _acc_product(
+        acc, p, W, offs_n, mask_n, sw, offs_k, mask_k, VEC: tl.constexpr, PRECISION: tl.constexpr
+    ):
         """``acc + p @ W[offs_n]`` with W a vector (VEC: acc (BLOCK_M,)) or a matrix."""
         if VEC:
             wv = tl.load(W + offs_n * sw, mask=mask_n, other=0.0)
@@ -101,48 +130,6 @@ if HAS_TRITON:
                 acc,
                 mask=mask_m[:, None] & mask_k[None, :],
             )
-
-    @triton.jit
-    def _row_lse_kernel(
-        X,
-        Y,
-        G,
-        LX,
-        LY,
-        LT,
-        OUT,
-        n,
-        m,
-        D,
-        sxm,
-        sym,
-        slt,
-        scale,  # log2(e) / eps
-        HAS_LABELS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < n
-        lx = offs_m  # placeholder, read only with labels
-        if HAS_LABELS:
-            lx = tl.load(LX + offs_m, mask=mask_m, other=0)
-        run_max = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
-        run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for n0 in range(0, m, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < m
-            t = _exponent(
-                X, Y, G, LY, LT, 0.0, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
-                False, HAS_LABELS, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-            )  # fmt: skip
-            t = tl.where(mask_n[None, :], t * scale, -float("inf"))
-            run_max, run_sum, _, _ = _online_lse_step(run_max, run_sum, t)
-        lse2 = run_max + tl.log2(run_sum)
-        tl.store(OUT + offs_m, -lse2 / scale, mask=mask_m)
 
     @triton.jit
     def _row_apply_kernel(
@@ -212,9 +199,28 @@ if HAS_TRITON:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < m
             t = _exponent(
-                X, Y, G, LY, LT, fi, lx, offs_m, offs_n, mask_m, mask_n, D, sxm, sym, slt,
-                True, HAS_LABELS, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-            )  # fmt: skip
+                X,
+                Y,
+                G,
+                LY,
+                LT,
+                fi,
+                lx,
+                offs_m,
+                offs_n,
+                mask_m,
+                mask_n,
+                D,
+                sxm,
+                sym,
+                slt,
+                True,
+                HAS_LABELS,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                PRECISION,
+            )
             p = tl.exp2(t * scale)
             p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
             acc1 = _acc_product(acc1, p, W, offs_n, mask_n, swm, offs_k1, mk1, W_VEC, PRECISION)
@@ -222,9 +228,21 @@ if HAS_TRITON:
                 # Q_ij = <A_i, B_j>: the second streamed dot product
                 q = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 q = _tile_dot(
-                    A, B, offs_m, offs_n, mask_m, mask_n, sam, sbm, E, q,
-                    tl.cdiv(E, BLOCK_E), False, BLOCK_E, PRECISION,
-                )  # fmt: skip
+                    A,
+                    B,
+                    offs_m,
+                    offs_n,
+                    mask_m,
+                    mask_n,
+                    sam,
+                    sbm,
+                    E,
+                    q,
+                    tl.cdiv(E, BLOCK_E),
+                    False,
+                    BLOCK_E,
+                    PRECISION,
+                )
                 acc2 = _acc_product(
                     acc2, p * q, U, offs_n, mask_n, sum_, offs_k2, mk2, U_VEC, PRECISION
                 )
@@ -259,54 +277,6 @@ def _launch_setup(x, y, labels):
 # ----------------------------------------------------------------------------------------
 # Public primitives
 # ----------------------------------------------------------------------------------------
-def row_lse(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    G: torch.Tensor,
-    eps: float,
-    *,
-    labels=None,
-    backend: str = "auto",
-    precision: str = "tf32x3",
-) -> torch.Tensor:
-    """``-eps * LSE_j[(G_j + 2<x_i, y_j> - L[lx_i, ly_j]) / eps]`` for each row i.
-
-    x (n, D), y (m, D), G (m,); labels: None or ``(lx (n,), ly (m,), table (Kx, Ky))``.
-    Returns (n,) in the dtype of x (float32 on the triton backend).
-    """
-    be = resolve_backend(backend, x.device)
-    if be == "torch":
-        return _row_lse_torch(x, y, G, eps, labels)
-    n, d = x.shape
-    m = y.shape[0]
-    x, y, (lx, ly, lt, slt, has_l), (bm, bn, bd), opts = _launch_setup(x, y, labels)
-    G = G.float().contiguous()
-    out = torch.empty(n, dtype=torch.float32, device=x.device)
-    _row_lse_kernel[(triton.cdiv(n, bm),)](
-        x,
-        y,
-        G,
-        lx,
-        ly,
-        lt,
-        out,
-        n,
-        m,
-        d,
-        x.stride(0),
-        y.stride(0),
-        slt,
-        LOG2E / eps,
-        HAS_LABELS=has_l,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_D=bd,
-        PRECISION=precision,
-        **opts,
-    )
-    return out
-
-
 def row_apply(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -426,21 +396,10 @@ def _exponent_rows(x, y, G, F, labels, i0, i1):
     return t
 
 
-def _row_lse_torch(x, y, G, eps, labels):
-    n = x.shape[0]
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
-    bs = _block_rows(n, y.shape[0])
-    for i0 in range(0, n, bs):
-        i1 = min(n, i0 + bs)
-        t = _exponent_rows(x, y, G, None, labels, i0, i1)
-        out[i0:i1] = -eps * torch.logsumexp(t / eps, dim=1)
-    return out
-
-
 def _row_apply_torch(x, y, F, G, eps, W, A, B, U, labels):
     n = x.shape[0]
     m = y.shape[0]
-    bs = _block_rows(n, m)
+    bs = block_rows(n, m)
     out1 = torch.empty((n,) + tuple(W.shape[1:]), dtype=x.dtype, device=x.device)
     has_q = A is not None
     if has_q:
@@ -461,4 +420,4 @@ def dense_plan(x, y, F, G, eps, labels=None):
     return torch.exp(_exponent_rows(x, y, G, F, labels, 0, x.shape[0]) / eps)
 
 
-__all__ = ["row_lse", "row_apply", "resolve_backend", "dense_plan", "PRECISIONS", "LN2", "LOG2E"]
+__all__ = ["row_apply", "resolve_backend", "dense_plan", "PRECISIONS", "LN2", "LOG2E"]

@@ -47,23 +47,43 @@ import traceback
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "packages", "flashsinkhorn", "src"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "packages", "flashsinkhorn", "examples"))
 
+from flashsinkhorn._hessian import envelope_grads, hvp_plan  # noqa: E402
 from flashsinkhorn.bench import hvp_problem as _problem  # noqa: E402
 from flashsinkhorn.second_order import hvp, inverse_hvp, otdd  # noqa: E402
 from flashsinkhorn.second_order._plan import solve_potentials  # noqa: E402
-from flashsinkhorn.second_order.hvp import _grads, _hvp_plan, _resolve_loop_precision  # noqa: E402
+from flashsinkhorn.second_order.hvp import _resolve_loop_precision  # noqa: E402
 from flashsinkhorn.second_order.otdd import otdd_gradient_flow  # noqa: E402
 
 TARGET_HVP_MS = 200.0  # issue #6: HVP at n = m = 20k, d = 64, after 100 iterations
 
 # problem sizes: full (H200) and smoke (CPU, seconds)
 SIZES = {
-    "full": dict(hvp_n=20000, hvp_d=64, otdd_n=60000, side=28, newton_n=4000, newton_adam=100,
-                 acc_n=10000, flow_n=10000, reps=3),
-    "smoke": dict(hvp_n=300, hvp_d=8, otdd_n=200, side=6, newton_n=60, newton_adam=20,
-                  acc_n=200, flow_n=100, reps=1),
-}  # fmt: skip
+    "full": dict(
+        hvp_n=20000,
+        hvp_d=64,
+        otdd_n=60000,
+        side=28,
+        newton_n=4000,
+        newton_adam=100,
+        acc_n=10000,
+        flow_n=10000,
+        reps=3,
+    ),
+    "smoke": dict(
+        hvp_n=300,
+        hvp_d=8,
+        otdd_n=200,
+        side=6,
+        newton_n=60,
+        newton_adam=20,
+        acc_n=200,
+        flow_n=100,
+        reps=1,
+    ),
+}
 
 
 class CaseTimeout(BaseException):
@@ -80,8 +100,11 @@ class Run:
         os.makedirs(out, exist_ok=True)
         self.jsonl = open(os.path.join(out, "results.jsonl"), "w")
         self.md = open(os.path.join(out, "summary.md"), "w")
-        self._write(self.md, "| case | provider | params | time ms | first call s | metrics |\n"
-                             "|---|---|---|---|---|---|\n")  # fmt: skip
+        self._write(
+            self.md,
+            "| case | provider | params | time ms | first call s | metrics |\n"
+            "|---|---|---|---|---|---|\n",
+        )
 
     def elapsed(self):
         return time.time() - self.t0
@@ -99,12 +122,35 @@ class Run:
         rec = {"case": case, "event": kind, "elapsed_s": round(self.elapsed(), 2), **data}
         self._write(self.jsonl, json.dumps(rec, default=str) + "\n")
 
-    def row(self, case, bench, provider, params, time_ms=None, *, first_s=None, t20=None,
-            t80=None, metrics=None, accuracy=None, status="ok", error=None):  # fmt: skip
-        r = {"bench": bench, "provider": provider, "mode": bench, "params": params,
-             "status": status, "time_ms": time_ms, "time_ms_p20": t20, "time_ms_p80": t80,
-             "metrics": dict(metrics or {}, first_call_s=first_s), "accuracy": accuracy or {},
-             "error": error}  # fmt: skip
+    def row(
+        self,
+        case,
+        bench,
+        provider,
+        params,
+        time_ms=None,
+        *,
+        first_s=None,
+        t20=None,
+        t80=None,
+        metrics=None,
+        accuracy=None,
+        status="ok",
+        error=None,
+    ):
+        r = {
+            "bench": bench,
+            "provider": provider,
+            "mode": bench,
+            "params": params,
+            "status": status,
+            "time_ms": time_ms,
+            "time_ms_p20": t20,
+            "time_ms_p80": t80,
+            "metrics": dict(metrics or {}, first_call_s=first_s),
+            "accuracy": accuracy or {},
+            "error": error,
+        }
         self.rows.append(r)
         self.event(case, "row", row=r)
         t = f"{time_ms:.1f}" if time_ms is not None else status
@@ -122,10 +168,15 @@ class Run:
         self._write(self.md, f"| {case} | - | - | {status} | - | {why} |\n")
 
     def dump(self):
-        bench = {"schema": "kernel-bench/1", "package": "flashsinkhorn",
-                 "package_version": _version(), "command": " ".join(sys.argv),
-                 "env": self.res["env"], "results": self.rows,
-                 "wall_s": self.elapsed()}  # fmt: skip
+        bench = {
+            "schema": "kernel-bench/1",
+            "package": "flashsinkhorn",
+            "package_version": _version(),
+            "command": " ".join(sys.argv),
+            "env": self.res["env"],
+            "results": self.rows,
+            "wall_s": self.elapsed(),
+        }
         for name, obj in (("bench-second-order.json", bench), ("second-order.json", self.res)):
             tmp = os.path.join(self.out, name + ".tmp")
             with open(tmp, "w") as fh:
@@ -143,8 +194,11 @@ def _version():
 
 
 def env_info():
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     try:
         import triton
 
@@ -245,12 +299,13 @@ def case_hvp(run, precision="tf32x3", case="hvp", loop_precision="auto"):
     info = {}
 
     def solve():
-        return solve_potentials(x, y, eps=EPS, max_iter=ITERS, precision=precision,
-                                loop_precision=loop)  # fmt: skip
+        return solve_potentials(
+            x, y, eps=EPS, max_iter=ITERS, precision=precision, loop_precision=loop
+        )
 
     def full():
         plan = solve()
-        hx, _, cg = _hvp_plan(plan, v, None, need_y=False, cg_tol=1e-6)
+        hx, _, cg = hvp_plan(plan, v, None, need_y=False, cg_tol=1e-6)
         info["cg"] = cg
         return hx
 
@@ -269,17 +324,38 @@ def case_hvp(run, precision="tf32x3", case="hvp", loop_precision="auto"):
         run.state["hvp_ours"] = hx
     ts, _, _, _, _ = timed(dev, solve, max(1, reps - 1))
     cg = info["cg"]
-    params = {"n": n, "m": n, "d": d, "eps": EPS, "sinkhorn_iters": ITERS, "cg_tol": 1e-6,
-              "precision": precision, "loop_precision": loop_precision,
-              "dtype": "float32"}  # fmt: skip
+    params = {
+        "n": n,
+        "m": n,
+        "d": d,
+        "eps": EPS,
+        "sinkhorn_iters": ITERS,
+        "cg_tol": 1e-6,
+        "precision": precision,
+        "loop_precision": loop_precision,
+        "dtype": "float32",
+    }
     provider = "ours" if precision == "tf32x3" else f"ours-{precision}"
     if loop_precision != "auto":
         provider += f"-{loop_precision or 'exact'}-loop"
-    run.row(case, "hvp", provider, params, t, first_s=first, t20=t20, t80=t80, metrics={
-        "sinkhorn_ms": ts, "hvp_only_ms": t - ts, "cg_iters": cg.iterations,
-        "cg_rel_residual": cg.residual / max(cg.initial_residual, 1e-30),
-        "peak_mem_mib": peak, "target_ms": TARGET_HVP_MS,
-    })  # fmt: skip
+    run.row(
+        case,
+        "hvp",
+        provider,
+        params,
+        t,
+        first_s=first,
+        t20=t20,
+        t80=t80,
+        metrics={
+            "sinkhorn_ms": ts,
+            "hvp_only_ms": t - ts,
+            "cg_iters": cg.iterations,
+            "cg_rel_residual": cg.residual / max(cg.initial_residual, 1e-30),
+            "peak_mem_mib": peak,
+            "target_ms": TARGET_HVP_MS,
+        },
+    )
 
 
 def case_hvp_tf32(run):
@@ -298,15 +374,22 @@ def case_hvp_exact_loop(run):
 def case_hvp_peer(run):
     """flash-sinkhorn 0.4.1's end-to-end HVP (its defaults: CG rtol 1e-6, tau2 1e-5)."""
     dev = run.dev
-    x, y, v = run.state.get("hvp_problem") or _problem(run.sz["hvp_n"], run.sz["hvp_n"],
-                                                       run.sz["hvp_d"], dev)  # fmt: skip
+    x, y, v = run.state.get("hvp_problem") or _problem(
+        run.sz["hvp_n"], run.sz["hvp_n"], run.sz["hvp_d"], dev
+    )
     n, d = x.shape
     params = {"n": n, "m": n, "d": d, "eps": EPS, "sinkhorn_iters": ITERS, "dtype": "float32"}
     try:
         import flash_sinkhorn as fsk
     except ImportError:
-        run.row("hvp_peer", "hvp", "flash-sinkhorn", params, status="skipped",
-                error="flash_sinkhorn not importable")  # fmt: skip
+        run.row(
+            "hvp_peer",
+            "hvp",
+            "flash-sinkhorn",
+            params,
+            status="skipped",
+            error="flash_sinkhorn not importable",
+        )
         return
     if dev.type != "cuda":
         run.row("hvp_peer", "hvp", "flash-sinkhorn", params, status="skipped", error="needs CUDA")
@@ -325,13 +408,27 @@ def case_hvp_peer(run):
     if run.state.get("hvp_ours") is not None:
         ours = run.state["hvp_ours"]
         acc["rel_diff_vs_ours"] = float((h - ours).norm() / ours.norm())
-    run.row("hvp_peer", "hvp", "flash-sinkhorn", params, t, first_s=first, t20=t20, t80=t80,
-            metrics={"peak_mem_mib": peak, "cg_iters": getattr(finfo, "cg_iters", None)},
-            accuracy=acc)  # fmt: skip
+    run.row(
+        "hvp_peer",
+        "hvp",
+        "flash-sinkhorn",
+        params,
+        t,
+        first_s=first,
+        t20=t20,
+        t80=t80,
+        metrics={"peak_mem_mib": peak, "cg_iters": getattr(finfo, "cg_iters", None)},
+        accuracy=acc,
+    )
 
 
-OTDD_KW = dict(eps=5.0, eps_schedule=[400.0, 160.0, 64.0, 25.6, 10.24], max_iter=15, tol=None,
-               label_distance="gaussian")  # fmt: skip
+OTDD_KW = dict(
+    eps=5.0,
+    eps_schedule=[400.0, 160.0, 64.0, 25.6, 10.24],
+    max_iter=15,
+    tol=None,
+    label_distance="gaussian",
+)
 
 
 def _otdd_data(run):
@@ -357,9 +454,16 @@ def _otdd_row(run, case, name, a, b, first=None):
         "debias": True,
     }
     run.res.setdefault("otdd", {})[name] = {"value": r.value, "terms": r.terms, "time_ms": t}
-    run.row(case, "otdd", "ours", params, t, first_s=first,
-            metrics={"peak_mem_mib": peak, "inputs_mib": 2 * n * side * side * 4 / 2**20},
-            accuracy={"value": r.value, **r.terms})  # fmt: skip
+    run.row(
+        case,
+        "otdd",
+        "ours",
+        params,
+        t,
+        first_s=first,
+        metrics={"peak_mem_mib": peak, "inputs_mib": 2 * n * side * side * 4 / 2**20},
+        accuracy={"value": r.value, **r.terms},
+    )
     return r
 
 
@@ -379,50 +483,103 @@ def case_newton_step(run):
     on the streaming HVP (each product runs the inner Schur CG), capped at 20 products."""
     dev, n, d = run.dev, run.sz["hvp_n"], run.sz["hvp_d"]
     x, y, _ = run.state.get("hvp_problem") or _problem(n, n, d, dev)
-    gx, _ = _grads(solve_potentials(x, y, eps=EPS, max_iter=ITERS), need_y=False)
+    gx, _ = envelope_grads(solve_potentials(x, y, eps=EPS, max_iter=ITERS), need_y=False)
     # H is indefinite away from a minimizer (CG stops at the first negative curvature);
     # on this problem on the CPU (n = 300 and 1000) damping 2/n met negative curvature and
     # 20/n did not, so 20/n: H + damping I positive definite, CG to a tight tolerance
     damping, outer, tol = 20.0 / n, 20, 1e-6
 
     def step():
-        return inverse_hvp(x, y, gx, eps=EPS, damping=damping, tol=tol, max_cg_iter=outer,
-                           inner_cg_tol=1e-6, max_iter=ITERS, return_info=True)  # fmt: skip
+        return inverse_hvp(
+            x,
+            y,
+            gx,
+            eps=EPS,
+            damping=damping,
+            tol=tol,
+            max_cg_iter=outer,
+            inner_cg_tol=1e-6,
+            max_iter=ITERS,
+            return_info=True,
+        )
 
     t, _, _, peak, (z, info) = timed(dev, step, 1)
-    params = {"n": n, "m": n, "d": d, "eps": EPS, "sinkhorn_iters": ITERS, "damping": damping,
-              "outer_cg_cap": outer, "outer_tol": tol, "inner_cg_tol": 1e-6}  # fmt: skip
-    run.row("newton_step", "newton_step", "ours", params, t, metrics={
-        "outer_cg_iters": info.iterations, "converged": info.converged,
-        "rel_residual": info.residual / max(info.initial_residual, 1e-30),
-        "negative_curvature": info.negative_curvature, "peak_mem_mib": peak,
-        "ms_per_hvp": t / max(info.iterations, 1),
-    })  # fmt: skip
+    params = {
+        "n": n,
+        "m": n,
+        "d": d,
+        "eps": EPS,
+        "sinkhorn_iters": ITERS,
+        "damping": damping,
+        "outer_cg_cap": outer,
+        "outer_tol": tol,
+        "inner_cg_tol": 1e-6,
+    }
+    run.row(
+        "newton_step",
+        "newton_step",
+        "ours",
+        params,
+        t,
+        metrics={
+            "outer_cg_iters": info.iterations,
+            "converged": info.converged,
+            "rel_residual": info.residual / max(info.initial_residual, 1e-30),
+            "negative_curvature": info.negative_curvature,
+            "peak_mem_mib": peak,
+            "ms_per_hvp": t / max(info.iterations, 1),
+        },
+    )
 
 
 def case_newton(run):
     """Shuffled regression: Adam until the saddle is left, then Newton-CG (double backward)."""
-    from flashsinkhorn.second_order.shuffled_regression import shuffled_regression
+    from shuffled_regression import shuffled_regression
 
     n = run.sz["newton_n"]
     t0 = time.perf_counter()
-    r = shuffled_regression(n=n, p=3, q=2, eps=0.2, seed=1, device=run.dev, dtype=torch.float32,
-                            sinkhorn_iter=300, sinkhorn_tol=1e-5, cg_tol=1e-5, gtol=1e-5,
-                            max_adam=run.sz["newton_adam"], newton_iters=10,
-                            verbose=True)  # fmt: skip
+    r = shuffled_regression(
+        n=n,
+        p=3,
+        q=2,
+        eps=0.2,
+        seed=1,
+        device=run.dev,
+        dtype=torch.float32,
+        sinkhorn_iter=300,
+        sinkhorn_tol=1e-5,
+        cg_tol=1e-5,
+        gtol=1e-5,
+        max_adam=run.sz["newton_adam"],
+        newton_iters=10,
+        verbose=True,
+    )
     sync(run.dev)
     wall = time.perf_counter() - t0
     run.res["shuffled_regression"] = {
-        "n": n, "time_s": wall, "rel_pred_error": r["rel_pred_error"],
-        "switch_iter": r["switch_iter"], "loss_at_truth": r["loss_at_truth"],
-        "final_loss": r["newton"].fun, "final_grad_norm": r["newton"].grad_norm,
-        "history": r["history"],
-    }  # fmt: skip
-    params = {"n": n, "p": 3, "q": 2, "eps": 0.2, "dtype": "float32"}
-    run.row("newton", "shuffled_regression", "ours", params, 1e3 * wall, metrics={
-        "newton_iters": r["newton"].iterations, "switch_iter": r["switch_iter"],
+        "n": n,
+        "time_s": wall,
+        "rel_pred_error": r["rel_pred_error"],
+        "switch_iter": r["switch_iter"],
+        "loss_at_truth": r["loss_at_truth"],
+        "final_loss": r["newton"].fun,
         "final_grad_norm": r["newton"].grad_norm,
-    }, accuracy={"rel_pred_error": r["rel_pred_error"]})  # fmt: skip
+        "history": r["history"],
+    }
+    params = {"n": n, "p": 3, "q": 2, "eps": 0.2, "dtype": "float32"}
+    run.row(
+        "newton",
+        "shuffled_regression",
+        "ours",
+        params,
+        1e3 * wall,
+        metrics={
+            "newton_iters": r["newton"].iterations,
+            "switch_iter": r["switch_iter"],
+            "final_grad_norm": r["newton"].grad_norm,
+        },
+        accuracy={"rel_pred_error": r["rel_pred_error"]},
+    )
 
 
 def case_hvp_accuracy(run):
@@ -430,15 +587,17 @@ def case_hvp_accuracy(run):
     dev, n, d = run.dev, run.sz["acc_n"], run.sz["hvp_d"]
     x, y, v = _problem(n, n, d, dev)
     t0 = time.perf_counter()
-    ref = hvp(x.double(), y.double(), v.double(), eps=EPS, max_iter=ITERS, backend="torch",
-              cg_tol=1e-10)  # fmt: skip
+    ref = hvp(
+        x.double(), y.double(), v.double(), eps=EPS, max_iter=ITERS, backend="torch", cg_tol=1e-10
+    )
     sync(dev)
     acc = {"float64_ref_s": time.perf_counter() - t0}
     run.log(f"hvp_accuracy: float64 reference {acc['float64_ref_s']:.1f} s")
     params = {"n": n, "m": n, "d": d, "eps": EPS, "sinkhorn_iters": ITERS}
     for prec, loop in (("tf32x3", "auto"), ("tf32", "auto"), ("tf32x3", None)):
-        h, info = hvp(x, y, v, eps=EPS, max_iter=ITERS, precision=prec, loop_precision=loop,
-                      return_info=True)  # fmt: skip
+        h, info = hvp(
+            x, y, v, eps=EPS, max_iter=ITERS, precision=prec, loop_precision=loop, return_info=True
+        )
         key = prec if loop == "auto" else f"{prec}_exact_loop"
         acc[f"rel_err_{key}"] = float((h.double() - ref).norm() / ref.norm())
         acc[f"cg_iters_{key}"] = info.cg[0].iterations
@@ -489,8 +648,14 @@ def case_otdd_flow(run):
     wall = time.perf_counter() - t0
     run.res["otdd_flow"] = {"n": n, "steps": steps, "lr": 0.5, "history": hist, "time_s": wall}
     params = {"n": n, "m": n, "d": side * side, "steps": steps}
-    run.row("otdd_flow", "otdd_flow", "ours", params, 1e3 * wall,
-            accuracy={"first": hist[0][1], "last": hist[-1][1]})  # fmt: skip
+    run.row(
+        "otdd_flow",
+        "otdd_flow",
+        "ours",
+        params,
+        1e3 * wall,
+        accuracy={"first": hist[0][1], "last": hist[-1][1]},
+    )
     try:
         import matplotlib
 
@@ -534,19 +699,29 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="output folder (created)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU by default)")
     ap.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # old name
-    ap.add_argument("--cases", default=",".join(c[0] for c in CASES),
-                    help="comma-separated subset, run in the order given")  # fmt: skip
-    ap.add_argument("--budget", type=float, default=105.0,
-                    help="start no case after this many seconds; each case also stops at "
-                         "its own limit or at budget + 10 s")  # fmt: skip
-    ap.add_argument("--limit-scale", type=float, default=1.0,
-                    help="multiply every case's own time limit (cases that compile "
-                         "peers' kernels may need more than the defaults)")  # fmt: skip
+    ap.add_argument(
+        "--cases",
+        default=",".join(c[0] for c in CASES),
+        help="comma-separated subset, run in the order given",
+    )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=105.0,
+        help="start no case after this many seconds; each case also stops at "
+        "its own limit or at budget + 10 s",
+    )
+    ap.add_argument(
+        "--limit-scale",
+        type=float,
+        default=1.0,
+        help="multiply every case's own time limit (cases that compile "
+        "peers' kernels may need more than the defaults)",
+    )
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
     smoke = args.smoke or args.quick
-    dev = torch.device(args.device or ("cpu" if smoke or not torch.cuda.is_available()
-                                       else "cuda"))  # fmt: skip
+    dev = torch.device(args.device or ("cpu" if smoke or not torch.cuda.is_available() else "cuda"))
     table = dict((c[0], c) for c in CASES)
     names = [s.strip() for s in args.cases.split(",") if s.strip()]
     bad = [s for s in names if s not in table]
