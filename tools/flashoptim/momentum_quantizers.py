@@ -82,9 +82,10 @@ def scheme_bytes(name: str, shape=(512, 2048)) -> float:
 
 
 def _rank_of(name: str) -> tuple[int, str]:
-    """(rank, residual scheme) of a name: ``lr<k>_<scheme>`` or ``lag<k>_<scheme>`` (the
-    residual taken against the factors of the step before: ``Storage.lag``)."""
-    for prefix in ("lr", "lag"):
+    """(rank, residual scheme) of a name: ``lr<k>_<scheme>``, ``lag<k>_<scheme>`` (the
+    residual taken against the factors of the step before: ``Storage.lag``) or
+    ``lu<k>_<scheme>`` (P from the step's direction: ``Storage.from_u``)."""
+    for prefix in ("lr", "lag", "lu"):
         if name.startswith(prefix) and "_" in name:
             head, rest = name.split("_", 1)
             if head[len(prefix) :].isdigit():
@@ -103,13 +104,18 @@ class Storage:
         # its momentum), the new ones are estimated after: what a kernel that quantizes in
         # the same pass as it forms the momentum can do
         self.lag = name.startswith("lag")
+        # lu: P follows the step's direction u (Nesterov: mu m + (1 - mu) g) instead of m,
+        # R = m^T P: what the shipped step computes (``_muon_lowrank.update_factors``: u is
+        # what its workspace holds, m is recovered from u and g)
+        self.from_u = name.startswith("lu")
         self.scheme = SCHEMES[base]
         self.seed = seed
         self.gen = None
         self.factors: dict = {}
 
-    def __call__(self, m: torch.Tensor, key=None) -> torch.Tensor:
-        """``m`` stored and read back; ``key``: whose factors (default: ``m``'s identity)."""
+    def __call__(self, m: torch.Tensor, key=None, u: torch.Tensor | None = None) -> torch.Tensor:
+        """``m`` stored and read back; ``key``: whose factors (default: ``m``'s identity);
+        ``u``: the step's direction (``lu`` schemes: P follows it)."""
         key = id(m) if key is None else key
         if self.gen is None:
             self.gen = torch.Generator(device=m.device).manual_seed(10_000 + self.seed)
@@ -121,7 +127,8 @@ class Storage:
             g = torch.Generator(device=m.device).manual_seed(1)
             r = torch.randn(m.shape[1], self.rank, generator=g, device=m.device).double()
             old = (torch.zeros(m.shape[0], self.rank, device=m.device).double(), r)
-        p, _ = torch.linalg.qr(md @ old[1])
+        src = u.double() if self.from_u and u is not None else md
+        p, _ = torch.linalg.qr(src @ old[1])
         p = p.bfloat16().double()
         r = (md.T @ p).bfloat16().double()
         self.factors[key] = (p, r)
@@ -272,10 +279,12 @@ def _cosine_run(name, seed, batches, steps=20, nesterov=True):
         F.cross_entropy(logits, xb[:, 1:].reshape(-1)).backward()
         before = [p.detach().clone() for p in mats]
         opt.step()
-        opt.zero_grad()
         if store is not None:
-            for st in opt.state.values():
-                st["momentum_buffer"].copy_(store(st["momentum_buffer"]))
+            for p, st in opt.state.items():
+                m = st["momentum_buffer"]
+                u = p.grad.lerp(m, MU) if nesterov else m
+                m.copy_(store(m, u=u))
+        opt.zero_grad()
     return torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(mats, before)])
 
 
