@@ -15,7 +15,7 @@ import torch.distributed as dist
 from _checks import DEV, _bits, assert_bitwise, needs_interp, needs_kernel
 
 import flashoptim_fused as fo
-from flashoptim_fused import reference
+from flashoptim_fused import _muon_lowrank, reference
 from flashoptim_fused.muon import LOWRANK_P as LOW_P
 from flashoptim_fused.muon import LOWRANK_R as LOW_R
 from flashoptim_fused.muon import default_use_muon, lr_ratio, matrix_shape, newton_schulz
@@ -347,6 +347,89 @@ def test_lowrank_momentum_is_finer_than_whole_codes():
     assert d < d_whole / 4, (d, d_whole)
 
 
+def _low_err(P, R, P_ref, R_ref) -> float:
+    low, ref = reference.lowrank_ref(P, R), reference.lowrank_ref(P_ref, R_ref)
+    return ((low - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_lowrank_factors_match_float64_on_hostile_inputs(nesterov):
+    """``update_factors`` (fp32 thin products) against ``lowrank_factors_ref`` (float64) on
+    odd shapes, a rank-2 direction (fewer directions than k), 1e30 values (Y^T Y overflowed
+    fp32: NaN weights before) and a zero direction (P = 0 and R kept: a zero first gradient
+    left R = 0 and the low-rank part off for good before); then row shards of 2, 0, 1 and
+    34 rows (fewer rows than k, an empty one) summed as the ranks' all-reduce sums them."""
+    g = torch.Generator().manual_seed(7)
+    update, ref = _muon_lowrank.update_factors, reference.lowrank_factors_ref
+    for a, b in [(37, 45), (45, 37)]:
+        R = _muon_lowrank.init_factors(a, b, 3, "cpu")[1]
+        grad = torch.randn(a, b, generator=g)
+        rank2 = torch.randn(a, 2, generator=g) @ torch.randn(2, b, generator=g)
+        for u, scale in [(torch.randn(a, b, generator=g), 1.0), (rank2, 1.0), (rank2, 1e30)]:
+            u, gs = (u * scale).bfloat16(), grad * scale
+            P, Rn = update(u, gs, R, 0.95, nesterov)
+            want = ref(u, gs.double(), R, 0.95, nesterov)
+            assert torch.isfinite(P.float()).all() and torch.isfinite(Rn.float()).all()
+            assert _low_err(P, Rn, *want) < 1e-2
+        zero = torch.zeros(a, b)
+        P, Rn = update(zero.bfloat16(), zero, R, 0.95, nesterov)
+        P_ref, R_ref = ref(zero.bfloat16(), zero.double(), R, 0.95, nesterov)
+        assert not P.any() and not P_ref.any()
+        assert torch.equal(Rn, R) and torch.equal(R_ref, R)
+    # row shards: the Gram matrix and m^T P are sums over rows; two rounds as two collectives
+    u, grad = torch.randn(37, 45, generator=g).bfloat16(), torch.randn(37, 45, generator=g)
+    R = _muon_lowrank.init_factors(37, 45, 3, "cpu")[1]
+    cuts = [0, 2, 2, 3, 37]
+    shards = [(u[i:j], grad[i:j]) for i, j in zip(cuts, cuts[1:])]
+    sums = []
+    for _ in range(3):  # each round records the shards' next sum and returns the ones known
+        seen = [[] for _ in shards]
+        got = []
+        for (us, gs), rec in zip(shards, seen):
+
+            def reduce(t, rec=rec):
+                rec.append(t)
+                return sum(sums[len(rec) - 1]) if len(sums) >= len(rec) else t
+
+            got.append(update(us, gs, R, 0.95, nesterov, reduce))
+        if len(sums) < 2:
+            sums.append([rec[len(sums)] for rec in seen])
+    P = torch.cat([p for p, _ in got])
+    whole = update(u, grad, R, 0.95, nesterov)
+    assert all(torch.equal(r, got[0][1]) for _, r in got)  # R: the same on every rank
+    assert _low_err(P, got[0][1], *whole) < 1e-2
+
+
+def test_lowrank_momentum_zero_then_hostile_gradients():
+    """A zero first gradient, then ordinary ones: the low-rank part comes up (R survived);
+    1e30 gradients: every state finite and the stored momentum (P R^T + residual codes)
+    that of a quantize=False twin to the codes' resolution; the weights do not move, as
+    torch.optim.Muon's do not (Newton-Schulz's bf16 norm overflows to inf)."""
+    g = torch.Generator().manual_seed(5)
+    shape = (40, 48)
+    p = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.zeros(shape, requires_grad=True)
+    hp = dict(lr=0.01, weight_decay=0.0)
+    a, b = fo.FlashMuon([p], **hp), fo.FlashMuon([q], quantize=False, **hp)
+    for s, scale in enumerate([0.0, 1.0, 1.0, 1e30, 1e30]):
+        grad = torch.randn(shape, generator=g) * scale
+        p.grad, q.grad = grad.bfloat16(), grad.bfloat16().float()
+        before = fo.master_weight(p, a).clone() if s else None
+        a.step()
+        b.step()
+        st = a.state[p]
+        low = reference.lowrank_ref(st[LOW_P], st[LOW_R])
+        assert (low.abs().max() > 0) == (s > 0)
+        codes, scales = st["momentum_buffer_codes"], st["momentum_buffer_scale"]
+        row = reference.state_row(p, True)
+        m = reference.dequantize_momentum_ref(codes.reshape(-1), scales, row).view(shape) + low
+        m_ref = b.state[q]["momentum_buffer"].double()
+        assert torch.isfinite(m).all() and torch.isfinite(p.float()).all()
+        assert (m - m_ref).abs().max() <= 2 / 127 * m_ref.abs().max()
+        if scale > 1:  # (the stochastic split may move the bf16 part by an ulp)
+            torch.testing.assert_close(fo.master_weight(p, a), before, rtol=2**-15, atol=0)
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
 def test_lost_update(backend):
     """Weight 1.0, gradient a 64 x 64 Hadamard matrix H (orthogonal rows: O = s H every
@@ -488,6 +571,54 @@ def test_checkpoint_resume_is_bit_exact_and_loads_torch_muon():
         buf = tm.state[w]["momentum_buffer"].reshape(-1).double()
         assert st["step"] == 1  # torch.optim.Muon keeps no step: loaded as stepped (#32)
         assert (m - buf).abs().max() <= buf.abs().max() * 2 / 127
+
+
+def _whole_momentum(opt, p) -> torch.Tensor:
+    """A low-rank momentum as a whole (float64, p's shape): P R^T plus the residual codes."""
+    st = opt.state[p]
+    codes, scales = st["momentum_buffer_codes"].reshape(-1), st["momentum_buffer_scale"]
+    m = reference.dequantize_momentum_ref(codes, scales, reference.state_row(p, True))
+    return m.view(p.shape) + reference.lowrank_ref(st[LOW_P], st[LOW_R]).view(p.shape)
+
+
+def test_lowrank_checkpoint_forms_round_trip():
+    """Low-rank momenta through the checkpoint forms: ``torch_state_dict`` holds the whole
+    momentum (P R^T + decoded residual) and loads into torch.optim.Muon; that dict loads
+    back into a fresh FlashMuon (the factors found again by power iterations) to the codes'
+    resolution; so does a state dict of ours without the factors (before issue #31: codes of
+    the whole momentum); factors of the wrong shape are refused by name."""
+    ps = _params()[:4]  # (40, 48), (48, 40), (40, 48), (36, 33): all low-rank
+    opt = fo.FlashMuon(fo_named(ps), lr=0.02)
+    _train(opt, ps, 3)
+    order = opt.param_groups[0]["params"]
+    whole = [_whole_momentum(opt, p) for p in order]
+    tsd = opt.torch_state_dict()
+    for i, m in enumerate(whole):
+        buf = tsd["state"][i]["momentum_buffer"].double()
+        # (fp32 sums of the two parts: rounding of the larger one)
+        torch.testing.assert_close(buf, m, rtol=0, atol=2**-22 * m.abs().max().item())
+    if torch_muon is not None:
+        tm = torch_muon([p.detach().float().requires_grad_() for p in order], lr=0.02)
+        tm.load_state_dict(tsd)
+    old = copy.deepcopy(opt.state_dict())
+    for st, m, p in zip(old["state"].values(), whole, order):
+        del st[LOW_P], st[LOW_R]
+        codes, scales = reference.quantize_momentum_ref(
+            m.reshape(-1), torch.bfloat16, None, reference.state_row(p, True)
+        )
+        st["momentum_buffer_codes"] = codes.view_as(st["momentum_buffer_codes"])
+        st["momentum_buffer_scale"] = scales.view_as(st["momentum_buffer_scale"])
+    for sd in (tsd, old):
+        qs = [p.detach().clone().requires_grad_() for p in ps]
+        back = fo.FlashMuon(fo_named(qs), lr=0.02)
+        back.load_state_dict(sd)
+        for q, m in zip(back.param_groups[0]["params"], whole):
+            assert back.state[q][LOW_P].any()  # a low-rank part again
+            assert (_whole_momentum(back, q) - m).abs().max() <= 2 / 127 * m.abs().max()
+    bad = copy.deepcopy(opt.state_dict())
+    bad["state"][0][LOW_R] = bad["state"][0][LOW_R][:, :2]
+    with pytest.raises(ValueError, match="low-rank factors of shapes"):
+        fo.FlashMuon(fo_named(ps), lr=0.02).load_state_dict(bad)
 
 
 @pytest.mark.parametrize("shape", [(512, 512), (512, 2048), (16, 2048)])

@@ -59,18 +59,27 @@ def update_factors(
     g^T P) / mu`` with Nesterov. ``reduce``: the sum over the ranks that hold other rows of the same
     matrices (None: one process); ``Y^T Y`` and ``m^T P`` are sums over rows."""
     reduce = reduce or (lambda t: t)
-    y = _rows_times(u, R.float())
-    gram = reduce((y.mT @ y).double())
+    # Y^T Y in float64: the squares of a large momentum's products overflow fp32 (a 1e30
+    # gradient made them inf and the weights NaN)
+    # R's scale is the momentum's (P = orth(u R) does not depend on it): u R at unit scale,
+    # else a momentum of 1e20 overflows fp32 in u R (1e40)
+    Rf = R.float()
+    Rf = Rf / Rf.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=2.0**-126)
+    y = _rows_times(u, Rf).double()
+    gram = reduce(y.mT @ y)
     k = gram.shape[-1]
-    ridge = 1e-12 * gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] + 1e-300
+    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
     eye = torch.eye(k, dtype=torch.float64, device=gram.device)
     # (cholesky_ex: no error check, no host sync; a skipped step's garbage is dropped)
-    chol = torch.linalg.cholesky_ex(gram + ridge * eye).L
-    P = torch.linalg.solve_triangular(chol, y.double().mT, upper=False).mT.bfloat16()
+    chol = torch.linalg.cholesky_ex(gram + (1e-12 * trace + 1e-300) * eye).L
+    P = torch.linalg.solve_triangular(chol, y.mT, upper=False).mT.bfloat16()
     t = _rows_t_times(u, P.float())
     if nesterov and mu > 0:
         t = (t - (1 - mu) * g_sign * _rows_t_times(g, P.float())) / mu
-    return P, reduce(t).bfloat16()
+    # u R = 0 (a zero gradient on the first step, a zero momentum): P = 0, and R keeps its
+    # last value, the power iteration's start; R = m^T P = 0 would stay 0 for good (u R = 0
+    # at every later step: whole codes from then on)
+    return P, torch.where(trace > 0, reduce(t).bfloat16(), R)
 
 
 # rows of a matrix converted to fp32 at a time by the thin products (a bounded temporary)

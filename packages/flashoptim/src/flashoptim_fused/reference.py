@@ -316,16 +316,18 @@ def lowrank_factors_ref(u, g, R, mu: float, nesterov: bool):
     workspace holds it: bf16) and gradient ``g`` (sign applied), the last ``R`` (cols x k):
     one power iteration, ``P = orth(u R)``, then ``R = m^T P`` with the new momentum ``m``
     recovered from ``u`` (Nesterov: ``u = mu m + (1 - mu) g``). Both rounded to bf16.
-    ``orth``: Cholesky QR with a ridge of 1e-12 of the trace (a zero ``u R`` gives P = 0)."""
+    ``orth``: Cholesky QR with a ridge of 1e-12 of the trace (a zero ``u R`` gives P = 0
+    and keeps the last ``R``)."""
     y = u.double() @ R.double()
     gram = y.mT @ y
     k = gram.shape[-1]
-    ridge = 1e-12 * gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] + 1e-300
-    chol = torch.linalg.cholesky(gram + ridge * torch.eye(k, dtype=torch.float64))
+    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    chol = torch.linalg.cholesky(gram + (1e-12 * trace + 1e-300) * torch.eye(k).double())
     P = torch.linalg.solve_triangular(chol, y.mT, upper=False).mT
     m = (u.double() - (1 - mu) * g.double()) / mu if nesterov and mu > 0 else u.double()
     P = P.to(torch.bfloat16)
-    return P, (m.mT @ P.double()).to(torch.bfloat16)
+    R_new = (m.mT @ P.double()).to(torch.bfloat16)
+    return P, torch.where(trace > 0, R_new, R.to(torch.bfloat16))
 
 
 def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None, factors=None):
