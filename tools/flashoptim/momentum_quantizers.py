@@ -310,21 +310,72 @@ def main_cosine(a) -> None:
         print(f"| {name} | {scheme_bytes(name):.3f} | {vals} | {sum(cs) / 3:.4f} |", flush=True)
 
 
+def _shipped_run(kind, seed, batches, steps=20):
+    """``_cosine_run``'s model and data with the package's FlashMuon (its Muon group only):
+    ``bf16`` (bf16 weights and forward, the defaults; the fp32 init as masters),
+    ``bf16_fp32_momentum`` (the same, ``quantize=False``), ``fp32`` (fp32 weights, the
+    defaults); the master weights' update of the last step."""
+    torch.manual_seed(seed)
+    model = parity.GPT(d=64, layers=2, heads=2, ctx=32)
+    mats = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
+    masters = {p: p.detach().clone() for p in mats}
+    if kind != "fp32":
+        model.to(torch.bfloat16)
+    opt = fo.FlashMuon(
+        [dict(params=mats, use_muon=True)],
+        lr=0.02,
+        weight_decay=0.0,
+        quantize=kind != "bf16_fp32_momentum",
+    )
+    opt.load_master_weights(masters)
+    for xb in batches[: steps + 1]:
+        logits = model(xb[:, :-1]).float().reshape(-1, 256)
+        F.cross_entropy(logits, xb[:, 1:].reshape(-1)).backward()
+        before = [fo.master_weight(p, opt) for p in mats]
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([(fo.master_weight(p, opt) - b).reshape(-1) for p, b in zip(mats, before)])
+
+
+def main_shipped(a) -> None:
+    """The issue's update-direction target: the 21st update of the package's FlashMuon
+    against torch.optim.Muon's (fp32, same init and data; ``_cosine_run``), seeds 0, 1, 2.
+    Run it with another checkout's package on PYTHONPATH to compare storages."""
+    corpus = parity.load_corpus(300_000)
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, corpus.numel() - 40, (21, 8), generator=g)
+    batches = [torch.stack([corpus[i : i + 33] for i in row]) for row in starts]
+    refs = {sd: _cosine_run(None, sd, batches) for sd in range(3)}
+    print(f"package: {os.path.dirname(fo.__file__)}")
+    print("| FlashMuon | cosine to torch.optim.Muon, seeds 0 / 1 / 2 | mean |")
+    print("|---|---|---|")
+    for kind in a.schemes.split(",") if a.schemes else ["bf16", "bf16_fp32_momentum", "fp32"]:
+        cs = [
+            F.cosine_similarity(_shipped_run(kind, sd, batches), refs[sd], dim=0).item()
+            for sd in refs
+        ]
+        vals = " / ".join(f"{c:.4f}" for c in cs)
+        print(f"| {kind} | {vals} | {sum(cs) / 3:.4f} |", flush=True)
+
+
 # ----------------------------------------------------------------------------- parity
 
 
 class _FakeQuantized:
-    """An optimizer whose Muon momentum buffers (``bufs()``: fp32 tensors) are stored through
-    ``storage`` after each step: the next step reads what that state would hold."""
+    """An optimizer whose Muon momentum buffers (``bufs()``: (parameter, fp32 buffer) pairs)
+    are stored through ``storage`` after each step: the next step reads what that state
+    would hold (``lu`` storages get the step's direction from the gradient, still set)."""
 
-    def __init__(self, opt, bufs, storage: Storage):
+    def __init__(self, opt, bufs, storage: Storage, nesterov: bool):
         self.opt, self.bufs, self.storage = opt, bufs, storage
+        self.nesterov = nesterov
         self.skipped_steps = 0
 
     def step(self):
         self.opt.step()
-        for m in self.bufs():
-            m.copy_(self.storage(m))
+        for p, m in self.bufs():
+            g = p.grad.to(m.dtype).view(m.shape)
+            m.copy_(self.storage(m, u=g.lerp(m, MU) if self.nesterov else m))
 
     def zero_grad(self, set_to_none=True):
         self.opt.zero_grad(set_to_none=set_to_none)
@@ -347,8 +398,8 @@ def make_optimizer(nesterov: bool, seed: int):
             autocast = torch.autocast(device.type, dtype=torch.bfloat16)
             both = parity._Both(muon, adamw)
             if name.startswith("q_"):
-                bufs = lambda: [s["momentum_buffer"] for s in muon.state.values()]  # noqa: E731
-                both = _FakeQuantized(both, bufs, Storage(name[2:], seed))
+                bufs = lambda: [(p, s["momentum_buffer"]) for p, s in muon.state.items()]  # noqa: E731
+                both = _FakeQuantized(both, bufs, Storage(name[2:], seed), nesterov)
             return both, [muon, adamw], autocast
         masters = {p: p.detach().clone() for p in model.parameters()}
         model.to(torch.bfloat16)
@@ -367,9 +418,10 @@ def make_optimizer(nesterov: bool, seed: int):
             return opt, [opt], contextlib.nullcontext()
 
         def bufs():
-            return [opt.state[p]["momentum_buffer"] for p in mats if p in opt.state]
+            return [(p, opt.state[p]["momentum_buffer"]) for p in mats if p in opt.state]
 
-        return _FakeQuantized(opt, bufs, Storage(scheme, seed)), [opt], contextlib.nullcontext()
+        fake = _FakeQuantized(opt, bufs, Storage(scheme, seed), nesterov)
+        return fake, [opt], contextlib.nullcontext()
 
     return make
 
@@ -424,7 +476,7 @@ def table(result) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["replay", "parity", "cosine"])
+    ap.add_argument("mode", choices=["replay", "parity", "cosine", "shipped"])
     ap.add_argument("--schemes", default="", help="comma-separated names of SCHEMES")
     ap.add_argument("--no-nesterov", action="store_true")
     ap.add_argument("--cache", default="", help="replay: the recorded gradients (.pt)")
@@ -434,7 +486,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default="cpu", help="parity: a size of parity.CONFIGS")
     a = ap.parse_args(argv)
-    {"replay": main_replay, "parity": main_parity, "cosine": main_cosine}[a.mode](a)
+    modes = dict(replay=main_replay, parity=main_parity, cosine=main_cosine, shipped=main_shipped)
+    modes[a.mode](a)
 
 
 if __name__ == "__main__":
