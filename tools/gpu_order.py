@@ -14,8 +14,9 @@ workers idle. With ``GPU_TEST_TIMES`` set this plugin
   (``min(N / W / 4, --maxschedchunk)``, at least 2), so the k-th slowest test goes to the
   first slot of worker k's chunk, the next W to the second slots, and so on; the rest follow
   slowest first as workers ask for more;
-* writes this run's times back into FILE when the session ends (tests that did not run
-  keep their old entry), so the next run orders by them.
+* writes this run's times back into FILE when the session ends (tests that did not run or
+  finish, e.g. cut off by a time limit, keep their old entry), so the next run orders by
+  them.
 
 ``tools/gpu_run.sh`` keeps one FILE per package with the compile caches (carried between
 device calls) and copies it into OUTDIR. Without the variable, or with an unreadable FILE,
@@ -89,12 +90,17 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [items[i] for i in idx]
 
 
-_seconds: defaultdict[str, float] = defaultdict(float)  # this run's, per node id
+_partial: defaultdict[str, float] = defaultdict(float)  # tests under way
+_seconds: dict[str, float] = {}  # this run's finished tests
 
 
 def pytest_runtest_logreport(report):
-    # on the xdist controller too: it replays every worker's reports
-    _seconds[report.nodeid] += report.duration
+    # on the xdist controller too: it replays every worker's reports. Only a test that
+    # finished (its teardown reported) counts: one cut off by the time limit would
+    # otherwise replace its long time with the seconds it had before the cut.
+    _partial[report.nodeid] += report.duration
+    if report.when == "teardown":
+        _seconds[report.nodeid] = _partial.pop(report.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -87,6 +87,27 @@ def test_order_matches_xdist_first_batches():
     assert first == sorted(names[-workers:])
 
 
+def test_only_finished_tests_are_written(tmp_path, monkeypatch):
+    """A test cut off before its teardown keeps its old time; a finished one gets the sum
+    of its setup, call and teardown."""
+    times = tmp_path / "t.json"
+    times.write_text(json.dumps({"tests": {"cut::t": 300.0, "done::t": 50.0, "other::t": 7.0}}))
+    monkeypatch.setenv(gpu_order.ENV, str(times))
+    monkeypatch.setattr(gpu_order, "_partial", gpu_order.defaultdict(float))
+    monkeypatch.setattr(gpu_order, "_seconds", {})
+
+    class Report:
+        def __init__(self, nodeid, when, duration):
+            self.nodeid, self.when, self.duration = nodeid, when, duration
+
+    for r in [("done::t", "setup", 0.5), ("done::t", "call", 1.0), ("done::t", "teardown", 0.25)]:
+        gpu_order.pytest_runtest_logreport(Report(*r))
+    gpu_order.pytest_runtest_logreport(Report("cut::t", "setup", 0.1))
+    session = type("S", (), {"config": object()})()
+    gpu_order.pytest_sessionfinish(session, exitstatus=2)
+    assert gpu_order.load_times(times) == {"cut::t": 300.0, "done::t": 1.75, "other::t": 7.0}
+
+
 SUITE = """
 import pytest
 
