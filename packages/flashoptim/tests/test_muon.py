@@ -22,11 +22,12 @@ from flashoptim_fused.muon import default_use_muon, lr_ratio, matrix_shape, newt
 
 torch_muon = getattr(torch.optim, "Muon", None)
 needs_torch_muon = pytest.mark.skipif(torch_muon is None, reason="torch.optim.Muon (torch 2.9+)")
-# odd shapes: tall, wide, two of one shape (batched), a vector and a 4-D tensor (AdamW by
+# odd shapes: wide, tall, two of one shape (batched), a vector and a 4-D tensor (AdamW by
 # the default rule)
-SHAPES = [(40, 48), (48, 40), (40, 48), (36, 33), (33, 7), (50,), (4, 3, 2, 2)]
-# (both sides >= 32: a low-rank momentum part; 36 x 33: rows ending inside a group and a
-# numel not a multiple of 16; 33 x 7: rows under a group, fp32 momentum)
+SHAPES = [(40, 64), (64, 32), (40, 64), (36, 33), (33, 7), (50,), (4, 3, 2, 2)]
+# (both sides >= 32: a low-rank momentum part; 36 x 33: rows ending inside a group (a
+# table entry per row) and a numel not a multiple of 16; 33 x 7: rows under a group, fp32
+# momentum; the others rows of whole groups: few programs under the interpreter)
 
 
 def _params(dtype=torch.bfloat16, seed=0, shapes=SHAPES, device="cpu"):
@@ -587,7 +588,7 @@ def test_lowrank_checkpoint_forms_round_trip():
     back into a fresh FlashMuon (the factors found again by power iterations) to the codes'
     resolution; so does a state dict of ours without the factors (before issue #31: codes of
     the whole momentum); factors of the wrong shape are refused by name."""
-    ps = _params()[:4]  # (40, 48), (48, 40), (40, 48), (36, 33): all low-rank
+    ps = _params()[:4]  # (40, 64), (64, 32), (40, 64), (36, 33): all low-rank
     opt = fo.FlashMuon(fo_named(ps), lr=0.02)
     _train(opt, ps, 3)
     order = opt.param_groups[0]["params"]
