@@ -153,8 +153,11 @@ def say(verbose, text, who="flashsinkhorn.solve"):
 
 def capturing(device) -> bool:
     """Whether work on ``device`` is being recorded into a CUDA graph now (then nothing may
-    read the device: ``solve`` runs the device-only loop)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    read the device: ``solve`` runs the device-only loop). False while torch.compile traces
+    (the loop is a custom op there, and the query is not traceable)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    return torch.cuda.is_current_stream_capturing()
 
 
 class _Estimates:
