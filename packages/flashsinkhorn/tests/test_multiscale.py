@@ -10,6 +10,7 @@ from _helpers import BACKENDS, needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flashsinkhorn as fs
 from flashsinkhorn import _config, _loop
 from flashsinkhorn._multiscale_tiles import fit_potential, morton_codes, pair_bound, sort_clouds
 from flashsinkhorn.multiscale import MultiscaleProblem
@@ -429,3 +430,89 @@ def test_gpu_passes_and_certificate(kind):
     err_gpu = float(P32.certificate(f.float().to(dev), g.float().to(dev), eps, None, None)[0])
     err_cpu = float(P64.certificate(f.float().double(), g.float().double(), eps, None, None)[0])
     assert abs(err_gpu - err_cpu) <= 1e-9 * err_cpu + 1e-12
+
+
+# ----------------------------------------------------------------------------------------
+# backend="multiscale" in solve and SamplesLoss, and backend="auto"
+# ----------------------------------------------------------------------------------------
+
+
+def test_solve_multiscale_is_the_exact_solve():
+    """solve(backend="multiscale") to a tolerance: the value, potentials and gradients of
+    the exact solve (both certified below tol), the backend recorded."""
+    gen = torch.Generator().manual_seed(10)
+    x, y = cloud("sphere", 600, 3, gen).float(), cloud("uniform", 500, 3, gen).float()
+    kw = dict(eps=1e-2, cost_scale=0.5, tol=1e-5, eps_scaling=0.5, max_iter=3000)
+    out = []
+    for backend in ("multiscale", "dense"):
+        xg = x.clone().requires_grad_(True)
+        r = fs.solve(xg, y, backend=backend, **kw)
+        r.value.backward()
+        assert r.converged and float(r.marginal_error) < 1e-5 and r.backend == backend
+        out.append((r, xg.grad))
+    (r1, g1), (r2, g2) = out
+    v1, v2 = float(r1.value.detach()), float(r2.value.detach())
+    assert abs(v1 - v2) <= 1e-5 * 1e-2 + 1e-6 * abs(v2)
+    df = r1.f - r2.f  # balanced potentials are defined up to a constant (f + c, g - c)
+    assert (df - df.mean()).abs().max() <= 1e-3 * 1e-2
+    assert (g1 - g2).abs().max() <= 1e-3 * g2.abs().max()
+    # truth of the multiscale certificate: the dense float64 marginal error
+    a, b = torch.full((600,), 1 / 600), torch.full((500,), 1 / 500)
+    truth = dense_truth(x, y, a, b, r1.f, r1.g, 1e-2, 0.5)
+    assert truth <= float(r1.marginal_error)
+
+
+@pytest.mark.parametrize("debias", [False, True])
+def test_samples_loss_multiscale(debias):
+    """SamplesLoss(backend="multiscale"): with tol, the exact loss's value and gradients
+    (the same converged problem); its last_marginal_error bounds the dense float64 error of
+    the returned potentials."""
+    gen = torch.Generator().manual_seed(11)
+    x, y = cloud("uniform", 500, 3, gen).float(), cloud("clustered", 400, 3, gen).float()
+    vals, grads = [], []
+    for backend in ("multiscale", "dense"):
+        xg = x.clone().requires_grad_(True)
+        loss = fs.SamplesLoss(blur=0.05, debias=debias, backend=backend, tol=1e-5)
+        v = loss(xg, y)
+        v.backward()
+        vals.append(float(v.detach()))
+        grads.append(xg.grad)
+    assert abs(vals[0] - vals[1]) <= 1e-4 * abs(vals[1]) + 1e-7
+    assert (grads[0] - grads[1]).abs().max() <= 1e-3 * grads[1].abs().max()
+    loss = fs.SamplesLoss(blur=0.05, debias=False, backend="multiscale", potentials=True)
+    F, G = loss(x, y)
+    err = fs.SamplesLoss(blur=0.05, debias=False, backend="multiscale")
+    err(x, y)
+    a, b = torch.full((500,), 1 / 500), torch.full((400,), 1 / 400)
+    truth = dense_truth(x, y, a, b, F[0], G[0], 0.05**2, 0.5)
+    assert truth <= float(err.last_marginal_error)
+
+
+def test_auto_picks_multiscale_past_the_dense_budget(monkeypatch):
+    """backend="auto" runs the multiscale problem for clouds of at most 3 coordinates and a
+    narrow kernel past the dense budget; wider kernels and 4 coordinates stay exact."""
+    monkeypatch.setattr(_config, "DENSE_MAX_BYTES", 1 << 16)
+    gen = torch.Generator().manual_seed(12)
+    x, y = cloud("uniform", 400, 3, gen).float(), cloud("uniform", 300, 3, gen).float()
+    assert fs.solve(x, y, eps=1e-3, cost_scale=0.5, tol=None, max_iter=2).backend == "multiscale"
+    r = fs.solve(x, y, eps=0.5, cost_scale=0.5, tol=None, max_iter=2)  # width 1 > diameter / 8
+    assert r.backend == "streaming"
+    x4, y4 = cloud("uniform", 400, 4, gen).float(), cloud("uniform", 300, 4, gen).float()
+    assert fs.solve(x4, y4, eps=1e-3, tol=None, max_iter=2).backend == "streaming"
+    monkeypatch.setattr(_config, "DENSE_MAX_BYTES", 1 << 28)
+    assert fs.solve(x, y, eps=1e-3, tol=None, max_iter=2).backend == "dense"
+
+
+def test_multiscale_bad_input_names_the_argument():
+    x, y = torch.rand(50, 9), torch.rand(40, 9)
+    with pytest.raises(ValueError, match="at most 8 coordinates"):
+        fs.solve(x, y, eps=0.1, backend="multiscale")
+    x, y = torch.rand(50, 3), torch.rand(40, 3)
+    with pytest.raises(ValueError, match="cost 'sqeuclidean' or 'cosine'"):
+        fs.solve(x, y, eps=0.1, cost="dot", backend="multiscale")
+    with pytest.raises(ValueError, match="truncate"):
+        fs.SamplesLoss(truncate=-1.0)
+    with pytest.raises(ValueError, match="cluster_scale"):
+        fs.SamplesLoss(backend="multiscale", cluster_scale=0.0)
+    with pytest.raises(NotImplementedError, match="sample_plan"):
+        fs.sample_plan(fs.solve(x, y, eps=0.1, backend="multiscale"), seed=0)

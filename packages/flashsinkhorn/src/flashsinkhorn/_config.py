@@ -130,3 +130,13 @@ DENSE_MAX_SCORES_CUDA = 1 << 22
 MULTISCALE_TILE = 64
 MULTISCALE_GROUP = 8
 MULTISCALE_TOP = 256
+# backend="auto" runs the multiscale problem (flashsinkhorn.multiscale.auto_reason) for
+# clouds of at most 3 coordinates where the exact rule picks the streaming problem, when the
+# kernel's width sqrt(eps / c2) is at most MULTISCALE_MAX_WIDTH of the clouds' diameter and,
+# on CUDA, from MULTISCALE_MIN_SCORES_CUDA scores (B N M). CPU (one thread, GeomLoss's
+# schedule, d = 3, blur 0.01-0.2 in the unit cube: docs/design/flashsinkhorn.md): 2.2-16x
+# faster than the streaming torch path at n = m = 8192, slower than the dense problem at
+# n <= 8192 (0.2-0.7x), so past the dense budget. The CUDA number is provisional (not
+# measured): tools/flashsinkhorn/multiscale_sweep.py on the GPU fixes it.
+MULTISCALE_MAX_WIDTH = 0.125
+MULTISCALE_MIN_SCORES_CUDA = 1 << 32

@@ -117,7 +117,9 @@ def _potentials_op(*args):
     sched = _schedule(
         prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter
     )
-    certify = certifier(float64_problem(x_in, y_in, prob), prob, eps, rx, ry)
+    certify = prob.float64_certifier(eps, rx, ry) or certifier(
+        float64_problem(x_in, y_in, prob), prob, eps, rx, ry
+    )
     out = _run_and_certify(prob, certify, sched, verbose)
     _loop.report(out, tol, eps, warn)
     dev = prob.X.device
@@ -397,13 +399,16 @@ def solve(
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
     fields = dict(X=X.detach(), Y=Y.detach(), a=a2.detach(), b=b2.detach(), cx=cx.detach())
     fields.update(cy=cy.detach(), c2=c2, cost=cost, cost_scale=cost_scale, labels=labels)
-    prob, why = backends.build(backend, precision=precision, center=center, **fields)
+    prob, why = backends.build(backend, eps=eps, precision=precision, center=center, **fields)
     check_precision(precision, resolve_backend(prob.kernel_family, x3.device))
     _loop.say(verbose, f"backend {prob.kind} ({why})")
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
     exact = [_uniform64(t) if w is None else None for w, t in ((a, x3), (b, y3))]
     build64 = float64_problem(x3, y3, prob, a64=exact[0], b64=exact[1])
-    certify = certifier(build64, prob, eps, rx, ry)
+    # the backend's own float64 certificate where the dense measurement would cost O(n m)
+    certify = prob.float64_certifier(eps, rx, ry, a64=exact[0], b64=exact[1]) or certifier(
+        build64, prob, eps, rx, ry
+    )
     marginals = None
     if compiling:
         f, g, err, n_iter, converged, value = _solve_compiled(
