@@ -13,7 +13,7 @@ then moved by a rotation of 40 degrees and a translation. Registration:
 Each source point was generated from a point of the surface, so its true position after
 registration is known: the script prints the mean distance to it after each stage, and
 draws the three stages into a PNG. On a GPU: ``python registration.py`` (n = 2^18 points per
-cloud by default; ``--n 1000000`` for a million). On a CPU: ``--smoke`` (n = 2000, a few
+cloud by default; ``--n 1000000`` for a million). On a CPU: ``--smoke`` (n = 1000, a few
 steps: a test runs it) or ``--n 20000`` for the picture in docs/img.
 """
 
@@ -82,11 +82,11 @@ def main():
     ap.add_argument("--n", type=int, default=1 << 18)
     ap.add_argument("--rigid-steps", type=int, default=60)
     ap.add_argument("--warp-steps", type=int, default=60)
-    ap.add_argument("--smoke", action="store_true", help="n = 2000, a few steps (CPU test)")
+    ap.add_argument("--smoke", action="store_true", help="n = 1000, a few steps (CPU test)")
     ap.add_argument("--png", default=None, help="write the picture here")
     args = ap.parse_args()
     if args.smoke:
-        args.n, args.rigid_steps, args.warp_steps = 2000, 3, 3
+        args.n, args.rigid_steps, args.warp_steps = 1000, 3, 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x0, y, truth = make_problem(args.n, device)
     err = lambda p: float((p - truth).norm(dim=1).mean())  # noqa: E731

@@ -662,6 +662,7 @@ def sinkhorn_divergence(
         with torch.no_grad():
             out = _sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
         F, G = out["f_ba"], out["g_ab"]
+        info["marginal_error"] = out["marginal_error"]  # of OT(a, b)'s (F_ba, G_ab)
         if debias:
             F, G = F - out["f_aa"], G - out["g_bb"]
     else:
