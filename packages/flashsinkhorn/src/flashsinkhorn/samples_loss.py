@@ -25,7 +25,6 @@ as the custom op ``flashsinkhorn::sinkhorn_divergence`` (no graph break).
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import torch
@@ -38,6 +37,7 @@ from flashsinkhorn._hessian import (
     plan_from_potentials,
 )
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
+from flashsinkhorn._loss_args import TOL_MAX_ITER, check_loss_args, check_multiscale_args
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
@@ -480,16 +480,6 @@ def _(
     )
 
 
-def _positive_finite(v, name):
-    try:
-        v = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a finite positive number; got {v!r}") from None
-    if not (0 < v < float("inf")):
-        raise ValueError(f"{name} must be a finite positive number; got {v}")
-    return v
-
-
 def _divergence_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[1:5])  # ga, gx, gb, gy
 
@@ -506,61 +496,6 @@ def _op_options(opts):
     """The forward's options as the custom op takes them (the reach pair as two floats)."""
     out = {k: v for k, v in opts.items() if k != "reach"}
     return dict(out, reach_x=opts["reach"][0], reach_y=opts["reach"][1])
-
-
-# SamplesLoss(tol=...): at most this many iterations at the final blur
-TOL_MAX_ITER = 2000
-
-
-def _check_multiscale_args(backend, truncate, cluster_scale, tol, process_group, cu_seqlens):
-    """The multiscale options and ``tol`` as forward options (an empty dict where they are
-    the defaults of an exact run); a ValueError names a bad one."""
-    out = {}
-    if truncate is not None and not (isinstance(truncate, (int, float)) and truncate > 0):
-        raise ValueError(f"truncate must be a positive number or None; got {truncate!r}")
-    if cluster_scale is not None and not (
-        isinstance(cluster_scale, (int, float))
-        and math.isfinite(cluster_scale)
-        and cluster_scale > 0
-    ):
-        raise ValueError(f"cluster_scale must be a positive number or None; got {cluster_scale!r}")
-    if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
-        raise ValueError(f"tol must be a positive number or None; got {tol!r}")
-    if backend in ("auto", "multiscale") and (truncate != 5.0 or cluster_scale is not None):
-        out["multiscale"] = {"truncate": truncate, "cluster_scale": cluster_scale}
-    elif backend == "multiscale":
-        out["multiscale"] = {}
-    if tol is not None:
-        out["tol"] = float(tol)
-    if out and (process_group is not None or cu_seqlens is not None):
-        if backend == "multiscale" or tol is not None:
-            raise NotImplementedError(
-                "backend='multiscale' and tol= run on one process and one problem batch "
-                "(not with process_group or a ragged batch)"
-            )
-        out = {}
-    return out
-
-
-def _check_loss_args(blur, reach, scaling, diameter=None, precision="tf32"):
-    """The loss's scalar arguments, checked and normalized: ``(blur, reach, scaling,
-    diameter)`` with ``reach`` a pair ``(reach_x, reach_y)`` (one per side, None or inf:
-    balanced side; a number is both sides); a ValueError names the argument."""
-    blur = _positive_finite(blur, "blur")
-    rx, ry = rho_from_reach(reach, 0.5)  # checks the values (positive, a number or a pair)
-    pair = reach if isinstance(reach, (tuple, list)) else (reach, reach)
-    reach = tuple(None if r is None else float(p) for r, p in zip((rx, ry), pair))
-    try:
-        scaling = float(scaling)
-    except (TypeError, ValueError):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling!r}") from None
-    if not (0 < scaling < 1):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
-    if diameter is not None:
-        diameter = _positive_finite(diameter, "diameter")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    return blur, reach, scaling, diameter
 
 
 def sinkhorn_divergence(
@@ -600,7 +535,7 @@ def sinkhorn_divergence(
     exact ones); ``tol``: iterate at the final blur until the L1 marginal error is below
     tol (certified on the multiscale backend).
     """
-    ms = _check_multiscale_args(backend, truncate, cluster_scale, tol, process_group, cu_seqlens)
+    ms = check_multiscale_args(backend, truncate, cluster_scale, tol, process_group, cu_seqlens)
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
         share = distributed.sharding(process_group)
         if torch.compiler.is_compiling():
@@ -611,7 +546,7 @@ def sinkhorn_divergence(
             args = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling)
             args.update(debias=debias, potentials=potentials, precision=precision)
             return _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **args)
-    blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
+    blur, reach, scaling, diameter = check_loss_args(blur, reach, scaling, diameter, precision)
     if cu_seqlens is not None or isinstance(x, (list, tuple)):
         kw = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
         kw.update(potentials=potentials, precision=precision, verbose=verbose)
@@ -683,7 +618,7 @@ def _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **kw):
     ``potentials=True`` returns this rank's potentials."""
     group = share.group
     with distributed.collective_errors(group):
-        blur, reach, scaling, diameter = _check_loss_args(
+        blur, reach, scaling, diameter = check_loss_args(
             kw["blur"], kw["reach"], kw["scaling"], kw["diameter"], kw["precision"]
         )
         x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
@@ -808,7 +743,7 @@ class SamplesLoss(torch.nn.Module):
         if cost is not None or kernel is not None:
             raise ValueError("custom cost/kernel are not supported (p=2 squared Euclidean only)")
         # GeomLoss's multiscale arguments (ignored by the exact backends, as in GeomLoss)
-        _check_multiscale_args(backend, truncate, cluster_scale, tol, None, None)
+        check_multiscale_args(backend, truncate, cluster_scale, tol, None, None)
         self.truncate, self.cluster_scale, self.tol = truncate, cluster_scale, tol
         if backend in ("tensorized", "online"):  # GeomLoss's exact backends: ours is exact
             backend = "auto"
