@@ -10,7 +10,8 @@
 #    C++/CUDA sources) while the pure-Python packages' GPU tests already run;
 # 4. runs every package's @pytest.mark.gpu tests, the three packages side by side, each spread
 #    over GPU_TEST_WORKERS processes (pytest-xdist, if installed): the suites are
-#    compile-bound, and the host has 16 cores;
+#    compile-bound, and the host has 16 cores; the slowest tests of the last run (their
+#    times kept with the caches) start first (tools/gpu_order.py; GPU_ORDER=0: not);
 # 5. runs each package's benchmark CLI's GPU suite, one after another (nothing else runs
 #    on the GPU while they time), and any extra script named in GPU_EXTRA (each a
 #    "name|limit|command" entry, separated by ';', run after the benchmarks; the variable
@@ -21,6 +22,8 @@
 #   log.txt                 everything printed (per-step logs: tests-<pkg>.txt, ...)
 #   bench-<package>.json    benchmark results (schema kernel-bench/1)
 #   env.json                GPU, driver and library versions
+#   test-times-<pkg>.json   every GPU test's seconds (setup + call + teardown) in this run
+#                           and earlier ones: the next run starts the slowest first
 #   summary.md              pass/fail/skip counts and time per step, the slowest tests, then
 #                           the tables (printed last)
 # With GPU_PACK=1 everything but summary.md and the cache parts is packed into
@@ -114,12 +117,25 @@ if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-
 pytest_gpu=(python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -c pyproject.toml --rootdir .
   --durations=10 --durations-min=1 "${workers[@]}" ${GPU_PYTEST_ARGS:-})
 
+# Each package's per-test times of the last run, kept with the compile caches: the slowest
+# start first, spread over the workers' first batches (tools/gpu_order.py, a pytest plugin;
+# GPU_ORDER=0 keeps pytest's order). The plugin goes on the path alone: tools/ itself holds
+# folders named like the packages (an import of a missing peer would find them).
+plugins="$(mktemp -d)"
+cp tools/gpu_order.py "$plugins/"
+order_env() {  # order_env PACKAGE: sets the array "order", the env prefix of its pytest
+  order=()
+  [ "${GPU_ORDER:-1}" = 1 ] || return 0
+  order=(env "GPU_TEST_TIMES=$cache_root/test-times/$1.json" "PYTHONPATH=$PYTHONPATH:$plugins"
+    PYTEST_PLUGINS=gpu_order)
+}
 has() { local p; for p in "${packages[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 pids=()
 if [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then
   for pkg in "${packages[@]}"; do
     [ "$pkg" = mhc-proj ] && continue
-    step "gpu tests $pkg" "${LIMIT_TESTS:-300}" "$out/tests-$pkg.txt" "${pytest_gpu[@]}" "packages/$pkg/tests" &
+    order_env "$pkg"
+    step "gpu tests $pkg" "${LIMIT_TESTS:-300}" "$out/tests-$pkg.txt" "${order[@]}" "${pytest_gpu[@]}" "packages/$pkg/tests" &
     pids+=($!)
   done
 fi
@@ -152,10 +168,15 @@ if has mhc-proj; then
   step "build mhc-proj" "${LIMIT_BUILD:-300}" "$out/build-mhc-proj.txt" bash -c mhc_build && built=1
   grep -E "mhc_proj: (building|GPUs|no GPU)|reusing" "$out/build-mhc-proj.txt" | tee -a "$log"
   if [ $built = 1 ] && [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then
-    step "gpu tests mhc-proj" "${LIMIT_TESTS:-300}" "$out/tests-mhc-proj.txt" "${pytest_gpu[@]}" packages/mhc-proj/tests
+    order_env mhc-proj
+    step "gpu tests mhc-proj" "${LIMIT_TESTS:-300}" "$out/tests-mhc-proj.txt" "${order[@]}" "${pytest_gpu[@]}" packages/mhc-proj/tests
   fi
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done
+rm -rf "$plugins"
+for f in "$cache_root"/test-times/*.json; do  # every test's seconds, per package
+  [ -f "$f" ] && cp "$f" "$out/test-times-$(basename "$f")"
+done
 
 if [ "${GPU_SKIP_BENCH:-0}" != 1 ]; then
   for pkg in ${GPU_BENCH_PACKAGES:-${packages[@]}}; do

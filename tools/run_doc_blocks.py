@@ -81,9 +81,13 @@ def run_page(page: Path, timeout: float) -> tuple[bool, float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             done = subprocess.run(
-                [sys.executable, "-c", program(page)], cwd=tmp, env=env, timeout=timeout,
-                capture_output=True, text=True,
-            )  # fmt: skip
+                [sys.executable, "-c", program(page)],
+                cwd=tmp,
+                env=env,
+                timeout=timeout,
+                capture_output=True,
+                text=True,
+            )
         except subprocess.TimeoutExpired:
             return False, time.perf_counter() - t0, f"timed out after {timeout:.0f} s"
     return done.returncode == 0, time.perf_counter() - t0, done.stdout + done.stderr

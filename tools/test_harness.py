@@ -29,8 +29,18 @@ def test_run_records_ok_skip_error_and_oom(tmp_path):
     res = Results("pkg", "0.1", CPU)
     path = tmp_path / "out.json"
     res.save(path)
-    res.run("op", "ours", "fwd", {"n": 8}, lambda: (lambda: None), reps=3,
-            bytes_moved=1e6, ceiling_gbps=100.0, floor_ms=1e-9, headline="op n=8")  # fmt: skip
+    res.run(
+        "op",
+        "ours",
+        "fwd",
+        {"n": 8},
+        lambda: lambda: None,
+        reps=3,
+        bytes_moved=1e6,
+        ceiling_gbps=100.0,
+        floor_ms=1e-9,
+        headline="op n=8",
+    )
     res.run("op", "peer", "fwd", {"n": 8}, lambda: lambda: None, reps=3)
 
     def skip():

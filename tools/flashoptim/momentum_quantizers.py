@@ -82,9 +82,14 @@ def scheme_bytes(name: str, shape=(512, 2048)) -> float:
 
 
 def _rank_of(name: str) -> tuple[int, str]:
-    if name.startswith("lr") and "_" in name:
-        head, rest = name.split("_", 1)
-        return int(head[2:]), rest
+    """(rank, residual scheme) of a name: ``lr<k>_<scheme>``, ``lag<k>_<scheme>`` (the
+    residual taken against the factors of the step before: ``Storage.lag``) or
+    ``lu<k>_<scheme>`` (P from the step's direction: ``Storage.from_u``)."""
+    for prefix in ("lr", "lag", "lu"):
+        if name.startswith(prefix) and "_" in name:
+            head, rest = name.split("_", 1)
+            if head[len(prefix) :].isdigit():
+                return int(head[len(prefix) :]), rest
     return 0, name
 
 
@@ -95,28 +100,39 @@ class Storage:
 
     def __init__(self, name: str, seed: int = 0):
         self.rank, base = _rank_of(name)
+        # lag: the residual is taken against the factors of the last step (estimated from
+        # its momentum), the new ones are estimated after: what a kernel that quantizes in
+        # the same pass as it forms the momentum can do
+        self.lag = name.startswith("lag")
+        # lu: P follows the step's direction u (Nesterov: mu m + (1 - mu) g) instead of m,
+        # R = m^T P: what the shipped step computes (``_muon_lowrank.update_factors``: u is
+        # what its workspace holds, m is recovered from u and g)
+        self.from_u = name.startswith("lu")
         self.scheme = SCHEMES[base]
         self.seed = seed
         self.gen = None
         self.factors: dict = {}
 
-    def __call__(self, m: torch.Tensor, key=None) -> torch.Tensor:
-        """``m`` stored and read back; ``key``: whose factors (default: ``m``'s identity)."""
+    def __call__(self, m: torch.Tensor, key=None, u: torch.Tensor | None = None) -> torch.Tensor:
+        """``m`` stored and read back; ``key``: whose factors (default: ``m``'s identity);
+        ``u``: the step's direction (``lu`` schemes: P follows it)."""
         key = id(m) if key is None else key
         if self.gen is None:
             self.gen = torch.Generator(device=m.device).manual_seed(10_000 + self.seed)
         if not self.rank or m.ndim != 2:
             return fake_quantize(m, self.scheme, self.gen)
         md = m.double()
-        r = self.factors.get(key)
-        if r is None:  # a fixed random start
+        old = self.factors.get(key)
+        if old is None:  # a fixed random start, no low-rank part yet
             g = torch.Generator(device=m.device).manual_seed(1)
             r = torch.randn(m.shape[1], self.rank, generator=g, device=m.device).double()
-        p, _ = torch.linalg.qr(md @ r)
+            old = (torch.zeros(m.shape[0], self.rank, device=m.device).double(), r)
+        src = u.double() if self.from_u and u is not None else md
+        p, _ = torch.linalg.qr(src @ old[1])
         p = p.bfloat16().double()
         r = (md.T @ p).bfloat16().double()
-        self.factors[key] = r
-        low = p @ r.T
+        self.factors[key] = (p, r)
+        low = old[0] @ old[1].T if self.lag else p @ r.T
         return (low + fake_quantize(md - low, self.scheme, self.gen)).to(m.dtype)
 
 
@@ -250,23 +266,25 @@ def main_replay(a) -> None:
 # ----------------------------------------------------------------------------- cosine
 
 
-def _cosine_run(name, seed, batches, steps=20):
+def _cosine_run(name, seed, batches, steps=20, nesterov=True):
     """torch.optim.Muon (fp32, no weight decay) on a 2-layer d = 64 GPT for ``steps`` steps,
     its momentum stored through ``name`` (None: not), then the update of one more step."""
     torch.manual_seed(seed)
     model = parity.GPT(d=64, layers=2, heads=2, ctx=32)
     mats = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
-    opt = torch.optim.Muon(mats, lr=0.02, weight_decay=0.0)
+    opt = torch.optim.Muon(mats, lr=0.02, weight_decay=0.0, nesterov=nesterov)
     store = None if name is None else Storage(name, seed)
     for xb in batches[: steps + 1]:
         logits = model(xb[:, :-1]).reshape(-1, 256)
         F.cross_entropy(logits, xb[:, 1:].reshape(-1)).backward()
         before = [p.detach().clone() for p in mats]
         opt.step()
-        opt.zero_grad()
         if store is not None:
-            for st in opt.state.values():
-                st["momentum_buffer"].copy_(store(st["momentum_buffer"]))
+            for p, st in opt.state.items():
+                m = st["momentum_buffer"]
+                u = p.grad.lerp(m, MU) if nesterov else m
+                m.copy_(store(m, u=u))
+        opt.zero_grad()
     return torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(mats, before)])
 
 
@@ -277,33 +295,87 @@ def main_cosine(a) -> None:
     g = torch.Generator().manual_seed(1)
     starts = torch.randint(0, corpus.numel() - 40, (21, 8), generator=g)
     batches = [torch.stack([corpus[i : i + 33] for i in row]) for row in starts]
-    refs = {sd: _cosine_run(None, sd, batches) for sd in range(3)}
+    nest = not a.no_nesterov
+    refs = {sd: _cosine_run(None, sd, batches, nesterov=nest) for sd in range(3)}
     print("| momentum storage | bytes (512 x 2048) | cosine, seeds 0 / 1 / 2 | mean |")
     print("|---|---|---|---|")
     for name in a.schemes.split(","):
         cs = [
-            F.cosine_similarity(_cosine_run(name, sd, batches), refs[sd], dim=0).item()
+            F.cosine_similarity(
+                _cosine_run(name, sd, batches, nesterov=nest), refs[sd], dim=0
+            ).item()
             for sd in refs
         ]
         vals = " / ".join(f"{c:.4f}" for c in cs)
         print(f"| {name} | {scheme_bytes(name):.3f} | {vals} | {sum(cs) / 3:.4f} |", flush=True)
 
 
+def _shipped_run(kind, seed, batches, steps=20):
+    """``_cosine_run``'s model and data with the package's FlashMuon (its Muon group only):
+    ``bf16`` (bf16 weights and forward, the defaults; the fp32 init as masters),
+    ``bf16_fp32_momentum`` (the same, ``quantize=False``), ``fp32`` (fp32 weights, the
+    defaults); the master weights' update of the last step."""
+    torch.manual_seed(seed)
+    model = parity.GPT(d=64, layers=2, heads=2, ctx=32)
+    mats = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
+    masters = {p: p.detach().clone() for p in mats}
+    if kind != "fp32":
+        model.to(torch.bfloat16)
+    opt = fo.FlashMuon(
+        [dict(params=mats, use_muon=True)],
+        lr=0.02,
+        weight_decay=0.0,
+        quantize=kind != "bf16_fp32_momentum",
+    )
+    opt.load_master_weights(masters)
+    for xb in batches[: steps + 1]:
+        logits = model(xb[:, :-1]).float().reshape(-1, 256)
+        F.cross_entropy(logits, xb[:, 1:].reshape(-1)).backward()
+        before = [fo.master_weight(p, opt) for p in mats]
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([(fo.master_weight(p, opt) - b).reshape(-1) for p, b in zip(mats, before)])
+
+
+def main_shipped(a) -> None:
+    """The issue's update-direction target: the 21st update of the package's FlashMuon
+    against torch.optim.Muon's (fp32, same init and data; ``_cosine_run``), seeds 0, 1, 2.
+    Run it with another checkout's package on PYTHONPATH to compare storages."""
+    corpus = parity.load_corpus(300_000)
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, corpus.numel() - 40, (21, 8), generator=g)
+    batches = [torch.stack([corpus[i : i + 33] for i in row]) for row in starts]
+    refs = {sd: _cosine_run(None, sd, batches) for sd in range(3)}
+    print(f"package: {os.path.dirname(fo.__file__)}")
+    print("| FlashMuon | cosine to torch.optim.Muon, seeds 0 / 1 / 2 | mean |")
+    print("|---|---|---|")
+    for kind in a.schemes.split(",") if a.schemes else ["bf16", "bf16_fp32_momentum", "fp32"]:
+        cs = [
+            F.cosine_similarity(_shipped_run(kind, sd, batches), refs[sd], dim=0).item()
+            for sd in refs
+        ]
+        vals = " / ".join(f"{c:.4f}" for c in cs)
+        print(f"| {kind} | {vals} | {sum(cs) / 3:.4f} |", flush=True)
+
+
 # ----------------------------------------------------------------------------- parity
 
 
 class _FakeQuantized:
-    """An optimizer whose Muon momentum buffers (``bufs()``: fp32 tensors) are stored through
-    ``storage`` after each step: the next step reads what that state would hold."""
+    """An optimizer whose Muon momentum buffers (``bufs()``: (parameter, fp32 buffer) pairs)
+    are stored through ``storage`` after each step: the next step reads what that state
+    would hold (``lu`` storages get the step's direction from the gradient, still set)."""
 
-    def __init__(self, opt, bufs, storage: Storage):
+    def __init__(self, opt, bufs, storage: Storage, nesterov: bool):
         self.opt, self.bufs, self.storage = opt, bufs, storage
+        self.nesterov = nesterov
         self.skipped_steps = 0
 
     def step(self):
         self.opt.step()
-        for m in self.bufs():
-            m.copy_(self.storage(m))
+        for p, m in self.bufs():
+            g = p.grad.to(m.dtype).view(m.shape)
+            m.copy_(self.storage(m, u=g.lerp(m, MU) if self.nesterov else m))
 
     def zero_grad(self, set_to_none=True):
         self.opt.zero_grad(set_to_none=set_to_none)
@@ -326,8 +398,8 @@ def make_optimizer(nesterov: bool, seed: int):
             autocast = torch.autocast(device.type, dtype=torch.bfloat16)
             both = parity._Both(muon, adamw)
             if name.startswith("q_"):
-                bufs = lambda: [s["momentum_buffer"] for s in muon.state.values()]  # noqa: E731
-                both = _FakeQuantized(both, bufs, Storage(name[2:], seed))
+                bufs = lambda: [(p, s["momentum_buffer"]) for p, s in muon.state.items()]  # noqa: E731
+                both = _FakeQuantized(both, bufs, Storage(name[2:], seed), nesterov)
             return both, [muon, adamw], autocast
         masters = {p: p.detach().clone() for p in model.parameters()}
         model.to(torch.bfloat16)
@@ -346,9 +418,10 @@ def make_optimizer(nesterov: bool, seed: int):
             return opt, [opt], contextlib.nullcontext()
 
         def bufs():
-            return [opt.state[p]["momentum_buffer"] for p in mats if p in opt.state]
+            return [(p, opt.state[p]["momentum_buffer"]) for p in mats if p in opt.state]
 
-        return _FakeQuantized(opt, bufs, Storage(scheme, seed)), [opt], contextlib.nullcontext()
+        fake = _FakeQuantized(opt, bufs, Storage(scheme, seed), nesterov)
+        return fake, [opt], contextlib.nullcontext()
 
     return make
 
@@ -403,7 +476,7 @@ def table(result) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["replay", "parity", "cosine"])
+    ap.add_argument("mode", choices=["replay", "parity", "cosine", "shipped"])
     ap.add_argument("--schemes", default="", help="comma-separated names of SCHEMES")
     ap.add_argument("--no-nesterov", action="store_true")
     ap.add_argument("--cache", default="", help="replay: the recorded gradients (.pt)")
@@ -413,7 +486,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default="cpu", help="parity: a size of parity.CONFIGS")
     a = ap.parse_args(argv)
-    {"replay": main_replay, "parity": main_parity, "cosine": main_cosine}[a.mode](a)
+    modes = dict(replay=main_replay, parity=main_parity, cosine=main_cosine, shipped=main_shipped)
+    modes[a.mode](a)
 
 
 if __name__ == "__main__":

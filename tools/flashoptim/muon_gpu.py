@@ -1,29 +1,46 @@
 """The GPU run of issue #31 (FlashMuon): tests, Newton-Schulz speed and orthogonality,
-whole steps against torch.optim.Muon, and training parity, in one command (stages run in
-this order; each under its own time limit; JSON and a short table under OUT):
+whole steps against torch.optim.Muon, and training parity. Stages run in the order given,
+each under its own time limit (``LIMITS``); JSON and a short table under OUT. Calls of at
+most ~4 minutes each on an H100 (a stage cut by its limit still reports what finished):
 
-    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT
-    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \\
-        --stages parity_large                                   # the >= 124M run, alone
+    # 1. kernels (~3.5 min): the GPU tests and the whole step vs torch.optim.Muon
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages tests,step
+    # 2. Newton-Schulz speed and orthogonality (~3.5 min)
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages ns
+    # 3. parity (~4 min): 25.6M GPT, 600 steps, 3 seeds side by side
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages parity
+    # 4. optional (~4 min each): the 127M GPT (1,000 steps; cut at the limit), the storages
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages parity_large
+    PYTHONPATH=packages/flashoptim/src python3 tools/flashoptim/muon_gpu.py --out $OUT \
+        --stages search
 
-Stages (default ``tests,ns,step,parity``; about 7 minutes on an H100):
+Stages:
 
-* ``tests`` (~1.5 min): the @gpu tests of test_gram_kernel.py and test_muon.py.
-* ``ns`` (~1.5 min): Newton-Schulz at 8 x 8192^2 and 24 x 4096^2 bf16 with four Gram
-  products: ``torch`` (torch.optim.Muon's matmuls), ``triton`` (the package's symmetric
-  kernel through TMA descriptors, the default on CUDA), ``triton_ptr`` (the same tiles by
+* ``tests``: the @gpu tests of test_gram_kernel.py and test_muon.py.
+* ``ns``: Newton-Schulz at 8 x 8192^2 and 24 x 4096^2 bf16 with four Gram products:
+  ``torch`` (torch.optim.Muon's matmuls), ``triton`` (the package's symmetric kernel
+  through TMA descriptors, the default on CUDA), ``triton_ptr`` (the same tiles by
   pointers, cp.async), ``blocks`` (cuBLAS on the upper block rows, mirrored by a copy: the
-  contender a kernel must beat); each one's whole iteration and its two Gram
-  products alone; the orthogonality error of each against the float64 polar factor (SVD) on
-  a Gaussian 4096^2, a low-rank-plus-noise 4096^2 and an ill-conditioned 2048^2 matrix.
-* ``step`` (~1 min): one optimizer step at the same two layouts: FlashMuon (default), FlashMuon
-  with torch's Gram products, torch.optim.Muon on bf16 and on fp32 parameters.
-* ``parity`` (~3 min): ``python -m flashoptim_fused.parity --optimizers torch_muon,flash_muon``,
+  contender a kernel must beat); each one's whole iteration and its three products alone
+  (the first autotunes the kernels: a minute of compiles); the orthogonality error of each
+  against the float64 polar factor on a Gaussian 4096^2, a low-rank-plus-noise 4096^2 and
+  an ill-conditioned 2048^2 matrix.
+* ``step``: one optimizer step at the same two layouts: FlashMuon (default), FlashMuon with
+  torch's Gram products, torch.optim.Muon on bf16 and on fp32 parameters.
+* ``parity``: ``python -m flashoptim_fused.parity --optimizers torch_muon,flash_muon``,
   25.6M GPT, 600 steps, seeds 0, 1, 2 as three processes side by side; verdict: FlashMuon's
   mean validation loss inside torch.optim.Muon's seed range.
-* ``parity_large`` (~6 min, its own call): the same at the ``gpt2s`` size (127M parameters:
-  d 768, 18 layers, 1,000 steps of 16 x 512 bytes), seeds 0, 1, 2 side by side.
+* ``parity_large``: the same at the ``gpt2s`` size (127M parameters: d 768, 18 layers,
+  1,000 steps of 16 x 512 bytes).
+* ``search``: the momentum storages of issue #31 at the 25.6M size on torch.optim.Muon's
+  own buffer (the storage alone): none, the #24 codes, rank 4 (P from the step's
+  direction, as shipped) + nearest codes; 3 seeds side by side.
 
+``--dry-run``: every stage's code on the CPU at toy sizes (Triton's interpreter), a minute.
 Writes OUT/muon-gpu.json (every number) and OUT/summary.md (the tables, printed last).
 """
 
@@ -50,7 +67,7 @@ LAYOUTS = {"8x8192^2": (8, 8192, 8192), "24x4096^2": (24, 4096, 4096)}
 # --dry-run: the same code on the CPU at toy sizes (Triton's interpreter), seconds
 DRY = {"layouts": {"2x16^2": (2, 16, 16)}, "big": 24, "small": 16, "reps": (0, 1)}
 SIZES = {"layouts": LAYOUTS, "big": 4096, "small": 2048, "reps": (2, 5)}
-LIMITS = {"tests": 200, "ns": 150, "step": 150, "parity": 330, "parity_large": 480}
+LIMITS = {"tests": 120, "ns": 200, "step": 90, "parity": 225, "parity_large": 225, "search": 225}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -159,10 +176,13 @@ def stage_ns(out: dict, dev) -> list[str]:
         getattr(_gram_kernel._gram_kernel_tuned, "best_config", None)
     )
     err_rows = []
+    # the dry run in fp32: Triton's interpreter (3.9) multiplies bf16 operands of tl.dot as
+    # their raw 16-bit patterns (C = 2e10 for a unit 16 x 16 Gram), so bf16 rows read NaN
+    dt = torch.float32 if dev.type == "cpu" else torch.bfloat16
     for mname, mat in _test_matrices(dev).items():
         polar = _polar(mat)
         for name, fn in GRAMS.items():
-            o = newton_schulz(mat, gram_fn=fn).double()
+            o = newton_schulz(mat, gram_fn=fn, dtype=dt).double()
             e = ((o - polar).norm() / polar.norm()).item()
             oo = o @ o.mT
             orth = (
@@ -223,13 +243,76 @@ def stage_step(out: dict, dev) -> list[str]:
     ]
 
 
+def _seeds_side_by_side(cmd_of, name: str, outdir: str, limit: float, result: str) -> list:
+    """Seeds 0, 1, 2 as three processes side by side (``cmd_of(seed, dir)``), each under
+    ``limit`` seconds in all; the runs of their ``result`` JSON files."""
+    procs, runs = [], []
+    for seed in range(3):
+        d = os.path.join(outdir, f"{name}-seed{seed}")
+        log = open(os.path.join(outdir, f"{name}-seed{seed}.log"), "w")
+        proc = subprocess.Popen(cmd_of(seed, d), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        procs.append((proc, d))
+    t0 = time.time()
+    for p, _ in procs:
+        try:
+            p.wait(timeout=max(1.0, limit - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for _, d in procs:
+        path = os.path.join(d, result)
+        if os.path.exists(path):
+            runs += json.load(open(path))["runs"]
+    return runs
+
+
+def stage_search(out: dict, outdir: str, limit: float, extra=()) -> list[str]:
+    """The momentum storages on torch.optim.Muon's own buffer at the 25.6M size
+    (``momentum_quantizers.py parity --config gpu``): torch.optim.Muon, its momentum through
+    the #24 codes (stochastic) and through the shipped rank-4 (P from u) + nearest codes."""
+    schemes = "torch_muon,q_ours,q_lu4_ours_nearest"
+
+    def cmd_of(seed, d):
+        tool = os.path.join(ROOT, "tools", "flashoptim", "momentum_quantizers.py")
+        return [
+            sys.executable,
+            tool,
+            "parity",
+            "--config",
+            "gpu",
+            "--schemes",
+            schemes,
+            "--seeds",
+            "1",
+            "--first-seed",
+            str(seed),
+            "--out",
+            d,
+            *extra,
+        ]
+
+    runs = _seeds_side_by_side(cmd_of, "search", outdir, limit, "schemes.json")
+    out["search"] = runs
+    vals: dict = {}
+    for r in runs:
+        vals.setdefault(r["optimizer"], {})[r["seed"]] = r["val_loss"]
+    rows = []
+    base = vals.get("torch_muon", {})
+    for name, v in vals.items():
+        common = [k for k in v if k in base]
+        diff = sum(v[k] - base[k] for k in common) / max(1, len(common))
+        seeds = " / ".join(f"{v[k]:.4f}" for k in sorted(v))
+        rows.append(f"| {name} | {seeds} | {diff:+.4f} |")
+    return [
+        "| momentum storage (on torch.optim.Muon) | val loss seeds 0/1/2 | minus torch |",
+        "|---|---|---|",
+        *rows,
+    ]
+
+
 def stage_parity(out: dict, outdir: str, config: str, limit: float, extra=()) -> list[str]:
     """Three seeds as three processes side by side; the summary of parity.py over all."""
-    runs = []
-    procs = []
-    env = dict(os.environ)
-    for seed in range(3):
-        d = os.path.join(outdir, f"parity-{config}-seed{seed}")
+
+    def cmd_of(seed, d):
         cmd = [
             sys.executable,
             "-m",
@@ -245,19 +328,9 @@ def stage_parity(out: dict, outdir: str, config: str, limit: float, extra=()) ->
         ]
         if config != "gpu":
             cmd += ["--config", config]
-        cmd += list(extra)
-        log = open(os.path.join(outdir, f"parity-{config}-seed{seed}.log"), "w")
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), d))
-    t0 = time.time()
-    for p, _ in procs:
-        try:
-            p.wait(timeout=max(1.0, limit - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    for _, d in procs:
-        path = os.path.join(d, "parity.json")
-        if os.path.exists(path):
-            runs += json.load(open(path))["runs"]
+        return cmd + list(extra)
+
+    runs = _seeds_side_by_side(cmd_of, f"parity-{config}", outdir, limit, "parity.json")
     for r in runs:
         r["losses"] = r["losses"][:: max(1, len(r["losses"]) // 200)]  # a thinned curve
     summary = summarize(runs, "peak_mem_mib") if runs else {}
@@ -289,7 +362,7 @@ def stage_parity(out: dict, outdir: str, config: str, limit: float, extra=()) ->
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="tests,ns,step,parity")
+    ap.add_argument("--stages", default="parity,parity_large")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (interpreter)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
@@ -334,6 +407,9 @@ def main(argv=None) -> int:
                 tables += stage_ns(out, dev)
             elif stage == "step":
                 tables += stage_step(out, dev)
+            elif stage == "search":
+                extra = ("--steps", "3", "--config", "smoke") if a.dry_run else ()
+                tables += stage_search(out, a.out, LIMITS[stage], extra)
             elif stage in ("parity", "parity_large"):
                 config = "gpu" if stage == "parity" else "gpt2s"
                 extra = ("--steps", "3") if a.dry_run else ()

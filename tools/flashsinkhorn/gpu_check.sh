@@ -47,7 +47,7 @@ if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${GPU_TEST_WORKERS:-
 t=packages/flashsinkhorn/tests
 tests=("$t"/test_dense.py "$t"/test_varlen.py "$t"/test_loop.py "$t"/test_solver.py
   "$t"/test_samples_loss.py "$t"/test_second_order_autograd.py "$t"/test_compile.py
-  "$t"/test_result.py "$t"/test_fuzz.py)
+  "$t"/test_result.py "$t"/test_fuzz.py "$t"/test_capture.py)
 [ "${GPU_TESTS:-36}" = all ] && tests=("$t")
 step "gpu tests" "${LIMIT_TESTS:-180}" "$out/tests.txt" python3 -m pytest -q -rfE -m gpu \
   -p no:cacheprovider -c pyproject.toml --rootdir . --durations=10 "${workers[@]}" "${tests[@]}"

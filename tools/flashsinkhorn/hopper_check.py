@@ -43,8 +43,15 @@ EPS = 0.01
 EXP_RATE = 4.2e12  # exp2/s, H200 special-function units (../../shared/GPU.md)
 DOT_RATE = {"tf32": 433e12, "bf16": 792e12}  # measured matmul ceilings, FLOP/s
 # stage -> seconds of the budget it may use (children stop starting steps after it)
-CASES = {"64:tf32": 38, "64:bf16": 24, "512:tf32": 32, "512:bf16": 24, "1024:tf32": 34,
-         "loss:64": 40, "peer": 28}  # fmt: skip
+CASES = {
+    "64:tf32": 38,
+    "64:bf16": 24,
+    "512:tf32": 32,
+    "512:bf16": 24,
+    "1024:tf32": 34,
+    "loss:64": 40,
+    "peer": 28,
+}
 
 
 def _problem(n, d, precision, device):
@@ -93,8 +100,10 @@ class Case:
             try:
                 self.res[name] = fn()
             except Exception as e:  # noqa: BLE001 - recorded, the next step runs
-                self.res[name] = {"error": f"{type(e).__name__}: {e}"[-2000:],
-                                  "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+                self.res[name] = {
+                    "error": f"{type(e).__name__}: {e}"[-2000:],
+                    "traceback": traceback.format_exc()[-3000:],
+                }
             self.res[name]["wall_s"] = round(time.time() - t0, 2)
         brief = {k: v for k, v in self.res[name].items() if k != "traceback"}
         print(f"[{self.res.get('case')}] {name}: {json.dumps(brief, default=str)}", flush=True)
@@ -150,12 +159,14 @@ def run_case(case, deadline, n, device="cuda", out_path=None):
         return float((out[0, idx].double() - ref[0]).abs().max())
 
     def pass_x(backend):
-        return fs.softmin(xk, yk, g, logw, cx, cy, precision=precision, backend=backend,
-                          guess=f, **kw)[0]  # fmt: skip
+        return fs.softmin(
+            xk, yk, g, logw, cx, cy, precision=precision, backend=backend, guess=f, **kw
+        )[0]
 
     def pass_y(backend):
-        return fs.softmin(yk, xk, f, logw, cy, cx, precision=precision, backend=backend,
-                          guess=g, **kw)[0]  # fmt: skip
+        return fs.softmin(
+            yk, xk, f, logw, cy, cx, precision=precision, backend=backend, guess=g, **kw
+        )[0]
 
     outs = {}
 
@@ -163,25 +174,46 @@ def run_case(case, deadline, n, device="cuda", out_path=None):
         def run():
             t1 = time.time()
             stats = {}
-            ft, gt = fs.symmetric_update(xk, yk, f, g, logw, logw, cx, cy, precision=precision,
-                                         backend=backend, stats=stats, **kw)  # fmt: skip
-            r = {"first_call_s": round(time.time() - t1, 2), "kernel": stats["kernel"],
-                 "rows_recomputed": int(stats.get("rows_recomputed", -1)),
-                 "cols_recomputed": int(stats.get("cols_recomputed", -1)),
-                 "err_f64_f": err(ft, rows, f_ref), "err_f64_g": err(gt, cols, g_ref)}  # fmt: skip
+            ft, gt = fs.symmetric_update(
+                xk,
+                yk,
+                f,
+                g,
+                logw,
+                logw,
+                cx,
+                cy,
+                precision=precision,
+                backend=backend,
+                stats=stats,
+                **kw,
+            )
+            r = {
+                "first_call_s": round(time.time() - t1, 2),
+                "kernel": stats["kernel"],
+                "rows_recomputed": int(stats.get("rows_recomputed", -1)),
+                "cols_recomputed": int(stats.get("cols_recomputed", -1)),
+                "err_f64_f": err(ft, rows, f_ref),
+                "err_f64_g": err(gt, cols, g_ref),
+            }
             if "triton" in outs:
                 dx = float((ft - outs["triton"]).abs().max())
                 r["max_diff_two_pass"] = max(dx, float((gt - outs["triton_y"]).abs().max()))
             e_t = res.get("pass_triton", {}).get("err_f64")
             r["correct"] = bool(
-                math.isfinite(r["err_f64_f"]) and math.isfinite(r["err_f64_g"])
-                and r["rows_recomputed"] == 0 and r["cols_recomputed"] == 0
+                math.isfinite(r["err_f64_f"])
+                and math.isfinite(r["err_f64_g"])
+                and r["rows_recomputed"] == 0
+                and r["cols_recomputed"] == 0
                 and max(r["err_f64_f"], r["err_f64_g"]) < 1e-4
                 and (e_t is None or r["err_f64_f"] <= 2 * e_t + 1e-6)
-            )  # fmt: skip
-            r["ms"] = _bench(lambda: fs.symmetric_update(xk, yk, f, g, logw, logw, cx, cy,
-                                                         precision=precision, backend=backend,
-                                                         **kw), dev)  # fmt: skip
+            )
+            r["ms"] = _bench(
+                lambda: fs.symmetric_update(
+                    xk, yk, f, g, logw, logw, cx, cy, precision=precision, backend=backend, **kw
+                ),
+                dev,
+            )
             return r
 
         return run
@@ -191,8 +223,11 @@ def run_case(case, deadline, n, device="cuda", out_path=None):
             t1 = time.time()
             out = pass_x(backend)
             torch.cuda.synchronize() if dev.type == "cuda" else None
-            r = {"first_call_s": round(time.time() - t1, 2), "err_f64": err(out, rows, f_ref),
-                 "finite": bool(torch.isfinite(out).all())}  # fmt: skip
+            r = {
+                "first_call_s": round(time.time() - t1, 2),
+                "err_f64": err(out, rows, f_ref),
+                "finite": bool(torch.isfinite(out).all()),
+            }
             if backend == "auto":
                 r["sm90_reason"] = primitives.sm90_pass_reason(xk, yk, precision)
                 r["max_diff_triton"] = float((out - outs["triton"]).abs().max())
@@ -216,8 +251,9 @@ def run_case(case, deadline, n, device="cuda", out_path=None):
         def it():
             if kind.startswith("one_pass"):
                 be = kind.split(":")[1]
-                ft, gt = fs.symmetric_update(xk, yk, f, g, logw, logw, cx, cy,
-                                             precision=precision, backend=be, **kw)  # fmt: skip
+                ft, gt = fs.symmetric_update(
+                    xk, yk, f, g, logw, logw, cx, cy, precision=precision, backend=be, **kw
+                )
             else:
                 be = kind.split(":")[1]
                 ft, gt = pass_x(be), pass_y(be)
@@ -245,8 +281,11 @@ def run_case(case, deadline, n, device="cuda", out_path=None):
 
     C.step("iteration_ms", iterations)
     if D >= 512:
-        C.step("alt_configs", lambda: _alt_configs(xk, yk, g, logw, cx, cy, f, precision,
-                                                   rows, f_ref, dev), optional=True)  # fmt: skip
+        C.step(
+            "alt_configs",
+            lambda: _alt_configs(xk, yk, g, logw, cx, cy, f, precision, rows, f_ref, dev),
+            optional=True,
+        )
     return res
 
 
@@ -265,8 +304,19 @@ def _alt_configs(xk, yk, g, logw, cx, cy, f, precision, rows, f_ref, dev):
         try:
 
             def run(cfg=cfg):
-                return H.softmin_hopper(xk, yk, g, logw, cx, cy, eps=EPS, c2=2.0,
-                                        precision=precision, guess=f, config=cfg)[0]  # fmt: skip
+                return H.softmin_hopper(
+                    xk,
+                    yk,
+                    g,
+                    logw,
+                    cx,
+                    cy,
+                    eps=EPS,
+                    c2=2.0,
+                    precision=precision,
+                    guess=f,
+                    config=cfg,
+                )[0]
 
             o = run()
             e = float((o[0, rows].double() - f_ref[0]).abs().max())
@@ -362,16 +412,25 @@ def run_peer(n):
     out = {"version": getattr(flash_sinkhorn, "__version__", "?")}
     ts = {}
     for k in (2, 6):
-        L = flash_sinkhorn.SamplesLoss("sinkhorn", use_epsilon_scaling=False, eps=EPS,
-                                       n_iters=k, debias=False, potentials=False,
-                                       normalize=False, last_extrapolation=False,
-                                       allow_tf32=True, half_cost=False)  # fmt: skip
+        L = flash_sinkhorn.SamplesLoss(
+            "sinkhorn",
+            use_epsilon_scaling=False,
+            eps=EPS,
+            n_iters=k,
+            debias=False,
+            potentials=False,
+            normalize=False,
+            last_extrapolation=False,
+            allow_tf32=True,
+            half_cost=False,
+        )
         L(a, x, a, y)
         ts[k] = triton.testing.do_bench(lambda L=L: L(a, x, a, y), warmup=25, rep=150)
     out["iteration_ms_d64"] = round((ts[6] - ts[2]) / 4, 4)
     for debias in (False, True):
-        L = flash_sinkhorn.SamplesLoss("sinkhorn", p=2, blur=0.05, scaling=0.5, debias=debias,
-                                       half_cost=True, allow_tf32=True)  # fmt: skip
+        L = flash_sinkhorn.SamplesLoss(
+            "sinkhorn", p=2, blur=0.05, scaling=0.5, debias=debias, half_cost=True, allow_tf32=True
+        )
         for mode in ("fwd", "fwd_bwd"):
             if debias and mode == "fwd_bwd":
                 continue
@@ -416,31 +475,42 @@ def _table(report):
             for k, v in r.items():
                 if isinstance(v, dict) and ("ms" in v or "error" in v):
                     mem = v.get("peak_extra_mib")
-                    L.append(f"| {case} | {k} | {_ms(v)} ms" + (f", +{mem} MiB" if mem else "")
-                             + " |")  # fmt: skip
+                    L.append(
+                        f"| {case} | {k} | {_ms(v)} ms" + (f", +{mem} MiB" if mem else "") + " |"
+                    )
                 elif k.startswith("rel_diff"):
                     L.append(f"| {case} | {k} | {v:.2e} |")
             continue
         pt, pa = r.get("pass_triton", {}), r.get("pass_auto", {})
         if pt or pa:
             sp = (pt["ms"][0] / pa["ms"][0]) if pt.get("ms") and pa.get("ms") else None
-            L.append(f"| {case} | pass: triton / auto (sm_90) | {_ms(pt)} / {_ms(pa)} ms"
-                     + (f" ({sp:.2f}x, {pa.get('frac_floor')} of floor)" if sp else "")
-                     + f"; err f64 {pt.get('err_f64', 0):.2g} / {pa.get('err_f64', 0):.2g}"
-                     + ("" if pa.get("correct", True) else " WRONG") + " |")  # fmt: skip
+            L.append(
+                f"| {case} | pass: triton / auto (sm_90) | {_ms(pt)} / {_ms(pa)} ms"
+                + (f" ({sp:.2f}x, {pa.get('frac_floor')} of floor)" if sp else "")
+                + f"; err f64 {pt.get('err_f64', 0):.2g} / {pa.get('err_f64', 0):.2g}"
+                + ("" if pa.get("correct", True) else " WRONG")
+                + " |"
+            )
         for be in ("auto", "triton"):
             o = r.get(f"one_pass_{be}", {})
             if o:
-                L.append(f"| {case} | one pass ({o.get('kernel', be)}) | {_ms(o)} ms; err f64 f "
-                         f"{o.get('err_f64_f', float('nan')):.2g} g "
-                         f"{o.get('err_f64_g', float('nan')):.2g}; recomputed "
-                         f"{o.get('rows_recomputed')} / {o.get('cols_recomputed')}"
-                         + ("" if o.get("correct", False) else " WRONG") + " |")  # fmt: skip
+                L.append(
+                    f"| {case} | one pass ({o.get('kernel', be)}) | {_ms(o)} ms; err f64 f "
+                    f"{o.get('err_f64_f', float('nan')):.2g} g "
+                    f"{o.get('err_f64_g', float('nan')):.2g}; recomputed "
+                    f"{o.get('rows_recomputed')} / {o.get('cols_recomputed')}"
+                    + ("" if o.get("correct", False) else " WRONG")
+                    + " |"
+                )
         its = r.get("iteration_ms", {})
         if its:
-            L.append(f"| {case} | iteration: " + " / ".join(k for k in its if k != "wall_s")
-                     + " | " + " / ".join(str(_ms(v)) for k, v in its.items() if k != "wall_s")
-                     + " ms |")  # fmt: skip
+            L.append(
+                f"| {case} | iteration: "
+                + " / ".join(k for k in its if k != "wall_s")
+                + " | "
+                + " / ".join(str(_ms(v)) for k, v in its.items() if k != "wall_s")
+                + " ms |"
+            )
         alt = r.get("alt_configs", {})
         for k, v in alt.items():
             if isinstance(v, dict) and k != "default":
@@ -460,8 +530,11 @@ def main():
     ap.add_argument("--out", required=True, help="JSON report path")
     ap.add_argument("--budget", type=float, default=225.0, help="seconds for all stages")
     ap.add_argument("--n", type=int, default=50000, help="points per cloud")
-    ap.add_argument("--cases", default=",".join(c for c in CASES if c != "peer"),
-                    help="e.g. 64:tf32,512:tf32,loss:64")  # fmt: skip
+    ap.add_argument(
+        "--cases",
+        default=",".join(c for c in CASES if c != "peer"),
+        help="e.g. 64:tf32,512:tf32,loss:64",
+    )
     ap.add_argument("--no-peer", action="store_true", help="skip flash-sinkhorn")
     ap.add_argument("--stage", help=argparse.SUPPRESS)  # internal: one case in this process
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -477,8 +550,10 @@ def main():
             else:
                 res = run_case(args.stage, args.deadline, args.n, args.device, args.out)
         except Exception as e:  # noqa: BLE001 - the parent records it
-            res = {"error": f"{type(e).__name__}: {e}"[:3000],
-                   "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
+            res = {
+                "error": f"{type(e).__name__}: {e}"[:3000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1, default=str)
         return
@@ -513,13 +588,25 @@ def main():
         if os.path.exists(part):
             os.remove(part)
         deadline = time.time() + min(share, left) - 6  # children stop starting steps
-        cmd = [sys.executable, os.path.abspath(__file__), "--out", part, "--stage", stage,
-               "--deadline", str(deadline), "--n", str(args.n),
-               "--device", args.device]  # fmt: skip
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--out",
+            part,
+            "--stage",
+            stage,
+            "--deadline",
+            str(deadline),
+            "--n",
+            str(args.n),
+            "--device",
+            args.device,
+        ]
         t0 = time.time()
         try:
-            proc = subprocess.run(cmd, timeout=min(share, left) + 15, capture_output=True,
-                                  text=True)  # fmt: skip
+            proc = subprocess.run(
+                cmd, timeout=min(share, left) + 15, capture_output=True, text=True
+            )
             log = (proc.stdout + proc.stderr)[-6000:]
             print(proc.stdout[-3000:], flush=True)
             with open(part) as fh:

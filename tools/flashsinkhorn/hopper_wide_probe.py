@@ -48,8 +48,9 @@ def child(d: int, precision: str, n: int, config: str) -> None:
         torch.cuda.synchronize()
         ms.append(round(a.elapsed_time(b), 4))
     print(json.dumps({"ms": ms}), flush=True)
-    ref = softmin_triton(xk, yk, g, logw, cx, cy, 0.01, 1.0, 1.0, None, None, precision,
-                         False, None, None)[0]  # fmt: skip
+    ref = softmin_triton(
+        xk, yk, g, logw, cx, cy, 0.01, 1.0, 1.0, None, None, precision, False, None, None
+    )[0]
     err = float(((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
     print(json.dumps({"max_rel_diff_triton": err}), flush=True)
 
@@ -67,8 +68,18 @@ def main() -> None:
         child(args.d, args.precision, args.n, args.child)
         return
     for config in args.configs.split(","):
-        cmd = [sys.executable, __file__, "--d", str(args.d), "--precision", args.precision,
-               "--n", str(args.n), "--child", config]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--d",
+            str(args.d),
+            "--precision",
+            args.precision,
+            "--n",
+            str(args.n),
+            "--child",
+            config,
+        ]
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, timeout=args.limit, capture_output=True, text=True)
@@ -77,8 +88,11 @@ def main() -> None:
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             tail, status = out[-1500:], f"killed after {args.limit} s"
-        print(f"== d={args.d} {args.precision} {config}: {status} in "
-              f"{time.perf_counter() - t0:.1f} s\n{tail}", flush=True)  # fmt: skip
+        print(
+            f"== d={args.d} {args.precision} {config}: {status} in "
+            f"{time.perf_counter() - t0:.1f} s\n{tail}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,13 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 # the running-max, shift and self-transport kernels' tile spaces (BLOCK_M, BLOCK_N, warps,
 # stages) as the package defines them; read from the package below and checked equal
-TUNE_SMALL_D = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4),
-                (256, 64, 8, 3)]  # fmt: skip
+TUNE_SMALL_D = [
+    (128, 64, 4, 3),
+    (128, 128, 8, 3),
+    (128, 64, 8, 4),
+    (64, 128, 4, 4),
+    (256, 64, 8, 3),
+]
 TUNE_LARGE_D = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
 PLAN_APPLY = (128, 64, 8, 3)  # with V, DV <= 64
 PLAN_APPLY_WIDE = (64, 64, 8, 3)  # with V, DV > 64 (256-wide output chunks)
@@ -109,7 +114,7 @@ def _recording_run(self, *args, grid, warmup, **kwargs):
             attrs=attrs,
             num_warps=options.num_warps,
             num_stages=options.num_stages,
-        )  # fmt: skip
+        )
     )
     return None
 
@@ -122,8 +127,10 @@ def _tile_configs(pkg):
             mod = __import__(mod_name, fromlist=["x"])
         except ImportError:
             continue
-        for ours, names in (("TUNE_SMALL_D", ("TUNE_SMALL_D", "_TUNE_SMALL_D")),
-                            ("TUNE_LARGE_D", ("TUNE_LARGE_D", "_TUNE_LARGE_D"))):  # fmt: skip
+        for ours, names in (
+            ("TUNE_SMALL_D", ("TUNE_SMALL_D", "_TUNE_SMALL_D")),
+            ("TUNE_LARGE_D", ("TUNE_LARGE_D", "_TUNE_LARGE_D")),
+        ):
             for n in names:
                 if hasattr(mod, n):
                     found[ours] = [tuple(c) for c in getattr(mod, n)]
@@ -138,8 +145,12 @@ def _sass(cubin: bytes, name: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()
-        out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", fh.name],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [os.path.join(BIN, "cuobjdump"), "-sass", fh.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     # the kernel's name (and its mangled forms) is the only thing allowed to differ
     out = out.replace(name, "KERNEL")
     return "\n".join(line for line in out.splitlines() if "code for sm_" not in line)
@@ -149,8 +160,11 @@ def _resources(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage",
-                                fh.name], capture_output=True, text=True).stdout  # fmt: skip
+        usage = subprocess.run(
+            [os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", fh.name],
+            capture_output=True,
+            text=True,
+        ).stdout
     return " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+", usage))
 
 
@@ -188,8 +202,10 @@ def _configs_for(role, constexprs, num_warps, num_stages):
             space, extra = SAMPLE_TUNE, dict(FAST_LOG2=True)
         elif role == "sample":
             space = SAMPLE_TUNE
-        return [(f"{bm}x{bn}/{w}w/{st}s", dict(BLOCK_M=bm, BLOCK_N=bn, **extra), w, st)
-                for bm, bn, w, st in space]  # fmt: skip
+        return [
+            (f"{bm}x{bn}/{w}w/{st}s", dict(BLOCK_M=bm, BLOCK_N=bn, **extra), w, st)
+            for bm, bn, w, st in space
+        ]
     if role == "sample-keys":  # launched at Triton's defaults
         return [("1024/4w/3s", {}, 4, 3)]
     if role == "sample-pick":  # the GPU's rows and feature chunk (the capture's: the
@@ -228,12 +244,29 @@ def _scenarios():
         cx, cy = torch.zeros(1, n), torch.zeros(1, n)
         lab = None
         if labels:
-            lab = (torch.zeros(1, n, dtype=torch.int32), torch.zeros(1, n, dtype=torch.int32),
-                   torch.rand(16, 16), 0.5)  # fmt: skip
+            lab = (
+                torch.zeros(1, n, dtype=torch.int32),
+                torch.zeros(1, n, dtype=torch.int32),
+                torch.rand(16, 16),
+                0.5,
+            )
         vv = None if v is None else torch.rand(1, n, v).to(kdt)
-        K.softmin(x, y, g, logb, cx, cy, eps=0.01, c2=2.0, v=vv, labels=lab,
-                  precision=precision, backend="triton", want_lse=want_lse,
-                  guess=torch.zeros(1, n) if guess else None)  # fmt: skip
+        K.softmin(
+            x,
+            y,
+            g,
+            logb,
+            cx,
+            cy,
+            eps=0.01,
+            c2=2.0,
+            v=vv,
+            labels=lab,
+            precision=precision,
+            backend="triton",
+            want_lse=want_lse,
+            guess=torch.zeros(1, n) if guess else None,
+        )
 
     def self_sm(d, precision):
         x, _ = clouds(d)
@@ -251,16 +284,27 @@ def _scenarios():
 
     def so_apply(d):
         x, y = clouds(d)
-        S.row_apply(x[0], y[0], torch.zeros(n), torch.zeros(n), 0.01, torch.rand(n),
-                    backend="triton")  # fmt: skip
+        S.row_apply(
+            x[0], y[0], torch.zeros(n), torch.zeros(n), 0.01, torch.rand(n), backend="triton"
+        )
 
     def sample(d, precision):
         from flashsinkhorn.sampling import softmax_sample
 
         kdt = torch.bfloat16 if precision == "bf16" else torch.float32
         x, y = clouds(d, kdt)
-        softmax_sample(x, y, torch.zeros(1, n), torch.full((1, n), -8.0), torch.zeros(1, n),
-                       eps=0.01, c2=2.0, seed=1, precision=precision, backend="triton")  # fmt: skip
+        softmax_sample(
+            x,
+            y,
+            torch.zeros(1, n),
+            torch.full((1, n), -8.0),
+            torch.zeros(1, n),
+            eps=0.01,
+            c2=2.0,
+            seed=1,
+            precision=precision,
+            backend="triton",
+        )
 
     out = []
     for d in (64, 512, 1024, 3):
@@ -268,8 +312,10 @@ def _scenarios():
             out.append((f"shift d={d} {prec}", lambda d=d, p=prec: sm(d, p, guess=True)))
             out.append((f"cold d={d} {prec}", lambda d=d, p=prec: sm(d, p)))
     out += [
-        ("shift d=64 tf32 labels lse", lambda: sm(64, "tf32", guess=True, labels=True,
-                                                  want_lse=True)),
+        (
+            "shift d=64 tf32 labels lse",
+            lambda: sm(64, "tf32", guess=True, labels=True, want_lse=True),
+        ),
         ("shift d=512 bf16", lambda: sm(512, "bf16", guess=True)),
         ("cold d=64 tf32x3 labels", lambda: sm(64, "tf32x3", labels=True)),
         ("plan-apply d=64 DV=64 tf32 lse", lambda: sm(64, "tf32", v=64, want_lse=True)),
@@ -280,7 +326,7 @@ def _scenarios():
         ("sample d=512 tf32", lambda: sample(512, "tf32")),
         ("self d=512 tf32", lambda: self_sm(512, "tf32")),
         ("second-order row_apply d=64", lambda: so_apply(64)),
-    ]  # fmt: skip
+    ]
     return out
 
 
@@ -314,8 +360,10 @@ def main(argv=None):
             raise SystemExit(f"{name}: no kernel launch captured")
         for cap in list(CAPTURED):  # the sampling scenario launches the keys kernel first
             _compile_capture(name, cap, rows, args)
-    print(f"{len(rows)} kernels compiled in {time.time() - t_all:.0f} s (triton "
-          f"{triton.__version__}, sm_90)")  # fmt: skip
+    print(
+        f"{len(rows)} kernels compiled in {time.time() - t_all:.0f} s (triton "
+        f"{triton.__version__}, sm_90)"
+    )
     return _finish(rows, args)
 
 
@@ -334,8 +382,9 @@ def _compile_capture(name, cap, rows, args):
         t0 = time.time()
         k = triton.compile(
             ASTSource(fn=fn, signature=cap["signature"], constexprs=cexpr, attrs=cap["attrs"]),
-            target=TARGET, options=dict(num_warps=warps, num_stages=stages),
-        )  # fmt: skip
+            target=TARGET,
+            options=dict(num_warps=warps, num_stages=stages),
+        )
         dt = time.time() - t0
         sass = _sass(k.asm["cubin"], k.metadata.name)
         sig = {p: t for p, t in cap["signature"].items() if p not in DROPPED}
@@ -349,9 +398,11 @@ def _compile_capture(name, cap, rows, args):
         )
         if args.loops:
             rows[key]["loops"] = loop_counts(sass)
-        print(f"{key}: {rows[key]['sass_sha256']} {rows[key]['resources']} "
-              f"({dt:.1f} s)" + (f" loops {rows[key]['loops']}" if args.loops else ""),
-              flush=True)  # fmt: skip
+        print(
+            f"{key}: {rows[key]['sass_sha256']} {rows[key]['resources']} "
+            f"({dt:.1f} s)" + (f" loops {rows[key]['loops']}" if args.loops else ""),
+            flush=True,
+        )
 
 
 def _finish(rows, args):

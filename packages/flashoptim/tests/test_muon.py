@@ -15,14 +15,19 @@ import torch.distributed as dist
 from _checks import DEV, _bits, assert_bitwise, needs_interp, needs_kernel
 
 import flashoptim_fused as fo
-from flashoptim_fused import reference
+from flashoptim_fused import _muon_lowrank, reference
+from flashoptim_fused.muon import LOWRANK_P as LOW_P
+from flashoptim_fused.muon import LOWRANK_R as LOW_R
 from flashoptim_fused.muon import default_use_muon, lr_ratio, matrix_shape, newton_schulz
 
 torch_muon = getattr(torch.optim, "Muon", None)
 needs_torch_muon = pytest.mark.skipif(torch_muon is None, reason="torch.optim.Muon (torch 2.9+)")
-# odd shapes: tall, wide, a numel that is not a multiple of 16 (33 x 7), two of one shape
-# (batched), a vector and a 4-D tensor (AdamW by the default rule)
-SHAPES = [(40, 24), (24, 40), (40, 24), (33, 7), (50,), (4, 3, 2, 2)]
+# odd shapes: wide, tall, two of one shape (batched), a vector and a 4-D tensor (AdamW by
+# the default rule)
+SHAPES = [(40, 64), (64, 32), (40, 64), (36, 33), (33, 7), (50,), (4, 3, 2, 2)]
+# (both sides >= 32: a low-rank momentum part; 36 x 33: rows ending inside a group (a
+# table entry per row) and a numel not a multiple of 16; 33 x 7: rows under a group, fp32
+# momentum; the others rows of whole groups: few programs under the interpreter)
 
 
 def _params(dtype=torch.bfloat16, seed=0, shapes=SHAPES, device="cpu"):
@@ -154,10 +159,18 @@ def _state_snapshot(opt, ps):
         sv = {"c": st.get("correction")}
         if "momentum_buffer_codes" in st:  # 8-bit codes, (rows, groups per row) scales
             sv["m"], sv["ms"] = st["momentum_buffer_codes"], st["momentum_buffer_scale"]
+            if LOW_P in st:  # the low-rank part's factors
+                sv["P"], sv["R"] = st[LOW_P], st[LOW_R]
         elif "momentum_buffer" in st:  # fp32 (rows under 32 elements: grid.py)
             sv["m"] = st["momentum_buffer"]
         out.append((p.detach().clone(), {k: v.clone() for k, v in sv.items() if v is not None}))
     return out
+
+
+def _ref_u(p0, g, st0, hp):
+    """The direction u of ``muon_step_ref``'s step (bf16, the matrix's shape)."""
+    _, _, u, _ = reference.muon_step_ref(p0, g, st0, hp, 2, 0, orthogonalize=lambda x: x)
+    return u.to(torch.bfloat16).view(matrix_shape(p0))
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
@@ -179,7 +192,25 @@ def test_step_matches_float64_reference(backend, adjust):
         hp = dict(opt._hp(group, p), ratio=lr_ratio(matrix_shape(p), adjust))
         hp["ns"] = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         st = opt.state[p]
-        ref_p, ref_st, u, o_ref = reference.muon_step_ref(p0, p.grad, st0, hp, 2, st["seed"])
+        # the new factors as ours: the reference's (float64) power iteration differs by
+        # roundings, and the residual codes are taken against the stored factors
+        fac = None
+        if LOW_P in st:
+            assert "P" in st0 and not torch.equal(st0["R"], st[LOW_R])  # they moved
+            fac = lambda u, g, R, st=st: (st[LOW_P].cpu(), st[LOW_R].cpu())  # noqa: E731
+            want = reference.lowrank_factors_ref(
+                _ref_u(p0, p.grad, st0, hp),
+                p.grad.double().view(matrix_shape(p)),
+                st0["R"].cpu(),
+                hp["mu"],
+                hp["nesterov"],
+            )
+            low_ref = reference.lowrank_ref(*want)
+            low = reference.lowrank_ref(st[LOW_P].cpu(), st[LOW_R].cpu())
+            assert (low - low_ref).norm() <= 0.02 * low_ref.norm()
+        ref_p, ref_st, u, o_ref = reference.muon_step_ref(
+            p0, p.grad, st0, hp, 2, st["seed"], factors=fac
+        )
         if "momentum_buffer_codes" in st:
             codes = st["momentum_buffer_codes"].reshape(-1).int()
             assert (ref_st["m"].int() - codes).abs().max() <= 1
@@ -198,7 +229,14 @@ def test_step_matches_float64_reference(backend, adjust):
         assert rel < 0.02, rel.item()
         # the same step with O = ours: the split is the reference's to two codes
         _, _, _, o_same = reference.muon_step_ref(
-            p0, p.grad, st0, hp, 2, st["seed"], orthogonalize=lambda x, o=o_ours: o.view(x.shape)
+            p0,
+            p.grad,
+            st0,
+            hp,
+            2,
+            st["seed"],
+            orthogonalize=lambda x, o=o_ours: o.view(x.shape),
+            factors=fac,
         )
         ref_th = th0 - hp["lr"] * hp["ratio"] * o_same
         assert ((th1 - ref_th).abs() <= 2 * q + 2.0**-21 * th1.abs()).all()
@@ -275,6 +313,122 @@ def test_quantized_tracks_unquantized():
         da, db = fo.master_weight(p, a) - i, r.detach() - i
         cos = torch.nn.functional.cosine_similarity(da.flatten(), db.flatten(), dim=0)
         assert cos > 0.97, (tuple(p.shape), cos)
+
+
+def test_lowrank_momentum_is_finer_than_whole_codes():
+    """Gradients with a strong rank-2 part (as real ones have) plus noise, 20 steps: the
+    stored momentum (P R^T + residual codes) against the fp32 momentum of a quantize=False
+    twin is several times closer than the whole momentum in the same int8 codes would be
+    (the codes' scale is set by the top directions), and so is the orthogonalised update."""
+    g = torch.Generator().manual_seed(4)
+    shape = (64, 96)
+    p = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.zeros(shape, requires_grad=True)
+    a = fo.FlashMuon([p], lr=0.0)  # lr 0: the momentum alone
+    b = fo.FlashMuon([q], lr=0.0, quantize=False)
+    left, right = torch.randn(64, 2, generator=g), torch.randn(2, 96, generator=g)
+    for _ in range(20):
+        grad = left @ torch.diag(torch.randn(2, generator=g)) @ right
+        grad = grad + 0.05 * torch.randn(shape, generator=g)
+        p.grad, q.grad = grad.bfloat16(), grad.bfloat16().float()
+        a.step()
+        b.step()
+    st = a.state[p]
+    m_ref = b.state[q]["momentum_buffer"].double()
+    codes, scales = st["momentum_buffer_codes"], st["momentum_buffer_scale"]
+    m = reference.dequantize_momentum_ref(codes.reshape(-1), scales).view(shape)
+    m = m + reference.lowrank_ref(st[LOW_P], st[LOW_R])
+    whole = reference.dequantize_momentum_ref(*reference.quantize_momentum_ref(m_ref)).view(shape)
+    err = ((m - m_ref).norm() / m_ref.norm()).item()
+    err_whole = ((whole - m_ref).norm() / m_ref.norm()).item()
+    assert err < err_whole / 4, (err, err_whole)
+    ns = reference.newton_schulz_ref
+    d = ((ns(m) - ns(m_ref)).norm() / ns(m_ref).norm()).item()
+    d_whole = ((ns(whole) - ns(m_ref)).norm() / ns(m_ref).norm()).item()
+    assert d < d_whole / 4, (d, d_whole)
+
+
+def _low_err(P, R, P_ref, R_ref) -> float:
+    low, ref = reference.lowrank_ref(P, R), reference.lowrank_ref(P_ref, R_ref)
+    return ((low - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_lowrank_factors_match_float64_on_hostile_inputs(nesterov):
+    """``update_factors`` (fp32 thin products) against ``lowrank_factors_ref`` (float64) on
+    odd shapes, a rank-2 direction (fewer directions than k), 1e30 values (Y^T Y overflowed
+    fp32: NaN weights before) and a zero direction (P = 0 and R kept: a zero first gradient
+    left R = 0 and the low-rank part off for good before); then row shards of 2, 0, 1 and
+    34 rows (fewer rows than k, an empty one) summed as the ranks' all-reduce sums them."""
+    g = torch.Generator().manual_seed(7)
+    update, ref = _muon_lowrank.update_factors, reference.lowrank_factors_ref
+    for a, b in [(37, 45), (45, 37)]:
+        R = _muon_lowrank.init_factors(a, b, 3, "cpu")[1]
+        grad = torch.randn(a, b, generator=g)
+        rank2 = torch.randn(a, 2, generator=g) @ torch.randn(2, b, generator=g)
+        for u, scale in [(torch.randn(a, b, generator=g), 1.0), (rank2, 1.0), (rank2, 1e30)]:
+            u, gs = (u * scale).bfloat16(), grad * scale
+            P, Rn = update(u, gs, R, 0.95, nesterov)
+            want = ref(u, gs.double(), R, 0.95, nesterov)
+            assert torch.isfinite(P.float()).all() and torch.isfinite(Rn.float()).all()
+            assert _low_err(P, Rn, *want) < 1e-2
+        zero = torch.zeros(a, b)
+        P, Rn = update(zero.bfloat16(), zero, R, 0.95, nesterov)
+        P_ref, R_ref = ref(zero.bfloat16(), zero.double(), R, 0.95, nesterov)
+        assert not P.any() and not P_ref.any()
+        assert torch.equal(Rn, R) and torch.equal(R_ref, R)
+    # row shards: the Gram matrix and m^T P are sums over rows; two rounds as two collectives
+    u, grad = torch.randn(37, 45, generator=g).bfloat16(), torch.randn(37, 45, generator=g)
+    R = _muon_lowrank.init_factors(37, 45, 3, "cpu")[1]
+    cuts = [0, 2, 2, 3, 37]
+    shards = [(u[i:j], grad[i:j]) for i, j in zip(cuts, cuts[1:])]
+    sums = []
+    for _ in range(3):  # each round records the shards' next sum and returns the ones known
+        seen = [[] for _ in shards]
+        got = []
+        for (us, gs), rec in zip(shards, seen):
+
+            def reduce(t, rec=rec):
+                rec.append(t)
+                return sum(sums[len(rec) - 1]) if len(sums) >= len(rec) else t
+
+            got.append(update(us, gs, R, 0.95, nesterov, reduce))
+        if len(sums) < 2:
+            sums.append([rec[len(sums)] for rec in seen])
+    P = torch.cat([p for p, _ in got])
+    whole = update(u, grad, R, 0.95, nesterov)
+    assert all(torch.equal(r, got[0][1]) for _, r in got)  # R: the same on every rank
+    assert _low_err(P, got[0][1], *whole) < 1e-2
+
+
+def test_lowrank_momentum_zero_then_hostile_gradients():
+    """A zero first gradient, then ordinary ones: the low-rank part comes up (R survived);
+    1e30 gradients: every state finite and the stored momentum (P R^T + residual codes)
+    that of a quantize=False twin to the codes' resolution; the weights do not move, as
+    torch.optim.Muon's do not (Newton-Schulz's bf16 norm overflows to inf)."""
+    g = torch.Generator().manual_seed(5)
+    shape = (40, 48)
+    p = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.zeros(shape, requires_grad=True)
+    hp = dict(lr=0.01, weight_decay=0.0)
+    a, b = fo.FlashMuon([p], **hp), fo.FlashMuon([q], quantize=False, **hp)
+    for s, scale in enumerate([0.0, 1.0, 1.0, 1e30, 1e30]):
+        grad = torch.randn(shape, generator=g) * scale
+        p.grad, q.grad = grad.bfloat16(), grad.bfloat16().float()
+        before = fo.master_weight(p, a).clone() if s else None
+        a.step()
+        b.step()
+        st = a.state[p]
+        low = reference.lowrank_ref(st[LOW_P], st[LOW_R])
+        assert (low.abs().max() > 0) == (s > 0)
+        codes, scales = st["momentum_buffer_codes"], st["momentum_buffer_scale"]
+        row = reference.state_row(p, True)
+        m = reference.dequantize_momentum_ref(codes.reshape(-1), scales, row).view(shape) + low
+        m_ref = b.state[q]["momentum_buffer"].double()
+        assert torch.isfinite(m).all() and torch.isfinite(p.float()).all()
+        assert (m - m_ref).abs().max() <= 2 / 127 * m_ref.abs().max()
+        if scale > 1:  # (the stochastic split may move the bf16 part by an ulp)
+            torch.testing.assert_close(fo.master_weight(p, a), before, rtol=2**-15, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
@@ -411,6 +565,8 @@ def test_checkpoint_resume_is_bit_exact_and_loads_torch_muon():
                 st["momentum_buffer_scale"],
                 reference.state_row(p, True),
             )
+            if LOW_P in st:  # the whole momentum split into a low-rank part and codes
+                m = m + reference.lowrank_ref(st[LOW_P], st[LOW_R]).reshape(-1)
         else:  # rows under 32 elements: fp32, torch's buffer exactly
             m = st["momentum_buffer"].reshape(-1).double()
         buf = tm.state[w]["momentum_buffer"].reshape(-1).double()
@@ -418,16 +574,70 @@ def test_checkpoint_resume_is_bit_exact_and_loads_torch_muon():
         assert (m - buf).abs().max() <= buf.abs().max() * 2 / 127
 
 
-def test_memory_report_matrices():
-    """bf16 matrices: weight 2 + correction 1 + momentum 1 + scales 1/16 + bf16 gradient 2 =
-    6.0625 bytes per parameter (torch.optim.Muon on fp32 parameters: 12)."""
-    ps = [torch.zeros(256, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+def _whole_momentum(opt, p) -> torch.Tensor:
+    """A low-rank momentum as a whole (float64, p's shape): P R^T plus the residual codes."""
+    st = opt.state[p]
+    codes, scales = st["momentum_buffer_codes"].reshape(-1), st["momentum_buffer_scale"]
+    m = reference.dequantize_momentum_ref(codes, scales, reference.state_row(p, True))
+    return m.view(p.shape) + reference.lowrank_ref(st[LOW_P], st[LOW_R]).view(p.shape)
+
+
+def test_lowrank_checkpoint_forms_round_trip():
+    """Low-rank momenta through the checkpoint forms: ``torch_state_dict`` holds the whole
+    momentum (P R^T + decoded residual) and loads into torch.optim.Muon; that dict loads
+    back into a fresh FlashMuon (the factors found again by power iterations) to the codes'
+    resolution; so does a state dict of ours without the factors (before issue #31: codes of
+    the whole momentum); factors of the wrong shape are refused by name."""
+    ps = _params()[:4]  # (40, 64), (64, 32), (40, 64), (36, 33): all low-rank
+    opt = fo.FlashMuon(fo_named(ps), lr=0.02)
+    _train(opt, ps, 3)
+    order = opt.param_groups[0]["params"]
+    whole = [_whole_momentum(opt, p) for p in order]
+    tsd = opt.torch_state_dict()
+    for i, m in enumerate(whole):
+        buf = tsd["state"][i]["momentum_buffer"].double()
+        # (fp32 sums of the two parts: rounding of the larger one)
+        torch.testing.assert_close(buf, m, rtol=0, atol=2**-22 * m.abs().max().item())
+    if torch_muon is not None:
+        tm = torch_muon([p.detach().float().requires_grad_() for p in order], lr=0.02)
+        tm.load_state_dict(tsd)
+    old = copy.deepcopy(opt.state_dict())
+    for st, m, p in zip(old["state"].values(), whole, order):
+        del st[LOW_P], st[LOW_R]
+        codes, scales = reference.quantize_momentum_ref(
+            m.reshape(-1), torch.bfloat16, None, reference.state_row(p, True)
+        )
+        st["momentum_buffer_codes"] = codes.view_as(st["momentum_buffer_codes"])
+        st["momentum_buffer_scale"] = scales.view_as(st["momentum_buffer_scale"])
+    for sd in (tsd, old):
+        qs = [p.detach().clone().requires_grad_() for p in ps]
+        back = fo.FlashMuon(fo_named(qs), lr=0.02)
+        back.load_state_dict(sd)
+        for q, m in zip(back.param_groups[0]["params"], whole):
+            assert back.state[q][LOW_P].any()  # a low-rank part again
+            assert (_whole_momentum(back, q) - m).abs().max() <= 2 / 127 * m.abs().max()
+    bad = copy.deepcopy(opt.state_dict())
+    bad["state"][0][LOW_R] = bad["state"][0][LOW_R][:, :2]
+    with pytest.raises(ValueError, match="low-rank factors of shapes"):
+        fo.FlashMuon(fo_named(ps), lr=0.02).load_state_dict(bad)
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (512, 2048), (16, 2048)])
+def test_memory_report_matrices(shape):
+    """bf16 matrices: weight 2 + correction 1 + momentum codes 1 + scales 1/16 + bf16
+    gradient 2 = 6.0625 bytes per parameter, plus the low-rank factors' 2 k (A + B) / (A B)
+    where both sides are >= 32 (k = 4: 0.031 at 512 x 512, 0.0195 at 512 x 2048); under 6.1
+    (torch.optim.Muon on fp32 parameters: 12)."""
+    ps = [torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
     opt = fo.FlashMuon(ps)
     for p in ps:
         p.grad = torch.zeros_like(p)
     opt.step()
     rep = fo.memory_report(opt)
-    assert rep["bytes_per_param"] == pytest.approx(6.0625)
+    a, b = shape
+    low = 2 * reference.MUON_RANK * (a + b) / (a * b) if min(shape) >= 32 else 0.0
+    assert rep["bytes_per_param"] == pytest.approx(6.0625 + low)
+    assert rep["state_lowrank"] == pytest.approx(low * 2 * a * b)
     assert rep["bytes_per_param"] <= 6.1
 
 
@@ -527,15 +737,19 @@ def test_fsdp2_two_gloo_processes_match_one():
 # row shards: uneven (33 on 2 and 3 ranks), two of one shape (one owner's batch or two
 # owners), a tall and a wide one, and 2 rows (one rank of 3 holds none)
 SHARD_SHAPES = [(33, 7), (40, 24), (40, 24), (24, 40), (2, 16)]
+# quantized: low-rank momenta (both sides >= 32; rows of 40 end inside a group)
+SHARD_SHAPES_Q = [(33, 40), (40, 48), (40, 48), (48, 40), (2, 16)]
 
 
-def _shard_run(world, rank=0, mesh=None, steps=2):
-    """FlashMuon (fp32 momentum: elementwise the same on any split) on SHARD_SHAPES with the
-    same gradients each step; DTensor row shards when ``mesh`` is given. Returns the full
-    parameters and the matrices this process orthogonalised."""
+def _shard_run(world, rank=0, mesh=None, steps=2, quantize=False):
+    """FlashMuon on SHARD_SHAPES (fp32 momentum: elementwise the same on any split) or
+    SHARD_SHAPES_Q (``quantize``) with the same gradients each step; DTensor row shards when
+    ``mesh`` is given. Returns the full parameters, the matrices this process orthogonalised
+    and the low-rank factors (P gathered by rows)."""
     from flashoptim_fused import muon as muon_mod
 
-    full = _params(shapes=SHARD_SHAPES, seed=3)
+    shapes = SHARD_SHAPES_Q if quantize else SHARD_SHAPES
+    full = _params(shapes=shapes, seed=3)
     ps = full
     if mesh is not None:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -550,7 +764,7 @@ def _shard_run(world, rank=0, mesh=None, steps=2):
 
     muon_mod.newton_schulz = counting
     try:
-        opt = fo.FlashMuon(ps, lr=0.02, quantize=False)
+        opt = fo.FlashMuon(ps, lr=0.02, quantize=quantize)
         for s in range(steps):
             g = torch.Generator().manual_seed(50 + s)
             for p, f in zip(ps, full):
@@ -562,46 +776,67 @@ def _shard_run(world, rank=0, mesh=None, steps=2):
     finally:
         muon_mod.newton_schulz = ns
     out = [p.full_tensor() if mesh is not None else p for p in ps]
-    return [o.detach().clone() for o in out], seen
+    sd = opt.state_dict()["state"]
+    factors = [
+        tuple(
+            st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k] for k in (LOW_P, LOW_R)
+        )
+        for st in sd.values()
+        if LOW_P in st
+    ]
+    return [o.detach().clone() for o in out], seen, factors
 
 
-def _owner_worker(rank, world, init, out):
+def _owner_worker(rank, world, quantize, init, out):
     from test_distributed import _finish
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        params, seen = _shard_run(world, rank, mesh)
+        params, seen, factors = _shard_run(world, rank, mesh, quantize=quantize)
         every = [None] * world
         dist.all_gather_object(every, seen)
-        _finish(rank, out, dict(params=params, seen=every))
+        _finish(rank, out, dict(params=params, seen=every, factors=factors))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_row_shards_orthogonalised_once_on_an_owner(world):
+@pytest.mark.parametrize("world,quantize", [(2, False), (3, True)])
+def test_row_shards_orthogonalised_once_on_an_owner(world, quantize):
     """DTensor row shards on 2 and 3 gloo processes: every matrix is orthogonalised on one
     rank only (each step: the ranks' matrices add up to the matrices, once each, and every
-    rank owns some), and the parameters after 2 steps equal one process's bit for bit."""
+    rank owns some). fp32 momenta: the parameters after 2 steps equal one process's bit for
+    bit. 8-bit low-rank momenta: the factors' sums over the row shards (all-reduced) round
+    in another order than one process's products, so the factors agree to bf16 roundings and
+    the parameters to a few of their ulps."""
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
     from test_distributed import _spawn
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.pt")
-        _spawn(_owner_worker, (world, "file://" + os.path.join(d, "store"), out), world, d)
+        args = (world, quantize, "file://" + os.path.join(d, "store"), out)
+        _spawn(_owner_worker, args, world, d)
         got = torch.load(out)
-    ref, seen = _shard_run(1)
-    per_step = sorted(matrix_shape(torch.empty(s)) for s in SHARD_SHAPES)
+    ref, seen, factors = _shard_run(1, quantize=quantize)
+    shapes = SHARD_SHAPES_Q if quantize else SHARD_SHAPES
+    per_step = sorted(matrix_shape(torch.empty(s)) for s in shapes)
     per_step = [(min(a, b), max(a, b)) for a, b in per_step]
     wide = sorted(sorted(s) for r in got["seen"] for s in r)
     assert wide == sorted([list(s) for s in per_step] * 2)
-    assert all(got["seen"][r] for r in range(min(world, len(SHARD_SHAPES))))
-    assert len(seen) == 2 * len(SHARD_SHAPES)
+    assert all(got["seen"][r] for r in range(min(world, len(shapes))))
+    assert len(seen) == 2 * len(shapes)
+    if not quantize:
+        for a, b in zip(got["params"], ref):
+            assert torch.equal(a, b)
+        return
+    assert len(factors) == len(got["factors"]) == 4
+    for (P, R), (Pg, Rg) in zip(factors, got["factors"]):
+        low, low_g = reference.lowrank_ref(P, R), reference.lowrank_ref(Pg, Rg)
+        assert (low - low_g).abs().max() <= 2**-7 * low.abs().max()
     for a, b in zip(got["params"], ref):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=1e-4)
 
 
 # ------------------------------------------------------------------------- GPU
@@ -610,9 +845,10 @@ def test_row_shards_orthogonalised_once_on_an_owner(world):
 @pytest.mark.gpu
 def test_gpu_kernels_match_cpu_path():
     """The two CUDA kernels against the CPU path from the same inputs, pass by pass (the
-    GPU's and the CPU's bf16 matmuls differ, so pass 2 gets the same random O on both):
-    codes within one at ties, u within one bf16 ulp, the master weights within one
-    correction code plus the fp32 rounding (fma and approximate reciprocals move ties)."""
+    GPU's and the CPU's bf16 matmuls differ, so pass 2 gets the same random O on both, and
+    both passes the same low-rank parts): codes within one at ties, u within one bf16 ulp,
+    the master weights within one correction code plus the fp32 rounding (fma and
+    approximate reciprocals move ties)."""
     from flashoptim_fused import _cpu, _muon_kernel
 
     shapes = [(96, 80), (33, 7), (640, 128), (128, 640)]
@@ -621,36 +857,44 @@ def test_gpu_kernels_match_cpu_path():
     _train(opt, ps, 2)  # states that are not zero
     group = opt.param_groups[0]
     _grads(ps, 9)
-    # the optimizer's own waves: 8-bit rows of a multiple of 32, 8-bit rows of 80 (a table
-    # entry per row), fp32 rows of 7 (grid.py); numel % 16 == 0 or not
-    for wave in opt._prepare(group, ps, cache=False)["buckets"]:
-        bucket = wave["ps"]
+    # the optimizer's own waves: low-rank momenta (rows of a multiple of 32, and rows of 80:
+    # a table entry per row), fp32 rows of 7 (grid.py); numel % 16 == 0 or not
+    waves = opt._prepare(group, ps, cache=False)["buckets"]
+    assert {w["lowrank"] for w in waves} == {True, False}
+    for wave in waves:
+        bucket, n = wave["ps"], wave["ws_numel"]
         hp = opt._hp(group, bucket[0])
         sts = [opt._state_view(opt.state[p], group) for p in bucket]
         cpu = [{k: v.cpu().clone() for k, v in st.items() if v is not None} for st in sts]
-        ws = torch.empty(wave["ws_numel"], dtype=torch.bfloat16, device="cuda")
+        ws = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        lo = ln = None
+        if wave["lowrank"]:
+            lo = (torch.randn(n, device="cuda") * 0.01).bfloat16()
+            ln = (torch.randn(n, device="cuda") * 0.01).bfloat16()
         mix = (3 * reference.GOLDEN) & reference.M32  # step 3's rounding stream
-        _muon_kernel.launch_momentum(wave["ent"], ws, hp, mix)
+        _muon_kernel.launch_momentum(wave["ent"], ws, lo, hp)
+
+        def part(t, off, p):
+            return None if t is None else t[off : off + p.numel()].cpu()
+
         for p, st, c, off in zip(bucket, sts, cpu, wave["offs"]):
             u = torch.empty(p.numel(), dtype=torch.bfloat16)
-            _cpu.muon_momentum_cpu(p.grad.cpu(), c, hp, u, 3, opt.state[p]["seed"])
-            if "ms" in c:  # 8-bit codes and their scales
+            _cpu.muon_momentum_cpu(p.grad.cpu(), c, hp, u, part(lo, off, p))
+            if "ms" in c and lo is None:  # 8-bit codes stored in pass 1
                 d = (st["m"].cpu().int() - c["m"].int()).abs()
                 assert d.max() <= 1 and (d > 0).float().mean() < 0.02
-                ms, ms_cpu = st["ms"].cpu().float(), c["ms"].float()
-                torch.testing.assert_close(ms, ms_cpu, rtol=1e-2, atol=0)
-            else:  # fp32 momentum: fma moves an ulp
+            elif "ms" not in c:  # fp32 momentum: fma moves an ulp
                 tol = 2.0**-22 * c["m"].abs().max().item()
                 torch.testing.assert_close(st["m"].cpu(), c["m"], rtol=2.0**-20, atol=tol)
             ug = ws[off : off + p.numel()].cpu().float()
             tol = 1e-6 * u.float().abs().max().item()
             torch.testing.assert_close(ug, u.float(), rtol=2**-7, atol=tol)
-        o = torch.randn(wave["ws_numel"], device="cuda").bfloat16()
+        o = torch.randn(n, device="cuda").bfloat16()
         ws.copy_(o)
         before = [
             (p.detach().cpu().clone(), opt.state[p]["correction"].cpu().clone()) for p in bucket
         ]
-        _muon_kernel.launch_update(wave["ent"], ws, hp, mix)
+        _muon_kernel.launch_update(wave["ent"], ws, lo, ln, hp, mix)
         for i, (p, (pc, cc), off) in enumerate(zip(bucket, before, wave["offs"])):
             seed = opt.state[p]["seed"]
             oc = o[off : off + p.numel()].cpu()
@@ -661,6 +905,13 @@ def test_gpu_kernels_match_cpu_path():
             q = reference.ulp_ref(pc.reshape(-1)) / 256
             bad = (a - b).abs() > q * 1.01 + 2.0**-22 * b.abs()
             assert int(bad.sum()) <= max(2, 0.001 * bad.numel())
+            if lo is not None:  # pass 2 stored the residual codes
+                c = cpu[i]
+                _cpu.muon_requantize_cpu(p.grad.cpu(), c, hp, part(lo, off, p), part(ln, off, p))
+                d = (sts[i]["m"].cpu().int() - c["m"].int()).abs()
+                assert d.max() <= 1 and (d > 0).float().mean() < 0.02
+                ms, ms_cpu = sts[i]["ms"].cpu().float(), c["ms"].float()
+                torch.testing.assert_close(ms, ms_cpu, rtol=1e-2, atol=0)
 
 
 @pytest.mark.gpu
@@ -699,8 +950,8 @@ def test_gpu_step_matches_cpu_path(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_measured_bytes_per_param():
     """Allocator bytes held between steps by 16 bf16 matrices of 2048 x 2048 with their bf16
-    gradients, FlashMuon: <= 6.1 (6.0625 counted + tables); the Newton-Schulz workspace and
-    temporaries are freed after the step."""
+    gradients, FlashMuon: <= 6.1 (6.0625 + the low-rank factors' 0.0078 counted, + tables);
+    the Newton-Schulz workspace and temporaries are freed after the step."""
     w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     (w @ w).sum().backward()  # cuBLAS workspaces exist before the baseline
     del w
@@ -720,4 +971,5 @@ def test_gpu_measured_bytes_per_param():
     held = (torch.cuda.memory_allocated() - base) / n
     print(f"FlashMuon held {held:.4f} bytes/param")
     assert held <= 6.1, held
-    assert fo.memory_report(opt)["bytes_per_param"] == pytest.approx(6.0625)
+    low = 2 * reference.MUON_RANK * 4096 / 2048**2
+    assert fo.memory_report(opt)["bytes_per_param"] == pytest.approx(6.0625 + low)

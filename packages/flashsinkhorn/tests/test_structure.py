@@ -15,12 +15,12 @@ import flashsinkhorn
 ROOT = "flashsinkhorn"
 SRC = pathlib.Path(flashsinkhorn.__file__).parent
 
-# Private Triton helpers of _softmin_triton (jit tile functions, launch helpers) that the
-# other Triton kernel modules share. They get public names in one change with the kernel
+# Private Triton helpers of _triton_tiles (jit tile functions, launch helpers) that the
+# Triton kernel modules share. They get public names in one change with the kernel
 # modules of #30 (whose rewrite of sampling.py imports them too); the Gluon side already
 # has its shared helpers public (_gluon_ring.py). Nothing else may import private names.
 KERNEL_HELPERS = {
-    ("flashsinkhorn._softmin_triton", name)
+    ("flashsinkhorn._triton_tiles", name)
     for name in (
         "_block_d",
         "_bucket",
@@ -28,9 +28,11 @@ KERNEL_HELPERS = {
         "_label_operands",
         "_label_tile",
         "_load_rows",
+        "_lse_tile",
         "_next_pow2",
         "_online_lse_step",
         "_pick",
+        "_prune",
         "_row_stationary_dot",
         "_tile_dot",
         "_tile_scores",

@@ -33,21 +33,31 @@ def main(argv=None):
         label = LABELS.get(name, name)
         steps = range(1, len(run["loss"]) + 1)
         (line,) = ax1.plot(steps, smooth(run["loss"]), label=f"{label} train (20-step mean)")
-        ax1.plot(run["val_step"], run["val_loss"], "o--", color=line.get_color(), ms=3,
-                 label=f"{label} validation")  # fmt: skip
+        ax1.plot(
+            run["val_step"],
+            run["val_loss"],
+            "o--",
+            color=line.get_color(),
+            ms=3,
+            label=f"{label} validation",
+        )
         ax2.semilogy(steps, run["marginal_max"], color=line.get_color(), label=f"{label}: max")
         ax2.semilogy(
             steps, run["marginal_median"], ":", color=line.get_color(), label=f"{label}: median"
         )
     ax2.axhline(1e-5, color="gray", lw=0.8, ls="--", label="1e-5")
     ax1.set(xlabel="step", ylabel="cross-entropy (nats / byte)", title="loss")
-    ax2.set(xlabel="step", ylabel="L1 marginal error of H_res",
-            title="H_res over every token and layer, per step")  # fmt: skip
+    ax2.set(
+        xlabel="step",
+        ylabel="L1 marginal error of H_res",
+        title="H_res over every token and layer, per step",
+    )
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     env = doc.get("env", {})
-    fig.suptitle(f"byte-level GPT with mHC (n = {doc['config']['streams']}), {env.get('device')}",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"byte-level GPT with mHC (n = {doc['config']['streams']}), {env.get('device')}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(dst, dpi=120)
 

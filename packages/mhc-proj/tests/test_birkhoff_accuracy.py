@@ -66,8 +66,17 @@ def _check(row):
 
 
 def _report(rows, device):
-    cols = ["dist", "B", "marg_median", "marg_max", "dist_max", "bwd_rel_p50", "bwd_rel_p99",
-            "fallback", "iters_mean"]  # fmt: skip
+    cols = [
+        "dist",
+        "B",
+        "marg_median",
+        "marg_max",
+        "dist_max",
+        "bwd_rel_p50",
+        "bwd_rel_p99",
+        "fallback",
+        "iters_mean",
+    ]
     lines = [f"\naccuracy on {device}", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []

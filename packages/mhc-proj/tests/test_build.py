@@ -12,8 +12,14 @@ from mhc_proj import _backend
 
 # What the shipped modules export: the kernels the Python layer calls, nothing else (no
 # test emulators, no cost counters, no kernel variants).
-CPU_EXPORTS = {"birkhoff_fwd", "birkhoff_bwd", "sinkhorn_fwd", "sinkhorn_bwd", "smoke_copy",
-               "device_count"}  # fmt: skip
+CPU_EXPORTS = {
+    "birkhoff_fwd",
+    "birkhoff_bwd",
+    "sinkhorn_fwd",
+    "sinkhorn_bwd",
+    "smoke_copy",
+    "device_count",
+}
 # the hyper-connection layer's kernels (csrc/hc_cpu.h, csrc/cuda_hc.cu)
 CPU_EXPORTS |= {"hc_pre_fwd", "hc_post_fwd", "hc_post_bwd", "hc_pre_bwd_reduce", "hc_pre_bwd"}
 # the fused layer boundary's (csrc/boundary_cpu.cpp, csrc/cuda_boundary.cu)

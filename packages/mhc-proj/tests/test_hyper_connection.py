@@ -120,9 +120,17 @@ def _errors(out, grads, ref_out, ref_grads, scales=None):
 @pytest.mark.parametrize("projection", ["birkhoff", "sinkhorn"])
 @pytest.mark.parametrize(
     "lead,n,c",
-    [((7,), 4, 16), ((2, 3), 4, 33), ((5,), 2, 1), ((3,), 3, 7), ((4,), 5, 24), ((2, 2), 8, 9),
-     ((6,), 6, 40), ((3,), 7, 5)],
-)  # fmt: skip
+    [
+        ((7,), 4, 16),
+        ((2, 3), 4, 33),
+        ((5,), 2, 1),
+        ((3,), 3, 7),
+        ((4,), 5, 24),
+        ((2, 2), 8, 9),
+        ((6,), 6, 40),
+        ((3,), 7, 5),
+    ],
+)
 def test_float32_vs_reference(device, projection, lead, n, c):
     x, lin, phi, b, al = _problem(lead, n, c, seed=n * 100 + c)
     out, grads, gout = _run(x, lin, phi, b, al, device, projection)
@@ -327,9 +335,11 @@ def test_bad_input():
 # ---------------------------------------------------------------- the peer's conventions
 @pytest.mark.parametrize(
     "device,dtype,bound",
-    [("cpu", torch.float32, 5e-5),
-     pytest.param("cuda", torch.bfloat16, BF16_BOUND, marks=pytest.mark.gpu)],
-)  # fmt: skip
+    [
+        ("cpu", torch.float32, 5e-5),
+        pytest.param("cuda", torch.bfloat16, BF16_BOUND, marks=pytest.mark.gpu),
+    ],
+)
 def test_matches_liger_kernel(device, dtype, bound):
     """With projection="sinkhorn" the layer is Liger-Kernel's LigerMHC (same parameters,
     same formulas): output and every gradient agree. CPU: LigerMHC's Triton kernels under
@@ -340,8 +350,9 @@ def test_matches_liger_kernel(device, dtype, bound):
     torch.manual_seed(0)
     n, c = 4, 32 if device == "cpu" else 256
     phi_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
-    lig = lk.LigerMHC(torch.nn.Identity(), hc=n, c=c, phi_dtype=phi_dtype,
-                      allow_fp32=dtype == torch.float32).to(device)  # fmt: skip
+    lig = lk.LigerMHC(
+        torch.nn.Identity(), hc=n, c=c, phi_dtype=phi_dtype, allow_fp32=dtype == torch.float32
+    ).to(device)
     ours = HyperConnection(torch.nn.Identity(), hc=n, c=c, projection="sinkhorn", device=device)
     names = ("alpha_pre", "alpha_post", "alpha_res")
     with torch.no_grad():
@@ -358,8 +369,12 @@ def test_matches_liger_kernel(device, dtype, bound):
     g = torch.randn_like(out_l)
     out_l.backward(g)
     out_o.backward(g)
-    pairs = [(out_o, out_l), (xo.grad, xl.grad), (ours.phi.grad, lig.phi.grad),
-             (ours.b.grad, lig.b.grad)]  # fmt: skip
+    pairs = [
+        (out_o, out_l),
+        (xo.grad, xl.grad),
+        (ours.phi.grad, lig.phi.grad),
+        (ours.b.grad, lig.b.grad),
+    ]
     pairs += [(getattr(ours, k).grad, getattr(lig, k).grad) for k in names]
     for a, r in pairs:
         a, r = a.detach().double(), r.detach().double()

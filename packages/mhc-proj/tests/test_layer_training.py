@@ -170,21 +170,23 @@ def test_float32_stream_keeps_float32_phi(formulation):
 # ---------------------------------------------------------------- defect 8: options
 @pytest.mark.parametrize(
     "kw,match",
-    [(dict(sinkhorn_eps=2.0, projection="sinkhorn"), "sinkhorn_eps"),
-     (dict(sinkhorn_eps=-1e-3), "sinkhorn_eps"),
-     (dict(post_mult=float("nan")), "post_mult"),
-     (dict(post_mult=float("inf")), "post_mult"),
-     (dict(pre_eps=float("nan")), "pre_eps"),
-     (dict(rms_eps=-1.0), "rms_eps"),
-     (dict(rms_eps=float("inf")), "rms_eps"),
-     (dict(tmax=100_000), "tmax"),
-     (dict(tmax=0), "tmax"),
-     (dict(tmax=2.5), "tmax"),
-     (dict(alpha_init=float("nan")), "alpha_init"),
-     (dict(phi_std=-1.0), "phi_std"),
-     (dict(projection="exact"), "projection"),
-     (dict(formulation="v4"), "formulation")],
-)  # fmt: skip
+    [
+        (dict(sinkhorn_eps=2.0, projection="sinkhorn"), "sinkhorn_eps"),
+        (dict(sinkhorn_eps=-1e-3), "sinkhorn_eps"),
+        (dict(post_mult=float("nan")), "post_mult"),
+        (dict(post_mult=float("inf")), "post_mult"),
+        (dict(pre_eps=float("nan")), "pre_eps"),
+        (dict(rms_eps=-1.0), "rms_eps"),
+        (dict(rms_eps=float("inf")), "rms_eps"),
+        (dict(tmax=100_000), "tmax"),
+        (dict(tmax=0), "tmax"),
+        (dict(tmax=2.5), "tmax"),
+        (dict(alpha_init=float("nan")), "alpha_init"),
+        (dict(phi_std=-1.0), "phi_std"),
+        (dict(projection="exact"), "projection"),
+        (dict(formulation="v4"), "formulation"),
+    ],
+)
 def test_options_validated(kw, match):
     """#29 defect 8: sinkhorn_eps=2 (the op rejects eps > 1: H_res stopped being doubly
     stochastic), post_mult=nan (NaN output) and tmax=100000 (the op caps at 10000) were

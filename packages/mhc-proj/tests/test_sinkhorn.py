@@ -408,9 +408,14 @@ def test_cuda_graph_replay():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "n,dtype,iters",
-    [(2, torch.float32, 20), (5, torch.float32, 3), (8, torch.float32, 20),
-     (4, torch.float64, 20), (4, torch.float32, 65)],
-)  # fmt: skip
+    [
+        (2, torch.float32, 20),
+        (5, torch.float32, 3),
+        (8, torch.float32, 20),
+        (4, torch.float64, 20),
+        (4, torch.float32, 65),
+    ],
+)
 def test_cuda_cases_without_a_kernel(n, dtype, iters):
     """n != 4, float64 or iters > 64 on CUDA: the iteration in torch ops inside the op,
     against the CPU kernels and float64."""

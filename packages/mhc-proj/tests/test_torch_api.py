@@ -13,10 +13,13 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n,module,fwd,bwd", [
-    (4, MHCProjectionN4, "birkhoff_proj_n4", "birkhoff_proj_n4_backward"),
-    (8, MHCProjectionN8, "birkhoff_proj_n8", "birkhoff_proj_n8_backward"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "n,module,fwd,bwd",
+    [
+        (4, MHCProjectionN4, "birkhoff_proj_n4", "birkhoff_proj_n4_backward"),
+        (8, MHCProjectionN8, "birkhoff_proj_n8", "birkhoff_proj_n8_backward"),
+    ],
+)
 def test_paper_api(device, n, module, fwd, bwd):
     g = torch.Generator().manual_seed(123)
     x = torch.randn(2, n, n, generator=g).to(device)

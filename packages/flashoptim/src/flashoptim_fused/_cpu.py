@@ -261,43 +261,57 @@ def f32_c(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
-def muon_momentum_cpu(g, st: dict, hp: dict, u_out, step: int, seed: int, idx_base=0) -> None:
-    """FlashMuon's pass 1 on one local tensor (``_muon_kernel._momentum_tile``): the momentum
-    EMA ``m += (1 - mu)(g - m)`` stored in ``st`` (``m``, ``ms``; codes rounded with the
-    step's hash when ``hp["sr"]``), and the direction ``u`` (Nesterov: ``m + (1 - mu)(g -
-    m)``, else ``m``) rounded to bf16 into the flat ``u_out``, all in memory order. Rows that
-    end inside a group (``grid.split``) are padded per row, as in ``cpu_step_rows``."""
+def _rows_padded(g, hp: dict):
+    """(padding, unpadding) of FlashMuon's per-element arrays: rows that end inside a group
+    (``grid.split``) zero-padded per row to whole groups, as in ``cpu_step_rows`` (what the
+    kernels' per-row table entries mask); the identity elsewhere."""
     r = row_len(g)
     if hp["quant"] and r % GROUP:
-        rows = g.numel() // r
-        m_pad = pad_rows(flat(st["m"]), r)
-        u_pad = torch.empty(m_pad.shape, dtype=u_out.dtype, device=u_out.device)
-        sp = dict(m=m_pad, ms=st["ms"])
-        idx = row_index(rows, r, idx_base, m_pad.device)
-        _muon_momentum_flat(pad_rows(flat(g), r), sp, hp, u_pad, step, seed, idx)
-        flat(st["m"]).copy_(unpad_rows(m_pad, r))
-        u_out.copy_(unpad_rows(u_pad, r))
-        return
-    idx = torch.arange(g.numel(), dtype=torch.int64, device=g.device) + idx_base
-    _muon_momentum_flat(flat(g), st, hp, u_out, step, seed, idx)
+        return (lambda x: pad_rows(flat(x), r)), (lambda x: unpad_rows(x, r))
+    return flat, (lambda x: x)
 
 
-def _muon_momentum_flat(g, st: dict, hp: dict, u_out, step: int, seed: int, idx) -> None:
-    mc = flat(st["m"])
-    ms = st["ms"].view(-1) if hp["quant"] else None  # (rows, groups per row), flat
-    gf = flat(g).to(torch.float32)
+def _new_momentum_t(g, m, ms, hp: dict, lo=None):
+    """(gradient, the momentum after this step's EMA), flat fp32, as the kernels' tile
+    (``_muon_kernel._new_momentum``): the stored momentum (codes ``m`` with the scales
+    ``ms``, plus the low-rank part ``lo`` (bf16) when given; or fp32 ``m``), then
+    ``m + (1 - mu)(g - m)``."""
+    gf = g.to(torch.float32)
     if hp.get("maximize"):
         gf = -gf
-    m = decode_momentum_t(mc, ms) if hp["quant"] else mc
-    c = f32_c(1 - hp["mu"])
-    m = m + (gf - m) * c
-    u = m + (gf - m) * c if hp["nesterov"] else m
-    if hp["quant"]:
-        h = hash_ref(seed, step, idx) if hp["sr"] else None
-        encode_momentum_t(m, mc, ms, hp["scale_dtype"] == torch.float32, h)
-    else:
-        mc.copy_(m)
-    u_out.copy_(_to_narrow_t(u, True))
+    mf = decode_momentum_t(m, ms.view(-1)) if hp["quant"] else m
+    if lo is not None:
+        mf = mf + lo.to(torch.float32)
+    return gf, mf + (gf - mf) * f32_c(1 - hp["mu"])
+
+
+def muon_momentum_cpu(g, st: dict, hp: dict, u_out, lo=None) -> None:
+    """FlashMuon's pass 1 on one local tensor (``_muon_kernel._momentum_tile``): the
+    direction ``u`` (Nesterov: ``m + (1 - mu)(g - m)``, else ``m``) rounded to bf16 into the
+    flat ``u_out``, all in memory order; the momentum stored in ``st`` (``m``, ``ms``: codes
+    rounded to nearest) unless ``lo`` (its low-rank part, flat bf16: pass 2 stores it)."""
+    pad, unpad = _rows_padded(g, hp)
+    m = pad(st["m"])
+    gf, mf = _new_momentum_t(pad(g), m, st.get("ms"), hp, None if lo is None else pad(lo))
+    u = mf + (gf - mf) * f32_c(1 - hp["mu"]) if hp["nesterov"] else mf
+    if not hp["quant"]:
+        m.copy_(mf)
+    elif lo is None:
+        encode_momentum_t(mf, m, st["ms"].view(-1), hp["scale_dtype"] == torch.float32)
+        flat(st["m"]).copy_(unpad(m))
+    u_out.copy_(unpad(_to_narrow_t(u, True)))
+
+
+def muon_requantize_cpu(g, st: dict, hp: dict, lo, ln) -> None:
+    """Pass 2's momentum of a low-rank momentum (``_muon_kernel._requantize_tile``): this
+    step's momentum formed again as pass 1 formed it, minus the new low-rank part ``ln``,
+    stored as codes rounded to nearest."""
+    pad, unpad = _rows_padded(g, hp)
+    m = pad(st["m"])
+    _, mf = _new_momentum_t(pad(g), m, st["ms"], hp, pad(lo))
+    r = mf - pad(ln).to(torch.float32)
+    encode_momentum_t(r, m, st["ms"].view(-1), hp["scale_dtype"] == torch.float32)
+    flat(st["m"]).copy_(unpad(m))
 
 
 def muon_update_cpu(p, c, o, hp: dict, ratio: float, step: int, seed: int, idx_base=0) -> None:

@@ -1,19 +1,22 @@
 """FlashMuon's two fused passes around the Newton-Schulz orthogonalisation, each one launch
 over every matrix of a workspace wave (float64 reference: ``reference.muon_step_ref``; the
-same fp32 arithmetic in torch: ``_cpu.muon_momentum_cpu`` / ``muon_update_cpu``; the
-orchestration: ``muon.py``).
+same fp32 arithmetic in torch: ``_cpu.muon_momentum_cpu`` / ``muon_update_cpu`` /
+``muon_requantize_cpu``; the orchestration: ``muon.py``; the low-rank part:
+``_muon_lowrank``).
 
-* ``_momentum_kernel`` (before the orthogonalisation): decode the int8 momentum, take the
-  EMA ``m += (1 - mu)(g - m)``, quantize and store it (codes rounded stochastically from the
-  step's hash, as the step kernel's; ``maximize``: on ``-g``), and write the Nesterov direction
-  ``u = m + (1 - mu)(g - m)`` (or ``m``) rounded to bf16 into the wave's workspace.
-  Bytes per element (bf16 gradient, bf16 scales): 2 (g) + 1 + 1 (codes) + 0.125 (scales) +
-  2 (u) = 6.125.
+* ``_momentum_kernel`` (before the orthogonalisation): decode the int8 momentum and add its
+  low-rank part (bf16, from the workspace), take the EMA ``m += (1 - mu)(g - m)``
+  (``maximize``: on ``-g``), and write the Nesterov direction ``u = m + (1 - mu)(g - m)`` (or
+  ``m``) rounded to bf16 into the wave's workspace; without a low-rank part it stores the
+  codes (rounded to nearest) too. Bytes per element (bf16 gradient, bf16 scales): 2 (g) + 1
+  (codes) + 0.0625 (scales) + 2 (low-rank part) + 2 (u) = 7.06.
 * ``_update_kernel`` (after it, the workspace now holding the orthogonalised ``O``):
   reconstruct the master weight, ``theta = theta (1 - lr wd) - lr ratio O`` (``ratio``: the
   tensor's shape-dependent scale, from its table row), split it back into the bf16 parameter
-  and its correction (stochastic rounding). Bytes per element (bf16, int8 correction):
-  2 + 2 (p) + 1 + 1 (correction) + 2 (O) = 8.
+  and its correction (stochastic rounding); with a low-rank part, the momentum formed again
+  as in the first pass minus the new low-rank part, stored as codes rounded to nearest.
+  Bytes per element (bf16, int8 correction): 2 + 2 (p) + 1 + 1 (correction) + 2 (O), and
+  2 (g) + 1 + 1 (codes) + 0.125 (scales) + 2 + 2 (the two low-rank parts) = 16.125.
 
 Both use the step kernel's tables (``_plan.build_table``, 10 columns per tensor; here column 5
 is the element offset of the tensor's matrix in the workspace and column 6 the fp32 bits of
@@ -73,27 +76,24 @@ def _prefetch(
 
 
 @triton.jit
-def _momentum_tile(
+def _new_momentum(
     gp,
     mp,
     msp,
-    up,
+    lop,
     off,
     mask,
     goff,
     gmask,
-    key,
-    ib,
     one_m_mu,
     QUANT: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    SCALE_F32: tl.constexpr,
-    SR: tl.constexpr,
+    LOWRANK: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     ASM: tl.constexpr,
-    DRAW_HOIST: tl.constexpr,
 ):
-    """One tile of pass 1, in place on the momentum, ``u`` into the workspace."""
+    """(gradient, the momentum after this step's EMA) of a tile: the stored momentum
+    (int8 codes, plus the low-rank part ``P R^T`` in bf16 at ``lop`` when LOWRANK; or fp32),
+    then ``m + (1 - mu)(g - m)``. Both passes compute it the same way (pass 2 requantizes)."""
     g_raw = tl.load(gp + off, mask=mask, other=0.0)
     if QUANT:
         mc_raw = tl.load(mp + off, mask=mask, other=0)
@@ -108,10 +108,39 @@ def _momentum_tile(
         g = -g
     if QUANT:
         m = _decode_momentum(mc_raw, msc_raw, ASM)
+    if LOWRANK:
+        m = m + _bf16_f32(tl.load(lop + off, mask=mask, other=0.0), ASM)
     if ASM:  # one explicit fma each: a fixed contraction order (as the step kernel)
         m = tl.fma(g - m, one_m_mu, m)
     else:
         m = m + (g - m) * one_m_mu
+    return g, m
+
+
+@triton.jit
+def _momentum_tile(
+    gp,
+    mp,
+    msp,
+    up,
+    lop,
+    off,
+    mask,
+    goff,
+    gmask,
+    one_m_mu,
+    QUANT: tl.constexpr,
+    LOWRANK: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    SCALE_F32: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One tile of pass 1: ``u`` into the workspace; the momentum stored in place unless
+    LOWRANK (pass 2 stores it then, against the new low-rank part)."""
+    g, m = _new_momentum(
+        gp, mp, msp, lop, off, mask, goff, gmask, one_m_mu, QUANT, LOWRANK, MAXIMIZE, ASM
+    )
     if NESTEROV:  # torch's g.lerp(m, mu) = m + (1 - mu)(g - m)
         if ASM:
             u = tl.fma(g - m, one_m_mu, m)
@@ -119,14 +148,14 @@ def _momentum_tile(
             u = m + (g - m) * one_m_mu
     else:
         u = m
-    if QUANT:
-        _store_momentum(m, mp, msp, off, mask, goff, gmask, key, ib, SCALE_F32, SR, ASM, DRAW_HOIST)
-    else:
+    if not QUANT:
         tl.store(mp + off, m, mask=mask)
+    elif not LOWRANK:  # codes rounded to nearest (issue #31: no fresh noise per step)
+        _store_momentum(m, mp, msp, off, mask, goff, gmask, 0, 0, SCALE_F32, False, ASM, False)
     tl.store(up + off, _round_bf16(u, ASM), mask=mask)
 
 
-@triton.jit(do_not_specialize=["nunits", "step_mix", "epoch"])
+@triton.jit(do_not_specialize=["nunits", "epoch"])
 def _momentum_kernel(
     units,  # int32 [nunits, 2]: tensor index, chunk index within the tensor
     nunits,
@@ -135,14 +164,14 @@ def _momentum_kernel(
     m_base,
     ms_base,
     u_base,  # the wave's bf16 workspace
+    lo_base,  # the low-rank parts of the stored momenta, bf16, at the workspace's offsets
     one_m_mu,
-    step_mix,
     skip_flag,
     epoch,
     QUANT: tl.constexpr,
+    LOWRANK: tl.constexpr,
     NESTEROV: tl.constexpr,
     SCALE_F32: tl.constexpr,
-    SR: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     ALIGNED: tl.constexpr,
     N16: tl.constexpr,
@@ -163,7 +192,6 @@ def _momentum_kernel(
     tile = rows[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     for w in range(tl.program_id(0), nunits, tl.num_programs(0)):
         row, lu, n = _chunk(units, w, tab, N16, INDEX64)
-        key, ib = _rounding_stream(row, step_mix, 0, SR, QUANT)  # the codes' draws
         ng = (n + GROUP_SIZE - 1) // GROUP_SIZE
         gp = _array_ptr(g_base, row, 1, ALIGNED)
         mp = _array_ptr(m_base, row, 3, ALIGNED)
@@ -171,6 +199,9 @@ def _momentum_kernel(
         if QUANT:
             msp = _array_ptr(ms_base, row, 4, False)
         up = _array_ptr(u_base, row, 5, ALIGNED)
+        lop = lo_base
+        if LOWRANK:
+            lop = _array_ptr(lo_base, row, 5, ALIGNED)
         base = lu * UNIT
         nt = (tl.minimum(n - base, UNIT) + BLOCK - 1) // BLOCK
         lim = tl.minimum(n, base + UNIT)
@@ -185,20 +216,18 @@ def _momentum_kernel(
                 mp,
                 msp,
                 up,
+                lop,
                 off,
                 off < n,
                 goff,
                 goff < ng,
-                key,
-                ib,
                 one_m_mu,
                 QUANT,
+                LOWRANK,
                 NESTEROV,
                 SCALE_F32,
-                SR,
                 MAXIMIZE,
                 ASM,
-                DRAW_HOIST,
             )
 
 
@@ -234,6 +263,32 @@ def _update_tile(
     _store_master(th, pp, cp, off, mask, key, ib, P_DTYPE, ECC, SR, ASM, DRAW_HOIST)
 
 
+@triton.jit
+def _requantize_tile(
+    gp,
+    mp,
+    msp,
+    lop,
+    lnp,
+    off,
+    mask,
+    goff,
+    gmask,
+    one_m_mu,
+    SCALE_F32: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Pass 2 of a low-rank momentum: this step's momentum formed again as pass 1 formed it
+    (the same fp32 operations on the same stored values), minus the new low-rank part at
+    ``lnp``, stored as int8 codes rounded to nearest."""
+    _, m = _new_momentum(
+        gp, mp, msp, lop, off, mask, goff, gmask, one_m_mu, True, True, MAXIMIZE, ASM
+    )
+    r = m - _bf16_f32(tl.load(lnp + off, mask=mask, other=0.0), ASM)
+    _store_momentum(r, mp, msp, off, mask, goff, gmask, 0, 0, SCALE_F32, False, ASM, False)
+
+
 @triton.jit(do_not_specialize=["nunits", "step_mix", "epoch"])
 def _update_kernel(
     units,
@@ -242,14 +297,23 @@ def _update_kernel(
     p_base,
     c_base,
     o_base,  # the wave's bf16 workspace, holding the orthogonalised updates
+    g_base,  # LOWRANK: gradients, momentum codes and scales, old and new low-rank parts
+    m_base,
+    ms_base,
+    lo_base,
+    ln_base,
     lr,
     decay_mult,  # 1 - lr * weight_decay
+    one_m_mu,
     step_mix,
     skip_flag,
     epoch,
     ECC: tl.constexpr,
     SR: tl.constexpr,
     P_DTYPE: tl.constexpr,
+    LOWRANK: tl.constexpr,
+    SCALE_F32: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
     ALIGNED: tl.constexpr,
     N16: tl.constexpr,
     CHECK_SKIP: tl.constexpr,
@@ -274,6 +338,14 @@ def _update_kernel(
         if ECC > 0:
             cp = _array_ptr(c_base, row, 2, ALIGNED)
         op = _array_ptr(o_base, row, 5, ALIGNED)
+        gp, mp, msp, lop, lnp = g_base, m_base, ms_base, lo_base, ln_base
+        if LOWRANK:
+            gp = _array_ptr(g_base, row, 1, ALIGNED)
+            mp = _array_ptr(m_base, row, 3, ALIGNED)
+            msp = _array_ptr(ms_base, row, 4, False)
+            lop = _array_ptr(lo_base, row, 5, ALIGNED)
+            lnp = _array_ptr(ln_base, row, 5, ALIGNED)
+        ng = (n + GROUP_SIZE - 1) // GROUP_SIZE
         key, ib = _rounding_stream(row, step_mix, ECC, SR, False)
         # lr times the tensor's shape-dependent scale (fp32 bits in column 6), in fp32
         alpha = lr * tl.load(row + 6).to(tl.int32).to(tl.float32, bitcast=True)
@@ -301,6 +373,23 @@ def _update_kernel(
                 ASM,
                 DRAW_HOIST,
             )
+            if LOWRANK:
+                goff = start // GROUP_SIZE + rows
+                _requantize_tile(
+                    gp,
+                    mp,
+                    msp,
+                    lop,
+                    lnp,
+                    off,
+                    off < n,
+                    goff,
+                    goff < ng,
+                    one_m_mu,
+                    SCALE_F32,
+                    MAXIMIZE,
+                    ASM,
+                )
 
 
 # ------------------------------------------------------------------------------ launches
@@ -330,9 +419,10 @@ def _common(ent: dict, skip, epoch: int) -> tuple[tuple, dict]:
     return (ent["skip"] if skip is None else skip, epoch if skip is not None else 0), meta
 
 
-def launch_momentum(ent: dict, ws: torch.Tensor, hp: dict, step_mix: int, skip=None, epoch=0):
-    """Pass 1 over one wave: the momentum of every tensor in place, ``u`` into ``ws``
-    (``step_mix``: the step's key of the rounding stream, ``(step * GOLDEN) mod 2**32``)."""
+def launch_momentum(ent: dict, ws: torch.Tensor, lo, hp: dict, skip=None, epoch=0) -> None:
+    """Pass 1 over one wave: ``u`` into ``ws``, the momentum of every tensor in place unless
+    ``lo`` (the low-rank parts of the stored momenta, bf16, at the workspace's offsets: pass
+    2 stores the momentum then)."""
     nunits = ent["work"].shape[0]
     if nunits == 0:
         return
@@ -346,25 +436,30 @@ def launch_momentum(ent: dict, ws: torch.Tensor, hp: dict, step_mix: int, skip=N
         b[3],
         b[4],
         ws,
+        ws if lo is None else lo,
         1 - hp["mu"],
-        step_mix,
         *flag,
         QUANT=hp["quant"],
+        LOWRANK=lo is not None,
         NESTEROV=hp["nesterov"],
         SCALE_F32=hp["scale_dtype"] == torch.float32,
-        SR=hp["sr"],
         MAXIMIZE=hp.get("maximize", False),
         **meta,
     )
 
 
-def launch_update(ent: dict, ws: torch.Tensor, hp: dict, step_mix: int, skip=None, epoch=0) -> None:
-    """Pass 2 over one wave: every parameter and correction in place from ``O`` in ``ws``."""
+def launch_update(
+    ent: dict, ws: torch.Tensor, lo, ln, hp: dict, step_mix: int, skip=None, epoch=0
+) -> None:
+    """Pass 2 over one wave: every parameter and correction in place from ``O`` in ``ws``
+    (``step_mix``: the step's key of the rounding stream, ``(step * GOLDEN) mod 2**32``);
+    with ``lo`` / ``ln`` (the old and new low-rank parts) the momentum too."""
     nunits = ent["work"].shape[0]
     if nunits == 0:
         return
     b = ent["bases"]
     flag, meta = _common(ent, skip, epoch)
+    low = lo is not None
     _update_kernel[_grid(ent)](
         ent["work"],
         nunits,
@@ -372,12 +467,21 @@ def launch_update(ent: dict, ws: torch.Tensor, hp: dict, step_mix: int, skip=Non
         b[0],
         b[2],
         ws,
+        b[1],
+        b[3],
+        b[4],
+        lo if low else ws,
+        ln if low else ws,
         hp["lr"],
         1 - hp["lr"] * hp["wd"],
+        1 - hp["mu"],
         step_mix,
         *flag,
         ECC=hp["ecc"],
         SR=hp["sr"],
         P_DTYPE=P_CODE[ent["dtype"]],
+        LOWRANK=low,
+        SCALE_F32=hp["scale_dtype"] == torch.float32,
+        MAXIMIZE=hp.get("maximize", False),
         **meta,
     )

@@ -34,6 +34,21 @@ def shard_group(p) -> tuple | None:
     return mesh.get_group(d), mesh.get_local_rank(d), mesh.size(d)
 
 
+def row_sum(p) -> Callable:
+    """The sum over the ranks that hold the other rows of a row-sharded ``p`` (in place, an
+    all-reduce on its shard group); the identity for a plain tensor."""
+    g = shard_group(p) if hasattr(p, "_local_tensor") else None
+    if g is None:
+        return lambda t: t
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        dist.all_reduce(t, group=g[0])
+        return t
+
+    return reduce
+
+
 def rows_of(n: int, world: int) -> list[int]:
     """Rows of each rank when ``n`` rows are split as ``torch.chunk`` splits them (chunks of
     ceil(n / world), the last ones shorter or empty)."""

@@ -59,8 +59,11 @@ BYTES = {
     ("sgd", "ours", False): _OURS_MOM,
     ("sgd", "flashoptim-0.1.4", False): _OURS_MOM,
     ("lion", "ours", False): _OURS_MOM,
-    # FlashMuon's passes: g, momentum codes and scales, u written; then p, rho, O read
-    ("muon_fused", "ours", False): 2 + 1 + 1 + 0.125 + 2 + 2 + 2 + 1 + 1 + 2,
+    # FlashMuon's passes over low-rank momenta: g, codes, scales, the old low-rank part
+    # read, u written; then p, rho read and written, O read, and the momentum formed again
+    # (g, codes, scales, old part) minus the new part, codes and scales written
+    ("muon_fused", "ours", False): (2 + 1 + 0.0625 + 2 + 2)
+    + (2 + 2 + 1 + 1 + 2 + 2 + 1 + 1 + 0.125 + 2 + 2),
 }
 # ours on a tensor whose rows hold under 32 elements (1-D ones: fp32 states, grid.py)
 _FP32_STATES = {"adamw": 2 + 2 + 1 + 4 + 4 + 2 + 1 + 4 + 4, "sgd": 2 + 2 + 1 + 4 + 2 + 1 + 4}
@@ -198,12 +201,17 @@ def muon_fused_passes(opt) -> callable:
     hp = opt._hp(group, plan["ps"][0])
     waves = plan["buckets"]
     dev = plan["ps"][0].device
-    wss = [torch.zeros(w["ws_numel"], dtype=torch.bfloat16, device=dev) for w in waves]
+    wss = [
+        torch.zeros((3 if w["lowrank"] else 1) * w["ws_numel"], dtype=torch.bfloat16, device=dev)
+        for w in waves
+    ]
 
     def fn():
         for w, ws in zip(waves, wss):
-            _muon_kernel.launch_momentum(w["ent"], ws, hp, 0x9E3779B9)
-            _muon_kernel.launch_update(w["ent"], ws, hp, 0x9E3779B9)
+            n = w["ws_numel"]
+            lo, ln = (ws[n : 2 * n], ws[2 * n :]) if w["lowrank"] else (None, None)
+            _muon_kernel.launch_momentum(w["ent"], ws[:n], lo, hp)
+            _muon_kernel.launch_update(w["ent"], ws[:n], lo, ln, hp, 0x9E3779B9)
 
     return fn
 

@@ -18,7 +18,15 @@ def memory_report(optimizer: torch.optim.Optimizer, grad_dtype: torch.dtype | No
     ``state_fp32`` (the fp32 states of tensors whose rows hold under 32 elements, 1-D ones
     among them: docs/flashoptim.md, "Sharding"; and every state with ``quantize=False``).
     """
-    comp = dict(param=0, grad=0, master_correction=0, state_codes=0, state_scales=0, state_fp32=0)
+    comp = dict(
+        param=0,
+        grad=0,
+        master_correction=0,
+        state_codes=0,
+        state_scales=0,
+        state_fp32=0,
+        state_lowrank=0,  # FlashMuon's low-rank momentum factors (bf16)
+    )
     other = 0
     n = 0
     release = getattr(optimizer, "_release_enabled", False)
@@ -44,6 +52,8 @@ def memory_report(optimizer: torch.optim.Optimizer, grad_dtype: torch.dtype | No
                     comp["state_scales"] += b
                 elif k.endswith("_codes"):
                     comp["state_codes"] += b
+                elif "_lowrank_" in k:
+                    comp["state_lowrank"] += b
                 elif k == "step":
                     other += b
                 else:

@@ -1,24 +1,30 @@
 """FlashMuon: Muon for the matrices, AdamW for the rest, with weight splitting and a
-companded 8-bit momentum.
+momentum held as a low-rank part plus int8 residual codes.
 
 Muon (Keller Jordan 2024; ``torch.optim.Muon``) steps a matrix by the orthogonalised
 Nesterov momentum: ``m = mu m + (1 - mu) g``, ``u = mu m + (1 - mu) g`` (or ``m``),
 ``O = NS(u)`` (5 quintic Newton-Schulz iterations in bf16 on the Frobenius-normalised
 ``u``, on its wide orientation), ``theta = theta (1 - lr wd) - lr ratio(shape) O``. The
 parameters Muon should not take (embeddings, output heads, norms, biases) take AdamW in the
-same optimizer. A step per workspace wave of matrices (``_bucket_entries``):
+same optimizer. The momentum of a matrix of both sides >= 32 is ``P R^T`` (bf16 factors of
+rank ``reference.MUON_RANK``) plus int8 codes of the residual rounded to nearest
+(``_muon_lowrank``). A step per workspace wave of matrices (``_bucket_entries``):
 
-1. ``_muon_kernel._momentum_kernel``: one launch over the wave, the momentum EMA and its
-   int8 codes in place, ``u`` in bf16 into the wave's workspace;
-2. ``newton_schulz`` on each matrix of the workspace (torch bf16 matmuls, the tensor cores;
-   matrices of one shape batched), its result written back into the workspace; a DTensor
-   (FSDP2) matrix is all-gathered for it and each rank keeps its rows;
+1. the stored low-rank parts ``bf16(P R^T)`` into the workspace, then
+   ``_muon_kernel._momentum_kernel``: one launch over the wave, the momentum EMA, ``u`` in
+   bf16 into the wave's workspace (codes stored here only without a low-rank part);
+2. the factors' power iteration from ``u`` and the gradient, the new low-rank parts into
+   the workspace; ``newton_schulz`` on each matrix of the workspace (the symmetric Gram
+   kernel and cuBLAS on CUDA; matrices of one shape batched), its result written back into
+   the workspace; DTensor (FSDP2) matrices after every wave of the group, each on one owner
+   rank (``_muon_shard``);
 3. ``_muon_kernel._update_kernel``: one launch over the wave, decay, the scaled update and
-   the split into bf16 + int8 correction.
+   the split into bf16 + int8 correction; the momentum again, minus the new low-rank part,
+   into its codes.
 
-The workspace (2 bytes per element of the wave) lives only during the step; waves hold at
-most ``WAVE_ELEMS`` elements (or one larger matrix), so the step's transient memory stays
-that of one wave plus its Newton-Schulz temporaries.
+The workspace (6 bytes per element of the wave with low-rank parts, else 2) lives only
+during the step; waves hold at most ``WAVE_ELEMS`` elements (or one larger matrix), so the
+step's transient memory stays that of one wave plus its Newton-Schulz temporaries.
 """
 
 from __future__ import annotations
@@ -27,12 +33,20 @@ import math
 
 import torch
 
-from . import _muon_kernel, _muon_shard
-from ._cpu import muon_momentum_cpu, muon_update_cpu
+from . import _muon_kernel, _muon_lowrank, _muon_shard
+from ._cpu import muon_momentum_cpu, muon_requantize_cpu, muon_update_cpu
 from ._gram_kernel import gram
-from ._plan import build_table, global_index_base, local
+from ._plan import build_table, flat, global_index_base, local
 from .optimizer import FlashOptimizer
-from .reference import GOLDEN, M32, NS_COEFFICIENTS
+from .reference import (
+    GOLDEN,
+    M32,
+    MUON_RANK,
+    NS_COEFFICIENTS,
+    dequantize_momentum_ref,
+    quantize_momentum_ref,
+    state_row,
+)
 
 # elements per workspace wave: 2**25 (64 MiB of bf16) groups small matrices into one launch
 # and one batched Newton-Schulz per shape; a larger matrix is a wave of its own
@@ -41,6 +55,9 @@ WAVE_ELEMS = 2**25
 # output head, which Muon's default split leaves to AdamW
 HEAD_NAMES = frozenset({"wte", "wpe", "tok", "pos", "head", "lm_head", "output", "classifier"})
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+# the low-rank factors of a Muon momentum (``_muon_lowrank``): P (local rows x k), R (cols x k)
+LOWRANK_P, LOWRANK_R = "momentum_buffer_lowrank_p", "momentum_buffer_lowrank_r"
+_CODES, _SCALE = "momentum_buffer_codes", "momentum_buffer_scale"
 
 
 def default_use_muon(name: str | None, p: torch.Tensor) -> bool:
@@ -165,9 +182,10 @@ def _orthogonalize_one(p, u: torch.Tensor, coefficients, steps: int, eps: float)
 class FlashMuon(FlashOptimizer):
     """Muon (torch.optim.Muon semantics and defaults) for matrices, AdamW for the other
     parameters, in one optimizer: bf16 weights + int8 correction (stochastic rounding), the
-    Muon momentum companded into int8 with group scales (6.06 bytes per matrix parameter
-    with its bf16 gradient; torch.optim.Muon with fp32 parameters: 12), the AdamW states as
-    ``FlashAdamW``'s.
+    Muon momentum as a rank-4 part (bf16 factors) plus companded int8 residual codes with
+    group scales (6.0625 + 8 (A + B) / (A B) bytes per parameter of an A x B matrix with its
+    bf16 gradient, 6.08 at 512 x 2048; torch.optim.Muon with fp32 parameters: 12), the
+    AdamW states as ``FlashAdamW``'s.
 
     Which parameters take Muon: a param group's ``use_muon`` (True / False); a group without
     it is split by ``default_use_muon`` (2-D and not named like an embedding or a head; pass
@@ -183,8 +201,9 @@ class FlashMuon(FlashOptimizer):
 
     Storage and step options: ``FlashOptimizer`` (``master_weight_bits``, ``quantize``,
     ``stochastic_rounding``, ``scale_dtype``, ``backend``, ``check_finite``,
-    ``on_nonfinite``, ``seed``); ``capturable`` is not supported. Under FSDP2 each matrix
-    is all-gathered (bf16) for its orthogonalisation and every rank keeps its rows.
+    ``on_nonfinite``, ``seed``; ``stochastic_rounding`` applies to the correction: the
+    momentum's codes round to nearest); ``capturable`` is not supported. Under FSDP2 each
+    row-sharded matrix is orthogonalised once, on an owner rank (``_muon_shard``).
     """
 
     def __init__(
@@ -280,6 +299,24 @@ class FlashMuon(FlashOptimizer):
                     )
 
     # ------------------------------------------------------------------ state
+    def _lowrank(self, group, p) -> bool:
+        """Whether ``p``'s momentum keeps a low-rank part: a quantized Muon matrix of both
+        sides >= 32 (``_muon_lowrank.uses_lowrank``), whole or sharded by rows."""
+        if not (group["use_muon"] and group["quantize"]):
+            return False
+        if hasattr(p, "_local_tensor") and _muon_shard.shard_group(p) is None:
+            return False
+        return _muon_lowrank.uses_lowrank(matrix_shape(p))
+
+    def _init_state(self, p, group) -> dict:
+        fresh = "step" not in self.state[p]
+        st = super()._init_state(p, group)
+        if fresh and self._lowrank(group, p):
+            rows = int(local(p).shape[0])
+            P, R = _muon_lowrank.init_factors(rows, matrix_shape(p)[1], st["seed"], local(p).device)
+            st[LOWRANK_P], st[LOWRANK_R] = P, R
+        return st
+
     def _state_keys(self, group):
         if group["use_muon"]:
             return "momentum_buffer", None  # torch.optim.Muon's name
@@ -302,6 +339,95 @@ class FlashMuon(FlashOptimizer):
             return {}
         return super()._torch_group_keys(group)
 
+    # ------------------------------------------------------------------ checkpoints
+    # The factors are not per-element states: the base class's checks, sharded export and
+    # torch export see the residual codes only; these add the factors (an export to torch
+    # holds the whole momentum, a load without factors splits the whole momentum again).
+    def _check_state_kind(self, st_old, group, where) -> None:
+        super()._check_state_kind(_without_factors(st_old), group, where)
+
+    def _check_state_shapes(self, p, st_old, where) -> None:
+        super()._check_state_shapes(p, _without_factors(st_old), where)
+        if LOWRANK_P in st_old:
+            want = ((int(local(p).shape[0]), MUON_RANK), (matrix_shape(p)[1], MUON_RANK))
+            got = tuple(tuple(local(st_old[k]).shape) for k in (LOWRANK_P, LOWRANK_R))
+            if got != want:
+                raise ValueError(f"{where}: low-rank factors of shapes {got}; expected {want}")
+
+    def _load_param_state(self, p, group, st_old) -> None:
+        super()._load_param_state(p, group, _without_factors(st_old))
+        st = self.state[p]
+        if LOWRANK_P not in st:
+            return
+        if LOWRANK_P in st_old:
+            st[LOWRANK_P].copy_(local(st_old[LOWRANK_P]))
+            st[LOWRANK_R].copy_(local(st_old[LOWRANK_R]))
+            return
+        # a checkpoint without factors (torch.optim.Muon's, or ours before issue #31): the
+        # whole momentum, split into factors and residual codes here
+        lp = local(p)
+        row = state_row(lp, True)
+        old = st_old.get("momentum_buffer")
+        whole = torch.empty_like(lp, dtype=torch.float64)  # the parameter's layout
+        if torch.is_tensor(old) and old.is_floating_point():  # torch.optim.Muon's
+            whole.copy_(local(old).reshape(lp.shape))
+        else:  # our codes of the whole momentum
+            codes, scales = flat(st[_CODES]), st[_SCALE]
+            flat(whole).copy_(dequantize_momentum_ref(codes, scales, row))
+        m = whole.reshape(int(lp.shape[0]), matrix_shape(p)[1]).float()
+        P, R = _muon_lowrank.factors_of(m, st["seed"], reduce=_muon_shard.row_sum(p))
+        st[LOWRANK_P].copy_(P)
+        st[LOWRANK_R].copy_(R)
+        whole -= _muon_lowrank.lowrank(P, R).double().view(lp.shape)
+        codes, scales = quantize_momentum_ref(flat(whole), group["scale_dtype"], None, row)
+        flat(st[_CODES]).copy_(codes)
+        st[_SCALE].copy_(scales.view_as(st[_SCALE]))
+
+    def state_dict(self) -> dict:
+        """``FlashOptimizer.state_dict`` plus each low-rank momentum's factors (under FSDP2:
+        P sharded by rows as its matrix, R replicated)."""
+        hidden = {}
+        for p, st in self.state.items():
+            if LOWRANK_P in st:
+                hidden[p] = (st.pop(LOWRANK_P), st.pop(LOWRANK_R))
+        try:
+            sd = super().state_dict()
+        finally:
+            for p, (P, R) in hidden.items():
+                self.state[p][LOWRANK_P], self.state[p][LOWRANK_R] = P, R
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, p in enumerate(params):
+            if p not in hidden or idx not in sd["state"]:
+                continue
+            P, R = hidden[p]
+            if hasattr(p, "_local_tensor"):
+                from torch.distributed.tensor import DTensor, Replicate
+
+                mesh = p.device_mesh
+                P = DTensor.from_local(
+                    P,
+                    mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=(p.shape[0], MUON_RANK),
+                    stride=(MUON_RANK, 1),
+                )
+                R = DTensor.from_local(R, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            sd["state"][idx][LOWRANK_P], sd["state"][idx][LOWRANK_R] = P, R
+        return sd
+
+    def torch_state_dict(self) -> dict:
+        """``FlashOptimizer.torch_state_dict``, each Muon momentum whole (``P R^T`` plus the
+        decoded residual), as torch.optim.Muon keeps it."""
+        sd = super().torch_state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, p in enumerate(params):
+            st = self.state.get(p, {})
+            if LOWRANK_P in st and idx in sd["state"]:
+                low = _muon_lowrank.lowrank(st[LOWRANK_P], st[LOWRANK_R]).float()
+                sd["state"][idx]["momentum_buffer"] += low.view(p.shape)
+        return sd
+
     # ------------------------------------------------------------------ waves
     def _bucket_entries(self, group, key, bps):
         """Muon groups: the bucket's matrices sorted by shape (stable: same-shape matrices
@@ -310,20 +436,24 @@ class FlashMuon(FlashOptimizer):
         if not group["use_muon"]:
             return super()._bucket_entries(group, key, bps)
         waves, cur, size = [], [], 0
-        for p in sorted(bps, key=matrix_shape):  # full shapes: the same waves on every rank
-            if cur and size + p.numel() > WAVE_ELEMS:
+        low = [LOWRANK_P in self.state[p] for p in bps]
+        order = sorted(range(len(bps)), key=lambda i: (low[i], matrix_shape(bps[i])))
+        for i in order:  # full shapes: the same waves on every rank
+            p = bps[i]
+            if cur and (size + p.numel() > WAVE_ELEMS or low[i] != low[cur[-1]]):
                 waves.append(cur)
                 cur, size = [], 0
-            cur.append(p)
+            cur.append(i)
             size += p.numel()
         if cur:
             waves.append(cur)
-        return [self._wave(group, key, w) for w in waves]
+        return [self._wave(group, key, [bps[i] for i in w], low[w[0]]) for w in waves]
 
-    def _wave(self, group, key, ps: list) -> dict:
+    def _wave(self, group, key, ps: list, lowrank: bool = False) -> dict:
         """One wave: its parameters, workspace layout (each matrix's local elements at a
         multiple of 16), the runs of same-shape matrices orthogonalised as one batch, and
-        (Triton) the tables, column 5 the workspace offsets, column 6 the ratios."""
+        (Triton) the tables, column 5 the workspace offsets, column 6 the ratios.
+        ``lowrank``: its momenta keep a low-rank part (all or none of a wave's)."""
         offs, runs, o = [], [], 0
         for i, p in enumerate(ps):
             n = local(p).numel()
@@ -343,7 +473,7 @@ class FlashMuon(FlashOptimizer):
             # per table entry (a matrix, or one of its rows: grid.split) its workspace offset
             ws_off = torch.tensor(offs, dtype=torch.int64)[ent["owner"]] + ent["row0"]
             ent["tab"][:, 5] = ws_off.to(ent["tab"].device)
-        wave = dict(ps=ps, ent=ent, step=key[0], offs=offs, ws_numel=o, runs=runs)
+        wave = dict(ps=ps, ent=ent, step=key[0], offs=offs, ws_numel=o, runs=runs, lowrank=lowrank)
         wave.update(adjust=None, ratios=None)
         self._refresh_ratios(group, wave)
         return wave
@@ -363,56 +493,103 @@ class FlashMuon(FlashOptimizer):
 
     # ------------------------------------------------------------------ the step
     def _step_bucket(self, group, b, hp, step, skip=None) -> None:
-        """A Muon wave: pass 1 (momentum, ``u`` into the workspace), the orthogonalisation
-        of every matrix in the workspace, pass 2 (weights). With ``skip`` (the device
-        non-finite flag) both passes return at once on a bad step; the orthogonalisation
-        then runs on an unwritten workspace whose result nothing reads."""
+        """A Muon wave: pass 1 (the momentum, ``u`` into the workspace), the low-rank
+        factors' update from ``u`` (``_muon_lowrank``), the orthogonalisation of every matrix
+        in the workspace, pass 2 (weights; a low-rank momentum's residual codes). The
+        workspace holds ``u`` / ``O`` and, for low-rank momenta, the old and the new
+        low-rank parts (bf16, the same offsets). With ``skip`` (the device non-finite flag)
+        both passes return at once on a bad step; the rest then runs on an unwritten
+        workspace and nothing reads it, except the factors: a skipped step's new factors
+        are dropped (``_lowrank_step`` writes them only after the flag says the step ran)."""
         if not group["use_muon"]:
             return super()._step_bucket(group, b, hp, step, skip)
         self._refresh_ratios(group, b)
         ps, ent = b["ps"], b["ent"]
-        ws = torch.empty(max(b["ws_numel"], 1), dtype=torch.bfloat16, device=local(ps[0]).device)
-        views = [ws[o : o + local(p).numel()] for p, o in zip(ps, b["offs"])]
+        n = max(b["ws_numel"], 1)
+        low = b["lowrank"]
+        ws = torch.empty((3 if low else 1) * n, dtype=torch.bfloat16, device=local(ps[0]).device)
+        lo, ln = (ws[n : 2 * n], ws[2 * n :]) if low else (None, None)
+        regions = [ws[:n], lo, ln]
+        views = [
+            [None if r is None else r[o : o + local(p).numel()] for r in regions]
+            for p, o in zip(ps, b["offs"])
+        ]  # (u, old, new) of each matrix
+        if low:
+            for p, v in zip(ps, views):
+                st = self.state[p]
+                _logical(v[1], local(p)).copy_(
+                    _muon_lowrank.lowrank(st[LOWRANK_P], st[LOWRANK_R]).view(local(p).shape)
+                )
         mix = (step * GOLDEN) & M32  # the step's key of the rounding stream
         if ent is not None:
-            _muon_kernel.launch_momentum(ent, ws, hp, mix, skip, self._epoch)
+            _muon_kernel.launch_momentum(ent, ws[:n], lo, hp, skip, self._epoch)
         else:
-            for p, u in zip(ps, views):
-                st = self.state[p]
-                sv = self._state_view(st, group)
-                ib = global_index_base(p)
-                muon_momentum_cpu(local(p.grad), sv, hp, u, step, st["seed"], ib)
+            for p, v in zip(ps, views):
+                sv = self._state_view(self.state[p], group)
+                muon_momentum_cpu(local(p.grad), sv, hp, v[0], v[1])
         coeffs, steps, eps = group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
         sharded = []
         for run in b["runs"]:
             i, k, (rows, cols) = run["i"], run["k"], run["shape"]
             if run["alone"] and hasattr(ps[i], "_local_tensor"):
                 sharded.append(i)  # after every wave of the group: _orthogonalize_sharded
-            elif run["alone"]:
-                _orthogonalize_one(ps[i], views[i], coeffs, steps, eps)
+                continue
+            if low:
+                self._lowrank_step(group, hp, ps[i : i + k], views[i : i + k], skip)
+            if run["alone"]:
+                _orthogonalize_one(ps[i], views[i][0], coeffs, steps, eps)
             else:
                 if k == 1:
-                    x = views[i].view(rows, cols)
+                    x = views[i][0].view(rows, cols)
                 else:
                     x = ws.as_strided((k, rows, cols), (run["stride"], cols, 1), b["offs"][i])
                 newton_schulz(x, coeffs, steps, eps, out=x)
-        pass2 = (b, ws, views, hp, step, mix, skip)
+        pass2 = (group, b, ws[:n], views, lo, ln, hp, step, mix, skip)
         if sharded:
             self._pending.append((group, pass2, [(ps[i], views[i]) for i in sharded]))
         else:
             self._update(*pass2)
 
-    def _update(self, b, ws, views, hp, step, mix, skip) -> None:
-        """Pass 2 of a wave: the weights from ``O`` in the workspace ``ws``."""
+    def _lowrank_step(self, group, hp, ps, views, skip, reduce=None) -> None:
+        """The low-rank factors of matrices, from their ``u`` in the workspace and their
+        gradients (views: no copies), before the orthogonalisation overwrites ``u``; their
+        new low-rank parts into the workspace. ``reduce``: the sum over the ranks of a row
+        shard (``_muon_shard``). On a step the device flag ``skip`` skips, the factors stay
+        (no host sync: selected on the device)."""
+        keep = None
+        if skip is not None:  # the step's epoch in the device flag: it was skipped
+            keep = skip.reshape(()) == self._epoch
+        sign = -1.0 if hp.get("maximize") else 1.0
+        for p, v in zip(ps, views):
+            lp, st = local(p), self.state[p]
+            shape = (int(lp.shape[0]), matrix_shape(p)[1])
+            u = _logical(v[0], lp).reshape(shape)
+            g = local(p.grad).reshape(shape)
+            P, R = _muon_lowrank.update_factors(
+                u, g, st[LOWRANK_R], hp["mu"], hp["nesterov"], reduce, sign
+            )
+            _logical(v[2], lp).copy_(_muon_lowrank.lowrank(P, R).view(lp.shape))
+            if keep is not None:
+                P = torch.where(keep, st[LOWRANK_P], P)
+                R = torch.where(keep, st[LOWRANK_R], R)
+            st[LOWRANK_P].copy_(P)
+            st[LOWRANK_R].copy_(R)
+
+    def _update(self, group, b, ws, views, lo, ln, hp, step, mix, skip) -> None:
+        """Pass 2 of a wave: the weights from ``O`` in the workspace ``ws``; with ``lo`` /
+        ``ln`` (the old and new low-rank parts) the momentum's residual codes."""
         ps, ent = b["ps"], b["ent"]
         if ent is not None:
-            _muon_kernel.launch_update(ent, ws, hp, mix, skip, self._epoch)
+            _muon_kernel.launch_update(ent, ws, lo, ln, hp, mix, skip, self._epoch)
             return
-        for p, o, r in zip(ps, views, b["ratios"]):
+        for p, v, r in zip(ps, views, b["ratios"]):
             st = self.state[p]
             c = st.get("correction")
             idx = global_index_base(p)
-            muon_update_cpu(local(p), c, o, hp, r, step, st["seed"], idx)
+            muon_update_cpu(local(p), c, v[0], hp, r, step, st["seed"], idx)
+            if lo is not None:
+                sv = self._state_view(st, group)
+                muon_requantize_cpu(local(p.grad), sv, hp, v[1], v[2])
 
     def _commit(self, prep, skip: dict | None = None) -> None:
         super()._commit(prep, skip)
@@ -422,23 +599,35 @@ class FlashMuon(FlashOptimizer):
         """The DTensor matrices of a group's step, after pass 1 of every wave: each ranks'
         buckets and waves differ (a bucket's key holds the local numel), so the collectives
         run here, once per step, over all of them in the group's parameter order (the same on
-        every rank): row shards through ``_muon_shard`` (each matrix orthogonalised once, on
-        its owner rank), any other placement gathered whole on every rank; then pass 2 of
-        those waves. Their workspaces live until then: 2 bytes per local element."""
+        every rank): the low-rank factors (two sums over the row shards per matrix), then row
+        shards through ``_muon_shard`` (each matrix orthogonalised once, on its owner rank),
+        any other placement gathered whole on every rank; then pass 2 of those waves. Their
+        workspaces live until then: 2 (6 with a low-rank part) bytes per local element."""
         pending, self._pending = self._pending, []
         if not pending:
             return
         group = pending[0][0]
         coeffs, steps, eps = group["ns_coefficients"], int(group["ns_steps"]), group["eps"]
         items = sorted(
-            ((p, _logical(u, local(p))) for _, _, its in pending for p, u in its),
+            ((p, v, pass2) for _, pass2, its in pending for p, v in its),
             key=lambda it: self._pindex[id(it[0])],
         )
-        rest = _muon_shard.orthogonalize(items, lambda u: newton_schulz(u, coeffs, steps, eps))
+        for p, v, pass2 in items:
+            if pass2[4] is not None:  # a low-rank momentum
+                reduce = _muon_shard.row_sum(p)
+                self._lowrank_step(group, pass2[6], [p], [v], pass2[9], reduce)
+        rest = _muon_shard.orthogonalize(
+            [(p, _logical(v[0], local(p))) for p, v, _ in items],
+            lambda u: newton_schulz(u, coeffs, steps, eps),
+        )
         for p, x in rest:  # (x has p's local shape: _logical keeps it)
             _orthogonalize_one(p, x, coeffs, steps, eps)
         for _, pass2, _ in pending:
             self._update(*pass2)
+
+
+def _without_factors(st: dict) -> dict:
+    return {k: v for k, v in st.items() if k not in (LOWRANK_P, LOWRANK_R)}
 
 
 def _validate(group: dict, d: dict) -> None:

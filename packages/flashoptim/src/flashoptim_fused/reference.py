@@ -299,18 +299,53 @@ def newton_schulz_ref(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps=5, ep
     return X.mT if tall else X
 
 
-def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None):
+# Muon's momentum: a rank-MUON_RANK part P R^T (bf16 factors, P rows x k, R cols x k) plus
+# the residual in int8 codes, rounded to nearest (docs/design/flashoptim.md, issue #31:
+# the quantization error of the whole momentum lay in its top singular directions)
+MUON_RANK = 4
+
+
+def lowrank_ref(P: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """The stored low-rank part of a momentum: ``P R^T`` rounded to bf16 once (what the
+    step materializes), as float64."""
+    return (P.double() @ R.double().mT).to(torch.bfloat16).double()
+
+
+def lowrank_factors_ref(u, g, R, mu: float, nesterov: bool):
+    """float64 reference of the factors' update from a step's direction ``u`` (as the
+    workspace holds it: bf16) and gradient ``g`` (sign applied), the last ``R`` (cols x k):
+    one power iteration, ``P = orth(u R)``, then ``R = m^T P`` with the new momentum ``m``
+    recovered from ``u`` (Nesterov: ``u = mu m + (1 - mu) g``). Both rounded to bf16.
+    ``orth``: Cholesky QR with a ridge of 1e-12 of the trace (a zero ``u R`` gives P = 0
+    and keeps the last ``R``)."""
+    y = u.double() @ R.double()
+    gram = y.mT @ y
+    k = gram.shape[-1]
+    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    chol = torch.linalg.cholesky(gram + (1e-12 * trace + 1e-300) * torch.eye(k).double())
+    P = torch.linalg.solve_triangular(chol, y.mT, upper=False).mT
+    m = (u.double() - (1 - mu) * g.double()) / mu if nesterov and mu > 0 else u.double()
+    P = P.to(torch.bfloat16)
+    R_new = (m.mT @ P.double()).to(torch.bfloat16)
+    return P, torch.where(trace > 0, R_new, R.to(torch.bfloat16))
+
+
+def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None, factors=None):
     """float64 reference of one FlashMuon step on one matrix (the quantized algorithm).
 
     ``p`` (rows, ...) is orthogonalised as (rows, numel / rows); ``st``: the stored state
-    (``m``/``ms`` codes and scales or an fp32 ``m``, correction ``c``); ``hp``: the
-    optimizer's hyperparameters (``FlashMuon._hp``) plus ``ratio`` (the shape-dependent lr
-    scale) and ``ns`` (coefficients, steps, eps). ``orthogonalize`` (default: the float64
-    ``newton_schulz_ref`` with ``hp["ns"]``) maps the direction ``u`` (float64, the matrix's
-    shape) to ``O``. Returns (param, new state, u, O), u and O flat float64::
+    (``m``/``ms`` residual codes and scales with the factors ``P``, ``R``, or an fp32
+    ``m``; correction ``c``); ``hp``: the optimizer's hyperparameters (``FlashMuon._hp``)
+    plus ``ratio`` (the shape-dependent lr scale) and ``ns`` (coefficients, steps, eps).
+    ``orthogonalize`` (default: the float64 ``newton_schulz_ref`` with ``hp["ns"]``) maps the
+    direction ``u`` (float64, the matrix's shape) to ``O``; ``factors`` (default:
+    ``lowrank_factors_ref``) maps (u in bf16, g, R) to the new (P, R). Returns (param, new
+    state, u, O), u and O flat float64::
 
-        m = m + (1 - mu)(g - m);  u = m + (1 - mu)(g - m) (Nesterov) or m;  O = NS(u)
+        m = P R^T + dequant(codes);  m = m + (1 - mu)(g - m)
+        u = m + (1 - mu)(g - m) (Nesterov) or m;  O = NS(u)
         theta = theta (1 - lr wd) - lr ratio O
+        (P, R) = factors(u, g, R);  codes = round(m - P R^T)   (to nearest)
     """
     bits, quant = hp["ecc"], hp["quant"]
     shape = (p.shape[0], p.numel() // max(p.shape[0], 1))
@@ -321,7 +356,10 @@ def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None):
     th = join_ref(pf, st["c"].reshape(-1), bits) if bits else pf.to(torch.float64)
     mc = st["m"].reshape(-1)
     row = state_row(p, quant)
+    low = quant and "P" in st
     m = dequantize_momentum_ref(mc, st["ms"], row) if quant else mc.to(torch.float64)
+    if low:
+        m = m + lowrank_ref(st["P"], st["R"]).reshape(-1)
     c = 1 - hp["mu"]
     m = m + c * (g64 - m)
     u = m + c * (g64 - m) if hp["nesterov"] else m
@@ -332,6 +370,15 @@ def muon_step_ref(p, g, st, hp, step, seed, idx_base=0, orthogonalize=None):
     o = o.reshape(-1).to(torch.float64)
     lr, wd = hp["lr"], hp["wd"]
     th = th * (1 - lr * wd) - lr * hp["ratio"] * o
+    new = {}
+    if low:
+        ub = u.to(torch.bfloat16).view(shape)
+        fn = factors or (lambda u, g, R: lowrank_factors_ref(u, g, R, hp["mu"], hp["nesterov"]))
+        new["P"], new["R"] = fn(ub, g64.view(shape), st["R"])
+        resid = m - lowrank_ref(new["P"], new["R"]).reshape(-1)
+        new["m"], new["ms"] = quantize_momentum_ref(resid, hp["scale_dtype"], None, row)
+        pn, new = _finish_ref(p, th, [], new, hp, step, seed, idx_base)
+        return pn, new, u, o
     mv = [("m", m, quantize_momentum_ref, M_BIT)]
-    pn, new = _finish_ref(p, th, mv, {}, hp, step, seed, idx_base)
+    pn, new = _finish_ref(p, th, mv, new, hp, step, seed, idx_base)
     return pn, new, u, o

@@ -30,7 +30,7 @@ import torch
 
 # one backend rule, one set of constants and the shared tile helpers for the whole package
 from flashsinkhorn._config import interpret as _interpret
-from flashsinkhorn._softmin_triton import HAS_TRITON, _label_operands, _next_pow2
+from flashsinkhorn._triton_tiles import HAS_TRITON, _label_operands, _next_pow2
 from flashsinkhorn.primitives import block_rows, resolve_backend
 from flashsinkhorn.reference import LN2, LOG2E  # noqa: F401
 
@@ -38,7 +38,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flashsinkhorn._softmin_triton import _label_tile, _tile_dot
+    from flashsinkhorn._triton_tiles import _label_tile, _tile_dot
 
 # the second-order dot default is tf32x3 (about fp32 accuracy on tensor cores)
 PRECISIONS = ("tf32x3", "ieee", "tf32")

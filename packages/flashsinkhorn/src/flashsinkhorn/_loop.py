@@ -20,6 +20,14 @@ The stopping test has two levels:
   the current potentials, :func:`flashsinkhorn.result.certificate`). Only the certificate
   declares convergence.
 
+``Schedule(host_reads=False)`` (``solve`` under CUDA-graph capture) makes the whole loop
+device-only: the estimate's test runs on the device (``stop |= est < tol``) and freezes the
+potentials from that check on (the remaining iterations still launch: a captured graph has
+a fixed length), and the float64 certificate runs once, at the end, also on the device;
+``n_iter`` and ``converged`` are then 0-dim device tensors. No precision switch, no stall
+test, no warning (each needs a host read): a certificate that fails where the estimate
+passed is reported as ``converged = False``, never iterated past.
+
 If the certificate fails on a low-precision loop (tf32 or bf16 dot operands: they solve a
 problem whose cost is off by tf32's rounding, 2^-11 relative in the dot), the loop continues
 at "tf32x3" (about fp32 accuracy) from where it is. If it fails at full precision and stops
@@ -51,7 +59,8 @@ class Schedule:
     each, after a cold start at the first); ``eps``: the temperature of the ``max_iter``
     iterations that follow; ``update``: "alternating" or "symmetric"; ``tol``: the L1
     marginal error to reach (None: run every iteration); ``rho_x``, ``rho_y``: KL penalties
-    (None: balanced side)."""
+    (None: balanced side); ``host_reads``: False for the device-only loop (no host read
+    from the first iteration to the end, see the module docstring)."""
 
     eps: float
     stages: tuple = ()
@@ -61,13 +70,16 @@ class Schedule:
     update: str = "alternating"
     tol: float | None = None
     check_every: int = 10
+    host_reads: bool = True
 
 
 @dataclass
 class Outcome:
     """What the loop hands back: the potentials (``selves``: the self problems' potentials),
     the float64 certificate ``err``, ``marginals`` (rows, cols) or None, counts, and the
-    problem of the last iterations (a tf32 loop that switched to tf32x3 returns that one)."""
+    problem of the last iterations (a tf32 loop that switched to tf32x3 returns that one).
+    The device-only loop (``Schedule.host_reads=False``) gives ``n_iter`` and ``converged``
+    as 0-dim device tensors."""
 
     f: torch.Tensor
     g: torch.Tensor
@@ -75,8 +87,8 @@ class Outcome:
     selves: list = field(default_factory=list)
     err: torch.Tensor | None = None
     marginals: tuple | None = None
-    n_iter: int = 0
-    converged: bool = False
+    n_iter: int | torch.Tensor = 0
+    converged: bool | torch.Tensor = False
     stalled: bool = False
     estimate: float | None = None  # the last estimate the host read (None: none was)
 
@@ -108,7 +120,9 @@ def annealing(prob, eps, eps_scaling, diameter):
 
 def report(out: Outcome, tol, eps, warn, stacklevel=3):
     """Warn about an unconverged solve with the reason (max_iter, or the float32 floor)."""
-    if tol is None or tol <= 0 or out.converged or not warn:
+    if tol is None or tol <= 0 or not warn or isinstance(out.converged, torch.Tensor):
+        return  # (a device-only loop's result is not read here: the caller checks it)
+    if out.converged:
         return
     err = float(out.err.max())
     if out.stalled:
@@ -137,6 +151,15 @@ def say(verbose, text, who="flashsinkhorn.solve"):
         verbose(f"{who}: {text}")
     elif verbose:
         print(f"{who}: {text}", flush=True)
+
+
+def capturing(device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now (then nothing may
+    read the device: ``solve`` runs the device-only loop). False while torch.compile traces
+    (the loop is a custom op there, and the query is not traceable)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    return torch.cuda.is_current_stream_capturing()
 
 
 class _Estimates:
@@ -240,6 +263,8 @@ def run(
     measures itself). ``init``: ``(f, g)`` to start from instead of the annealing stages (a
     warm start). Returns an :class:`Outcome`."""
     eps, rx, ry = sched.eps, sched.rho_x, sched.rho_y
+    if verbose and not sched.host_reads:
+        raise ValueError("verbose=True reads the device at every check: not in a device-only loop")
     if init is None:
         f, g, sp = _anneal(prob, sched, selves, verbose, who)
     else:
@@ -264,6 +289,11 @@ def run(
     n_iter = 0
     estimates = _Estimates(prob.cx.device)
     kx, ky = damping_factor(eps, rx), damping_factor(eps, ry)
+    # the device-only loop: the stopping test's flag and the iterations run, on the device
+    on_device = not sched.host_reads
+    if on_device:
+        stop = torch.zeros((), dtype=torch.bool, device=f.device)
+        n_dev = torch.zeros((), dtype=torch.int64, device=f.device)
     for it in range(1, sched.max_iter + 1):
         # the estimate (a few small elementwise kernels per side) only where it is read
         measure = it % sched.check_every == 0 and (check or bool(verbose))
@@ -277,7 +307,6 @@ def run(
             gn = prob.sm_y(fn, eps, ky, guess=g if warm else None)[0]
             if measure:
                 eb = l1_err(prob, "y", g, gn, eps)
-            f, g = fn, gn
         else:  # symmetric (averaged) updates
             if warm:  # both from one pass where the backend has it
                 ft, gt = prob.sym_update(f, g, eps, kx, ky)
@@ -286,8 +315,15 @@ def run(
             if measure:
                 ea = l1_err(prob, "x", f, ft, eps)
                 eb = l1_err(prob, "y", g, gt, eps)
-            f, g = 0.5 * (f + ft), 0.5 * (g + gt)
+            fn, gn = 0.5 * (f + ft), 0.5 * (g + gt)
         n_iter, cert = it, None
+        if on_device:  # potentials frozen from the check whose estimate passed tol on
+            f, g = (torch.where(stop, f, fn), torch.where(stop, g, gn)) if check else (fn, gn)
+            n_dev += ~stop
+            if measure and check:
+                stop = stop | ((ea + eb).amax() < tol)
+            continue
+        f, g = fn, gn
         if not measure:
             continue
         # (peak: the global maximum on a sharded problem, so every rank decides alike)
@@ -338,7 +374,15 @@ def run(
         ratio = est * tol / true
         cheap_tol, next_cert = (ratio if math.isfinite(ratio) else tol), it + recheck
     out = Outcome(f=f, g=g, prob=prob, selves=sp, n_iter=n_iter, stalled=stalled, estimate=last_est)
+    if on_device:
+        out.n_iter, out.converged = n_dev, torch.zeros((), dtype=torch.bool, device=f.device)
     if certify is None:
+        return out
+    if on_device:  # non-finite potentials: the certificate's err is inf, not converged
+        cert = certify(f, g)
+        out.err, out.marginals = cert[0], cert[1:]
+        if check:
+            out.converged = cert[0].amax() < tol
         return out
     finite_or_raise(prob, f, g, eps)
     if cert is None:
@@ -361,4 +405,4 @@ def finite_or_raise(prob, f, g, eps):
         )
 
 
-__all__ = ["Schedule", "Outcome", "run", "report", "annealing", "l1_err", "say"]
+__all__ = ["Schedule", "Outcome", "run", "report", "annealing", "l1_err", "say", "capturing"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flashsinkhorn import _config
-from flashsinkhorn._softmin_triton import (
+from flashsinkhorn._triton_tiles import (
     HAS_TRITON,
     _block_d,
     _bucket,
@@ -29,7 +29,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flashsinkhorn._softmin_triton import _load_rows, _row_stationary_dot, _tile_scores
+    from flashsinkhorn._triton_tiles import _load_rows, _row_stationary_dot, _tile_scores
 
 __all__ = ["keys_triton", "sample_operands", "blocks_triton", "pick_triton"]
 

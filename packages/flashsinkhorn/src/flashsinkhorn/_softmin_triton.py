@@ -20,12 +20,11 @@ Kernels (one default per situation; docs/design/flashsinkhorn.md has the numbers
   updated: it gives a fixed per-row shift, so each score costs one FFMA, one FADD, one exp2
   and one FADD (no running max, no rescale). Exact for any guess: rows whose shifted sum is
   out of range are recomputed with the running max in the same kernel.
-- ``_self_softmin_kernel``: the symmetric self-transport update (debiasing terms), each
-  tile pair computed once.
 
-The tile helpers (``_load_rows``, ``_tile_dot``, ...) are shared with
-``second_order/_stream.py``. Precision of the dot (``PREC``): "tf32", "ieee", "tf32x3";
-bf16 operands arrive as bf16 tensors and use "tf32" (fp32 accumulation).
+The symmetric self-transport kernel (``_self_softmin_kernel``, the debiasing terms) lives
+in ``_self_softmin_triton.py``; the tile and launch helpers (``_load_rows``, ``_tile_dot``,
+``_pick``, ...) in ``_triton_tiles.py``. Precision of the dot (``PREC``): "tf32", "ieee",
+"tf32x3"; bf16 operands arrive as bf16 tensors and use "tf32" (fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -33,132 +32,38 @@ from __future__ import annotations
 import torch
 
 from flashsinkhorn import _config
+from flashsinkhorn._triton_tiles import (
+    HAS_TRITON,
+    _block_d,
+    _bucket,
+    _device,
+    _label_operands,
+    _next_pow2,
+    _pick,
+    _prune,
+    _triton_configs,
+)
 from flashsinkhorn.reference import LN2, LOG2E
 
-try:  # triton is an optional runtime dependency off Linux
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    HAS_TRITON = False
-
-
-def _triton_configs(space):
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bm, bn, w, st in dict.fromkeys(space)  # each config once
-    ]
-
-
-def _prune(configs, named_args, **kwargs):
-    """Autotune only over the D regime's space (one feature chunk or several)."""
-    allowed = set(_config.TUNE_SMALL_D if kwargs.get("NUM_D", 1) == 1 else _config.TUNE_LARGE_D)
-    out = [
-        c
-        for c in configs
-        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed
-    ]
-    return out or configs[:1]
+    from flashsinkhorn._triton_tiles import (
+        _label_tile,
+        _load_rows,
+        _lse_tile,
+        _online_lse_step,
+        _row_stationary_dot,
+        _tile_scores,
+    )
 
 
 # ----------------------------------------------------------------------------------------
-# tile helpers (inlined by the compiler) and the running-max kernel
+# the running-max kernel
 # ----------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _load_rows(P, idx, mask, offs_d, stride, D, EVEN_D: tl.constexpr):
-        """Tile ``P[idx, offs_d]`` of a row-major operand with row stride ``stride``: rows
-        outside ``mask`` (and, unless EVEN_D, features at or past D) read as 0."""
-        if EVEN_D:
-            m = mask[:, None]
-        else:
-            m = mask[:, None] & (offs_d[None, :] < D)
-        return tl.load(P + idx[:, None] * stride + offs_d[None, :], mask=m, other=0.0)
-
-    @triton.jit
-    def _tile_dot(
-        X,
-        Y,
-        rows,
-        cols,
-        row_mask,
-        col_mask,
-        sx,
-        sy,
-        D,
-        acc,
-        num_d,
-        EVEN_D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr,
-    ):
-        """``acc + <X_rows, Y_cols>`` for one tile, over ``num_d`` chunks of BLOCK_D features
-        (``num_d`` a constexpr or a run-time ``cdiv(D, BLOCK_D)``)."""
-        offs_d = tl.arange(0, BLOCK_D)
-        for kd in range(num_d):
-            dd = kd * BLOCK_D + offs_d
-            xk = _load_rows(X, rows, row_mask, dd, sx, D, EVEN_D)
-            yk = _load_rows(Y, cols, col_mask, dd, sy, D, EVEN_D)
-            acc = tl.dot(xk, tl.trans(yk), acc, input_precision=PREC)
-        return acc
-
-    @triton.jit
-    def _row_stationary_dot(
-        x0,
-        X,
-        Y,
-        rows,
-        cols,
-        row_mask,
-        col_mask,
-        D,
-        NUM_D: tl.constexpr,
-        EVEN_D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """``<X_rows, Y_cols>`` (BLOCK_M, BLOCK_N) for a kernel that keeps its row tile on
-        chip: with one feature chunk (NUM_D == 1) ``x0`` is that preloaded row tile and only
-        the column tile is loaded; otherwise both stream chunk by chunk (x0 unused)."""
-        if NUM_D == 1:
-            y = _load_rows(Y, cols, col_mask, tl.arange(0, BLOCK_D), D, D, EVEN_D)
-            s = tl.dot(x0, tl.trans(y), input_precision=PREC)
-        else:
-            s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            s = _tile_dot(
-                X, Y, rows, cols, row_mask, col_mask, D, D, D, s, NUM_D, EVEN_D, BLOCK_D, PREC
-            )
-        return s
-
-    @triton.jit
-    def _label_tile(LY, W, lx, cols, row_mask, col_mask, stride):
-        """Label-cost tile ``W[lx_i, ly_j]`` (0 outside the masks); LY: this problem's column
-        labels, lx: the row labels already loaded, stride: W's row stride."""
-        ly = tl.load(LY + cols, mask=col_mask, other=0)
-        return tl.load(
-            W + lx[:, None] * stride + ly[None, :],
-            mask=row_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-
-    @triton.jit
-    def _online_lse_step(m_i, l_i, s):
-        """One tile of a streaming base-2 LogSumExp over the rows of ``s`` (BLOCK_M, BLOCK_N).
-
-        Returns ``(m_new, l_new, alpha, p)``: running max and sum, the rescaling ``alpha`` of
-        the old sum (also for accumulators) and ``p = exp2(s - m_new)`` (0 where s = -inf).
-        """
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        return m_new, l_i, alpha, p
 
     @triton.jit
     def _softmin_kernel(
@@ -297,68 +202,6 @@ if HAS_TRITON:
     _SHIFT_C = tl.constexpr(_config.SHIFT_CENTER)
     _SHIFT_LO = tl.constexpr(_config.SHIFT_LO)
     _SHIFT_HI = tl.constexpr(3.4028234663852886e38)  # float32 max
-
-    @triton.jit
-    def _tile_scores(
-        s,
-        BIASb,
-        LYb,
-        W,
-        lx,
-        cols,
-        row_mask,
-        col_mask,
-        K2,
-        dot_scale,
-        inv_eps2,
-        w_scale,
-        HAS_LABELS: tl.constexpr,
-    ):
-        """Scores (log2 units) of one tile from its dot ``s``: bias FMA and label term, the
-        same arithmetic as `_softmin_kernel`'s loop body."""
-        bias = tl.load(BIASb + cols, mask=col_mask, other=float("-inf"))
-        s = s * dot_scale + bias[None, :]
-        if HAS_LABELS:
-            wv = _label_tile(LYb, W, lx, cols, row_mask, col_mask, K2)
-            s = s - (w_scale * inv_eps2) * wv
-        return s
-
-    @triton.jit
-    def _lse_tile(
-        m_i,
-        l_i,
-        s,
-        BIASb,
-        LYb,
-        W,
-        lx,
-        cols,
-        row_mask,
-        col_mask,
-        K2,
-        dot_scale,
-        inv_eps2,
-        w_scale,
-        HAS_LABELS: tl.constexpr,
-    ):
-        """`_tile_scores` folded into the running max / sum."""
-        s = _tile_scores(
-            s,
-            BIASb,
-            LYb,
-            W,
-            lx,
-            cols,
-            row_mask,
-            col_mask,
-            K2,
-            dot_scale,
-            inv_eps2,
-            w_scale,
-            HAS_LABELS,
-        )
-        m_new, l_i, alpha, p = _online_lse_step(m_i, l_i, s)
-        return m_new, l_i
 
     @triton.jit
     def _softmin_shift_kernel(
@@ -534,182 +377,8 @@ if HAS_TRITON:
 
 
 # ----------------------------------------------------------------------------------------
-# symmetric self-transport (the debiasing terms OT(a, a), OT(b, b)): half the tiles
-# ----------------------------------------------------------------------------------------
-#
-# For x against itself with C_ij = cx_i + cx_j - c2 <x_i, x_j>, cx = (c2/2)|x|^2, write
-# (log2 units) A_i = log2e (log a_i + f_i / eps), kappa_i = log2e cx_i / eps and
-# k_ij = log2e (c2 <x_i, x_j> / eps) - kappa_i - kappa_j = -log2e C_ij / eps (symmetric).
-# The update needs S_i = sum_j exp2(A_j - A_i + k_ij) (then
-# f_i <- -damping eps (log a_i + f_i/eps + ln S_i)). One tile (I, J), I < J, serves both
-# row blocks: with M_J = max_J A, E_ij = k_ij + A_j - M_J and ONE exp2 per score,
-#   S_i += exp2(M_J - A_i) sum_j exp2(E_ij)                               (rows of I)
-#   S_j += exp2(M_I + M_J - 2 A_j) sum_i exp2(E_ij) exp2(A_i - M_I)        (rows of J)
-# The fixed offsets are safe when the spread of A is moderate (checked by the caller, which
-# falls back to two ordinary passes otherwise). Column sums are merged with atomics.
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _self_row_block(
-        Xb,
-        Ab,
-        Kb,
-        Sb,
-        I,
-        NB,
-        N,
-        D,
-        dot_scale,
-        BLOCK_D: tl.constexpr,
-        NUM_D: tl.constexpr,
-        PREC: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        offs = tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, BLOCK_D)
-        rows = I * BLOCK + offs
-        rmask = rows < N
-        a_i = tl.load(Ab + rows, mask=rmask, other=float("-inf"))
-        k_i = tl.load(Kb + rows, mask=rmask, other=0.0)
-        m_i = tl.max(a_i, 0)
-        r_i = tl.exp2(a_i - m_i)  # 0 on padding
-        a_i_safe = tl.where(rmask, a_i, m_i)
-        x_i = rows  # placeholder, read only with one feature chunk
-        if NUM_D == 1:
-            x_i = _load_rows(Xb, rows, rmask, offs_d, D, D, False)
-        rs = tl.zeros((BLOCK,), dtype=tl.float32)
-        for J in range(I, NB):
-            cols = J * BLOCK + offs
-            cmask = cols < N
-            a_j = tl.load(Ab + cols, mask=cmask, other=float("-inf"))
-            k_j = tl.load(Kb + cols, mask=cmask, other=0.0)
-            m_j = tl.max(a_j, 0)
-            q = _row_stationary_dot(
-                x_i, Xb, Xb, rows, cols, rmask, cmask, D, NUM_D, False, BLOCK_D, PREC, BLOCK, BLOCK
-            )
-            e = q * dot_scale - k_i[:, None] + (a_j - m_j - k_j)[None, :]
-            p = tl.exp2(e)  # the one exp per score (0 on padded columns)
-            rs += tl.exp2(m_j - a_i_safe) * tl.sum(p, 1)
-            if J != I:
-                cs = tl.sum(p * r_i[:, None], 0)
-                a_j_safe = tl.where(cmask, a_j, m_j)
-                tl.atomic_add(Sb + cols, tl.exp2(m_i + m_j - 2.0 * a_j_safe) * cs, mask=cmask)
-        tl.atomic_add(Sb + rows, rs, mask=rmask)
-
-    @triton.jit
-    def _self_softmin_kernel(
-        X,
-        A,
-        KAPPA,
-        S,
-        N,
-        D,
-        N_KEY,
-        dot_scale,
-        BLOCK_D: tl.constexpr,
-        NUM_D: tl.constexpr,
-        PREC: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        pid_b = tl.program_id(1).to(tl.int64)
-        NB = tl.cdiv(N, BLOCK)
-        Xb = X + pid_b * N * D
-        Ab = A + pid_b * N
-        Kb = KAPPA + pid_b * N
-        Sb = S + pid_b * N
-        # program pid owns row blocks pid and NB - 1 - pid: the same work per program
-        _self_row_block(
-            Xb,
-            Ab,
-            Kb,
-            Sb,
-            pid,
-            NB,
-            N,
-            D,
-            dot_scale,
-            BLOCK_D,
-            NUM_D,
-            PREC,
-            BLOCK,
-        )
-        I2 = NB - 1 - pid
-        if I2 > pid:
-            _self_row_block(
-                Xb,
-                Ab,
-                Kb,
-                Sb,
-                I2,
-                NB,
-                N,
-                D,
-                dot_scale,
-                BLOCK_D,
-                NUM_D,
-                PREC,
-                BLOCK,
-            )
-
-    _self_softmin_tuned = triton.autotune(
-        configs=[
-            triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
-            for b, w, st in _config.SELF_TUNE
-        ],
-        key=["N_KEY", "D", "PREC"],
-        reset_to_zero=["S"],
-    )(_self_softmin_kernel)
-
-
-# ----------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _bucket(n: int) -> int:
-    """Autotune key of a size: its power-of-two bucket (at most 2^16)."""
-    return min(_next_pow2(n), 1 << 16)
-
-
-def _block_d(D: int) -> tuple[int, int]:
-    """``(BLOCK_D, NUM_D)``: one chunk up to D = 128, else 64-wide feature chunks."""
-    block_d = max(16, min(_next_pow2(D), 128 if D <= 128 else 64))
-    return block_d, triton.cdiv(D, block_d)
-
-
-def _label_operands(lx, ly, W):
-    """Label-cost operands in the kernels' form: int32 labels, fp32 contiguous table, and
-    the table's row stride."""
-    W = W.to(torch.float32).contiguous()
-    return lx.to(torch.int32).contiguous(), ly.to(torch.int32).contiguous(), W, W.stride(0)
-
-
-def _device(t):
-    """The CUDA device context of a launch (a no-op for CPU tensors, the interpreter)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else _NullContext()
-
-
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _pick(tuned, kernel, config):
-    """The kernel to launch and its config kwargs: ``config`` if given, the fixed config
-    without autotuning, else the autotuner (which chooses per problem)."""
-    if config is None and not _config.no_autotune():
-        return tuned, {}
-    bm, bn, w, st = config or _config.FIXED
-    return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
 
 
 def softmin_triton(
@@ -913,44 +582,3 @@ def softmin_rows_triton(x, y, g, logb, cx, cy, eps, c2, damping, precision, flag
             num_stages=st,
         )
     return out
-
-
-def self_softmin_triton(x, A, cx, eps, c2, damping, precision, center):
-    """The symmetric self-transport update on the Triton backend: returns
-    ``-damping eps ln2 (A_i + log2 S_i)`` with ``A = log2e (log a + f / eps)`` given
-    (see :func:`flashsinkhorn.self_softmin`)."""
-    B, N, D = x.shape
-    f32 = torch.float32
-    # centered and cast once here (not inside the kernel's loop)
-    xx = x.to(f32) - center.to(f32)[:, None, :] if center is not None else x
-    if precision == "bf16":
-        xx, prec = xx.to(torch.bfloat16).contiguous(), "tf32"
-    else:
-        xx, prec = xx.to(f32).contiguous(), precision
-    A = A.to(f32).contiguous()
-    kappa = (cx * (LOG2E / eps)).to(f32).contiguous()
-    S = torch.zeros((B, N), device=x.device, dtype=f32)
-    BLOCK_D, NUM_D = _block_d(D)
-    if _config.no_autotune():
-        blk, w, st = _config.SELF_FIXED
-        kern, cfg = _self_softmin_kernel, dict(BLOCK=blk, num_warps=w, num_stages=st)
-    else:
-        kern, cfg = _self_softmin_tuned, {}
-    grid = lambda meta: (triton.cdiv(triton.cdiv(N, meta["BLOCK"]), 2), B)  # noqa: E731
-    with _device(x):
-        kern[grid](
-            xx,
-            A,
-            kappa,
-            S,
-            N,
-            D,
-            _bucket(N),
-            float(c2 * LOG2E / eps),
-            BLOCK_D=BLOCK_D,
-            NUM_D=NUM_D,
-            PREC=prec,
-            **cfg,
-        )
-    # f_i <- -damping * eps * ln2 * (A_i + log2 S_i)
-    return (-damping * eps * LN2) * (A + torch.log2(S))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from flashsinkhorn import _config
-from flashsinkhorn._softmin_triton import (
+from flashsinkhorn._triton_tiles import (
     HAS_TRITON,
     _block_d,
     _bucket,

@@ -35,13 +35,10 @@ import warnings
 import torch
 
 from flashsinkhorn import _config, _plan_hopper, _softmin_hopper, _symmetric_hopper
-from flashsinkhorn._softmin_triton import (
-    HAS_TRITON,
-    self_softmin_triton,
-    softmin_rows_triton,
-    softmin_triton,
-)
+from flashsinkhorn._self_softmin_triton import self_softmin_triton
+from flashsinkhorn._softmin_triton import softmin_rows_triton, softmin_triton
 from flashsinkhorn._symmetric_triton import symmetric_sums_triton
+from flashsinkhorn._triton_tiles import HAS_TRITON
 from flashsinkhorn.reference import LN2, LOG2E
 
 _FLT_MAX = 3.4028234663852886e38

@@ -184,9 +184,11 @@ def certifier(build64, prob, eps, rx, ry):
     return certify
 
 
-def _schedule(prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter):
+def _schedule(
+    prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter, host_reads=True
+):
     """solve's :class:`flashsinkhorn._loop.Schedule` (the annealing stages measure the
-    diameter when none is given)."""
+    diameter when none is given; ``host_reads=False``: the device-only loop)."""
     return _loop.Schedule(
         eps=eps,
         stages=_loop.annealing(prob, eps, eps_scaling, diameter),
@@ -196,6 +198,7 @@ def _schedule(prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scali
         update=schedule,
         tol=tol,
         check_every=check_every,
+        host_reads=host_reads,
     )
 
 
@@ -362,13 +365,22 @@ def solve(
         (``converged=False``) and warned about when ``warn`` is true. ``value`` is
         differentiable in x, y, a, b, and twice in x, y (sqeuclidean, cosine). Under
         torch.compile the loop and the value run as custom ops (no graph break) and
-        ``n_iter``, ``converged`` are 0-dim tensors.
+        ``n_iter``, ``converged`` are 0-dim tensors. Under CUDA-graph capture
+        (``torch.cuda.graph``) nothing reads the device: the stopping test freezes the
+        potentials on the device, the data-dependent input checks and the warning are
+        skipped, ``n_iter`` and ``converged`` are 0-dim tensors (the package README's
+        "CUDA graphs").
     """
     if reach is not None:
         raise TypeError(
             "solve() takes rho= (the KL penalty in cost units; reach= meant that before "
             "flashsinkhorn 0.2); reach is GeomLoss's distance, rho = 2 * cost_scale * reach**2"
         )
+    # recorded into a CUDA graph: no host read from here to the result (the device-only loop)
+    first = x[0] if isinstance(x, (list, tuple)) and len(x) else x
+    capture = isinstance(first, torch.Tensor) and _loop.capturing(first.device)
+    if capture:
+        _check_capturable(process_group, cu_seqlens, x, verbose, eps_scaling, diameter)
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
         share = distributed.sharding(process_group)
         if torch.compiler.is_compiling():
@@ -387,16 +399,18 @@ def solve(
         args.update(schedule=schedule, eps_scaling=eps_scaling, diameter=diameter, cost=cost)
         args.update(cost_scale=cost_scale, precision=precision, label_cost=label_cost)
         return _solve_varlen(x, y, a, b, cu_seqlens, backend, warn, verbose, **args)
-    # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled)
+    # under torch.compile the data-dependent checks run inside the custom op (_solve_compiled);
+    # under CUDA-graph capture they cannot run (host reads): the eager warm-up call runs them
     compiling = torch.compiler.is_compiling()
-    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_data=not compiling)
-    if not compiling:
+    check_data = not (compiling or capture)
+    x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_data=check_data)
+    if check_data:
         check_masses(a2, b2, rx, ry)
         if cost == "cosine":
             _check_nonzero_rows(x3, y3)
     X, Y, cx, cy, c2, center = cost_features(x3, y3, cost, cost_scale)
     B, N, M = X.shape[0], X.shape[1], Y.shape[1]
-    labels = label_tuple(label_cost, B, N, M, X.device, check_range=not compiling)
+    labels = label_tuple(label_cost, B, N, M, X.device, check_range=check_data)
     fields = dict(X=X.detach(), Y=Y.detach(), a=a2.detach(), b=b2.detach(), cx=cx.detach())
     fields.update(cy=cy.detach(), c2=c2, cost=cost, cost_scale=cost_scale, labels=labels)
     prob, why = backends.build(backend, eps=eps, precision=precision, center=center, **fields)
@@ -415,7 +429,7 @@ def solve(
             prob, x3, y3, X, Y, a2, b2, loop, eps_scaling, diameter, warn, verbose
         )
     else:
-        sched = _schedule(prob, *loop, eps_scaling, diameter)
+        sched = _schedule(prob, *loop, eps_scaling, diameter, host_reads=not capture)
         out = _run_and_certify(prob, certify, sched, verbose)
         _loop.report(out, tol, eps, warn)
         f, g, err, n_iter, converged = out.f, out.g, out.err, out.n_iter, out.converged
@@ -423,7 +437,8 @@ def solve(
         prob = out.prob  # the problem of the last iterations (tf32x3 after a polish)
         # the differentiable value: graph to x, y (through the features) and a, b
         value = OTValue.apply(X, Y, a2, b2, f, g, prob, eps, rx, ry)
-        finite_value_or_raise(prob, value, eps)
+        if not capture:  # (captured: a non-finite value is returned as is)
+            finite_value_or_raise(prob, value, eps)
     return SinkhornResult(
         f=f if batched else f[0],
         g=g if batched else g[0],
@@ -449,6 +464,25 @@ def _uniform64(t, n=None):
     of a sharded cloud (default N)."""
     n = t.shape[1] if n is None else n
     return torch.full(t.shape[:2], 1.0 / n, dtype=torch.float64, device=t.device)
+
+
+def _check_capturable(process_group, cu_seqlens, x, verbose, eps_scaling, diameter):
+    """The arguments of a solve recorded into a CUDA graph: what would read the device
+    (the sharded and ragged solves, ``verbose``, a measured diameter) is refused."""
+    if process_group is not None or cu_seqlens is not None or isinstance(x, (list, tuple)):
+        raise NotImplementedError(
+            "solve under CUDA-graph capture runs (B, N, D) tensors on one device: no "
+            "process_group, cu_seqlens or lists of clouds"
+        )
+    if verbose:
+        raise ValueError(
+            "verbose=True prints values read from the device: not under CUDA-graph capture"
+        )
+    if eps_scaling is not None and diameter is None:
+        raise ValueError(
+            "diameter must be given with eps_scaling under CUDA-graph capture (measuring it "
+            "reads the device)"
+        )
 
 
 def _check_args(eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter):

@@ -96,9 +96,15 @@ def _compiled_ref(n, c, device):
 
         def layer(x):
             out = hyper_connection_ref(
-                x, torch.nn.Identity(), phi, b, *al, projection="sinkhorn",
-                dtype=torch.float32, gemm_dtype=torch.bfloat16,
-            )  # fmt: skip
+                x,
+                torch.nn.Identity(),
+                phi,
+                b,
+                *al,
+                projection="sinkhorn",
+                dtype=torch.float32,
+                gemm_dtype=torch.bfloat16,
+            )
             return out.to(x.dtype)
 
         _compiled[key] = torch.compile(layer, dynamic=False)
@@ -109,8 +115,9 @@ def _layer_fn(provider, projection, n, c, device):
     if provider == "ours":
         from mhc_proj.nn import HyperConnection
 
-        layer = HyperConnection(torch.nn.Identity(), hc=n, c=c, projection=projection,
-                                alpha_init=1.0, device=device)  # fmt: skip
+        layer = HyperConnection(
+            torch.nn.Identity(), hc=n, c=c, projection=projection, alpha_init=1.0, device=device
+        )
         return layer
     if provider == "liger-kernel":
         return _liger_layer(n, c, device)
@@ -122,8 +129,9 @@ def run_layer_case(R, provider, mode, shape, projection, device, ceiling, warmup
     tokens = b * s
 
     def make():
-        fn = _layer_fn(provider, "sinkhorn" if projection == "sinkhorn20" else "birkhoff",
-                       n, c, device)  # fmt: skip
+        fn = _layer_fn(
+            provider, "sinkhorn" if projection == "sinkhorn20" else "birkhoff", n, c, device
+        )
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(shape, device=device, generator=g).to(torch.bfloat16)
         if mode == "fwd":
@@ -135,12 +143,18 @@ def run_layer_case(R, provider, mode, shape, projection, device, ceiling, warmup
     exact = provider == "ours" and projection is None
     headline = f"mHC layer {mode.replace('_', '+')}, {tokens // 1024}K tokens, C={c}, n={n}, bf16"
     return R.run(
-        "hc_layer", provider, mode, _params(shape, projection), make,
-        warmup=warmup if warmup is not None else 3, reps=reps if reps is not None else 10,
-        bytes_moved=floor_bytes(mode, n, c) * tokens, ceiling_gbps=ceiling,
+        "hc_layer",
+        provider,
+        mode,
+        _params(shape, projection),
+        make,
+        warmup=warmup if warmup is not None else 3,
+        reps=reps if reps is not None else 10,
+        bytes_moved=floor_bytes(mode, n, c) * tokens,
+        ceiling_gbps=ceiling,
         floor_ms=_floor_ms(floor_bytes(mode, n, c), tokens, ceiling),
         headline=headline if exact and shape == LAYER_SHAPE else None,
-    )  # fmt: skip
+    )
 
 
 def _kernel_state(tokens, n, c, device):
@@ -155,10 +169,24 @@ def _kernel_state(tokens, n, c, device):
     args = (0, 20, 1e-6, 1e-6, 0.0, 2.0, False)  # layer.LayerOptions
     y, maps, h_res, _token, mix, inv_r, lres = hc._pre_forward(x, phi, alpha, bias, *args)
     rnd = lambda *sz: torch.randn(*sz, device=device, generator=g).to(bf)  # noqa: E731
-    st = dict(x=x, phi=phi, alpha=alpha, bias=bias, args=args, y=y, maps=maps, h_res=h_res,
-              mix=mix, inv_r=inv_r, lres=lres, f=rnd(tokens, c), g_out=rnd(tokens, n, c),
-              g_y=rnd(tokens, c), gx=rnd(tokens, n, c),
-              coef=torch.zeros(tokens, device=device))  # fmt: skip
+    st = dict(
+        x=x,
+        phi=phi,
+        alpha=alpha,
+        bias=bias,
+        args=args,
+        y=y,
+        maps=maps,
+        h_res=h_res,
+        mix=mix,
+        inv_r=inv_r,
+        lres=lres,
+        f=rnd(tokens, c),
+        g_out=rnd(tokens, n, c),
+        g_y=rnd(tokens, c),
+        gx=rnd(tokens, n, c),
+        coef=torch.zeros(tokens, device=device),
+    )
     st["g_maps"] = torch.randn(tokens, 2 * n, device=device, generator=g)
     st["g_hres"] = torch.randn(tokens, n, n, device=device, generator=g)
     return st
@@ -169,9 +197,24 @@ def _kernel_fn(kernel, st, n, c):
     x, tokens = st["x"], st["x"].shape[0]
     if kernel == "pre":
         y, maps, lres, inv_r = st["y"], st["maps"], st["lres"], st["inv_r"]
-        ptrs = (x.data_ptr(), st["mix"].data_ptr(), st["mix"].shape[1] // (n * n + 2 * n),
-                st["alpha"].data_ptr(), st["bias"].data_ptr(), y.data_ptr(), maps.data_ptr(),
-                lres.data_ptr(), inv_r.data_ptr(), tokens, n, c, 2, 1e-6, 0.0, 2.0)  # fmt: skip
+        ptrs = (
+            x.data_ptr(),
+            st["mix"].data_ptr(),
+            st["mix"].shape[1] // (n * n + 2 * n),
+            st["alpha"].data_ptr(),
+            st["bias"].data_ptr(),
+            y.data_ptr(),
+            maps.data_ptr(),
+            lres.data_ptr(),
+            inv_r.data_ptr(),
+            tokens,
+            n,
+            c,
+            2,
+            1e-6,
+            0.0,
+            2.0,
+        )
         return lambda: hc._launch("hc_pre_fwd", *ptrs, stream_of=x)
     if kernel == "post":
         return lambda: hc._post_forward(x, st["f"], st["maps"], st["h_res"])
@@ -179,18 +222,46 @@ def _kernel_fn(kernel, st, n, c):
         return lambda: hc._post_backward(st["g_out"], x, st["f"], st["maps"])
     if kernel == "pre_bwd":
         g_x = st.setdefault("g_x", torch.empty_like(x))  # kept alive: the launch has its pointer
-        ptrs = (st["g_out"].data_ptr(), st["g_y"].data_ptr(), st["gx"].data_ptr(), x.data_ptr(),
-                st["maps"].data_ptr(), st["h_res"].data_ptr(), st["coef"].data_ptr(),
-                st["inv_r"].data_ptr(), g_x.data_ptr(), tokens, n, c, 2)  # fmt: skip
+        ptrs = (
+            st["g_out"].data_ptr(),
+            st["g_y"].data_ptr(),
+            st["gx"].data_ptr(),
+            x.data_ptr(),
+            st["maps"].data_ptr(),
+            st["h_res"].data_ptr(),
+            st["coef"].data_ptr(),
+            st["inv_r"].data_ptr(),
+            g_x.data_ptr(),
+            tokens,
+            n,
+            c,
+            2,
+        )
         return lambda: hc._launch("hc_pre_bwd", *ptrs, stream_of=x)
     if kernel == "pre_stage":
         return lambda: hc._pre_forward(x, st["phi"], st["alpha"], st["bias"], *st["args"])
     a = st["args"]
     return lambda: hc._pre_backward(
-        st["g_y"], st["g_maps"], st["g_hres"], st["g_out"], x, st["phi"], st["alpha"],
-        st["maps"], st["h_res"], st["mix"], st["inv_r"], st["lres"], a[0], a[1], a[2], a[4],
-        a[5], a[6], True,
-    )  # fmt: skip
+        st["g_y"],
+        st["g_maps"],
+        st["g_hres"],
+        st["g_out"],
+        x,
+        st["phi"],
+        st["alpha"],
+        st["maps"],
+        st["h_res"],
+        st["mix"],
+        st["inv_r"],
+        st["lres"],
+        a[0],
+        a[1],
+        a[2],
+        a[4],
+        a[5],
+        a[6],
+        True,
+    )
 
 
 _STAGE_OF = {"pre_stage": "pre", "pre_bwd_stage": "pre_bwd"}
@@ -212,11 +283,18 @@ def run_kernel_case(R, kernel, tokens, n, c, device, ceiling, warmup, reps, stat
         headline = f"mHC {kernel} kernel, 32K tokens, C=7168, n=4, bf16 (fraction of HBM floor)"
     params = {"kernel": kernel, "T": tokens, "n": n, "C": c, "dtype": "bfloat16"}
     return R.run(
-        "hc_kernels", "ours", mode, params, make,
-        warmup=warmup if warmup is not None else 3, reps=reps if reps is not None else 20,
-        bytes_moved=own * tokens if own else None, ceiling_gbps=ceiling,
-        floor_ms=_floor_ms(floor_bytes(stage, n, c), tokens, ceiling), headline=headline,
-    )  # fmt: skip
+        "hc_kernels",
+        "ours",
+        mode,
+        params,
+        make,
+        warmup=warmup if warmup is not None else 3,
+        reps=reps if reps is not None else 20,
+        bytes_moved=own * tokens if own else None,
+        ceiling_gbps=ceiling,
+        floor_ms=_floor_ms(floor_bytes(stage, n, c), tokens, ceiling),
+        headline=headline,
+    )
 
 
 def cases(providers, modes, smoke: bool) -> list[tuple]:

@@ -275,9 +275,15 @@ class Results:
                 m["frac_floor"] = floor_ms / t
             acc = accuracy() if callable(accuracy) else accuracy
             return self.add(
-                bench, provider, mode, params, timing=timing, metrics=m, accuracy=acc,
+                bench,
+                provider,
+                mode,
+                params,
+                timing=timing,
+                metrics=m,
+                accuracy=acc,
                 headline=headline,
-            )  # fmt: skip
+            )
         except Skip as e:
             return self.add(bench, provider, mode, params, status="skipped", error=str(e))
         except Exception as e:  # record and go on: one failing case must not end the run
@@ -384,13 +390,21 @@ def parser(prog: str, description: str, providers: list[str], modes: list[str]):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes that run on a CPU (CI)")
     ap.add_argument("--json", metavar="PATH", help="write kernel-bench/1 JSON here")
     ap.add_argument(
-        "--providers", nargs="+", default=list(providers), choices=providers, metavar="NAME",
+        "--providers",
+        nargs="+",
+        default=list(providers),
+        choices=providers,
+        metavar="NAME",
         help=f"which to run (default: all): {' '.join(providers)}",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--mode", nargs="+", default=list(modes), choices=modes, metavar="MODE",
+        "--mode",
+        nargs="+",
+        default=list(modes),
+        choices=modes,
+        metavar="MODE",
         help=f"which to run (default: all): {' '.join(modes)}",
-    )  # fmt: skip
+    )
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
     ap.add_argument("--reps", type=int, default=None, help="timed calls (median reported)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")

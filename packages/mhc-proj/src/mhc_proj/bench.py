@@ -165,12 +165,18 @@ def run_case(R, bench, provider, mode, batch, sigma, device, ceiling, graph, war
     elif provider == "ours" and mode == "fwd_bwd" and batch == K and sigma == 1.0:
         headline = GRAPH_HEADLINE
     return R.run(
-        bench, provider, mode, params, make,
+        bench,
+        provider,
+        mode,
+        params,
+        make,
         warmup=warmup if warmup is not None else (2 if slow else 3),
         reps=reps if reps is not None else (5 if slow else 20),
-        bytes_moved=BYTES[mode] * batch, ceiling_gbps=ceiling, accuracy=accuracy,
+        bytes_moved=BYTES[mode] * batch,
+        ceiling_gbps=ceiling,
+        accuracy=accuracy,
         headline=headline,
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------- suites
@@ -290,20 +296,28 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for bench, p, m, b, s, graph in cases:
         row = run_case(R, bench, p, m, b, s, device, ceiling, graph, args.warmup, args.reps)
-        print(f"[bench {time.time() - t0:6.1f} s] {bench} {p} {m} B={b} sigma={s:g}"
-              f"{' graph' if graph else ''}: {row['status']} {H.fmt(row['time_ms'])}",
-              flush=True)  # fmt: skip
+        print(
+            f"[bench {time.time() - t0:6.1f} s] {bench} {p} {m} B={b} sigma={s:g}"
+            f"{' graph' if graph else ''}: {row['status']} {H.fmt(row['time_ms'])}",
+            flush=True,
+        )
     state: dict = {}  # the kernels' saved inputs, one problem size at a time
     for case in layer_cases:
         row = L.run(R, case, device, ceiling, args.warmup, args.reps, state)
-        print(f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
-              f"{H.fmt(row['time_ms'])}", flush=True)  # fmt: skip
+        print(
+            f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
+            f"{H.fmt(row['time_ms'])}",
+            flush=True,
+        )
     state.clear()
     smoke = args.smoke or device.type != "cuda"
     for case in [c for c in BND.cases(providers, modes, smoke) if c[0] in benches]:
         row = BND.run(R, case, device, ceiling, args.warmup, args.reps)
-        print(f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
-              f"{H.fmt(row['time_ms'])} {row['error'] or ''}", flush=True)  # fmt: skip
+        print(
+            f"[bench {time.time() - t0:6.1f} s] {' '.join(map(str, case))}: {row['status']} "
+            f"{H.fmt(row['time_ms'])} {row['error'] or ''}",
+            flush=True,
+        )
     print(H.markdown(R.rows, accuracy_key=ACCURACY_KEY))
     print(f"\n({len(R.rows)} cases in {time.time() - t0:.1f} s on {device})\n")
     print(headline(R.rows))

@@ -97,14 +97,36 @@ def _fwd(
             # the float64 stage's work list: count, indices, then n fp32 potentials per entry
             work = torch.empty(1 + b + b * n, dtype=torch.int32, device=x.device)
             mod.birkhoff_fwd(
-                x.data_ptr(), out.data_ptr(), info_ptr, work.data_ptr(), b, n, dt, tol,
-                max_iter, fb_tol, fb_max_iter, PIVOT_MIN, range_tol, _backend.stream(x),
-            )  # fmt: skip
+                x.data_ptr(),
+                out.data_ptr(),
+                info_ptr,
+                work.data_ptr(),
+                b,
+                n,
+                dt,
+                tol,
+                max_iter,
+                fb_tol,
+                fb_max_iter,
+                PIVOT_MIN,
+                range_tol,
+                _backend.stream(x),
+            )
     else:
         _backend.cpu().birkhoff_fwd(
-            x.data_ptr(), out.data_ptr(), info_ptr, b, n, dt, tol, max_iter, fb_tol,
-            fb_max_iter, PIVOT_MIN, range_tol,
-        )  # fmt: skip
+            x.data_ptr(),
+            out.data_ptr(),
+            info_ptr,
+            b,
+            n,
+            dt,
+            tol,
+            max_iter,
+            fb_tol,
+            fb_max_iter,
+            PIVOT_MIN,
+            range_tol,
+        )
     return out
 
 

@@ -130,9 +130,15 @@ def sinkhorn_bwd(x: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) ->
             )
     else:
         mod.sinkhorn_bwd(
-            x.data_ptr(), grad.data_ptr(), out.data_ptr(), b, n, iters, eps,
+            x.data_ptr(),
+            grad.data_ptr(),
+            out.data_ptr(),
+            b,
+            n,
+            iters,
+            eps,
             _backend.dtype_code(x),
-        )  # fmt: skip
+        )
     return out
 
 
