@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import struct
 import time
+import zlib
 
 import torch
 
@@ -139,26 +141,32 @@ def main():
         draw(args.png, x0, x1, x2, y)
 
 
-def draw(path, x0, x1, x2, y, k=3000):
-    import matplotlib  # noqa: PLC0415 (optional: only for the picture)
+def draw(path, x0, x1, x2, y, size=320):
+    """A PNG of the three stages side by side (no plotting library: the points are
+    splatted into an RGB grid, viewed along a fixed oblique axis; target blue, source
+    orange), written with zlib."""
+    c, v = math.cos(0.6), math.sin(0.6)
+    view = torch.tensor([[c, 0.0, v], [-v * v, c, v * c]]).T  # two screen axes
+    pts = [p.detach().float().cpu() @ view for p in (x0, x1, x2, y)]
+    lo = torch.stack([p.amin(0) for p in pts]).amin(0)
+    hi = torch.stack([p.amax(0) for p in pts]).amax(0)
+    img = torch.full((size, 3 * size, 3), 255, dtype=torch.uint8)
+    for k, src in enumerate(pts[:3]):
+        for q, color in ((pts[3], (40, 90, 200)), (src, (240, 130, 20))):
+            uv = ((q - lo) / (hi - lo) * (size - 9) + 4).long()
+            img[size - 1 - uv[:, 1], k * size + uv[:, 0]] = torch.tensor(color, dtype=torch.uint8)
+    img[:, size - 1 :: size][:, :2] = 0  # panel borders
+    rows = b"".join(b"\x00" + bytes(r.flatten().tolist()) for r in img)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    def chunk(tag, data):
+        body = tag + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
 
-    sel = torch.randperm(x0.shape[0])[:k]
-    fig = plt.figure(figsize=(12, 4.2))
-    for i, (p, title) in enumerate(((x0, "before"), (x1, "after rigid"), (x2, "after non-rigid"))):
-        ax = fig.add_subplot(1, 3, i + 1, projection="3d")
-        for q, color, name in ((y, "tab:blue", "target"), (p, "tab:orange", "source")):
-            q = q[sel].cpu()
-            ax.scatter(q[:, 0], q[:, 1], q[:, 2], s=1, c=color, alpha=0.5, label=name)
-        ax.set_title(title)
-        ax.set_axis_off()
-        ax.view_init(elev=20, azim=-60)
-    fig.axes[0].legend(loc="upper left", markerscale=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    head = struct.pack(">IIBBBBB", 3 * size, size, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", zlib.compress(rows, 9))
+    with open(path, "wb") as fh:
+        fh.write(png + chunk(b"IEND", b""))
+    print(f"wrote {path} (before | after rigid | after non-rigid; target blue, source orange)")
 
 
 if __name__ == "__main__":
