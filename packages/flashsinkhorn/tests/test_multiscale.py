@@ -531,24 +531,28 @@ def test_solve_multiscale_unconverged_says_so():
 
 def test_samples_loss_multiscale_against_the_float64_dense_loss():
     """SamplesLoss(backend="multiscale", tol=...) of float64 clouds: the debiased value and
-    gradients of the dense float64 loss iterated to the same tol; without debias, the
-    reported error bounds the dense float64 error of the returned potentials."""
+    gradients in the points and weights of the dense float64 loss iterated to the same tol,
+    and the double backward; without debias, the reported error bounds the dense float64
+    error of the returned potentials."""
     gen = torch.Generator().manual_seed(11)
     x, y = needles(181, 143, gen)
-    blur, tol = 0.1, 1e-5
-    vals, grads = [], []
+    a, b = weights(181, gen), torch.full((143,), 1 / 143, dtype=D64)
+    blur, tol = 0.1, 1e-6
+    out = []
     for backend in ("multiscale", "dense"):
-        xg = x.clone().requires_grad_(True)
+        xg, ag = x.clone().requires_grad_(True), a.clone().requires_grad_(True)
         loss = fs.SamplesLoss(blur=blur, debias=True, backend=backend, tol=tol)
-        v = loss(xg, y)
-        (gr,) = torch.autograd.grad(v, xg)
-        vals.append(float(v))
-        grads.append(gr)
-    assert abs(vals[0] - vals[1]) <= 1e-3 * abs(vals[1]) + 1e-7
-    assert float((grads[0] - grads[1]).abs().max()) <= 1e-3 * float(grads[1].abs().max())
+        v = loss(ag, xg, b, y)
+        gx, ga = torch.autograd.grad(v, (xg, ag))
+        (gx2,) = torch.autograd.grad(loss(a, xg, b, y), xg, create_graph=True)
+        (h,) = torch.autograd.grad((gx2**2).sum(), xg)
+        out.append((float(v.detach()), gx, ga - ga.mean(), h))
+    (v1, *d1), (v2, *d2) = out
+    assert abs(v1 - v2) <= 1e-5 * abs(v2) + 1e-9
+    for t1, t2 in zip(d1, d2):  # x-gradient, a-gradient (up to a constant), x-Hessian term
+        assert float((t1 - t2).abs().max()) <= 1e-4 * float(t2.abs().max())
     loss = fs.SamplesLoss(blur=blur, debias=False, backend="multiscale", potentials=True)
-    F, G = loss(x, y)
-    a, b = torch.full((181,), 1 / 181, dtype=D64), torch.full((143,), 1 / 143, dtype=D64)
+    F, G = loss(a, x, b, y)
     truth = dense_truth(x, y, a, b, F[0], G[0], blur**2, 0.5)
     assert truth <= float(loss.last_marginal_error)
 
@@ -593,5 +597,7 @@ def test_multiscale_bad_input_names_the_argument():
             fs.SamplesLoss(backend="multiscale", **kw)
     with pytest.raises(ValueError, match="backend must be"):
         fs.SamplesLoss(backend="multiscal")
+    with pytest.raises(NotImplementedError, match="process_group= or a ragged batch"):
+        fs.solve([x, x[:7]], [y, y[:5]], eps=0.1, backend="multiscale")
     with pytest.raises(NotImplementedError, match="sample_plan"):
         fs.sample_plan(fs.solve(x, y, eps=0.1, backend="multiscale"), seed=0)

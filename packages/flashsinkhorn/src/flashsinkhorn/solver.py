@@ -343,8 +343,12 @@ def solve(
         precision: "tf32" (default), "ieee", "tf32x3", "bf16" dot operands (triton
             backend; "bf16" is refused under TRITON_INTERPRET=1). With ``tol``, a tf32 or
             bf16 loop whose float64 error stays above tol finishes in "tf32x3".
-        backend: "auto" (triton on CUDA for float32/16 inputs, torch blockwise on CPU and
-            for float64), "triton", "torch".
+        backend: "auto" (dense while the cost matrix fits, else the streaming kernels:
+            triton on CUDA for float32/16 inputs, torch blockwise on CPU and for float64;
+            the multiscale problem for large clouds of at most 3 coordinates and a narrow
+            kernel, :mod:`flashsinkhorn.backends`), "dense", "streaming", "triton",
+            "torch", "multiscale" (block-sparse passes, its own certificate;
+            docs/flashsinkhorn.md "Multiscale").
         verbose: print the eps-scaling stages and, every ``check_every`` iterations, the
             iteration, eps and marginal error (one host sync each).
         reach: not an argument of solve (``rho`` is): raises a TypeError that says so.
@@ -381,6 +385,13 @@ def solve(
     capture = isinstance(first, torch.Tensor) and _loop.capturing(first.device)
     if capture:
         _check_capturable(process_group, cu_seqlens, x, verbose, eps_scaling, diameter)
+    ragged = cu_seqlens is not None or isinstance(x, (list, tuple))
+    if backend == "multiscale" and (process_group is not None or ragged):
+        raise NotImplementedError(
+            "backend='multiscale' solves on one process and one (B, N, D) batch: not with "
+            "process_group= or a ragged batch (cu_seqlens= or lists of clouds); use "
+            "backend='auto' there"
+        )
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
         share = distributed.sharding(process_group)
         if torch.compiler.is_compiling():
@@ -394,7 +405,7 @@ def solve(
         eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
     backends.check_backend(backend)
-    if cu_seqlens is not None or isinstance(x, (list, tuple)):
+    if ragged:
         args = dict(eps=eps, rx=rx, ry=ry, max_iter=max_iter, check_every=check_every, tol=tol)
         args.update(schedule=schedule, eps_scaling=eps_scaling, diameter=diameter, cost=cost)
         args.update(cost_scale=cost_scale, precision=precision, label_cost=label_cost)
