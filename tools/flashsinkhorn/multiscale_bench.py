@@ -1,6 +1,6 @@
 """The multiscale backend on a GPU (issue #35): one command, JSON and a table under --out.
 
-    PYTHONPATH=.site:packages/flashsinkhorn/src \\
+    FLASHSINKHORN_NO_AUTOTUNE=1 PYTHONPATH=.site:packages/flashsinkhorn/src \\
         python tools/flashsinkhorn/multiscale_bench.py --out $OUT      # H100 / H200, < 4 min
     PYTHONPATH=packages/flashsinkhorn/src \\
         python tools/flashsinkhorn/multiscale_bench.py --out /tmp/ms --smoke  # CPU, a minute
@@ -33,6 +33,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import platform
 import signal
 import sys
@@ -163,6 +164,8 @@ def main():
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv,
         "budget_s": budget,
+        # the streaming kernels autotune unless this is 1 (then one fixed config)
+        "FLASHSINKHORN_NO_AUTOTUNE": os.environ.get("FLASHSINKHORN_NO_AUTOTUNE"),
     }
     try:
         import triton  # noqa: PLC0415 (a version for the record; absent on some CPU hosts)

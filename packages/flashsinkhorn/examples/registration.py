@@ -14,7 +14,8 @@ Each source point was generated from a point of the surface, so its true positio
 registration is known: the script prints the mean distance to it after each stage, and
 draws the three stages into a PNG. On a GPU: ``python registration.py`` (n = 2^18 points per
 cloud by default; ``--n 1000000`` for a million). On a CPU: ``--smoke`` (n = 1000, a few
-steps: a test runs it) or ``--n 20000`` for the picture in docs/img.
+steps: a test runs it); docs/results/flashsinkhorn/registration-cpu-n4000.png came from
+``--n 4000 --rigid-steps 40 --warp-steps 40 --png ...`` (8 minutes on one CPU thread).
 """
 
 from __future__ import annotations
