@@ -529,31 +529,39 @@ def test_solve_multiscale_unconverged_says_so():
     assert dense_truth(x, y, a, b, r.f, r.g, 0.01, 0.5) <= float(r.marginal_error)
 
 
-def test_samples_loss_multiscale_against_the_float64_dense_loss():
-    """SamplesLoss(backend="multiscale", tol=...) of float64 clouds: the debiased value and
+@pytest.mark.parametrize("reach", [None, 0.5])
+def test_samples_loss_multiscale_against_the_float64_dense_loss(reach):
+    """SamplesLoss(backend="multiscale", tol=...) of float64 clouds, balanced and unbalanced
+    (``reach``; masses 1 and 1.3): the debiased value and
     gradients in the points and weights of the dense float64 loss iterated to the same tol,
-    and the double backward; without debias, the reported error bounds the dense float64
+    and (balanced) the double backward; without debias, the reported error bounds the dense float64
     error of the returned potentials."""
     gen = torch.Generator().manual_seed(11)
     x, y = needles(181, 143, gen)
     a, b = weights(181, gen), torch.full((143,), 1 / 143, dtype=D64)
+    if reach is not None:
+        b = 1.3 * b
     blur, tol = 0.1, 1e-6
     out = []
     for backend in ("multiscale", "dense"):
         xg, ag = x.clone().requires_grad_(True), a.clone().requires_grad_(True)
-        loss = fs.SamplesLoss(blur=blur, debias=True, backend=backend, tol=tol)
+        loss = fs.SamplesLoss(blur=blur, reach=reach, debias=True, backend=backend, tol=tol)
         v = loss(ag, xg, b, y)
         gx, ga = torch.autograd.grad(v, (xg, ag))
-        (gx2,) = torch.autograd.grad(loss(a, xg, b, y), xg, create_graph=True)
-        (h,) = torch.autograd.grad((gx2**2).sum(), xg)
-        out.append((float(v.detach()), gx, ga - ga.mean(), h))
+        terms = [gx, ga - ga.mean() if reach is None else ga]
+        if reach is None:  # double backward (SamplesLoss has it for balanced problems)
+            (gx2,) = torch.autograd.grad(loss(a, xg, b, y), xg, create_graph=True)
+            terms.append(torch.autograd.grad((gx2**2).sum(), xg)[0])
+        out.append((float(v.detach()), *terms))
     (v1, *d1), (v2, *d2) = out
     assert abs(v1 - v2) <= 1e-5 * abs(v2) + 1e-9
-    for t1, t2 in zip(d1, d2):  # x-gradient, a-gradient (up to a constant), x-Hessian term
+    for t1, t2 in zip(d1, d2):  # x-gradient, a-gradient (balanced: up to a constant), Hessian
         assert float((t1 - t2).abs().max()) <= 1e-4 * float(t2.abs().max())
-    loss = fs.SamplesLoss(blur=blur, debias=False, backend="multiscale", potentials=True)
+    kw = dict(blur=blur, reach=reach, debias=False, backend="multiscale", potentials=True)
+    loss = fs.SamplesLoss(**kw)
     F, G = loss(a, x, b, y)
-    truth = dense_truth(x, y, a, b, F[0], G[0], blur**2, 0.5)
+    rho = None if reach is None else reach**2  # GeomLoss's reach for the cost |x - y|^2 / 2
+    truth = dense_truth(x, y, a, b, F[0], G[0], blur**2, 0.5, rho, rho)
     assert truth <= float(loss.last_marginal_error)
 
 
