@@ -532,10 +532,10 @@ def test_solve_multiscale_unconverged_says_so():
 @pytest.mark.parametrize("reach", [None, 0.5])
 def test_samples_loss_multiscale_against_the_float64_dense_loss(reach):
     """SamplesLoss(backend="multiscale", tol=...) of float64 clouds, balanced and unbalanced
-    (``reach``; masses 1 and 1.3): the debiased value and
-    gradients in the points and weights of the dense float64 loss iterated to the same tol,
-    and (balanced) the double backward; without debias, the reported error bounds the dense float64
-    error of the returned potentials."""
+    (``reach``; masses 1 and 1.3): the debiased value and gradients in the points and
+    weights of the dense float64 loss iterated to the same tol, and (balanced) the double
+    backward; without debias, the reported error bounds the dense float64 error of the
+    returned potentials."""
     gen = torch.Generator().manual_seed(11)
     x, y = needles(181, 143, gen)
     a, b = weights(181, gen), torch.full((143,), 1 / 143, dtype=D64)
