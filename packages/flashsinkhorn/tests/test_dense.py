@@ -189,8 +189,8 @@ def test_bad_backends_name_the_argument():
     x, y, a, b = clouds(5, 4, 2)
     with pytest.raises(ValueError, match="backend must be one of"):
         fs.solve(x, y, a, b, eps=0.1, backend="keops")
-    with pytest.raises(NotImplementedError, match="multiscale.*#35"):
-        fs.solve(x, y, a, b, eps=0.1, backend="multiscale")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fs.solve(x, y, a, b, eps=0.1, backend="Dense")
 
 
 @pytest.mark.gpu

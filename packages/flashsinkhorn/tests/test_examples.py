@@ -4,6 +4,7 @@ limit); the data-parallel flow-matching example and the multi-GPU run's script r
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -157,3 +158,15 @@ def test_shuffled_regression_hybrid_detects_saddle_and_converges():
     # superlinear (the forcing tolerance sqrt|g| gives order 1.5): shrinking ratios
     assert len(ratios) >= 3 and all(r2 < r1 for r1, r2 in zip(ratios[-3:], ratios[-2:])), gn
     assert ratios[-1] < 0.05, gn
+
+
+def test_registration_example_smoke():
+    """The multiscale registration example at its smoke size: the rigid then non-rigid
+    flows bring the source closer to where its points belong on the target."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "registration.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [float(v) for v in re.findall(r"mean error(?: before)?:? ([0-9.]+)", proc.stdout)]
+    assert len(errors) == 3 and errors[2] < errors[1] < errors[0], proc.stdout

@@ -10,6 +10,7 @@ from _helpers import BACKENDS, needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flashsinkhorn as fs
 from flashsinkhorn import _config, _loop
 from flashsinkhorn._multiscale_tiles import fit_potential, morton_codes, pair_bound, sort_clouds
 from flashsinkhorn.multiscale import MultiscaleProblem
@@ -382,14 +383,24 @@ def test_loop_on_the_ladder_reaches_the_dense_solution(rho):
     out = _loop.run(P, sched, P.float64_certifier(eps, rho, rho))
     assert out.converged and bool((out.err < tol).all())
     for k in range(2):
-        f, g = sinkhorn_dense(xs[k], ys[k], a[k], b[k], eps, s, 1500, rx=rho, ry=rho)
         truth = dense_truth(xs[k], ys[k], a[k], b[k], out.f[k], out.g[k], eps, s, rho, rho)
         assert truth <= float(out.err[k])
-        if rho is None:  # the dual value <a, f> + <b, g>
-            v, v_ref = (
-                (a[k] * out.f[k]).sum() + (b[k] * out.g[k]).sum(),
-                (a[k] * f).sum() + (b[k] * g).sum(),
+        if rho is None:  # the dual value <a, f> + <b, g>, against the dense float64 solve
+            ref = fs.solve(
+                xs[k],
+                ys[k],
+                a[k],
+                b[k],
+                eps=eps,
+                cost_scale=s,
+                tol=1e-9,
+                max_iter=5000,
+                eps_scaling=0.5,
+                backend="dense",
             )
+            assert ref.converged
+            v = (a[k] * out.f[k]).sum() + (b[k] * out.g[k]).sum()
+            v_ref = (a[k] * ref.f).sum() + (b[k] * ref.g).sum()
             assert abs(float(v - v_ref)) <= 10 * tol * eps + 1e-12
 
 
@@ -429,3 +440,172 @@ def test_gpu_passes_and_certificate(kind):
     err_gpu = float(P32.certificate(f.float().to(dev), g.float().to(dev), eps, None, None)[0])
     err_cpu = float(P64.certificate(f.float().double(), g.float().double(), eps, None, None)[0])
     assert abs(err_gpu - err_cpu) <= 1e-9 * err_cpu + 1e-12
+
+
+# ----------------------------------------------------------------------------------------
+# backend="multiscale" in solve and SamplesLoss, and backend="auto"
+# ----------------------------------------------------------------------------------------
+
+
+def needles(n, m, gen, dtype=D64):
+    """Odd-sized clouds along a needle 3 x 0.3 x 0.1 (tiles of 64 points are short segments
+    of it: at blur 0.1 most tile pairs are skipped), y a shifted sample of x's law."""
+    scale = torch.tensor([3.0, 0.3, 0.1], dtype=D64)
+    x = torch.rand(n, 3, generator=gen, dtype=D64) * scale
+    y = torch.rand(m, 3, generator=gen, dtype=D64) * scale + 0.05
+    return x.to(dtype), y.to(dtype)
+
+
+def dense64(x, y, a, b, eps, rho, tol=1e-9):
+    """The same problem solved densely in float64 (the reference), with its x-gradient."""
+    xg = x.detach().double().requires_grad_(True)
+    r = fs.solve(
+        xg,
+        y.double(),
+        a.double(),
+        b.double(),
+        eps=eps,
+        rho=rho,
+        cost_scale=0.5,
+        tol=tol,
+        max_iter=20000,
+        eps_scaling=0.5,
+        backend="dense",
+    )
+    (gx,) = torch.autograd.grad(r.value, xg)
+    assert r.converged
+    return r, gx
+
+
+@pytest.mark.parametrize("rho", [None, 0.5])
+def test_solve_multiscale_against_the_float64_dense_solve(rho):
+    """solve(backend="multiscale") of float64 clouds of odd sizes (zero weights included),
+    balanced and unbalanced: converged, its certificate at least the dense float64 truth of
+    the returned potentials and within 2 tau of it, and the value, potentials and gradient
+    of the same problem solved densely in float64."""
+    gen = torch.Generator().manual_seed(10)
+    n, m, eps, tol = 203, 157, 0.01, 1e-4
+    x, y = needles(n, m, gen)
+    a, b = weights(n, gen, zeros=True), weights(m, gen)
+    xg = x.clone().requires_grad_(True)
+    r = fs.solve(
+        xg,
+        y,
+        a,
+        b,
+        eps=eps,
+        rho=rho,
+        cost_scale=0.5,
+        tol=tol,
+        max_iter=2000,
+        check_every=5,
+        backend="multiscale",
+    )
+    (gx,) = torch.autograd.grad(r.value, xg)
+    assert r.backend == "multiscale" and r.converged and float(r.marginal_error) < tol
+    truth = dense_truth(x, y, a, b, r.f, r.g, eps, 0.5, rho, rho)
+    err = float(r.marginal_error)
+    assert truth <= err <= truth + 2 * math.exp(-(5.0**2) / 2) + 1e-12
+    ref, gref = dense64(x, y, a, b, eps, rho)
+    # a marginal error e moves the dual value by at most about e times the cost's range
+    cmax = 0.5 * float(torch.cdist(x, y).max()) ** 2
+    assert abs(float(r.value.detach()) - float(ref.value.detach())) <= 2 * tol * cmax
+    df = (r.f - ref.f)[a > 0]
+    if rho is None:  # balanced potentials are defined up to a constant (f + c, g - c)
+        df = df - df.mean()
+    assert float(df.abs().max()) <= 20 * tol * cmax
+    assert float((gx - gref).abs().max()) <= 20 * tol * float(gref.abs().max()) + 1e-3 * tol
+
+
+def test_solve_multiscale_unconverged_says_so():
+    """Too few iterations for tol: converged is False, a warning says why, and the reported
+    error (float32 clouds) is still at least the dense float64 truth."""
+    gen = torch.Generator().manual_seed(13)
+    x, y = needles(131, 97, gen, dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="not converged"):
+        r = fs.solve(x, y, eps=0.01, cost_scale=0.5, tol=1e-9, max_iter=3, backend="multiscale")
+    assert not r.converged and r.backend == "multiscale"
+    a, b = torch.full((131,), 1 / 131, dtype=D64), torch.full((97,), 1 / 97, dtype=D64)
+    assert dense_truth(x, y, a, b, r.f, r.g, 0.01, 0.5) <= float(r.marginal_error)
+
+
+@pytest.mark.parametrize("reach", [None, 0.5])
+def test_samples_loss_multiscale_against_the_float64_dense_loss(reach):
+    """SamplesLoss(backend="multiscale", tol=...) of float64 clouds, balanced and unbalanced
+    (``reach``; masses 1 and 1.3): the debiased value and gradients in the points and
+    weights of the dense float64 loss iterated to the same tol, and (balanced) the double
+    backward; without debias, the reported error bounds the dense float64 error of the
+    returned potentials."""
+    gen = torch.Generator().manual_seed(11)
+    x, y = needles(181, 143, gen)
+    a, b = weights(181, gen), torch.full((143,), 1 / 143, dtype=D64)
+    if reach is not None:
+        b = 1.3 * b
+    blur, tol = 0.1, 1e-6
+    out = []
+    for backend in ("multiscale", "dense"):
+        xg, ag = x.clone().requires_grad_(True), a.clone().requires_grad_(True)
+        loss = fs.SamplesLoss(blur=blur, reach=reach, debias=True, backend=backend, tol=tol)
+        v = loss(ag, xg, b, y)
+        gx, ga = torch.autograd.grad(v, (xg, ag))
+        terms = [gx, ga - ga.mean() if reach is None else ga]
+        if reach is None:  # double backward (SamplesLoss has it for balanced problems)
+            (gx2,) = torch.autograd.grad(loss(a, xg, b, y), xg, create_graph=True)
+            terms.append(torch.autograd.grad((gx2**2).sum(), xg)[0])
+        out.append((float(v.detach()), *terms))
+    (v1, *d1), (v2, *d2) = out
+    assert abs(v1 - v2) <= 1e-5 * abs(v2) + 1e-9
+    for t1, t2 in zip(d1, d2):  # x-gradient, a-gradient (balanced: up to a constant), Hessian
+        assert float((t1 - t2).abs().max()) <= 1e-4 * float(t2.abs().max())
+    kw = dict(blur=blur, reach=reach, debias=False, backend="multiscale", potentials=True)
+    loss = fs.SamplesLoss(**kw)
+    F, G = loss(a, x, b, y)
+    rho = None if reach is None else reach**2  # GeomLoss's reach for the cost |x - y|^2 / 2
+    truth = dense_truth(x, y, a, b, F[0], G[0], blur**2, 0.5, rho, rho)
+    assert truth <= float(loss.last_marginal_error)
+
+
+def test_auto_picks_multiscale_by_its_rule(monkeypatch, capsys):
+    """backend="auto" runs the multiscale problem for clouds of at most 3 coordinates and a
+    kernel of width at most MULTISCALE_MAX_WIDTH of the diameter past the dense budget
+    (CPU); wider kernels and 4 coordinates stay exact. The result records the choice and
+    verbose=True prints the rule."""
+    monkeypatch.setattr(_config, "DENSE_MAX_BYTES", 1 << 16)
+    gen = torch.Generator().manual_seed(12)
+    x, y = cloud("uniform", 201, 3, gen).float(), cloud("uniform", 150, 3, gen).float()
+    r = fs.solve(x, y, eps=1e-3, cost_scale=0.5, tol=None, max_iter=2, verbose=True)
+    assert r.backend == "multiscale"
+    assert "backend multiscale (auto: 3-D clouds, kernel width" in capsys.readouterr().out
+    r = fs.solve(x, y, eps=0.5, cost_scale=0.5, tol=None, max_iter=2)  # width 1 > diameter / 8
+    assert r.backend == "streaming"
+    x4, y4 = cloud("uniform", 201, 4, gen).float(), cloud("uniform", 150, 4, gen).float()
+    assert fs.solve(x4, y4, eps=1e-3, tol=None, max_iter=2).backend == "streaming"
+    loss = fs.SamplesLoss(blur=0.03, verbose=True)
+    loss(x, y)
+    assert "SamplesLoss: backend multiscale (auto:" in capsys.readouterr().out
+    monkeypatch.setattr(_config, "DENSE_MAX_BYTES", 1 << 28)
+    assert fs.solve(x, y, eps=1e-3, tol=None, max_iter=2).backend == "dense"
+
+
+def test_multiscale_bad_input_names_the_argument():
+    x, y = torch.rand(50, 9), torch.rand(40, 9)
+    with pytest.raises(ValueError, match="at most 8 coordinates"):
+        fs.solve(x, y, eps=0.1, backend="multiscale")
+    x, y = torch.rand(50, 3), torch.rand(40, 3)
+    with pytest.raises(ValueError, match="cost 'sqeuclidean' or 'cosine'"):
+        fs.solve(x, y, eps=0.1, cost="dot", backend="multiscale")
+    for kw, name in (
+        (dict(truncate=-1.0), "truncate"),
+        (dict(truncate="5"), "truncate"),
+        (dict(cluster_scale=0.0), "cluster_scale"),
+        (dict(cluster_scale=float("inf")), "cluster_scale"),
+        (dict(tol=-1e-3), "tol"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            fs.SamplesLoss(backend="multiscale", **kw)
+    with pytest.raises(ValueError, match="backend must be"):
+        fs.SamplesLoss(backend="multiscal")
+    with pytest.raises(NotImplementedError, match="process_group= or a ragged batch"):
+        fs.solve([x, x[:7]], [y, y[:5]], eps=0.1, backend="multiscale")
+    with pytest.raises(NotImplementedError, match="sample_plan"):
+        fs.sample_plan(fs.solve(x, y, eps=0.1, backend="multiscale"), seed=0)

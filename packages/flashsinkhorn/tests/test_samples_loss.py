@@ -177,12 +177,12 @@ def test_geomloss_arguments_work_or_say_what_to_use(capsys):
     ref = fs.SamplesLoss()(a, x, b, y)
     for backend in ("tensorized", "online"):  # GeomLoss's exact backends
         torch.testing.assert_close(fs.SamplesLoss(backend=backend)(a, x, b, y), ref)
-    with pytest.raises(ValueError, match="multiscale.*backend='auto'"):
-        fs.SamplesLoss(backend="multiscale")
-    with pytest.raises(ValueError, match="truncate=5 only applies"):
-        fs.SamplesLoss(truncate=5)
+    # GeomLoss's multiscale arguments: the exact backends ignore them (as GeomLoss's do)
+    torch.testing.assert_close(fs.SamplesLoss(truncate=3, cluster_scale=0.1)(a, x, b, y), ref)
+    with pytest.raises(ValueError, match="truncate"):
+        fs.SamplesLoss(truncate=0)
     with pytest.raises(ValueError, match="cluster_scale"):
-        fs.SamplesLoss(cluster_scale=0.1)
+        fs.SamplesLoss(cluster_scale=-0.1)
     with pytest.raises(ValueError, match="backend"):
         fs.SamplesLoss(backend="keops")
     with pytest.raises(ValueError, match="precision"):

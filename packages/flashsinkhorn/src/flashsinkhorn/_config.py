@@ -130,3 +130,14 @@ DENSE_MAX_SCORES_CUDA = 1 << 22
 MULTISCALE_TILE = 64
 MULTISCALE_GROUP = 8
 MULTISCALE_TOP = 256
+# backend="auto" runs the multiscale problem (flashsinkhorn.multiscale.auto_reason) for
+# clouds of at most 3 coordinates where the exact rule picks the streaming problem, when the
+# kernel's width sqrt(eps / c2) is at most MULTISCALE_MAX_WIDTH of the clouds' diameter and,
+# on CUDA, from MULTISCALE_MIN_SCORES_CUDA scores (B N M). CPU (tools/flashsinkhorn/
+# multiscale_sweep.py, GeomLoss's schedule, d = 3, unit cube, one thread of a loaded 2-core
+# host): at n = m = 8192 the multiscale loop took 4.6 s / 2.6 s (blur 0.01 / 0.1) against
+# 16.6 s / 14.5 s for the streaming torch path, and lost to the dense problem below that
+# (2048: 1.04 s against 0.075 s): so past the dense budget. The CUDA threshold is
+# provisional (not measured): tools/flashsinkhorn/multiscale_bench.py on the GPU informs it.
+MULTISCALE_MAX_WIDTH = 0.125
+MULTISCALE_MIN_SCORES_CUDA = 1 << 32

@@ -105,8 +105,10 @@ def l1_err(prob, side, old, new, eps):
 def annealing(prob, eps, eps_scaling, diameter):
     """The annealing temperatures before ``eps`` (``()`` without eps-scaling). Without a
     ``diameter`` it is measured (the bounding box of both clouds: one host read)."""
-    if eps_scaling is None:
-        return ()
+    if eps_scaling is None:  # a backend that needs the annealing has its own ratio
+        eps_scaling = prob.default_scaling
+        if eps_scaling is None:
+            return ()
     if diameter is None:
         X, Y = prob.X.detach(), prob.Y.detach()
         lo = torch.minimum(X.amin(dim=(0, 1)), Y.amin(dim=(0, 1)))

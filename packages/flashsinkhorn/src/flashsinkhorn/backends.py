@@ -8,8 +8,10 @@
   above those sizes;
 - ``"triton"``, ``"torch"``: the streaming problem restricted to the portable Triton
   kernels / to the blockwise torch path (explicit only);
-- ``"multiscale"``: the slot of issue #35 (clustered clouds, block-sparse certified
-  updates), not implemented yet.
+- ``"multiscale"``: :class:`flashsinkhorn.multiscale.MultiscaleProblem`, block-sparse passes
+  over the tile pairs a bound cannot skip, annealing on coarse grid cells, a certificate that
+  bounds the skipped mass; ``"auto"`` picks it past the dense budget for clouds of at most 3
+  coordinates and a narrow kernel (:func:`flashsinkhorn.multiscale.auto_reason`).
 
 Ragged batches (``varlen``) and sharded problems (``process_group=``) are chosen by the
 input's form, not by this argument. The rule is :func:`auto_backend`; ``verbose=True``
@@ -22,6 +24,7 @@ import torch
 
 from flashsinkhorn import _config
 from flashsinkhorn.dense import DenseProblem, dense_bytes
+from flashsinkhorn.multiscale import MultiscaleProblem, auto_reason
 from flashsinkhorn.primitives import problem_backend
 from flashsinkhorn.problem import Problem
 from flashsinkhorn.streaming import StreamingProblem
@@ -36,12 +39,6 @@ def check_backend(backend) -> str:
     mapped by SamplesLoss before this)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if backend == "multiscale":
-        raise NotImplementedError(
-            "backend='multiscale' (clustered clouds, block-sparse certified updates) is the "
-            "slot of flashsinkhorn issue #35 and not implemented yet: use backend='auto' "
-            "(exact, every pair computed)"
-        )
     return backend
 
 
@@ -65,22 +62,33 @@ def auto_backend(B: int, N: int, M: int, device: torch.device, dtype: torch.dtyp
     return "streaming", f"the {nbytes >> 20} MiB cost exceeds DENSE_MAX_BYTES on {device.type}"
 
 
-def build(backend: str, **fields) -> tuple[Problem, str]:
+def build(backend: str, *, eps=None, multiscale=None, **fields) -> tuple[Problem, str]:
     """The problem of ``fields`` (the keyword fields of :class:`Problem`: ``X, Y, a, b, cx,
-    cy, c2, cost, cost_scale, labels, precision, center``) on ``backend``. Returns
-    ``(problem, reason)``: why this implementation (what ``verbose`` prints)."""
+    cy, c2, cost, cost_scale, labels, precision, center``) on ``backend``. ``eps``: the
+    final temperature, where known (``"auto"`` weighs the multiscale problem with it);
+    ``multiscale``: the multiscale problem's options (``truncate``, ``cluster_scale``).
+    Returns ``(problem, reason)``: why this implementation (what ``verbose`` prints)."""
     check_backend(backend)
     X = fields["X"]
     B, N, M = X.shape[0], X.shape[1], fields["Y"].shape[1]
     if backend == "auto":
         kind, reason = auto_backend(B, N, M, X.device, X.dtype)
+        big = X.device.type != "cuda" or B * N * M >= _config.MULTISCALE_MIN_SCORES_CUDA
+        why = auto_reason(fields, eps, above_exact=kind == "streaming" and big)
+        if why is not None:
+            kind, reason = "multiscale", why
         reason = f"auto: {reason}"
-    elif backend == "dense":
-        kind, reason = "dense", "backend='dense'"
+    elif backend in ("dense", "multiscale"):
+        kind, reason = backend, f"backend={backend!r}"
     else:
         kind, reason = "streaming", f"backend={backend!r}"
     if kind == "dense":
         return DenseProblem(**fields), reason
+    if kind == "multiscale":
+        # the Triton kernel on CUDA for float32 (and under the interpreter), torch otherwise
+        be = problem_backend("auto", X.device, X.dtype)
+        family = "triton" if be == "auto" else be
+        return MultiscaleProblem(backend=family, **(multiscale or {}), **fields), reason
     family = "auto" if backend in ("auto", "streaming") else backend
     # float64 inputs stay float64 (the blockwise torch path) where the kernels would not
     be = problem_backend(family, X.device, X.dtype)

@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from flashsinkhorn import _config
 from flashsinkhorn import _multiscale_pass as passes
 from flashsinkhorn._multiscale_tiles import (
     SortedCloud,
@@ -44,11 +45,13 @@ from flashsinkhorn._multiscale_tiles import (
 from flashsinkhorn.problem import Problem
 from flashsinkhorn.reference import LN2, damping_factor
 
-__all__ = ["MultiscaleProblem", "MAX_DIM"]
+__all__ = ["MultiscaleProblem", "MAX_DIM", "auto_reason"]
 
 # Morton codes of D coordinates keep 63 / D bits each, and the bound's slack grows with
 # the tiles' radii, which shrink like n^(-1/D): past a few dimensions every pair is kept
 MAX_DIM = 8
+# backend="auto" picks the multiscale problem for clouds of at most this many coordinates
+AUTO_MAX_DIM = 3
 # a keep set is recomputed at every new eps and after this many passes at one eps
 REFRESH = 4
 # the default finest cells: the smallest grid whose cells hold this many points on average
@@ -74,6 +77,9 @@ class MultiscaleProblem(Problem):
 
     kind: ClassVar[str] = "multiscale"
     exact: ClassVar[bool] = True
+    # its passes are planned from the potentials (the bound): it always anneals, GeomLoss's
+    # ratio unless the caller gives one
+    default_scaling: ClassVar[float | None] = 0.5
 
     backend: str = "torch"
     truncate: float | None = 5.0
@@ -111,6 +117,11 @@ class MultiscaleProblem(Problem):
         self._levels = {}  # coarse problems by their cell shifts
 
     # -- what the loop needs besides the passes --------------------------------------------
+
+    @property
+    def kernel_family(self) -> str:
+        """ "triton" or "torch": the kernels of the passes (and of a double backward's plan)."""
+        return self.backend
 
     def with_precision(self, precision):
         """The passes have one precision (exact float32 differences): this problem."""
@@ -449,3 +460,32 @@ def _prolong_side(P, Q, F, T, damping, side):
         v = F[k][idx] + (grad * (QX[k][: qc.n].to(F.dtype) - c)).sum(-1)
         out.append(_fit_len(v, n))
     return torch.stack(out)
+
+
+def auto_reason(fields, eps, above_exact):
+    """Why ``backend="auto"`` runs the problem of ``fields`` (Problem's keyword fields) at
+    temperature ``eps`` on the multiscale backend, or None. ``above_exact``: the exact
+    backends' rule chose the streaming problem (past the dense budget) and, on CUDA, the
+    scores ``B N M`` reach ``_config.MULTISCALE_MIN_SCORES_CUDA``. Then it does for clouds of
+    at most ``AUTO_MAX_DIM`` coordinates, a squared-distance cost without labels, and a
+    kernel of width ``sqrt(eps / c2)`` at most ``_config.MULTISCALE_MAX_WIDTH`` times the
+    clouds' diameter (one host read)."""
+    X, Y = fields["X"], fields["Y"]
+    d = X.shape[-1]
+    if not above_exact or eps is None or d > AUTO_MAX_DIM:
+        return None
+    if fields.get("cost", "sqeuclidean") not in ("sqeuclidean", "cosine"):
+        return None
+    if fields.get("labels") is not None:
+        return None
+    Xd, Yd = X.detach().reshape(-1, d), Y.detach().reshape(-1, d)
+    lo = torch.minimum(Xd.amin(0), Yd.amin(0))
+    hi = torch.maximum(Xd.amax(0), Yd.amax(0))
+    diameter = float((hi - lo).double().norm())
+    width = math.sqrt(eps / float(fields["c2"]))
+    if not width <= _config.MULTISCALE_MAX_WIDTH * diameter:
+        return None
+    return (
+        f"{d}-D clouds, kernel width {width:.3g} <= MULTISCALE_MAX_WIDTH of the diameter "
+        f"{diameter:.3g}, past the exact backends' dense budget"
+    )

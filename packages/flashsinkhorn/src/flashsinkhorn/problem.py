@@ -58,6 +58,9 @@ class Problem:
     # True where the passes compute the cost in the problem's dtype whatever ``precision``
     # says (a tf32 / bf16 loop then has nothing to polish)
     exact: ClassVar[bool] = True
+    # the annealing ratio a solve without eps_scaling uses (None: no annealing); a backend
+    # that needs potentials to plan its passes (multiscale) anneals anyway
+    default_scaling: ClassVar[float | None] = None
 
     X: torch.Tensor
     Y: torch.Tensor

@@ -24,6 +24,7 @@ as the custom op ``flashsinkhorn::sinkhorn_divergence`` (no graph break).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -36,6 +37,7 @@ from flashsinkhorn._hessian import (
     plan_from_potentials,
 )
 from flashsinkhorn._inputs import check_masses, check_values, prepare_inputs
+from flashsinkhorn._loss_args import TOL_MAX_ITER, check_loss_args, check_multiscale_args
 from flashsinkhorn.operands import centered_sqnorm, common_center
 from flashsinkhorn.primitives import PRECISIONS, check_precision, problem_backend, resolve_backend
 from flashsinkhorn.reference import damping_factor, eps_schedule, max_diameter, rho_from_reach
@@ -82,19 +84,24 @@ def _sinkhorn_forward(
     verbose=False,
     comm=None,
     layout=None,
+    multiscale=None,
+    tol=None,
 ):
     """Runs the GeomLoss loop; returns value (B,), potentials, and gradient pieces.
     ``comm``: sharded over a process group (flashsinkhorn.distributed): x, y, a, b are this
     rank's shards; the passes, sums and the eps schedule are global. ``layout``: a ragged
     batch ``(cu_x, cu_y, sizes_x, sizes_y)`` of concatenated points (flashsinkhorn.varlen),
-    one schedule for all its problems."""
+    one schedule for all its problems. ``multiscale``: the multiscale problem's options
+    (``truncate``, ``cluster_scale``); ``tol``: after the schedule, iterate at the final
+    blur until the L1 marginal error is below tol (certified on the multiscale backend,
+    the estimate on the others)."""
     eps = blur**2
     # GeomLoss: rho = reach**2 for the cost |x - y|^2 / 2; a pair: one penalty per side
     rx, ry = rho_from_reach(reach, 0.5)
     if diameter is None:
         diameter = max_diameter(x, y) if comm is None else comm.diameter(x, y)
     eps_list = eps_schedule(diameter**2, eps, scaling)
-    pxy, why = _build(a, x, b, y, backend, precision, comm, layout)
+    pxy, why = _build(a, x, b, y, backend, precision, comm, layout, eps=eps, multiscale=multiscale)
     if verbose:
         print(f"flashsinkhorn.SamplesLoss: backend {pxy.kind} ({why})", flush=True)
     # the self problems share what they can (the streaming problems: the kernel operands)
@@ -102,11 +109,25 @@ def _sinkhorn_forward(
     # GeomLoss's loop: one symmetric averaged update per temperature, the self problems
     # alongside (the one loop of flashsinkhorn._loop, stages only)
     sched = _loop.Schedule(eps=eps_list[-1], stages=tuple(eps_list), rho_x=rx, rho_y=ry)
-    run = _loop.run(pxy, sched, selves=selves, verbose=verbose, who="flashsinkhorn.SamplesLoss")
+    certify = None
+    if tol is not None:  # then alternating iterations at the final blur down to tol
+        certify = pxy.float64_certifier(eps_list[-1], rx, ry)
+        sched = dataclasses.replace(sched, max_iter=TOL_MAX_ITER, tol=tol)
+    run = _loop.run(
+        pxy, sched, certify, selves=selves, verbose=verbose, who="flashsinkhorn.SamplesLoss"
+    )
     f_ba, g_ab = run.f, run.g
     if debias:
         f_aa, g_bb = run.selves
         pxx, pyy = selves
+        if tol is not None:  # the self problems to tol too (symmetric updates keep f = g)
+            sym = dataclasses.replace(sched, stages=(), update="symmetric")
+            conv = []
+            for S, p, r in ((pxx, f_aa, rx), (pyy, g_bb, ry)):
+                own = S.float64_certifier(eps_list[-1], r, r)
+                o = _loop.run(S, dataclasses.replace(sym, rho_x=r, rho_y=r), own, init=(p, p))
+                conv.append(0.5 * (o.f + o.g))
+            f_aa, g_bb = conv
     # last extrapolation (at the last eps): potentials and the softmax averages for grads
     e = eps_list[-1]
     kx, ky = damping_factor(e, rx), damping_factor(e, ry)
@@ -115,8 +136,11 @@ def _sinkhorn_forward(
     F_ba, _, Ty = pxy.sm_x(g_ab, e, kx, v=y if need_grad_x else None, guess=f_ba)
     G_ab, _, Tx = pxy.sm_y(f_ba, e, ky, v=x if need_grad_y else None, guess=g_ab)
     out = {"f_ba": F_ba, "g_ab": G_ab, "eps": e, "rho": (rx, ry), "family": pxy.kernel_family}
-    # L1 marginal error of the last loop plan, from what the last step already computed
-    err = _loop.l1_err(pxy, "x", f_ba, F_ba, e) + _loop.l1_err(pxy, "y", g_ab, G_ab, e)
+    own = pxy.float64_certifier(e, rx, ry)
+    if own is not None:  # the multiscale backend: the certified bound of (F_ba, G_ab)
+        err = own(F_ba, G_ab)[0]
+    else:  # L1 marginal error of the last loop plan, from what the last step computed
+        err = _loop.l1_err(pxy, "x", f_ba, F_ba, e) + _loop.l1_err(pxy, "y", g_ab, G_ab, e)
     out["marginal_error"] = err
     if verbose:
         print(
@@ -155,7 +179,7 @@ def _sinkhorn_forward(
     return out
 
 
-def _build(a, x, b, y, backend, precision, comm=None, layout=None):
+def _build(a, x, b, y, backend, precision, comm=None, layout=None, eps=None, multiscale=None):
     """The loss's problem (cost |x - y|^2 / 2 in kernel form, centered at the common mean)
     on ``backend``, sharded over ``comm``, or ragged (``layout``): ``(problem, why)``."""
     c = common_center(x, y) if comm is None else comm.center(x, y)
@@ -176,7 +200,8 @@ def _build(a, x, b, y, backend, precision, comm=None, layout=None):
         )
         return prob, f"{len(sx)} ragged problems"
     if comm is None:
-        return backends.build(backend, precision=precision, center=c, **fields)
+        kw = {"eps": eps, "multiscale": multiscale}
+        return backends.build(backend, precision=precision, center=c, **kw, **fields)
     # the sharded problem: the streaming passes over the ranks' columns
     be = problem_backend(backend, x.device, x.dtype)
     return comm.problem(precision=precision, backend=be, center=c, **fields), "sharded"
@@ -194,7 +219,7 @@ POLISH_MAX_ITER = 2000
 def _converged_potentials(a, x, b, y, F_ba, G_ab, F_aa, G_bb, e, opts, precision):
     """The final-eps potentials of the loss's OT terms, iterated from the schedule's to
     ``POLISH_TOL`` (the one loop, warm-started; balanced problems)."""
-    pxy, _ = _build(a, x, b, y, opts["backend"], precision)
+    pxy, _ = _build(a, x, b, y, opts["backend"], precision, multiscale=opts.get("multiscale"))
     sched = _loop.Schedule(eps=e, max_iter=POLISH_MAX_ITER, tol=POLISH_TOL)
     out = _loop.run(pxy, sched, init=(F_ba, G_ab))
     F_ba, G_ab = out.f, out.g
@@ -455,16 +480,6 @@ def _(
     )
 
 
-def _positive_finite(v, name):
-    try:
-        v = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a finite positive number; got {v!r}") from None
-    if not (0 < v < float("inf")):
-        raise ValueError(f"{name} must be a finite positive number; got {v}")
-    return v
-
-
 def _divergence_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[1:5])  # ga, gx, gb, gy
 
@@ -481,27 +496,6 @@ def _op_options(opts):
     """The forward's options as the custom op takes them (the reach pair as two floats)."""
     out = {k: v for k, v in opts.items() if k != "reach"}
     return dict(out, reach_x=opts["reach"][0], reach_y=opts["reach"][1])
-
-
-def _check_loss_args(blur, reach, scaling, diameter=None, precision="tf32"):
-    """The loss's scalar arguments, checked and normalized: ``(blur, reach, scaling,
-    diameter)`` with ``reach`` a pair ``(reach_x, reach_y)`` (one per side, None or inf:
-    balanced side; a number is both sides); a ValueError names the argument."""
-    blur = _positive_finite(blur, "blur")
-    rx, ry = rho_from_reach(reach, 0.5)  # checks the values (positive, a number or a pair)
-    pair = reach if isinstance(reach, (tuple, list)) else (reach, reach)
-    reach = tuple(None if r is None else float(p) for r, p in zip((rx, ry), pair))
-    try:
-        scaling = float(scaling)
-    except (TypeError, ValueError):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling!r}") from None
-    if not (0 < scaling < 1):
-        raise ValueError(f"scaling must lie in (0, 1); got {scaling}")
-    if diameter is not None:
-        diameter = _positive_finite(diameter, "diameter")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    return blur, reach, scaling, diameter
 
 
 def sinkhorn_divergence(
@@ -523,6 +517,9 @@ def sinkhorn_divergence(
     verbose=False,
     process_group=None,
     cu_seqlens=None,
+    truncate=5.0,
+    cluster_scale=None,
+    tol=None,
 ):
     """Functional form of :class:`SamplesLoss` (p=2). a (B, N) or None, x (B, N, D), ...
 
@@ -534,7 +531,11 @@ def sinkhorn_divergence(
     for all problems, a (B,) value, gradients per point.
     ``process_group``: a ``torch.distributed`` group; a, x, b, y are then this rank's shards
     of the global clouds and the loss is the global one (:mod:`flashsinkhorn.distributed`).
+    ``truncate``, ``cluster_scale``: GeomLoss's, for the multiscale backend (ignored by the
+    exact ones); ``tol``: iterate at the final blur until the L1 marginal error is below
+    tol (certified on the multiscale backend).
     """
+    ms = check_multiscale_args(backend, truncate, cluster_scale, tol, process_group, cu_seqlens)
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
         share = distributed.sharding(process_group)
         if torch.compiler.is_compiling():
@@ -545,7 +546,7 @@ def sinkhorn_divergence(
             args = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling)
             args.update(debias=debias, potentials=potentials, precision=precision)
             return _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **args)
-    blur, reach, scaling, diameter = _check_loss_args(blur, reach, scaling, diameter, precision)
+    blur, reach, scaling, diameter = check_loss_args(blur, reach, scaling, diameter, precision)
     if cu_seqlens is not None or isinstance(x, (list, tuple)):
         kw = dict(blur=blur, reach=reach, diameter=diameter, scaling=scaling, debias=debias)
         kw.update(potentials=potentials, precision=precision, verbose=verbose)
@@ -554,7 +555,7 @@ def sinkhorn_divergence(
     compiling = torch.compiler.is_compiling()
     x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b, check_data=not compiling)
     # clear errors for a bad backend or bf16 under the interpreter, before any work
-    family = "auto" if backend in ("auto", "dense", "streaming") else backend
+    family = "auto" if backend in ("auto", "dense", "streaming", "multiscale") else backend
     check_precision(precision, resolve_backend(family, x3.device))
     if reach == (None, None) and not compiling:
         check_masses(a2, b2, None, None, "reach")  # GeomLoss would return a number: we say why not
@@ -568,6 +569,13 @@ def sinkhorn_divergence(
         backend=backend,
         verbose=bool(verbose),
     )
+    if ms:  # the multiscale options (the compiled op does not take them)
+        if compiling:
+            raise NotImplementedError(
+                "SamplesLoss(backend='multiscale', truncate=, cluster_scale=, tol=) does not run "
+                "under torch.compile"
+            )
+        opts.update(ms)
     info = {} if info is None else info
     if compiling:
         grad = torch.is_grad_enabled() and not potentials
@@ -589,6 +597,7 @@ def sinkhorn_divergence(
         with torch.no_grad():
             out = _sinkhorn_forward(a2, x3, b2, y3, need_grad_x=False, need_grad_y=False, **opts)
         F, G = out["f_ba"], out["g_ab"]
+        info["marginal_error"] = out["marginal_error"]  # of OT(a, b)'s (F_ba, G_ab)
         if debias:
             F, G = F - out["f_aa"], G - out["g_bb"]
     else:
@@ -609,7 +618,7 @@ def _divergence_sharded(a, x, b, y, share, backend, warn_tol, info, **kw):
     ``potentials=True`` returns this rank's potentials."""
     group = share.group
     with distributed.collective_errors(group):
-        blur, reach, scaling, diameter = _check_loss_args(
+        blur, reach, scaling, diameter = check_loss_args(
             kw["blur"], kw["reach"], kw["scaling"], kw["diameter"], kw["precision"]
         )
         x3, y3, a2, b2, batched = prepare_inputs(x, y, a, b)
@@ -678,18 +687,26 @@ class SamplesLoss(torch.nn.Module):
     (``create_graph=True``: the streaming HVP of flashsinkhorn.second_order).
 
     GeomLoss's arguments: ``backend`` "tensorized" and "online" (both exact in GeomLoss)
-    run our exact streaming kernels ("auto"); "multiscale", ``truncate`` and
-    ``cluster_scale`` (GeomLoss's clustering approximation) raise: every pair is computed
-    exactly here, at any size. ``verbose=True`` prints each eps stage with the marginal
-    error of its plan. Extra arguments: ``precision`` ("tf32", "ieee", "tf32x3", "bf16"),
-    ``backend`` "triton" / "torch", and ``warn_tol``.
+    run our exact kernels ("auto"); "multiscale" runs our multiscale problem
+    (:mod:`flashsinkhorn.multiscale`: block-sparse passes over the tile pairs a bound cannot
+    skip, annealing on grid cells of side down to ``cluster_scale``, kernel truncated at
+    ``truncate`` standard deviations; ``"auto"`` picks it for large clouds of at most 3
+    coordinates and a narrow kernel), and ``truncate`` / ``cluster_scale`` configure it
+    (the exact backends ignore them, as GeomLoss's do). ``verbose=True`` prints each eps
+    stage with the marginal error of its plan. Extra arguments: ``precision`` ("tf32",
+    "ieee", "tf32x3", "bf16"), ``backend`` "dense" / "streaming" / "triton" / "torch",
+    ``warn_tol``, and ``tol``: after the schedule, iterate at the final blur until the L1
+    marginal error is below tol (certified on the multiscale backend, the estimate on the
+    exact ones; at most 2000 iterations).
 
     Convergence is reported, not hidden: after each call ``self.last_marginal_error``
     holds the L1 marginal error (row + column) of the schedule's last plan (a tensor on
-    the device, no sync). GeomLoss's schedule runs a fixed number of iterations and does
-    not drive this to zero (about 0.4-0.8 for 300-point clouds at blur 0.05, scaling
-    0.5; the loss value is still accurate thanks to the final extrapolation); set
-    ``warn_tol`` to get a ``RuntimeWarning`` above a threshold (one host sync per call).
+    the device, no sync); on the multiscale backend, the certified upper bound of the
+    error of the returned potentials' plan (float64). GeomLoss's schedule runs a fixed
+    number of iterations and does not drive this to zero (about 0.4-0.8 for 300-point
+    clouds at blur 0.05, scaling 0.5; the loss value is still accurate thanks to the final
+    extrapolation); set ``warn_tol`` to get a ``RuntimeWarning`` above a threshold (one
+    host sync per call), or ``tol`` to iterate until it holds.
     """
 
     def __init__(
@@ -700,7 +717,7 @@ class SamplesLoss(torch.nn.Module):
         reach: float | None = None,
         diameter: float | None = None,
         scaling: float = 0.5,
-        truncate=None,
+        truncate=5.0,
         cost=None,
         kernel=None,
         cluster_scale=None,
@@ -711,6 +728,7 @@ class SamplesLoss(torch.nn.Module):
         precision: str = "tf32",
         warn_tol: float | None = None,
         process_group=None,
+        tol: float | None = None,
     ):
         super().__init__()
         self.warn_tol = warn_tol
@@ -724,24 +742,15 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(f"flashsinkhorn.SamplesLoss supports p=2 only; got p={p}")
         if cost is not None or kernel is not None:
             raise ValueError("custom cost/kernel are not supported (p=2 squared Euclidean only)")
-        exact = "every pair is computed exactly here (streaming, at any size)"
-        if backend == "multiscale":
-            raise ValueError(
-                f"backend='multiscale' is GeomLoss's clustering approximation; {exact}: use "
-                "backend='auto'"
-            )
-        for name, val in (("truncate", truncate), ("cluster_scale", cluster_scale)):
-            if val is not None:
-                raise ValueError(
-                    f"{name}={val!r} only applies to GeomLoss's multiscale backend; {exact}: "
-                    f"remove {name}"
-                )
+        # GeomLoss's multiscale arguments (ignored by the exact backends, as in GeomLoss)
+        check_multiscale_args(backend, truncate, cluster_scale, tol, None, None)
+        self.truncate, self.cluster_scale, self.tol = truncate, cluster_scale, tol
         if backend in ("tensorized", "online"):  # GeomLoss's exact backends: ours is exact
             backend = "auto"
-        if backend not in ("auto", "dense", "streaming", "triton", "torch"):
+        if backend not in ("auto", "dense", "streaming", "triton", "torch", "multiscale"):
             raise ValueError(
-                "backend must be 'auto', 'dense', 'streaming', 'triton', 'torch' (or GeomLoss's "
-                f"'tensorized' / 'online'); got {backend!r}"
+                "backend must be 'auto', 'dense', 'streaming', 'triton', 'torch', 'multiscale' "
+                f"(or GeomLoss's 'tensorized' / 'online'); got {backend!r}"
             )
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
@@ -783,6 +792,9 @@ class SamplesLoss(torch.nn.Module):
             verbose=self.verbose,
             process_group=self.process_group,
             cu_seqlens=cu_seqlens,
+            truncate=self.truncate,
+            cluster_scale=self.cluster_scale,
+            tol=self.tol,
         )
         self.last_marginal_error = info.get("marginal_error")
         return out

@@ -117,7 +117,9 @@ def _potentials_op(*args):
     sched = _schedule(
         prob, eps, rx, ry, max_iter, tol, schedule, check_every, eps_scaling, diameter
     )
-    certify = certifier(float64_problem(x_in, y_in, prob), prob, eps, rx, ry)
+    certify = prob.float64_certifier(eps, rx, ry) or certifier(
+        float64_problem(x_in, y_in, prob), prob, eps, rx, ry
+    )
     out = _run_and_certify(prob, certify, sched, verbose)
     _loop.report(out, tol, eps, warn)
     dev = prob.X.device
@@ -341,8 +343,12 @@ def solve(
         precision: "tf32" (default), "ieee", "tf32x3", "bf16" dot operands (triton
             backend; "bf16" is refused under TRITON_INTERPRET=1). With ``tol``, a tf32 or
             bf16 loop whose float64 error stays above tol finishes in "tf32x3".
-        backend: "auto" (triton on CUDA for float32/16 inputs, torch blockwise on CPU and
-            for float64), "triton", "torch".
+        backend: "auto" (dense while the cost matrix fits, else the streaming kernels:
+            triton on CUDA for float32/16 inputs, torch blockwise on CPU and for float64;
+            the multiscale problem for large clouds of at most 3 coordinates and a narrow
+            kernel, :mod:`flashsinkhorn.backends`), "dense", "streaming", "triton",
+            "torch", "multiscale" (block-sparse passes, its own certificate;
+            docs/flashsinkhorn.md "Multiscale").
         verbose: print the eps-scaling stages and, every ``check_every`` iterations, the
             iteration, eps and marginal error (one host sync each).
         reach: not an argument of solve (``rho`` is): raises a TypeError that says so.
@@ -379,6 +385,13 @@ def solve(
     capture = isinstance(first, torch.Tensor) and _loop.capturing(first.device)
     if capture:
         _check_capturable(process_group, cu_seqlens, x, verbose, eps_scaling, diameter)
+    ragged = cu_seqlens is not None or isinstance(x, (list, tuple))
+    if backend == "multiscale" and (process_group is not None or ragged):
+        raise NotImplementedError(
+            "backend='multiscale' solves on one process and one (B, N, D) batch: not with "
+            "process_group= or a ragged batch (cu_seqlens= or lists of clouds); use "
+            "backend='auto' there"
+        )
     if process_group is not None:  # sharded over the ranks of a torch.distributed group
         share = distributed.sharding(process_group)
         if torch.compiler.is_compiling():
@@ -392,7 +405,7 @@ def solve(
         eps, rho, cost, schedule, max_iter, check_every, tol, eps_scaling, diameter
     )
     backends.check_backend(backend)
-    if cu_seqlens is not None or isinstance(x, (list, tuple)):
+    if ragged:
         args = dict(eps=eps, rx=rx, ry=ry, max_iter=max_iter, check_every=check_every, tol=tol)
         args.update(schedule=schedule, eps_scaling=eps_scaling, diameter=diameter, cost=cost)
         args.update(cost_scale=cost_scale, precision=precision, label_cost=label_cost)
@@ -411,13 +424,16 @@ def solve(
     labels = label_tuple(label_cost, B, N, M, X.device, check_range=check_data)
     fields = dict(X=X.detach(), Y=Y.detach(), a=a2.detach(), b=b2.detach(), cx=cx.detach())
     fields.update(cy=cy.detach(), c2=c2, cost=cost, cost_scale=cost_scale, labels=labels)
-    prob, why = backends.build(backend, precision=precision, center=center, **fields)
+    prob, why = backends.build(backend, eps=eps, precision=precision, center=center, **fields)
     check_precision(precision, resolve_backend(prob.kernel_family, x3.device))
     _loop.say(verbose, f"backend {prob.kind} ({why})")
     loop = (eps, rx, ry, max_iter, tol, schedule, check_every)
     exact = [_uniform64(t) if w is None else None for w, t in ((a, x3), (b, y3))]
     build64 = float64_problem(x3, y3, prob, a64=exact[0], b64=exact[1])
-    certify = certifier(build64, prob, eps, rx, ry)
+    # the backend's own float64 certificate where the dense measurement would cost O(n m)
+    certify = prob.float64_certifier(eps, rx, ry, a64=exact[0], b64=exact[1]) or certifier(
+        build64, prob, eps, rx, ry
+    )
     marginals = None
     if compiling:
         f, g, err, n_iter, converged, value = _solve_compiled(
