@@ -279,8 +279,11 @@ def run_case(res, bench, mode, layout, provider, check, device, args, ceiling, h
     )
     state.clear()
     t = row["time_ms"]
-    print(f"# {bench} {mode} {layout} check={check} {provider}: {row['status']} "
-          f"{'' if t is None else f'{t:.3f} ms'} {row['error'] or ''}", flush=True)  # fmt: skip
+    print(
+        f"# {bench} {mode} {layout} check={check} {provider}: {row['status']} "
+        f"{'' if t is None else f'{t:.3f} ms'} {row['error'] or ''}",
+        flush=True,
+    )
     return row
 
 
@@ -295,8 +298,16 @@ def cases(layouts, modes, providers, cuda: bool):
         label = {"large": "537M params (8 x 8192^2)", "small": "2,050 tensors (54.6M params)"}
         name = label.get(lay, lay)
         if "step" in modes:
-            out.append(("adamw", "step", lay, True, peers_adamw if big else small_peers,
-                        f"AdamW step, {name}"))  # fmt: skip
+            out.append(
+                (
+                    "adamw",
+                    "step",
+                    lay,
+                    True,
+                    peers_adamw if big else small_peers,
+                    f"AdamW step, {name}",
+                )
+            )
             out.append(("adamw", "step", lay, False, [], None))
         if "graph" in modes and cuda:
             out.append(("adamw", "graph", lay, True, [], f"AdamW step, CUDA graph, {name}"))
@@ -307,8 +318,16 @@ def cases(layouts, modes, providers, cuda: bool):
         if "step" in modes and (big or lay == "smoke"):
             muon_peers = [p for p in ("torch-muon", "torch-muon-fp32") if p in providers]
             out.append(("muon", "step", lay, True, muon_peers, f"Muon step, {name}"))
-            out.append(("muon_fused", "step", lay, False, [],
-                        f"Muon fused passes (no Newton-Schulz), {name}"))  # fmt: skip
+            out.append(
+                (
+                    "muon_fused",
+                    "step",
+                    lay,
+                    False,
+                    [],
+                    f"Muon fused passes (no Newton-Schulz), {name}",
+                )
+            )
     return out
 
 
