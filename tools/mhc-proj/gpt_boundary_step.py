@@ -15,6 +15,7 @@ variants start from the same weights and batch; the first step's losses are comp
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import time
@@ -26,40 +27,17 @@ import torch.nn.functional as F
 from mhc_proj import HyperConnection, hyper_connection_stack
 
 
-class RMSNorm(torch.nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(c))
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), eps=1e-6)
-
-
-class Attention(torch.nn.Module):
-    def __init__(self, c, heads):
-        super().__init__()
-        self.norm, self.heads = RMSNorm(c), heads
-        self.qkv = torch.nn.Linear(c, 3 * c, bias=False)
-        self.proj = torch.nn.Linear(c, c, bias=False)
-
-    def forward(self, y):
-        b, s, c = y.shape
-        q, k, v = self.qkv(self.norm(y)).view(b, s, 3, self.heads, c // self.heads).unbind(2)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.proj(o.transpose(1, 2).reshape(b, s, c))
+def _example_module():
+    # the sublayers are the GPT example's (packages/mhc-proj/examples is not a package)
+    path = Path(__file__).resolve().parents[2] / "packages/mhc-proj/examples/gpt_mhc.py"
+    spec = importlib.util.spec_from_file_location("gpt_mhc", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class MLP(torch.nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.norm = RMSNorm(c)
-        self.up = torch.nn.Linear(c, 4 * c, bias=False)
-        self.down = torch.nn.Linear(4 * c, c, bias=False)
-
-    def forward(self, y):
-        return self.down(F.gelu(self.up(self.norm(y))))
+_example = _example_module()
+Attention, MLP, RMSNorm = _example.Attention, _example.MLP, _example.RMSNorm
 
 
 class GPT(torch.nn.Module):
