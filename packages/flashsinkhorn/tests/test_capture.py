@@ -10,32 +10,13 @@ import sys
 
 import pytest
 import torch
+from _helpers import PlainProblem
 
 import flashsinkhorn as fs
 from flashsinkhorn import _loop, backends
-from flashsinkhorn.problem import Problem
 from flashsinkhorn.result import certificate
 
 READS = ("__bool__", "item", "__float__", "__int__", "__index__", "tolist")
-
-
-class _Plain(Problem):
-    """Dense log-domain passes with no host read (the dense backend's CPU range test is
-    one); ``want_lse`` is not needed by the loop."""
-
-    kind = "plain"
-
-    def _pass(self, pot, logw, eps, damping, cols):
-        C = self.dense_cost()
-        C = C.transpose(-1, -2) if cols else C
-        lse = torch.logsumexp(logw[..., None, :] + (pot[..., None, :] - C) / eps, -1)
-        return damping * (-eps) * lse
-
-    def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        return self._pass(g, self.logb, eps, damping, False), None, None
-
-    def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        return self._pass(f, self.loga, eps, damping, True), None, None
 
 
 def _clouds(seed, dtype=torch.float32):
@@ -51,7 +32,7 @@ def _problems(seed, eps):
     x, y = _clouds(seed)
     a, b = torch.full((2, 31), 1 / 31), torch.full((2, 26), 1 / 26)
     fields = dict(a=a, b=b, c2=2.0)
-    prob = _Plain(X=x, Y=y, cx=(x * x).sum(-1), cy=(y * y).sum(-1), **fields)
+    prob = PlainProblem(X=x, Y=y, cx=(x * x).sum(-1), cy=(y * y).sum(-1), **fields)
     x64, y64 = x.double(), y.double()
     fields64 = dict(a=a.double(), b=b.double(), c2=2.0)
     p64 = backends.build(
@@ -126,7 +107,7 @@ def test_device_only_loop_never_claims_more_than_the_certificate():
 
     x, y = _clouds(4)
     x[1, 5, 0] = float("nan")
-    bad = _Plain(X=x, Y=y, a=prob.a, b=prob.b, cx=(x * x).sum(-1), cy=(y * y).sum(-1), c2=2.0)
+    bad = PlainProblem(X=x, Y=y, a=prob.a, b=prob.b, cx=(x * x).sum(-1), cy=(y * y).sum(-1), c2=2.0)
     x64 = x.double()
     p64 = backends.build(
         "dense",

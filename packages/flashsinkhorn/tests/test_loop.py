@@ -4,34 +4,16 @@ passes here are pure tensor operations, so any read counted is the loop's own.""
 
 import pytest
 import torch
+from _helpers import PlainProblem
 
 from flashsinkhorn import _loop
-from flashsinkhorn.problem import Problem
-
-
-class _Plain(Problem):
-    """Dense passes with no host read (the dense backend's CPU range test is one)."""
-
-    kind = "plain"
-
-    def _pass(self, pot, logw, eps, damping, cols):
-        C = self.dense_cost()
-        C = C.transpose(-1, -2) if cols else C
-        lse = torch.logsumexp(logw[..., None, :] + (pot[..., None, :] - C) / eps, -1)
-        return damping * (-eps) * lse
-
-    def sm_x(self, g, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        return self._pass(g, self.logb, eps, damping, False), None, None
-
-    def sm_y(self, f, eps, damping=1.0, v=None, want_lse=False, guess=None):
-        return self._pass(f, self.loga, eps, damping, True), None, None
 
 
 def _problem():
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(2, 30, 3, generator=g), torch.rand(2, 25, 3, generator=g) + 0.2
     a, b = torch.full((2, 30), 1 / 30), torch.full((2, 25), 1 / 25)
-    return _Plain(X=x, Y=y, a=a, b=b, cx=(x * x).sum(-1), cy=(y * y).sum(-1), c2=2.0)
+    return PlainProblem(X=x, Y=y, a=a, b=b, cx=(x * x).sum(-1), cy=(y * y).sum(-1), c2=2.0)
 
 
 def _count_reads(monkeypatch):
